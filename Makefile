@@ -1,0 +1,39 @@
+# ppspec — the two commands a new user needs: `make run` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+MODEL   ?= models/qwen35-demo
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install test test-gpu run proto demo-model bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	$(MAKE) proto
+	touch $@
+
+install: $(VENV)/.installed
+
+proto: | $(BIN)/python
+	$(BIN)/python -m ppspec.proto.build
+
+test: install
+	$(BIN)/python -m pytest -q tests -m 'not gpu' --timeout 1200
+
+test-gpu:
+	$(PY) -m pytest -q tests -m gpu -x
+
+run: install
+	$(BIN)/ppspec demo --model $(MODEL)
+
+demo-model: install
+	$(BIN)/python -m ppspec.train_demo --out $(MODEL)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,136 @@
+"""Typed messages between the HTTP layer, the scheduler and the engine drivers.
+
+These are plain dataclasses with no torch dependency: the HTTP layer, the scheduler and
+the benchmark client all import them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping parameters (OpenAI / vLLM semantics).
+
+    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+    top_p: nucleus mass in (0, 1]; top_k: keep the k most likely tokens (0 or -1 = all);
+    min_p: drop tokens whose probability is below ``min_p * max_prob`` (0 = off).
+    seed: per-request seed; sampling is a pure function of (seed, output position), so the
+    same seed gives the same tokens whatever the batch, PP split or speculation.
+    max_tokens: completion tokens at most; min_tokens: EOS / stop ids are masked until
+    this many tokens exist. stop_token_ids: extra ids that end the request (EOS is added by
+    the engine unless ignore_eos). logprobs: None, or the number of top log-probabilities
+    to return per generated token (0 = only the sampled token's).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def validate(self) -> None:
+        """Raise ``InvalidRequestError`` naming the bad field."""
+        if not (self.temperature >= 0.0):
+            raise InvalidRequestError("temperature must be >= 0", param="temperature")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+        if self.top_k < -1:
+            raise InvalidRequestError("top_k must be -1, 0 or positive", param="top_k")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens must be in [0, max_tokens]", param="min_tokens")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token and, optionally, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """One incremental update of a request, yielded by ``AsyncEngine.generate``.
+
+    new_token_ids: tokens produced since the previous update (speculation can add several
+    at once). finish_reason: None while running, then "stop" (EOS or a stop id), "length"
+    (max_tokens or the context limit) or "abort". accept_lengths: accept length of each
+    verify round included in this update (empty without speculation).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineError(Exception):
+    """Base class of errors the HTTP layer maps to OpenAI-style error bodies."""
+
+    http_status = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(EngineError):
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt plus completion exceed the model's context; nothing was allocated."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
+
+
+class QueueFullError(EngineError):
+    http_status = 429
+    error_type = "rate_limit_error"
+
+
+class StageDownError(EngineError):
+    """A pipeline stage is unreachable or failed; in-flight requests end with this."""
+
+    http_status = 503
+    error_type = "service_unavailable"

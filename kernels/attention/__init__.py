@@ -1,0 +1,26 @@
+"""Paged attention for prefill, decode and verify: one dispatch function per op."""
+from __future__ import annotations
+
+from .naive import paged_attention_ref, store_kv_ref
+
+__all__ = ["paged_attention", "store_kv"]
+
+
+def store_kv(k_cache, v_cache, slots, k, v):
+    """Shapes as :func:`naive.store_kv_ref`. Raises IndexError on a slot outside the cache."""
+    n = k_cache.shape[0] * k_cache.shape[1]
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n):
+        raise IndexError(f"KV slots out of range [0, {n})")
+    store_kv_ref(k_cache, v_cache, slots, k, v)
+
+
+def paged_attention(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale):
+    """Shapes as :func:`naive.paged_attention_ref`; a FlashInfer / Triton path may take CUDA tensors."""
+    if q.is_cuda:
+        try:
+            from .gpu import paged_attention_gpu
+        except ImportError:
+            pass
+        else:
+            return paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale)
+    return paged_attention_ref(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale)

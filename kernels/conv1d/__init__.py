@@ -1,0 +1,26 @@
+"""Causal depthwise conv1d (the short conv before GDN / Mamba2 mixing), one dispatch per op."""
+from __future__ import annotations
+
+from ..gdn import _check_rows
+from .naive import causal_conv1d_prefill_ref, causal_conv1d_update_ref
+
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_update"]
+
+
+def causal_conv1d_prefill(x, weight, bias, conv_state, req_pool_indices, cu_seqlens, has_initial_state, activation="silu"):
+    """Shapes as :func:`naive.causal_conv1d_prefill_ref`; raises IndexError on rows outside the pool."""
+    _check_rows(req_pool_indices, conv_state.shape[0])
+    return causal_conv1d_prefill_ref(x, weight, bias, conv_state, req_pool_indices, cu_seqlens, has_initial_state, activation)
+
+
+def causal_conv1d_update(x, weight, bias, conv_state, req_pool_indices, conv_scratch=None, activation="silu"):
+    """Shapes as :func:`naive.causal_conv1d_update_ref`; raises IndexError on rows outside the pool."""
+    _check_rows(req_pool_indices, conv_state.shape[0])
+    if x.is_cuda:
+        try:
+            from .triton_update import causal_conv1d_update_triton
+        except ImportError:
+            pass
+        else:
+            return causal_conv1d_update_triton(x, weight, bias, conv_state, req_pool_indices, conv_scratch, activation)
+    return causal_conv1d_update_ref(x, weight, bias, conv_state, req_pool_indices, conv_scratch, activation)

@@ -1,0 +1,62 @@
+"""Plain-torch paged attention: KV store by slot and causal attention over paged KV.
+
+A row's tokens live in pages of ``page_size`` tokens; ``page_table[row, i]`` is the page
+holding positions ``i * page_size .. (i + 1) * page_size - 1``. A token's flat slot is
+``page * page_size + position % page_size``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write ``k, v`` (``[T, Hkv, hd]``) at flat ``slots`` (``[T]`` int64) of the
+    ``[num_pages, page_size, Hkv, hd]`` caches."""
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries over each request's paged KV.
+
+    Args:
+        q: ``[T, Hq, hd]``; the ``L_b`` queries of request b sit at the last ``L_b``
+            positions of its ``kv_lens[b]`` cached tokens (their KV already stored).
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, hd]``; Hq a multiple of Hkv.
+        page_table: ``[rows + 1, max_pages]`` int64. req_pool_indices: ``[B]``.
+        kv_lens: ``[B]`` tokens in the cache per request, new ones included.
+        cu_seqlens_q: ``[B + 1]``. scale: softmax scale (``hd ** -0.5``).
+
+    Returns:
+        ``[T, Hq, hd]`` in q's dtype; softmax in fp32.
+    """
+    page_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    kflat = k_cache.view(-1, *k_cache.shape[2:])
+    vflat = v_cache.view(-1, *v_cache.shape[2:])
+    bounds = cu_seqlens_q.tolist()
+    for b, (row, n) in enumerate(zip(req_pool_indices.tolist(), kv_lens.tolist())):
+        pos = torch.arange(n, device=q.device)
+        slots = page_table[row, pos // page_size] * page_size + pos % page_size
+        kk, vv = kflat[slots].float(), vflat[slots].float()  # [n, Hkv, hd]
+        qq = q[bounds[b] : bounds[b + 1]].float()  # [L, Hq, hd]
+        L = qq.shape[0]
+        rep = qq.shape[1] // kk.shape[1]
+        kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+        qpos = torch.arange(n - L, n, device=q.device)
+        mask = pos.unsqueeze(0) <= qpos.unsqueeze(1)  # [L, n]
+        o = F.scaled_dot_product_attention(
+            qq.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask, scale=scale
+        )
+        out[bounds[b] : bounds[b + 1]] = o.transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,143 @@
+"""Plain-torch gated delta rule (GDN): the CPU path and the oracle for the Triton kernels.
+
+Recurrence per value head (Yang et al., "Gated Delta Networks", ICLR 2025, eq. 10),
+with the state ``S`` of shape ``[K, V]``::
+
+    S_t = exp(g_t) * S_{t-1} + k_t (beta_t * (v_t - exp(g_t) * S_{t-1}^T k_t))^T
+    o_t = S_t^T (scale * q_t)
+
+q and k are L2-normalised here (``use_qk_l2norm`` in the reference models). Grouped
+heads: query/key head ``h`` serves value heads ``h * G .. h * G + G - 1`` with
+``G = HV // H`` (the Qwen3-Next / Qwen3.5 layout).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the fla / transformers definition)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    h = x.shape[-2]
+    return x if h == hv else x.repeat_interleave(hv // h, dim=-2)
+
+
+def _prepare(q, k, v, g, beta, scale):
+    hv = v.shape[-2]
+    q = _expand_heads(l2norm(q.float()), hv) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    k = _expand_heads(l2norm(k.float()), hv)
+    return q, k, v.float(), g.float(), beta.float()
+
+
+def chunk_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked GDN over packed variable-length sequences (prefill).
+
+    Args:
+        q, k: ``[T, H, K]`` packed tokens of all sequences (any float dtype).
+        v: ``[T, HV, V]``. g: ``[T, HV]`` log decay (<= 0). beta: ``[T, HV]`` in (0, 1).
+        cu_seqlens: ``[B + 1]`` int64 offsets of each sequence in the packed dim.
+        initial_state: ``[B, HV, K, V]`` fp32 state before each sequence.
+        scale: query scale, default ``K ** -0.5``.
+        chunk_size: tokens per chunk of the WY / UT-transform formulation.
+
+    Returns:
+        ``(o, final_state)``: o ``[T, HV, V]`` in v's dtype, final_state ``[B, HV, K, V]`` fp32.
+
+    Within a chunk with cumulative log decay ``c_i`` (the UT transform of the DeltaNet
+    paper, Yang et al. 2024, sec. 3): ``A_ij = beta_i k_i.k_j exp(c_i - c_j)`` for j < i,
+    ``U = (I + A)^-1 (beta v)``, ``W = (I + A)^-1 (beta exp(c) k)``, ``v' = U - W S0``,
+    ``o = exp(c) q S0 + tril(q k^T exp(c_i - c_j)) v'``,
+    ``S = exp(c_C) S0 + (exp(c_C - c) k)^T v'``.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale)
+    T, HV, K = q.shape
+    o = torch.empty(T, HV, v.shape[-1], dtype=torch.float32, device=v.device)
+    finals = []
+    bounds = cu_seqlens.tolist()
+    for b in range(len(bounds) - 1):
+        s = initial_state[b].float().clone()
+        for c0 in range(bounds[b], bounds[b + 1], chunk_size):
+            c1 = min(c0 + chunk_size, bounds[b + 1])
+            # heads first: [HV, C, .]
+            qc, kc, vc = (x[c0:c1].transpose(0, 1) for x in (q, k, v))
+            gc, bc = g[c0:c1].transpose(0, 1), beta[c0:c1].transpose(0, 1)
+            C = c1 - c0
+            cum = gc.cumsum(-1)  # [HV, C]
+            diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # c_i - c_j
+            causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+            decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+            strict = decay.tril(-1)
+            a = (bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2))) * strict
+            eye = torch.eye(C, dtype=torch.float32, device=q.device)
+            lhs = eye + a
+            u = torch.linalg.solve_triangular(lhs, bc.unsqueeze(-1) * vc, upper=False, unitriangular=True)
+            w = torch.linalg.solve_triangular(
+                lhs, (bc * cum.exp()).unsqueeze(-1) * kc, upper=False, unitriangular=True
+            )
+            v_new = u - w @ s
+            attn = (qc @ kc.transpose(-1, -2)) * decay
+            oc = (qc * cum.exp().unsqueeze(-1)) @ s + attn @ v_new
+            o[c0:c1] = oc.transpose(0, 1)
+            last = cum[:, -1:]
+            s = last.exp().unsqueeze(-1) * s + (kc * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
+        finals.append(s)
+    final = torch.stack(finals) if finals else initial_state.new_zeros((0,) + tuple(initial_state.shape[1:]))
+    return o.to(out_dtype), final
+
+
+def recurrent_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Step-by-step GDN over ``D`` tokens per request, reading committed state at stable rows.
+
+    Args:
+        q, k: ``[B, D, H, K]``. v: ``[B, D, HV, V]``. g, beta: ``[B, D, HV]``.
+        state: ``[rows + 1, HV, K, V]`` fp32 committed state pool (last row = padding).
+        req_pool_indices: ``[B]`` int64 stable rows of the requests (never batch positions).
+        scratch: ``[rows + 1, D_max, HV, K, V]`` verify scratch, or None.
+            With a scratch (verify) the state after step ``t`` goes to ``scratch[row, t]`` and
+            ``state`` is left untouched until the commit. Without (plain decode) the state
+            after the last step is written back to ``state[row]``.
+        scale: query scale, default ``K ** -0.5``.
+
+    Returns:
+        o: ``[B, D, HV, V]`` in v's dtype.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale)
+    s = state[req_pool_indices].float()  # [B, HV, K, V]
+    D = q.shape[1]
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(D):
+        s = s * g[:, t].exp()[..., None, None]
+        kv_mem = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        s = s + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        o[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t])
+        if scratch is not None:
+            scratch[req_pool_indices, t] = s.to(scratch.dtype)
+    if scratch is None:
+        state[req_pool_indices] = s.to(state.dtype)
+    return o.to(out_dtype)

@@ -1,0 +1,368 @@
+"""Qwen3-Next / Qwen3.5 hybrid decoder, one pipeline stage's slice of it.
+
+Layers follow the reference models of Hugging Face transformers (``modeling_qwen3_next``,
+``modeling_qwen3_5``, ``modeling_qwen3_5_moe``): Gated DeltaNet token mixers, gated full
+attention every few layers, zero-centred RMSNorm ``x * (1 + w)``, dense SwiGLU or a sparse
+MoE with a sigmoid-gated shared expert. Module and parameter names equal the checkpoint's
+so that loading is a name lookup.
+
+Tokens of a micro-batch are packed without padding (``[T, hidden]``); the per-request
+layout is in :class:`BatchMeta`. Recurrent state, conv windows and KV live in pools
+addressed by ``req_pool_index`` (``stage_server.pools``), never by batch position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ppspec.kernels.attention import paged_attention, store_kv
+from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
+from ppspec.kernels.gdn import gdn_prefill, gdn_recurrent
+
+from .config import HybridConfig
+
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+
+@dataclass
+class BatchMeta:
+    """Layout of one micro-batch on one stage.
+
+    mode: ``prefill`` (a chunk of each prompt; linear state starts from ``state[row]`` when
+    ``seq_lens > 0``, else zeros, and the final state is written to ``state[row]``),
+    ``decode`` (one token, state updated in place) or ``verify`` (``D`` tokens per request,
+    the state after each step written to the verify scratch at ``row``).
+    rows: ``[B]`` int64 ``req_pool_indices``. seq_lens: ``[B]`` tokens already cached.
+    extend_lens: ``[B]`` new tokens. cu_seqlens: ``[B + 1]``. positions: ``[T]``.
+    slots: ``[T]`` flat KV slot of each token (paged KV of this stage's attention layers).
+    """
+
+    mode: str
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor | None
+    page_table: torch.Tensor | None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.numel())
+
+    @property
+    def tokens_per_request(self) -> int:
+        """D for decode/verify (every request has the same count)."""
+        return int(self.extend_lens[0]) if self.batch_size else 0
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        return self.seq_lens + self.extend_lens
+
+
+@dataclass
+class LinearLayerState:
+    """Views of one GDN layer's pools: ``conv [rows+1, C, W-1]``, ``ssm [rows+1, HV, K, V]``
+    and the verify scratch ``conv_scratch [rows+1, D, C, W-1]``, ``ssm_scratch [rows+1, D, HV, K, V]``."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    conv_scratch: torch.Tensor | None
+    ssm_scratch: torch.Tensor | None
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)`` in fp32 (Qwen3-Next / Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * x / rms(x) * silu(z)``: the output norm of a GDN layer (weight not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * xf.to(dtype)) * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """GDN token mixer (Qwen3.5 parameter layout; Qwen3-Next's fused ``in_proj_qkvz`` /
+    ``in_proj_ba`` are split into this layout at load time)."""
+
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        conv_dim = cfg.conv_dim
+        h = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, meta: BatchMeta, st: LinearLayerState) -> torch.Tensor:
+        T = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(T, self.hv, self.dv)
+        beta = self.in_proj_b(x).sigmoid()
+        # g = -exp(A_log) * softplus(a + dt_bias): the log decay, in fp32 (Mamba2 discretisation)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        weight = self.conv1d.weight.squeeze(1)
+        if meta.mode == PREFILL:
+            mixed = causal_conv1d_prefill(
+                mixed, weight, None, st.conv, meta.rows, meta.cu_seqlens, meta.seq_lens > 0
+            )
+        else:
+            B, D = meta.batch_size, meta.tokens_per_request
+            scratch = st.conv_scratch if meta.mode == VERIFY else None
+            mixed = causal_conv1d_update(mixed.view(B, D, -1), weight, None, st.conv, meta.rows, scratch).view(T, -1)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk), v.view(T, self.hv, self.dv)
+        if meta.mode == PREFILL:
+            has_init = (meta.seq_lens > 0).view(-1, 1, 1, 1)
+            init = torch.where(has_init, st.ssm[meta.rows], torch.zeros((), dtype=st.ssm.dtype, device=x.device))
+            o, final = gdn_prefill(q, k, v, g, beta, meta.cu_seqlens, init)
+            st.ssm[meta.rows] = final.to(st.ssm.dtype)
+        else:
+            B, D = meta.batch_size, meta.tokens_per_request
+            scratch = st.ssm_scratch if meta.mode == VERIFY else None
+            o = gdn_recurrent(
+                q.view(B, D, self.hk, self.dk), k.view(B, D, self.hk, self.dk), v.view(B, D, self.hv, self.dv),
+                g.view(B, D, self.hv), beta.view(B, D, self.hv), st.ssm, meta.rows, scratch,
+            ).reshape(T, self.hv, self.dv)
+        o = self.norm(o, z).reshape(T, self.value_dim)
+        return self.out_proj(o)
+
+
+class Rotary(nn.Module):
+    """Partial rotary embedding on the first ``rotary_dim`` dims of each head, rotate-half form."""
+
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype).unsqueeze(1), emb.sin().to(x.dtype).unsqueeze(1)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: ``q_proj`` yields query and gate per head,
+    per-head q/k RMSNorm, partial RoPE, output ``o_proj(attn * sigmoid(gate))``."""
+
+    def __init__(self, cfg: HybridConfig, rotary: Rotary):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.nh * self.hd * 2, bias=bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=bias)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.rotary = [rotary]  # shared, not a submodule (keeps parameter names checkpoint-exact)
+
+    def forward(self, x: torch.Tensor, meta: BatchMeta, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(T, self.nkv, self.hd))
+        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        rope = self.rotary[0]
+        q, k = rope(q, meta.positions), rope(k, meta.positions)
+        k_cache, v_cache = kv
+        store_kv(k_cache, v_cache, meta.slots, k, v)
+        o = paged_attention(
+            q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, meta.cu_seqlens, self.hd ** -0.5
+        )
+        o = o.reshape(T, self.nh * self.hd) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+
+class Experts(nn.Module):
+    """Expert weights stacked: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax routing (optionally renormalised) plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
+        top_w, top_i = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in top_i.unique().tolist():
+            tok, slot = torch.where(top_i == e)
+            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e]) * top_w[tok, slot, None]
+            out.index_add_(0, tok, y)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (GDN or gated attention), then MLP / MoE."""
+
+    def __init__(self, cfg: HybridConfig, layer_type: str, moe: bool, rotary: Rotary):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg, rotary)
+        self.mlp = SparseMoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, meta: BatchMeta, state) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h, meta, state)
+        else:
+            h = self.self_attn(h, meta, state)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPHead(nn.Module):
+    """Multi-token-prediction head (``mtp.*`` keys; DeepSeek-V3 MTP as in Qwen3-Next / Qwen3.5).
+
+    At position p: ``u = fc(cat(pre_fc_norm_embedding(embed(x[p+1])), pre_fc_norm_hidden(h_p)))``,
+    then one full-attention decoder layer at rotary position p; ``norm(u)`` through the
+    shared ``lm_head`` predicts ``x[p+2]``. ``h_p`` is the target's last decoder-layer
+    output before the final norm; the chain's next step takes the layer output ``u``.
+    """
+
+    def __init__(self, cfg: HybridConfig, rotary: Rotary):
+        super().__init__()
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention", cfg.is_moe_layer(-1), rotary)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, meta: BatchMeta, kv) -> torch.Tensor:
+        u = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return self.layers[0](u, meta, kv)
+
+
+class StageModel(nn.Module):
+    """Decoder layers ``[start, end)`` plus the embedding (first stage) and the final norm,
+    ``lm_head`` and MTP head (last stage). Parameter names equal the checkpoint's, without
+    its decoder prefix (``model.`` or ``model.language_model.``)."""
+
+    def __init__(self, cfg: HybridConfig, start: int, end: int, with_mtp: bool):
+        super().__init__()
+        self.cfg, self.start, self.end = cfg, start, end
+        self.is_first, self.is_last = start == 0, end == cfg.num_hidden_layers
+        self.rotary = Rotary(cfg)
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict(
+            {
+                str(i): DecoderLayer(cfg, cfg.layer_types[i], cfg.is_moe_layer(i), self.rotary)
+                for i in range(start, end)
+            }
+        )
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if with_mtp:
+                self.mtp = MTPHead(cfg, self.rotary)
+                if not self.is_first:
+                    # The MTP head embeds the token it conditions on; stages past the first
+                    # keep their own copy of the (shared) embedding for it.
+                    self.mtp_embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.start, self.end) if self.cfg.layer_types[i] == "linear_attention"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.start, self.end) if self.cfg.layer_types[i] == "full_attention"]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.is_first else self.mtp_embed_tokens
+        return table(input_ids)
+
+    def forward(self, meta: BatchMeta, hidden: torch.Tensor, layer_states: dict) -> torch.Tensor:
+        """Run this stage's layers. ``hidden`` is the embedded input on the first stage.
+
+        layer_states: global layer index -> :class:`LinearLayerState` or ``(k_cache, v_cache)``.
+        Returns ``[T, hidden]``: the residual stream after layer ``end - 1`` (pre final norm).
+        """
+        for i, layer in self.layers.items():
+            hidden = layer(hidden, meta, layer_states[int(i)])
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head(norm(hidden))`` in fp32: ``[N, vocab]``."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.mtp.norm(mtp_hidden)).float()

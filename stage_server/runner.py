@@ -1,0 +1,410 @@
+"""StageRunner: one pipeline stage's compute — its model slice, pools, and the commit.
+
+The path of one micro-batch through a stage, top to bottom, is :meth:`StageRunner.step`:
+build the batch layout, take KV pages, run the layers; on the last stage also compute
+logits, accept drafts, sample, and draft the next round with the MTP head.
+:meth:`StageRunner.commit_accept` is the one commit every stage runs, the last included.
+
+The runner is synchronous and single-threaded; the gRPC servicer (``server.py``) and the
+in-process pipeline (``ppspec.router.pipeline``) call it the same way.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import HybridConfig
+from .loader import load_stage_model
+from .model import DECODE, PREFILL, VERIFY, BatchMeta
+from .pools import KVPool, StatePool
+from .sampler import SamplingSpec, verify_and_sample
+
+log = logging.getLogger("ppspec.stage")
+
+# Fault injection, for the tests that prove the invariance test catches the bugs of
+# DESIGN.md section 1. Never set in production.
+FAULT_SKIP_COMMIT = "skip_commit"            # non-last stages never commit
+FAULT_POSITIONAL_SCRATCH = "positional_scratch"  # scratch copied to rows 0..B-1, commit reads them
+FAULT_STALE_ROWS = "stale_rows"              # commit uses the rows of the latest verify on this stage
+FAULTS = (FAULT_SKIP_COMMIT, FAULT_POSITIONAL_SCRATCH, FAULT_STALE_ROWS)
+
+
+@dataclass
+class StepInput:
+    """One micro-batch, one round, as a stage receives it (the proto ``StepRequest``).
+
+    input_ids: ``T`` packed token ids (every stage gets them: the last stage judges drafts
+    by them). For ``verify`` each request has ``D`` tokens: the last sampled token then
+    ``D - 1`` drafts (``num_drafts`` of them real, the rest padding).
+    hidden_states: ``[T, hidden]`` from the previous stage (None on stage 0).
+    sample: per request, whether this step ends with a sampled token (False for a prefill
+    chunk that does not end the prompt). next_token_ids: per request, the prompt token that
+    follows a non-final prefill chunk (the MTP head conditions on it), else -1.
+    output_lens: tokens generated before this step, per request.
+    """
+
+    micro_batch_id: int
+    round: int
+    mode: str
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    extend_lens: list[int]
+    input_ids: list[int]
+    num_drafts: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    next_token_ids: list[int] = field(default_factory=list)
+    sampling: list[SamplingSpec] = field(default_factory=list)
+    output_lens: list[int] = field(default_factory=list)
+    hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class StepOutput:
+    """Result of a step: hidden states (non-last stages) or, from the last stage, the
+    tokens each request emitted (``len`` = accept length, 0 for a non-final prefill chunk),
+    the MTP drafts for its next round, and optional log-probabilities."""
+
+    micro_batch_id: int
+    round: int
+    hidden_states: torch.Tensor | None = None
+    output_ids: list[list[int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    logprobs: list | None = None
+    compute_seconds: float = 0.0
+
+
+def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, the first ``num_layers % pp_size`` stages one layer longer."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pp_size must be in [1, {num_layers}] for {num_layers} layers, got {pp_size}")
+    base, extra = divmod(num_layers, pp_size)
+    ranges, start = [], 0
+    for k in range(pp_size):
+        end = start + base + (1 if k < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+class StageRunner:
+    """One stage of the pipeline.
+
+    Args:
+        model_dir: Hugging Face checkpoint folder.
+        pp_rank, pp_size: this stage's rank and the pipeline size; layers split by
+            :func:`split_layers` unless ``layer_range`` is given.
+        max_rows: request rows (``req_pool_index`` in ``[0, max_rows)``; row ``max_rows`` pads).
+        kv_tokens: KV token budget of this stage's attention pool (tokens).
+        num_speculative_steps: drafts per round (verify D = steps + 1); 0 = no speculation.
+        use_mtp: draft with the checkpoint's MTP head (last stage).
+        max_context: longest sequence (tokens); default the model's max_position_embeddings.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        *,
+        max_rows: int = 64,
+        kv_tokens: int = 65536,
+        page_size: int = 16,
+        num_speculative_steps: int = 0,
+        use_mtp: bool = False,
+        max_context: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        layer_range: tuple[int, int] | None = None,
+        fault: str | None = None,
+    ):
+        from .config import load_config
+
+        cfg = load_config(model_dir)
+        start, end = layer_range or split_layers(cfg.num_hidden_layers, pp_size)[pp_rank]
+        self.cfg: HybridConfig
+        self.cfg, self.model = load_stage_model(model_dir, start, end, with_mtp=use_mtp, dtype=dtype, device=device)
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.is_first, self.is_last = self.model.is_first, self.model.is_last
+        if use_mtp and self.is_last and not hasattr(self.model, "mtp"):
+            raise ValueError(f"{model_dir}: speculative algorithm mtp needs an mtp.* head in the checkpoint")
+        self.use_mtp = use_mtp and self.is_last
+        self.num_steps = num_speculative_steps
+        self.max_rows = max_rows
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}")
+        self.fault = fault
+        c = self.cfg
+        d = num_speculative_steps + 1
+        lin, att = self.model.linear_layers, self.model.attention_layers
+        self._slot = {layer: i for i, layer in enumerate(lin)} | {layer: i for i, layer in enumerate(att)}
+        # Verify writes up to D - 1 tokens past the committed length: reserve them.
+        ctx = self.max_context + d
+        self.kv = KVPool(len(att), max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx, dtype, device) if att else None
+        self.state = StatePool(
+            len(lin), max_rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            c.conv_dim, c.linear_conv_kernel_dim, d, dtype, device,
+        ) if lin else None
+        self.mtp_kv = (
+            KVPool(1, max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx + d, dtype, device)
+            if self.use_mtp else None
+        )
+        self.rows_in_use: set[int] = set()
+        self._positional_rows: dict[int, int] = {}  # FAULT_POSITIONAL_SCRATCH: row -> batch position
+        self._last_verify_rows: list[int] = []      # FAULT_STALE_ROWS
+        self.busy_seconds = 0.0
+        log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
+
+    # ------------------------------------------------------------------ info
+    def memory_report(self) -> dict[str, int]:
+        """Pool sizes in bytes (reported at start and by ``Info``)."""
+        rep = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        rep["kv_cache"] = self.kv.nbytes if self.kv else 0
+        rep["mtp_kv_cache"] = self.mtp_kv.nbytes if self.mtp_kv else 0
+        if self.state:
+            rep.update(self.state.nbytes)
+        return rep
+
+    def info(self) -> dict:
+        return {
+            "pp_rank": self.pp_rank,
+            "pp_size": self.pp_size,
+            "layer_start": self.model.start,
+            "layer_end": self.model.end,
+            "num_layers": self.cfg.num_hidden_layers,
+            "max_rows": self.max_rows,
+            "rows_in_use": len(self.rows_in_use),
+            "kv_tokens": (self.kv.num_pages * self.kv.page_size) if self.kv else 1 << 30,
+            "kv_pages_used": self.kv.used_pages if self.kv else 0,
+            "kv_pages_total": self.kv.num_pages if self.kv else 0,
+            "max_context": self.max_context,
+            "num_speculative_steps": self.num_steps,
+            "has_mtp": self.use_mtp,
+            "vocab_size": self.cfg.vocab_size,
+            "eos_token_ids": list(self.cfg.eos_token_ids),
+            "memory_bytes": self.memory_report(),
+            "busy_seconds": self.busy_seconds,
+        }
+
+    # ------------------------------------------------------------------ layout
+    def _meta(self, mode, rows, seq_lens, extend_lens, kv: KVPool | None) -> BatchMeta:
+        dev = self.device
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        seq_t = torch.tensor(seq_lens, dtype=torch.long, device=dev)
+        ext_t = torch.tensor(extend_lens, dtype=torch.long, device=dev)
+        cu = torch.zeros(len(rows) + 1, dtype=torch.long, device=dev)
+        cu[1:] = ext_t.cumsum(0)
+        tok_rows = torch.repeat_interleave(rows_t, ext_t)
+        positions = torch.repeat_interleave(seq_t - cu[:-1], ext_t) + torch.arange(int(cu[-1]), device=dev)
+        slots = page_table = None
+        if kv is not None:
+            kv.ensure(rows, [s + e for s, e in zip(seq_lens, extend_lens)])
+            slots, page_table = kv.slots(tok_rows, positions), kv.page_table
+        return BatchMeta(mode, rows_t, seq_t, ext_t, cu, positions, slots, page_table)
+
+    def _layer_states(self) -> dict:
+        states = {}
+        for layer, i in self._slot.items():
+            if self.cfg.layer_types[layer] == "linear_attention":
+                states[layer] = self.state.layer(i)
+            else:
+                states[layer] = self.kv.layer(i)
+        return states
+
+    def _check_input(self, inp: StepInput) -> None:
+        B = len(inp.req_pool_indices)
+        if not (len(inp.seq_lens) == len(inp.extend_lens) == B):
+            raise ValueError("req_pool_indices, seq_lens and extend_lens differ in length")
+        if len(set(inp.req_pool_indices)) != B:
+            raise ValueError(f"micro-batch {inp.micro_batch_id}: repeated rows {inp.req_pool_indices}")
+        for r in inp.req_pool_indices:
+            if not 0 <= r < self.max_rows:
+                raise IndexError(f"req_pool_index {r} outside [0, {self.max_rows})")
+        if any(e < 1 for e in inp.extend_lens) or sum(inp.extend_lens) != len(inp.input_ids):
+            raise ValueError("extend_lens must be >= 1 and sum to the number of input_ids")
+        if any(s + e > self.max_context + self.num_steps + 1 for s, e in zip(inp.seq_lens, inp.extend_lens)):
+            raise ValueError(f"a request exceeds the context limit of {self.max_context} tokens")
+        if inp.mode in (DECODE, VERIFY):
+            d = 1 if inp.mode == DECODE else self.num_steps + 1
+            if any(e != d for e in inp.extend_lens):
+                raise ValueError(f"{inp.mode} expects {d} tokens per request")
+        elif inp.mode != PREFILL:
+            raise ValueError(f"unknown mode {inp.mode!r}")
+        if not self.is_first and (inp.hidden_states is None or inp.hidden_states.shape[0] != len(inp.input_ids)):
+            raise ValueError("stages after the first need hidden_states with one row per token")
+
+    # ------------------------------------------------------------------ the path of a micro-batch
+    @torch.inference_mode()
+    def step(self, inp: StepInput) -> StepOutput:
+        """Run one micro-batch through this stage (see :class:`StepInput`).
+
+        Raises:
+            ValueError / IndexError: malformed input (nothing is changed).
+            PoolExhaustedError: no KV page left (nothing is changed).
+        """
+        t0 = time.perf_counter()
+        meta, hidden = self.forward_hidden(inp)
+        out = StepOutput(inp.micro_batch_id, inp.round)
+        if not self.is_last:
+            out.hidden_states = hidden
+        else:
+            self._last_stage(inp, meta, hidden, out)
+        out.compute_seconds = time.perf_counter() - t0
+        self.busy_seconds += out.compute_seconds
+        return out
+
+    @torch.inference_mode()
+    def forward_hidden(self, inp: StepInput) -> tuple[BatchMeta, torch.Tensor]:
+        """Validate, lay out and run this stage's layers: ``(meta, hidden [T, hidden])``."""
+        self._check_input(inp)
+        rows = inp.req_pool_indices
+        if inp.mode == PREFILL:
+            for r, s in zip(rows, inp.seq_lens):
+                if s == 0 and r in self.rows_in_use:
+                    raise ValueError(f"row {r} starts a new request but is still in use (not released)")
+        meta = self._meta(inp.mode, rows, inp.seq_lens, inp.extend_lens, self.kv)
+        if inp.mode == PREFILL:
+            self.rows_in_use.update(rows)
+        if self.is_first:
+            hidden = self.model.embed_tokens(torch.tensor(inp.input_ids, dtype=torch.long, device=self.device))
+        else:
+            hidden = inp.hidden_states.to(device=self.device, dtype=self.dtype)
+        hidden = self.model(meta, hidden, self._layer_states())
+        if inp.mode == VERIFY:
+            self._after_verify_fault_hooks(meta)
+        return meta, hidden
+
+    def _last_stage(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, out: StepOutput) -> None:
+        B = meta.batch_size
+        cu = meta.cu_seqlens.tolist()
+        sample = inp.sample or [True] * B
+        if inp.mode == PREFILL:
+            # one logit row per request: its last token (only requests that sample are judged)
+            last_idx = torch.tensor([cu[b + 1] - 1 for b in range(B)], device=self.device)
+            logits = self.model.logits(hidden[last_idx]).unsqueeze(1)  # [B, 1, V]
+            drafts = torch.zeros(B, 0, dtype=torch.long)
+            num_drafts = [0] * B
+        else:
+            d = meta.tokens_per_request
+            logits = self.model.logits(hidden).view(B, d, -1)
+            ids = torch.tensor(inp.input_ids, dtype=torch.long).view(B, d)
+            drafts, num_drafts = ids[:, 1:], inp.num_drafts or [0] * B
+        specs = inp.sampling or [SamplingSpec() for _ in range(B)]
+        output_lens = inp.output_lens or [0] * B
+        results = verify_and_sample(logits.cpu(), drafts, num_drafts, specs, output_lens)
+        out.output_ids = [r.tokens if sample[b] else [] for b, r in enumerate(results)]
+        if any(s.logprobs is not None for s in specs):
+            out.logprobs = [r.logprobs if sample[b] else None for b, r in enumerate(results)]
+        if self.use_mtp:
+            out.drafts = self._mtp_draft(inp, meta, hidden, out.output_ids)
+
+    # ------------------------------------------------------------------ MTP drafting
+    def _mtp_draft(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, emitted: list[list[int]]) -> list[list[int]]:
+        """Extend the MTP head over this step's committed positions, then chain drafts.
+
+        For position p the head takes ``(x[p+1], h_p)``. Prefill: every chunk position, the
+        last one conditioned on the sampled token (or the next chunk's first token).
+        Verify / decode: the ``a`` accepted positions, conditioned on the emitted tokens.
+        The head's KV at positions past the accepted ones is overwritten next round.
+        """
+        B = meta.batch_size
+        cu = meta.cu_seqlens.tolist()
+        ids = inp.input_ids
+        tok, sel, ext = [], [], []
+        for b in range(B):
+            if inp.mode == PREFILL:
+                nxt = emitted[b][0] if emitted[b] else inp.next_token_ids[b]
+                chunk = ids[cu[b] + 1 : cu[b + 1]] + [nxt]
+                idx = list(range(cu[b], cu[b + 1]))
+            else:
+                a = len(emitted[b])
+                chunk = emitted[b]
+                idx = list(range(cu[b], cu[b] + a))
+            tok += chunk
+            sel += idx
+            ext.append(len(chunk))
+        mmeta = self._meta(PREFILL, meta.rows.tolist(), meta.seq_lens.tolist(), ext, self.mtp_kv)
+        mtp = self.model.mtp
+        kv = self.mtp_kv.layer(0)
+        tok_t = torch.tensor(tok, dtype=torch.long, device=self.device)
+        u = mtp(self.model.embed(tok_t), hidden[torch.tensor(sel, device=self.device)], mmeta, kv)
+        wants = [bool(emitted[b]) for b in range(B)]
+        if not any(wants) or self.num_steps == 0:
+            return [[] for _ in range(B)]
+        ends = mmeta.cu_seqlens[1:] - 1
+        u = u[ends]  # [B, hidden]: the head's output at each request's last position
+        drafts = [[] for _ in range(B)]
+        pos = (mmeta.seq_lens + mmeta.extend_lens).tolist()
+        for step in range(self.num_steps):
+            d = self.model.mtp_logits(u).argmax(-1)  # [B]
+            for b in range(B):
+                drafts[b].append(int(d[b]))
+            if step == self.num_steps - 1:
+                break
+            cmeta = self._meta(DECODE, meta.rows.tolist(), [p + step for p in pos], [1] * B, self.mtp_kv)
+            u = mtp(self.model.embed(d), u, cmeta, kv)
+        return [dr if w else [] for dr, w in zip(drafts, wants)]
+
+    # ------------------------------------------------------------------ commit and release
+    def commit_accept(self, micro_batch_id: int, round: int, req_pool_indices: list[int], accept_lengths: list[int]) -> None:
+        """Commit the accepted verify state of one micro-batch: for each named row,
+        ``state[row] = scratch[row, accept_length - 1]`` in every linear layer (DESIGN.md §4).
+
+        This is the only commit; every stage runs it, the last included, with the rows and
+        accept lengths the router relays for exactly this micro-batch and round.
+
+        Raises:
+            IndexError / ValueError: rows outside the pool, repeated, or accept lengths
+            outside ``[1, D]`` (nothing is written).
+        """
+        if self.state is None or not req_pool_indices:
+            return
+        if len(req_pool_indices) != len(accept_lengths):
+            raise ValueError(
+                f"micro-batch {micro_batch_id} round {round}: {len(req_pool_indices)} rows "
+                f"but {len(accept_lengths)} accept lengths"
+            )
+        rows = req_pool_indices
+        if self.fault == FAULT_SKIP_COMMIT and not self.is_last:
+            return
+        if self.fault == FAULT_STALE_ROWS and not self.is_last:
+            rows = self._last_verify_rows[: len(rows)]
+            accept_lengths = accept_lengths[: len(rows)]
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last:
+            pos = t([self._positional_rows.get(r, 0) for r in rows])
+            s = self.state
+            acc = t(accept_lengths)
+            s.ssm[:, t(rows)] = self._pos_ssm[:, pos, acc - 1]
+            s.conv[:, t(rows)] = self._pos_conv[:, pos, acc - 1]
+            return
+        self.state.commit(t(rows), t(accept_lengths))
+
+    def _after_verify_fault_hooks(self, meta: BatchMeta) -> None:
+        if self.fault == FAULT_STALE_ROWS:
+            self._last_verify_rows = meta.rows.tolist()
+        elif self.fault == FAULT_POSITIONAL_SCRATCH and self.state is not None:
+            # Emulate a kernel that wrote the scratch at batch positions 0..B-1.
+            if not hasattr(self, "_pos_ssm"):
+                self._pos_ssm = torch.zeros_like(self.state.ssm_scratch)
+                self._pos_conv = torch.zeros_like(self.state.conv_scratch)
+            B = meta.batch_size
+            self._pos_ssm[:, :B] = self.state.ssm_scratch[:, meta.rows]
+            self._pos_conv[:, :B] = self.state.conv_scratch[:, meta.rows]
+            self._positional_rows = {r: i for i, r in enumerate(meta.rows.tolist())}
+
+    def release(self, req_pool_indices: list[int]) -> None:
+        """Free the rows of finished or aborted requests (their KV pages too)."""
+        for r in req_pool_indices:
+            if not 0 <= r < self.max_rows:
+                raise IndexError(f"req_pool_index {r} outside [0, {self.max_rows})")
+        for r in req_pool_indices:
+            self.rows_in_use.discard(r)
+            if self.kv:
+                self.kv.release(r)
+            if self.mtp_kv:
+                self.mtp_kv.release(r)

@@ -1,0 +1,142 @@
+"""Sampling and speculative acceptance on the last stage.
+
+One function covers every mode: a prefill or plain decode is a verify of ``D = 1`` with no
+draft. Drafts are deterministic (n-gram lookup, argmax MTP), so the draft distribution is
+one-hot and speculative rejection sampling (Leviathan et al., "Fast Inference from
+Transformers via Speculative Decoding", ICML 2023, Algorithm 1) reduces to: accept draft
+``d`` with probability ``p(d)``; on rejection sample from ``p`` with ``d`` removed,
+renormalised; after the last accepted draft sample a bonus token from ``p``. The output
+distribution equals the target's (tested with a chi-square test).
+
+Sampling is a pure function of ``(seed, output position)``: each draw uses a generator
+seeded from the request's seed and the index of the token it produces, so results do not
+depend on batch composition or on which process samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass
+class SamplingSpec:
+    """What the last stage needs of a request's sampling parameters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    logprobs: int | None = None
+    min_tokens: int = 0
+    banned_until_min: list[int] = field(default_factory=list)  # EOS / stop ids masked before min_tokens
+
+
+def _generator(seed: int, position: int, kind: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + kind) & _MASK64)
+    return g
+
+
+def filter_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (vLLM / HF semantics).
+
+    logits: ``[..., V]`` fp32. Returns ``[..., V]`` fp32 summing to 1 on the last dim.
+    """
+    probs = torch.softmax(logits / spec.temperature, dim=-1)
+    if spec.top_k and spec.top_k > 0 and spec.top_k < probs.shape[-1]:
+        kth = probs.topk(spec.top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+    if spec.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+        drop = before >= spec.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    if spec.min_p > 0.0:
+        floor = spec.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+@dataclass
+class AcceptResult:
+    """Per request: ``tokens`` emitted (accepted drafts then the bonus / resampled token),
+    ``len(tokens)`` is the accept length; ``logprobs`` per token when asked for
+    (``(token_id, logprob, [(id, logprob) top-n])``)."""
+
+    tokens: list[int]
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+def verify_and_sample(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: list[int],
+    specs: list[SamplingSpec],
+    output_lens: list[int],
+) -> list[AcceptResult]:
+    """Accept drafts and sample the next token for every request of a batch.
+
+    Args:
+        logits: ``[B, D, V]`` fp32 target logits at the D verified positions.
+        drafts: ``[B, D - 1]`` int64 draft tokens (position j's logits judge draft j).
+        num_drafts: valid drafts per request (``<= D - 1``; the rest is padding never accepted).
+        specs: sampling spec per request. output_lens: tokens generated before this step
+            (the output index of the first token produced here).
+
+    Returns:
+        One :class:`AcceptResult` per request, ``1 <= len(tokens) <= num_drafts + 1``.
+    """
+    B, D, V = logits.shape
+    logits = logits.clone()
+    for b, spec in enumerate(specs):
+        if spec.banned_until_min and output_lens[b] < spec.min_tokens:
+            n_ban = min(D, spec.min_tokens - output_lens[b])
+            logits[b, :n_ban, spec.banned_until_min] = float("-inf")
+    greedy_targets = logits.argmax(-1)  # [B, D]
+    results = []
+    drafts_l = drafts.tolist() if drafts.numel() else [[] for _ in range(B)]
+    for b, spec in enumerate(specs):
+        m, out0 = num_drafts[b], output_lens[b]
+        tokens: list[int] = []
+        if spec.temperature == 0.0:
+            tg = greedy_targets[b].tolist()
+            j = 0
+            while j < m and drafts_l[b][j] == tg[j]:
+                j += 1
+            tokens = tg[: j + 1]
+        else:
+            probs = filter_probs(logits[b, : m + 1], spec)
+            for j in range(m + 1):
+                if j < m:
+                    d = drafts_l[b][j]
+                    u = torch.rand((), generator=_generator(spec.seed, out0 + j, 1)).item()
+                    if u < probs[j, d].item():
+                        tokens.append(d)
+                        continue
+                    residual = probs[j].clone()
+                    residual[d] = 0.0
+                    if residual.sum() <= 0:  # p was one-hot on the draft: cannot reject it
+                        tokens.append(d)
+                        continue
+                    tok = torch.multinomial(residual / residual.sum(), 1, generator=_generator(spec.seed, out0 + j, 2))
+                else:
+                    tok = torch.multinomial(probs[j], 1, generator=_generator(spec.seed, out0 + j, 0))
+                tokens.append(int(tok))
+                break
+        res = AcceptResult(tokens)
+        if spec.logprobs is not None:
+            lp = torch.log_softmax(logits[b, : len(tokens)], dim=-1)
+            res.logprobs = []
+            for j, t in enumerate(tokens):
+                top = []
+                if spec.logprobs > 0:
+                    v, i = lp[j].topk(spec.logprobs)
+                    top = list(zip(i.tolist(), v.tolist()))
+                res.logprobs.append((t, float(lp[j, t]), top))
+        results.append(res)
+    return results

@@ -1,0 +1,600 @@
+"""``ppspec bench`` against a stub OpenAI server whose timings and counts we know.
+
+The stub (a raw ASGI app on uvicorn in a background thread, on a free loopback port)
+streams, for a request with ``max_tokens = M``: nothing for FIRST s, then chunks of K
+tokens (the word "tok ") every GAP s until M tokens are out, then a usage chunk and
+``[DONE]``. So a request has ceil(M/K) chunks, TTFT = FIRST, ITL = GAP,
+e2e = FIRST + GAP * (chunks - 1), TPOT = GAP * (chunks - 1) / (M - 1). Its /metrics
+serves spec-decode counters that grow by known amounts per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from ppspec.bench import BenchError
+from ppspec.bench.cli import main as bench_main
+from ppspec.bench.dataset import (
+    TokenCounter,
+    first_exchange,
+    load_sharegpt,
+    parse_truncated_json_array,
+    sample_sharegpt,
+)
+from ppspec.bench.metrics import parse_spec_counters, percentile, spec_decode_summary, summarize_ms
+from ppspec.bench.runner import arrival_offsets, normalize_base_url
+
+FIRST = 0.050  # s to the first content chunk
+GAP = 0.020  # s between chunks
+# Client-side figures include loopback and scheduling delays (the test machine may be
+# shared and busy): a single latency may exceed the stub's by up to SLACK, never fall
+# short of it by more than EARLY; averages of gaps are held to a few ms.
+SLACK = 0.030
+EARLY = 0.001
+MODEL = "stub-model"
+
+# Counters of the stub's /metrics: a baseline, and what each finished request adds.
+BASE = {"drafts": 100.0, "draft_tokens": 300.0, "accepted": 50.0, "pos": [30.0, 15.0, 5.0]}
+PER_REQ = {"drafts": 4.0, "draft_tokens": 12.0, "accepted": 6.0, "pos": [3.0, 2.0, 1.0]}
+
+
+# --------------------------------------------------------------------------- stub server
+
+
+class Stub:
+    """State and options of one stub server."""
+
+    def __init__(self, tokens_per_chunk=1, usage=True, metrics="spec", mode="openai"):
+        self.k = tokens_per_chunk
+        self.usage = usage
+        self.metrics = metrics  # "spec" | "plain" | "404"
+        self.mode = mode  # "openai" | "html" | "html-completions" | "unknown-model"
+        self.requests: list[dict] = []  # bodies of POSTs
+        self.arrivals: list[float] = []  # perf_counter at each POST (same clock as the client)
+        self.done = 0
+        self.lock = threading.Lock()
+
+    def metrics_text(self) -> str:
+        n = self.done
+        lines = [
+            "# HELP ppspec:num_requests_running Running requests.",
+            "# TYPE ppspec:num_requests_running gauge",
+            'ppspec:num_requests_running{model_name="stub-model"} 0.0',
+            "# HELP ppspec:e2e_request_latency_seconds E2E latency.",
+            "# TYPE ppspec:e2e_request_latency_seconds histogram",
+            'ppspec:e2e_request_latency_seconds_bucket{le="1.0"} 3.0',
+            'ppspec:e2e_request_latency_seconds_bucket{le="+Inf"} 3.0',
+            "ppspec:e2e_request_latency_seconds_count 3.0",
+            "ppspec:e2e_request_latency_seconds_sum 1.5",
+        ]
+        if self.metrics == "spec":
+            def counter(name, total, labels=""):
+                # split over two stages to check that label sets are summed
+                sep = "," if labels else ""
+                return [
+                    f"# TYPE ppspec:spec_decode_{name} counter",
+                    f'ppspec:spec_decode_{name}_total{{stage="0"{sep}{labels}}} {total * 0.25}',
+                    f'ppspec:spec_decode_{name}_total{{stage="1"{sep}{labels}}} {total * 0.75}',
+                    f'ppspec:spec_decode_{name}_created{{stage="0"{sep}{labels}}} 1.7e9',
+                ]
+            lines += counter("num_drafts", BASE["drafts"] + n * PER_REQ["drafts"])
+            lines += counter("num_draft_tokens", BASE["draft_tokens"] + n * PER_REQ["draft_tokens"])
+            lines += counter("num_accepted_tokens", BASE["accepted"] + n * PER_REQ["accepted"])
+            lines.append("# TYPE ppspec:spec_decode_num_accepted_tokens_per_pos counter")
+            for i, (b, d) in enumerate(zip(BASE["pos"], PER_REQ["pos"])):
+                lines.append(
+                    f'ppspec:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {b + n * d}'
+                )
+        return "\n".join(lines) + "\n"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        path, method = scope["path"], scope["method"]
+
+        async def reply(status, ctype, payload: bytes):
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", ctype.encode())]})
+            await send({"type": "http.response.body", "body": payload})
+
+        html = b"<!doctype html><html><body><h1>Welcome to nginx!</h1></body></html>"
+        if self.mode == "html":
+            return await reply(200, "text/html; charset=utf-8", html)
+        if method == "GET" and path == "/v1/models":
+            models = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "stub"}]}
+            return await reply(200, "application/json", json.dumps(models).encode())
+        if method == "GET" and path == "/metrics":
+            if self.metrics == "404":
+                return await reply(404, "text/plain", b"Not Found")
+            return await reply(200, "text/plain; version=0.0.4", self.metrics_text().encode())
+        if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            if self.mode == "html-completions":
+                return await reply(200, "text/html", html)
+            req = json.loads(body)
+            if self.mode == "unknown-model":
+                err = {"error": {"message": f"The model `{req['model']}` does not exist.",
+                                 "type": "NotFoundError", "param": "model", "code": 404}}
+                return await reply(404, "application/json", json.dumps(err).encode())
+            with self.lock:
+                self.requests.append(req)
+                self.arrivals.append(time.perf_counter())
+            return await self.stream(req, path.endswith("chat/completions"), send)
+        return await reply(404, "application/json", b'{"detail": "Not Found"}')
+
+    async def stream(self, req, chat, send):
+        t0 = time.perf_counter()
+        m = int(req["max_tokens"])
+        prompt = req["messages"][0]["content"] if chat else req["prompt"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+
+        async def event(obj):
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+
+        if chat:  # the opening role-only chunk: must not count as the first token
+            await event({"object": "chat.completion.chunk",
+                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        sent, i = 0, 0
+        while sent < m:
+            await asyncio.sleep(max(0.0, t0 + FIRST + i * GAP - time.perf_counter()))
+            k = min(self.k, m - sent)
+            text = "tok " * k
+            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            choice["finish_reason"] = "length" if sent + k == m else None
+            await event({"object": "chat.completion.chunk" if chat else "text_completion", "choices": [choice]})
+            sent += k
+            i += 1
+        if self.usage and req.get("stream_options", {}).get("include_usage"):
+            n_in = len(prompt.split())
+            await event({"choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": m,
+                                                  "total_tokens": n_in + m}})
+        with self.lock:
+            self.done += 1
+        await event("[DONE]")
+        await send({"type": "http.response.body", "body": b""})
+
+
+class Serve:
+    """Run an ASGI app on uvicorn in a background thread on a free loopback port."""
+
+    def __init__(self, app):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("stub server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(5)
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------- helpers
+
+PROMPT_WORDS = [5, 6, 7, 8, 9, 10, 11, 12]
+REPLY_WORDS = [30, 31, 32, 33, 34, 35, 36, 37]
+
+
+def write_dataset(path: Path) -> Path:
+    """A ShareGPT-format file, cut off mid-string like the packaged one."""
+    recs = []
+    for i, (p, r) in enumerate(zip(PROMPT_WORDS, REPLY_WORDS)):
+        recs.append({"id": f"c{i}", "conversations": [
+            {"from": "human", "value": " ".join(f"p{i}w{j}" for j in range(p))},
+            {"from": "gpt", "value": " ".join(f"r{i}w{j}" for j in range(r))},
+        ]})
+    text = json.dumps(recs, indent=2)
+    text = text[: text.rindex("]")]  # drop the closing bracket...
+    text += ',\n  {"id": "broken", "conversations": [{"from": "human", "value": "cut off he'
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    return write_dataset(tmp_path / "sharegpt.json")
+
+
+def run_bench(url, dataset, tmp_path, *extra, name="result.json", progress=False):
+    out = tmp_path / name
+    argv = ["--base-url", url, "--dataset", "sharegpt", "--dataset-path", str(dataset),
+            "--seed", "3", "--output", str(out), "--save-detailed", *extra]
+    if not progress:
+        argv.append("--no-progress")
+    rc = bench_main(argv)
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def assert_near(value, expected, tol):
+    assert value is not None and abs(value - expected) <= tol, f"{value} not within {tol} of {expected}"
+
+
+def assert_latency(value_ms, expected_s):
+    """A client-side latency: at least the stub's, at most SLACK more."""
+    lo, hi = (expected_s - EARLY) * 1e3, (expected_s + SLACK) * 1e3
+    assert value_ms is not None and lo <= value_ms <= hi, f"{value_ms} ms not in [{lo}, {hi}]"
+
+
+@pytest.fixture(autouse=True)
+def _fast_gil_handoff():
+    # stub server and client share one process: hand the GIL over quickly
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    yield
+    sys.setswitchinterval(old)
+
+
+# --------------------------------------------------------------------------- ShareGPT parser
+
+
+def test_parse_truncated_json_array():
+    text = '[\n {"a": 1},\n {"b": [1, 2, {"c": "x,]"}]},\n {"d": "cut off in the mid'
+    assert parse_truncated_json_array(text) == [{"a": 1}, {"b": [1, 2, {"c": "x,]"}]}]
+    assert parse_truncated_json_array('[{"a": 1}, {"b": 2}]') == [{"a": 1}, {"b": 2}]
+    assert parse_truncated_json_array('[{"a": 1}, {"b": 2') == [{"a": 1}]
+    assert parse_truncated_json_array("[]") == []
+    assert parse_truncated_json_array("[") == []
+    with pytest.raises(BenchError):
+        parse_truncated_json_array('{"not": "an array"}')
+
+
+def test_sample_from_truncated_file(dataset):
+    records = load_sharegpt(dataset)
+    assert len(records) == len(PROMPT_WORDS)  # the broken tail is dropped
+    counter = TokenCounter()
+    s = sample_sharegpt(records, 5, seed=1, counter=counter)
+    assert len(s) == 5 and len({x.prompt for x in s}) == 5
+    for x in s:
+        i = int(x.prompt.split()[0][1:].split("w")[0])
+        assert x.prompt_len == PROMPT_WORDS[i] and x.output_len == REPLY_WORDS[i] == x.reference_len
+    assert [x.prompt for x in sample_sharegpt(records, 5, 1, counter)] == [x.prompt for x in s]
+    assert [x.prompt for x in sample_sharegpt(records, 5, 2, counter)] != [x.prompt for x in s]
+    with pytest.raises(BenchError, match="only 6 usable prompts"):
+        sample_sharegpt(records, 8, 0, counter, max_input_len=10)  # prompts of 11, 12 words skipped
+    capped = sample_sharegpt(records, 6, 0, counter, max_output_len=32, max_input_len=10)
+    assert {x.output_len for x in capped} <= {30, 31, 32} and max(x.reference_len for x in capped) > 32
+
+
+def test_first_exchange_roles():
+    conv = {"conversations": [{"from": "gpt", "value": "hello"}, {"from": "human", "value": "q"},
+                              {"from": "gpt", "value": "a"}]}
+    assert first_exchange(conv) == ("q", "a")
+    assert first_exchange({"conversations": [{"from": "human", "value": "q"}]}) is None
+    assert first_exchange({"conversations": [{"from": "human", "value": " "}, {"from": "gpt", "value": "a"}]}) is None
+    assert first_exchange({"id": "x"}) is None
+
+
+def test_tokenizer_counts(tmp_path, dataset):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # splits "a,b" into 3 tokens
+    tok.save(str(tmp_path / "tokenizer.json"))
+    counter = TokenCounter(tmp_path)
+    assert counter.source == "tokenizer"
+    assert counter.count("hello world, hello") == 4 and TokenCounter().count("hello world, hello") == 3
+    s = sample_sharegpt(load_sharegpt(dataset), 3, 0, counter)
+    assert all(x.prompt_len == len(x.prompt.split()) and x.output_len >= 30 for x in s)
+    with pytest.raises(BenchError, match="no tokenizer.json"):
+        TokenCounter(tmp_path / "nowhere")
+
+
+def test_packaged_sharegpt_parses():
+    records = load_sharegpt()
+    assert 17_000 < len(records) < 18_500  # ~17,600 before the cut
+    s = sample_sharegpt(records, 20, seed=0, counter=TokenCounter(), max_output_len=64)
+    assert len(s) == 20 and all(4 <= x.output_len <= 64 for x in s)
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def test_percentiles_and_summary():
+    v = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(v, 50) == 2.5 and percentile(v, 0) == 1.0 and percentile(v, 100) == 4.0
+    assert math.isclose(percentile(v, 90), 3.7)
+    s = summarize_ms([0.001, 0.002, 0.003, 0.004])
+    assert math.isclose(s["mean"], 2.5) and math.isclose(s["p50"], 2.5) and math.isclose(s["p99"], 3.97)
+    assert summarize_ms([]) == {"mean": None, "std": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_metrics_parsing_and_summary():
+    stub = Stub()
+    before = parse_spec_counters(stub.metrics_text())
+    assert before == {"drafts": 100.0, "draft_tokens": 300.0, "accepted": 50.0,
+                      "per_pos": {0: 30.0, 1: 15.0, 2: 5.0}}
+    stub.done = 10
+    after = parse_spec_counters(stub.metrics_text())
+    s = spec_decode_summary(before, after)
+    assert s["num_drafts"] == 40 and s["num_draft_tokens"] == 120 and s["num_accepted_tokens"] == 60
+    assert s["mean_accept_length"] == 2.5 and s["acceptance_rate"] == 0.5
+    assert s["accepted_per_position"] == [30.0, 20.0, 10.0]
+    assert s["acceptance_per_position"] == [0.75, 0.5, 0.25]
+    # a server without the counters, or without /metrics: nulls
+    none = spec_decode_summary(parse_spec_counters("up 1\n"), parse_spec_counters("up 1\n"))
+    assert none["mean_accept_length"] is None and none["acceptance_per_position"] is None
+    assert spec_decode_summary(None, None, "GET /metrics: HTTP 404")["metrics_error"] == "GET /metrics: HTTP 404"
+    # vLLM's names, with --metrics-prefix vllm:
+    vllm = "vllm:spec_decode_num_drafts_total 8\nvllm:spec_decode_num_accepted_tokens_total 12\n"
+    assert parse_spec_counters(vllm, "vllm:")["drafts"] == 8 and parse_spec_counters(vllm)["drafts"] is None
+
+
+def test_reads_the_routers_own_metrics():
+    """The counters as ppspec's router exports them (router/metrics.py) parse as intended."""
+    from prometheus_client import CollectorRegistry
+
+    rm = pytest.importorskip("ppspec.router.metrics")
+    m = rm.RouterMetrics(CollectorRegistry(), num_stages=2, num_spec_tokens=3)
+    before = parse_spec_counters(m.exposition()[0].decode())
+    m.on_verify_requests([3, 3, 3, 3], [4, 1, 2, 3])  # accepted 3 + 0 + 1 + 2 drafts
+    s = spec_decode_summary(before, parse_spec_counters(m.exposition()[0].decode()))
+    assert s["num_drafts"] == 4 and s["num_draft_tokens"] == 12 and s["num_accepted_tokens"] == 6
+    assert s["mean_accept_length"] == 2.5 and s["acceptance_rate"] == 0.5
+    assert s["acceptance_per_position"] == [0.75, 0.5, 0.25]
+
+
+def test_arrivals_and_urls():
+    a = arrival_offsets(2000, 10.0, seed=5)
+    assert a == arrival_offsets(2000, 10.0, seed=5) and a != arrival_offsets(2000, 10.0, seed=6)
+    assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:]))
+    assert abs(a[-1] / 1999 - 0.1) < 0.01  # mean gap 1/rate
+    assert arrival_offsets(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    assert normalize_base_url("http://h:8000/v1/") == "http://h:8000"
+    assert normalize_base_url(" https://h/api ") == "https://h/api"
+    for bad in ("h:8000", "ftp://h", "http://", "http://h:99999999"):
+        with pytest.raises(BenchError):
+            normalize_base_url(bad)
+
+
+# --------------------------------------------------------------------------- runs against the stub
+
+
+def test_one_token_chunks_concurrency(dataset, tmp_path):
+    stub = Stub(tokens_per_chunk=1)
+    m, n = 10, 4
+    with Serve(stub) as srv:
+        r = run_bench(srv.url, dataset, tmp_path, "--num-prompts", str(n), "--max-concurrency", "2",
+                      "--max-output-len", str(m), "--label", "stub-k1")
+    # what was asked of the server: the test request, then n requests capped at m tokens
+    assert len(stub.requests) == n + 1
+    for req in stub.requests[1:]:
+        assert req["max_tokens"] == m and req["ignore_eos"] is True and req["stream"] is True
+        assert req["model"] == MODEL and req["stream_options"] == {"include_usage": True}
+    assert r["completed"] == n and r["failed"] == 0 and r["errors"] == []
+    assert r["model"] == MODEL and r["label"] == "stub-k1" and r["max_concurrency"] == 2
+    assert r["request_rate"] is None and r["command"].startswith("ppspec bench --base-url")
+    # token counts (server usage)
+    assert r["token_count_source"] == {"input": "server", "output": "server"}
+    assert r["total_output_tokens"] == n * m
+    assert r["total_input_tokens"] == sum(q["input_tokens"] for q in r["requests"])
+    assert r["total_input_tokens"] == sum(len(q["prompt"].split()) for q in stub.requests[1:])
+    assert r["tokens_per_chunk"] == 1.0
+    for q in r["requests"]:
+        assert q["output_tokens"] == m and q["chunks"] == m and len(q["itl_ms"]) == m - 1
+        assert math.isclose(q["e2el_ms"], q["ttft_ms"] + sum(q["itl_ms"]), rel_tol=1e-9)
+        assert math.isclose(q["tpot_ms"], (q["e2el_ms"] - q["ttft_ms"]) / (m - 1), rel_tol=1e-9)
+    # timings: TTFT = 50 ms, ITL = TPOT = 20 ms, e2e = 50 + 9 * 20 = 230 ms
+    ms = 1e3
+    for q in r["requests"]:
+        assert_latency(q["ttft_ms"], FIRST)
+        assert_latency(q["e2el_ms"], FIRST + (m - 1) * GAP)
+    assert_latency(r["ttft_ms"]["mean"], FIRST)
+    assert_latency(r["ttft_ms"]["p50"], FIRST)
+    assert_near(r["itl_ms"]["p50"], GAP * ms, 5)
+    assert_near(r["itl_ms"]["mean"], GAP * ms, 3)
+    assert_near(r["tpot_ms"]["mean"], GAP * ms, 3)
+    assert_near(r["tpot_ms"]["p50"], GAP * ms, 3)
+    assert_latency(r["e2el_ms"]["mean"], FIRST + (m - 1) * GAP)
+    assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
+    # throughput: two waves of two requests, ~ 2 * 230 ms
+    e2e = FIRST + (m - 1) * GAP
+    assert 2 * e2e - 0.005 <= r["duration_s"] <= 2 * e2e + 0.15
+    assert math.isclose(r["request_throughput"], n / r["duration_s"])
+    assert math.isclose(r["output_throughput"], n * m / r["duration_s"])
+    assert math.isclose(r["input_throughput"], r["total_input_tokens"] / r["duration_s"])
+    assert_near(r["mean_concurrency"], 2.0, 0.35)
+    # speculative-decoding counters: only the n benchmark requests (not the test request)
+    sd = r["spec_decode"]
+    assert sd["num_drafts"] == n * PER_REQ["drafts"] and sd["num_accepted_tokens"] == n * PER_REQ["accepted"]
+    assert sd["mean_accept_length"] == 2.5 and sd["acceptance_rate"] == 0.5
+    assert sd["acceptance_per_position"] == [0.75, 0.5, 0.25] and sd["metrics_error"] is None
+
+
+def test_multi_token_chunks_chat_no_usage(dataset, tmp_path):
+    """Speculation-like chunks of 3 tokens on the chat endpoint; counts from the text."""
+    stub = Stub(tokens_per_chunk=3, usage=False, metrics="plain")
+    m, n = 10, 3  # chunks of 3, 3, 3, 1 tokens
+    with Serve(stub) as srv:
+        r = run_bench(srv.url + "/v1", dataset, tmp_path, "--num-prompts", str(n), "--endpoint", "chat",
+                      "--max-output-len", str(m))
+    assert all("messages" in q for q in stub.requests)
+    assert r["completed"] == n and r["endpoint"] == "chat"
+    assert r["token_count_source"] == {"input": "whitespace", "output": "whitespace"}
+    assert r["total_output_tokens"] == n * m
+    assert r["total_input_tokens"] == sum(len(q["messages"][0]["content"].split()) for q in stub.requests[1:])
+    assert r["tokens_per_chunk"] == m / 4
+    for q in r["requests"]:
+        assert q["chunks"] == 4 and len(q["itl_ms"]) == 3 and q["output_tokens"] == m
+    ms = 1e3
+    # the role-only first chunk arrives at once but does not count: TTFT is still 50 ms
+    assert_latency(r["ttft_ms"]["mean"], FIRST)
+    assert_near(r["itl_ms"]["mean"], GAP * ms, 3)  # per chunk
+    assert_near(r["tpot_ms"]["mean"], 3 * GAP / (m - 1) * ms, 1.5)  # 60 ms over 9 tokens
+    assert_latency(r["e2el_ms"]["mean"], FIRST + 3 * GAP)
+    # all at once: duration ~ one request
+    assert FIRST + 3 * GAP - 0.005 <= r["duration_s"] <= FIRST + 3 * GAP + 0.1
+    # /metrics without spec-decode counters: nulls, no error
+    sd = r["spec_decode"]
+    assert sd["mean_accept_length"] is None and sd["acceptance_per_position"] is None
+    assert sd["num_drafts"] is None and sd["metrics_error"] is None
+
+
+def test_poisson_arrivals_follow_seed(dataset, tmp_path):
+    stub = Stub(metrics="404")
+    n, rate, seed = 6, 20.0, 3
+    with Serve(stub) as srv:
+        r = run_bench(srv.url, dataset, tmp_path, "--num-prompts", str(n), "--request-rate", str(rate),
+                      "--max-output-len", "4", progress=True)
+    assert r["request_rate"] == rate and r["completed"] == n
+    expected = arrival_offsets(n, rate, seed)
+    got = [t - stub.arrivals[1] for t in stub.arrivals[1:]]  # [0] is the test request
+    for g, e in zip(got, expected):
+        assert_near(g, e, 0.015)
+    assert r["duration_s"] >= expected[-1] + FIRST + 3 * GAP - 0.005
+    assert r["spec_decode"]["mean_accept_length"] is None
+    assert r["spec_decode"]["metrics_error"] == "GET /metrics: HTTP 404"
+
+
+def test_plots(dataset, tmp_path):
+    stub = Stub(tokens_per_chunk=2)
+    results = []
+    with Serve(stub) as srv:
+        for c in (1, 2):
+            results.append(run_bench(srv.url, dataset, tmp_path, "--num-prompts", "2", "--max-concurrency",
+                                     str(c), "--max-output-len", "4", "--label", "stub", name=f"c{c}.json"))
+    other = dict(results[0], label=None, spec_decode=dict(results[0]["spec_decode"], acceptance_per_position=None))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    out = tmp_path / "plots"
+    files = [str(tmp_path / f) for f in ("c1.json", "c2.json", "other.json")]
+    assert bench_main(["--plot", *files, "--plot-out", str(out)]) == 0
+    for name in ("throughput_vs_concurrency.png", "latency_percentiles.png", "acceptance_per_position.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+# --------------------------------------------------------------------------- error paths
+
+
+def _expect_error(capsys, argv, *needles):
+    rc = bench_main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ppspec bench: error:"), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("url", ["not a url", "localhost:8000", "ftp://127.0.0.1:8000", "http://:80"])
+def test_bad_url(capsys, dataset, url):
+    _expect_error(capsys, ["--base-url", url, "--dataset-path", str(dataset), "--num-prompts", "2"],
+                  "invalid --base-url")
+
+
+def test_closed_port(capsys, dataset):
+    url = f"http://127.0.0.1:{_free_port()}"
+    _expect_error(capsys, ["--base-url", url, "--dataset-path", str(dataset), "--num-prompts", "2",
+                           "--no-progress"], "cannot reach", "connection refused")
+
+
+def test_html_server(capsys, dataset):
+    with Serve(Stub(mode="html")) as srv:
+        _expect_error(capsys, ["--base-url", srv.url, "--dataset-path", str(dataset), "--num-prompts", "2",
+                               "--no-progress"], "does not look like an OpenAI-compatible server", "text/html")
+
+
+def test_html_completions(capsys, dataset):
+    with Serve(Stub(mode="html-completions")) as srv:
+        _expect_error(capsys, ["--base-url", srv.url, "--dataset-path", str(dataset), "--num-prompts", "2",
+                               "--no-progress"], "did not answer like an OpenAI API")
+
+
+def test_not_http_server(capsys, dataset):
+    """A TCP port that answers with bytes that are not HTTP (e.g. a gRPC stage's port)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00garbage, not HTTP\r\n\r\n")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        _expect_error(capsys, ["--base-url", f"http://127.0.0.1:{port}", "--dataset-path", str(dataset),
+                               "--num-prompts", "2", "--no-progress"], "cannot reach", "HTTP")
+    finally:
+        srv.close()
+
+
+def test_unknown_model(capsys, dataset):
+    with Serve(Stub(mode="unknown-model")) as srv:
+        _expect_error(capsys, ["--base-url", srv.url, "--model", "nope", "--dataset-path", str(dataset),
+                               "--num-prompts", "2", "--no-progress"], "HTTP 404", "`nope` does not exist")
+
+
+def test_plot_errors(capsys, tmp_path):
+    _expect_error(capsys, ["--plot", str(tmp_path / "missing.json")], "cannot read")
+    (tmp_path / "x.json").write_text('{"a": 1}')
+    _expect_error(capsys, ["--plot", str(tmp_path / "x.json")], "not a ppspec bench result")
+
+
+def test_usage_errors(capsys):
+    assert bench_main([]) == 2
+    assert bench_main(["--num-prompts", "many"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_dispatch_without_torch(tmp_path):
+    """``ppspec bench`` through the top-level CLI, in a fresh interpreter: no torch import."""
+    code = (
+        "import sys\n"
+        "from ppspec.cli import main\n"
+        "rc = main(['bench', '--base-url', 'http://127.0.0.1:%d', '--dataset-path', sys.argv[1],"
+        " '--num-prompts', '1', '--no-progress'])\n"
+        "import ppspec.bench.plot, ppspec.bench.runner\n"
+        "assert 'torch' not in sys.modules, 'bench imported torch'\n"
+        "sys.exit(rc)\n" % _free_port()
+    )
+    p = subprocess.run([sys.executable, "-c", code, str(write_dataset(tmp_path / "d.json"))],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr
+    assert "connection refused" in p.stderr and "Traceback" not in p.stderr

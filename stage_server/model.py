@@ -24,7 +24,7 @@ from ppspec.kernels.gdn import gdn_prefill, gdn_recurrent
 
 from .config import HybridConfig
 
-PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+from ppspec.proto.messages import DECODE, PREFILL, VERIFY  # noqa: F401
 
 
 @dataclass
@@ -139,7 +139,7 @@ class GatedDeltaNet(nn.Module):
         else:
             B, D = meta.batch_size, meta.tokens_per_request
             scratch = st.conv_scratch if meta.mode == VERIFY else None
-            mixed = causal_conv1d_update(mixed.view(B, D, -1), weight, None, st.conv, meta.rows, scratch).view(T, -1)
+            mixed = causal_conv1d_update(mixed.view(B, D, -1), weight, None, st.conv, meta.rows, scratch).reshape(T, -1)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk), v.view(T, self.hv, self.dv)
         if meta.mode == PREFILL:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +19,9 @@ from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
 from .pools import KVPool, StatePool
-from .sampler import SamplingSpec, verify_and_sample
+from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
+
+from .sampler import verify_and_sample
 
 log = logging.getLogger("ppspec.stage")
 
@@ -30,50 +31,6 @@ FAULT_SKIP_COMMIT = "skip_commit"            # non-last stages never commit
 FAULT_POSITIONAL_SCRATCH = "positional_scratch"  # scratch copied to rows 0..B-1, commit reads them
 FAULT_STALE_ROWS = "stale_rows"              # commit uses the rows of the latest verify on this stage
 FAULTS = (FAULT_SKIP_COMMIT, FAULT_POSITIONAL_SCRATCH, FAULT_STALE_ROWS)
-
-
-@dataclass
-class StepInput:
-    """One micro-batch, one round, as a stage receives it (the proto ``StepRequest``).
-
-    input_ids: ``T`` packed token ids (every stage gets them: the last stage judges drafts
-    by them). For ``verify`` each request has ``D`` tokens: the last sampled token then
-    ``D - 1`` drafts (``num_drafts`` of them real, the rest padding).
-    hidden_states: ``[T, hidden]`` from the previous stage (None on stage 0).
-    sample: per request, whether this step ends with a sampled token (False for a prefill
-    chunk that does not end the prompt). next_token_ids: per request, the prompt token that
-    follows a non-final prefill chunk (the MTP head conditions on it), else -1.
-    output_lens: tokens generated before this step, per request.
-    """
-
-    micro_batch_id: int
-    round: int
-    mode: str
-    req_pool_indices: list[int]
-    seq_lens: list[int]
-    extend_lens: list[int]
-    input_ids: list[int]
-    num_drafts: list[int] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    next_token_ids: list[int] = field(default_factory=list)
-    sampling: list[SamplingSpec] = field(default_factory=list)
-    output_lens: list[int] = field(default_factory=list)
-    hidden_states: torch.Tensor | None = None
-
-
-@dataclass
-class StepOutput:
-    """Result of a step: hidden states (non-last stages) or, from the last stage, the
-    tokens each request emitted (``len`` = accept length, 0 for a non-final prefill chunk),
-    the MTP drafts for its next round, and optional log-probabilities."""
-
-    micro_batch_id: int
-    round: int
-    hidden_states: torch.Tensor | None = None
-    output_ids: list[list[int]] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)
-    logprobs: list | None = None
-    compute_seconds: float = 0.0
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:

@@ -18,21 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ppspec.proto.messages import SamplingSpec
+
 _MASK64 = (1 << 63) - 1
-
-
-@dataclass
-class SamplingSpec:
-    """What the last stage needs of a request's sampling parameters."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int = 0
-    logprobs: int | None = None
-    min_tokens: int = 0
-    banned_until_min: list[int] = field(default_factory=list)  # EOS / stop ids masked before min_tokens
 
 
 def _generator(seed: int, position: int, kind: int) -> torch.Generator:

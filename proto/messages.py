@@ -1,0 +1,74 @@
+"""The stage API's messages as plain dataclasses (the in-process form of ``stage.proto``).
+
+The router builds them, stages consume them; over gRPC ``codec.py`` maps them to and from
+the protobuf messages. Only ``hidden_states`` holds a tensor, and the router never reads it:
+activations go from stage to stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+
+@dataclass
+class SamplingSpec:
+    """What the last stage needs of a request's sampling parameters (see
+    ``router.types.SamplingParams``); ``seed`` is always set by the router."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    logprobs: int | None = None
+    min_tokens: int = 0
+    banned_until_min: list[int] = field(default_factory=list)  # EOS / stop ids masked before min_tokens
+
+
+@dataclass
+class StepInput:
+    """One micro-batch, one round, as a stage receives it (``StepRequest``).
+
+    Every request is addressed by its stable ``req_pool_indices`` row. input_ids: ``T``
+    packed token ids (every stage gets them: the last stage judges drafts by them). For
+    ``verify`` each request has ``D`` tokens: the last sampled token then ``D - 1`` drafts
+    (``num_drafts`` of them real, the rest padding). hidden_states: ``[T, hidden]`` tensor
+    from the previous stage (None on stage 0). sample: per request, whether the step ends
+    with a sampled token (False for a prefill chunk that does not end its prompt).
+    next_token_ids: the prompt token after a non-final prefill chunk (the MTP head
+    conditions on it), else -1. output_lens: tokens generated before this step.
+    """
+
+    micro_batch_id: int
+    round: int
+    mode: str
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    extend_lens: list[int]
+    input_ids: list[int]
+    num_drafts: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    next_token_ids: list[int] = field(default_factory=list)
+    sampling: list[SamplingSpec] = field(default_factory=list)
+    output_lens: list[int] = field(default_factory=list)
+    hidden_states: Any = None
+
+
+@dataclass
+class StepOutput:
+    """A stage's answer: hidden states (non-last stages) or, from the last stage, the
+    tokens each request emitted (``len`` = accept length; empty for a non-final prefill
+    chunk), MTP drafts for its next round, optional log-probabilities
+    (``[(token, logprob, [(id, logprob)])]`` per request), and per-stage compute times
+    (seconds, index = PP rank)."""
+
+    micro_batch_id: int
+    round: int
+    hidden_states: Any = None
+    output_ids: list[list[int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    logprobs: list | None = None
+    compute_seconds: float = 0.0
+    stage_seconds: list[float] = field(default_factory=list)

@@ -1,0 +1,185 @@
+"""Single-process Python API: generate with or without speculation, no gRPC.
+
+    from ppspec import LLM, SamplingParams
+    llm = LLM("models/qwen35-demo", speculative_algorithm="mtp")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+It drives the router's scheduler (``router.scheduler``) over an in-process pipeline of
+stage runners, the same calls the gRPC router makes. With ``num_micro_batches > 1`` the
+driver runs every lane's step before any lane's commit, as a real pipeline interleaves
+micro-batches, so the stable-row commit is exercised in one process too.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .pipeline import InProcessPipeline
+from .scheduler import Scheduler
+from .types import RequestOutput, SamplingParams
+
+DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "qwen35-demo")
+
+
+@dataclass
+class Completion:
+    """A finished request: its token ids, finish reason and, with speculation, the
+    accept length of every verify round it took part in."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    accept_lengths: list[int] = field(default_factory=list)
+    text: str | None = None
+
+
+class LLM:
+    """In-process engine over ``pp_size`` stage runners.
+
+    Args:
+        model: checkpoint folder (default: the bundled demo model).
+        pp_size: stages (layer slices) chained in this process.
+        speculative_algorithm: ``none``, ``ngram`` or ``mtp``; num_speculative_steps drafts per round.
+        num_micro_batches: lanes in flight (default pp_size).
+        max_rows, kv_tokens, chunk_size, max_batch_size: pool rows, KV budget (tokens),
+            prefill chunk (tokens), requests per micro-batch.
+        fault: fault injection for tests (``stage_server.runner.FAULTS``).
+        drafter: ``f(request, k) -> drafts`` replacing the n-gram lookup (tests, custom drafters).
+    """
+
+    def __init__(
+        self,
+        model: str = DEMO_MODEL,
+        *,
+        pp_size: int = 1,
+        speculative_algorithm: str = "none",
+        num_speculative_steps: int = 3,
+        num_micro_batches: int | None = None,
+        max_rows: int = 64,
+        kv_tokens: int = 65536,
+        chunk_size: int = 512,
+        max_batch_size: int = 64,
+        max_context: int | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        fault: str | None = None,
+        pipeline: InProcessPipeline | None = None,
+        drafter=None,
+    ):
+        import torch
+
+        steps = num_speculative_steps if speculative_algorithm != "none" else 0
+        self.pipeline = pipeline or InProcessPipeline.build(
+            model, pp_size, max_rows=max_rows, kv_tokens=kv_tokens, num_speculative_steps=steps,
+            use_mtp=speculative_algorithm == "mtp", max_context=max_context,
+            dtype=getattr(torch, dtype), device=device, fault=fault,
+        )
+        infos = self.pipeline.info_sync()
+        self.eos_token_ids = infos[-1]["eos_token_ids"]
+        self.max_context = min(i["max_context"] for i in infos)
+        self.scheduler = Scheduler(
+            max_rows=max_rows, kv_tokens=min(i["kv_tokens"] for i in infos), max_context=self.max_context,
+            num_lanes=num_micro_batches or pp_size, max_batch_size=max_batch_size, chunk_size=chunk_size,
+            speculative_algorithm=speculative_algorithm, num_steps=num_speculative_steps,
+            eos_token_ids=self.eos_token_ids, drafter=drafter,
+        )
+        self._ids = itertools.count()
+        self.completions: dict[str, Completion] = {}
+        self.model_dir = model
+
+    # ---- step-level API: requests join and leave between steps
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        rid = request_id or f"req-{next(self._ids)}"
+        self.scheduler.add(rid, prompt_ids, params)
+        self.completions[rid] = Completion(rid, list(prompt_ids))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.pipeline.release_sync(self.scheduler.abort(request_id))
+        c = self.completions.get(request_id)
+        if c is not None and c.finish_reason is None and request_id not in self.scheduler.requests:
+            c.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One round of every lane: all lanes' micro-batches run, then all commits."""
+        sched, pipe = self.scheduler, self.pipeline
+        launched = []
+        for lane in range(sched.num_lanes):
+            batch = sched.schedule(lane)
+            if batch is not None:
+                launched.append((batch, pipe.step_sync(batch.step_input(self.eos_token_ids))))
+        outputs = []
+        for batch, res in launched:
+            up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
+            if up.commit is not None:
+                pipe.commit_accept_sync(up.commit)
+            pipe.release_sync(up.release_rows)
+            for o in up.outputs:
+                c = self.completions[o.request_id]
+                c.token_ids += o.new_token_ids
+                c.accept_lengths += o.accept_lengths
+                c.finish_reason = o.finish_reason
+            outputs += up.outputs
+        return outputs
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Generate for a list of prompts (token id lists, or strings with a tokenizer next
+        to the checkpoint); returns completions in prompt order."""
+        params = params or SamplingParams(temperature=0.0)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        tok = None
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                tok = tok or self.tokenizer
+                ids.append(tok.encode(p))
+            else:
+                ids.append(list(p))
+        rids = [self.add_request(i, sp) for i, sp in zip(ids, plist)]
+        while self.has_unfinished():
+            self.step()
+        out = [self.completions.pop(r) for r in rids]
+        if tok is not None:
+            for c in out:
+                c.text = tok.decode(c.token_ids, skip_special_tokens=True)
+        return out
+
+    @property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    def rows_in_use(self) -> list[int]:
+        return [i["rows_in_use"] for i in self.pipeline.info_sync()]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ppspec generate", description="generate in one process (no gRPC)")
+    ap.add_argument("prompt", nargs="+")
+    ap.add_argument("--model", default=DEMO_MODEL)
+    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
+    ap.add_argument("--speculative-num-steps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    a = ap.parse_args(argv)
+    llm = LLM(a.model, pp_size=a.pp_size, speculative_algorithm=a.speculative_algorithm,
+              num_speculative_steps=a.speculative_num_steps)
+    for c in llm.generate(a.prompt, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens)):
+        acc = f" (mean accept length {sum(c.accept_lengths) / len(c.accept_lengths):.2f})" if c.accept_lengths else ""
+        print(f"{c.text!r} [{c.finish_reason}]{acc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

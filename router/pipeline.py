@@ -1,0 +1,87 @@
+"""The stage-client interface: how the driver reaches the pipeline's stages.
+
+Two implementations behind the same methods: :class:`InProcessPipeline` (stage runners
+in this process, for the single-process API and tests) and
+``router.grpc_pipeline.GrpcPipeline`` (one gRPC process per stage). A step goes to the
+first stage and comes back from the last; a commit and a release go to every stage.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+
+from ppspec.proto.messages import StepInput, StepOutput
+
+from .scheduler import Commit
+
+
+class InProcessPipeline:
+    """Stages as ``StageRunner`` objects in this process, chained in order.
+
+    Construct from runners, or with :meth:`build` from a checkpoint (one runner per PP
+    rank). The router never touches ``hidden_states``: each runner's output is handed to
+    the next runner as is.
+    """
+
+    def __init__(self, runners: list):
+        if not runners:
+            raise ValueError("a pipeline needs at least one stage")
+        self.runners = runners
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ppspec-inproc")
+
+    @classmethod
+    def build(cls, model_dir: str, pp_size: int = 1, **runner_kwargs) -> "InProcessPipeline":
+        from ppspec.stage_server.runner import StageRunner
+
+        return cls([StageRunner(model_dir, k, pp_size, **runner_kwargs) for k in range(pp_size)])
+
+    # ---- synchronous API (single-process driver)
+    def info_sync(self) -> list[dict]:
+        return [r.info() for r in self.runners]
+
+    def step_sync(self, inp: StepInput) -> StepOutput:
+        times = []
+        out = None
+        for r in self.runners:
+            out = r.step(inp)
+            times.append(out.compute_seconds)
+            inp.hidden_states = out.hidden_states
+        inp.hidden_states = None
+        out.stage_seconds = times
+        return out
+
+    def commit_accept_sync(self, c: Commit) -> None:
+        for r in self.runners:
+            r.commit_accept(c.micro_batch_id, c.round, c.req_pool_indices, c.accept_lengths)
+
+    def release_sync(self, rows: list[int]) -> None:
+        if rows:
+            for r in self.runners:
+                r.release(rows)
+
+    # ---- asynchronous API (the router's driver), compute on one worker thread
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def info(self) -> list[dict]:
+        return await self._run(self.info_sync)
+
+    async def step(self, inp: StepInput) -> StepOutput:
+        return await self._run(self.step_sync, inp)
+
+    async def commit_accept(self, c: Commit) -> None:
+        await self._run(self.commit_accept_sync, c)
+
+    async def release(self, rows: list[int]) -> None:
+        await self._run(self.release_sync, rows)
+
+    def health(self) -> tuple[bool, str]:
+        return True, "in-process stages"
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,438 @@
+"""The router's OpenAI-compatible HTTP schemas, and the engine interface the HTTP layer uses.
+
+Requests are pydantic v2 models in strict mode (``"5"`` is not an int, ``1.5`` is not an
+int, ``NaN`` is not a float) that forbid unknown fields: a malformed body is a 400 with an
+OpenAI-style error body (``router/api.py`` converts pydantic's errors). Semantic checks that
+need the tokenizer or the context limit (prompt length, token id range) happen in
+``router/api.py``; range checks of the sampling knobs are repeated by
+``SamplingParams.validate``.
+
+Responses are plain pydantic models in OpenAI's shapes. ppspec extensions
+(``token_ids``, ``prompt_token_ids``, ``stop_reason``) are left out of the JSON when unset.
+
+Units: every ``*_tokens`` field counts tokens; ``created`` is Unix time in seconds; log
+probabilities are natural logarithms.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Optional, Protocol, Union, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .types import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; transformers is heavy to import
+    from transformers import PreTrainedTokenizerBase
+
+# Limits of the request schema. Each is a DoS guard, not a model property.
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # length of one stop string, in characters
+MAX_LOGPROBS = 20  # top alternatives per token (SamplingParams.validate allows 0..20)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# --------------------------------------------------------------------------------------
+# The engine interface
+# --------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class AsyncEngine(Protocol):
+    """What the HTTP layer needs from an engine (``router/engine.py`` implements it).
+
+    Token-level stopping (EOS unless ``ignore_eos``, ``stop_token_ids``, ``max_tokens``,
+    ``min_tokens``) is the engine's; stop *strings* are the HTTP layer's (it detokenizes,
+    truncates and calls ``abort``).
+    """
+
+    model_name: str
+    """Served model id (the default ``model`` of requests and of ``/v1/models``)."""
+    tokenizer: "PreTrainedTokenizerBase"
+    """Hugging Face tokenizer of the checkpoint (its chat template renders chat requests)."""
+    max_model_len: int
+    """Context limit in tokens: prompt tokens + completion tokens of one request."""
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one request; an async generator function (calling it returns the iterator).
+
+        Yields ``RequestOutput`` updates, each with the tokens new since the previous one;
+        the last has ``finish_reason`` set ("stop", "length" or "abort"). ``request_id`` is
+        unique per call. The HTTP layer also accepts an ``async def`` that returns the
+        iterator.
+
+        Raises (from the first ``__anext__``, before anything is yielded, nothing allocated):
+        ``InvalidRequestError``, ``ContextLengthError`` (prompt + max_tokens over
+        ``max_model_len``), ``QueueFullError``. Raises ``StageDownError`` before or after
+        yielding (a stage failed; the request is over).
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its rows; a no-op for unknown or finished ids.
+
+        The running ``generate`` then yields a final output with ``finish_reason="abort"``
+        (the HTTP layer may instead close the iterator with ``aclose()``; both must free
+        the rows).
+        """
+        ...
+
+    def health(self) -> tuple[bool, str]:
+        """``(ok, detail)``; when not ok, ``detail`` names the stage that is down. Cheap, non-blocking."""
+        ...
+
+
+# --------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    """Strict request model: unknown fields, wrong JSON types and non-finite floats are rejected."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    """Send one last chunk (``choices: []``) with the request's ``usage`` before ``[DONE]``."""
+
+
+class _GenerationRequest(_Request):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: Optional[str] = None
+    """Must name the served model when given (else 404); omitted means the served model."""
+    max_tokens: Optional[int] = Field(None, ge=1)
+    """Completion tokens at most, per choice. Default: the context limit minus the prompt,
+    capped (``build_app(max_tokens_cap=...)``)."""
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    """Same as ``max_tokens`` (OpenAI's newer name); give at most one of them."""
+    temperature: Optional[float] = Field(None, ge=0.0)
+    """Softmax temperature; 0 is greedy. Default 1.0 (as OpenAI)."""
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1)
+    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    """Per-request seed; with n > 1, choice i uses seed + i."""
+    stop: Optional[Union[str, list[str]]] = None
+    """Stop strings: the text ends before the first occurrence of any (not included)."""
+    stop_token_ids: Optional[list[int]] = Field(None, max_length=64)
+    """Extra token ids that end a choice (vLLM extension)."""
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    """EOS and stop token ids are ignored until a choice has this many tokens."""
+    return_token_ids: bool = False
+    """Add ``token_ids`` (generated ids) to each choice and ``prompt_token_ids``."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the returned text."""
+    user: Optional[str] = None
+    """Accepted and ignored (OpenAI's end-user id)."""
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    """Only 0 is supported (accepted so that clients sending the default work)."""
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    """Only 0 is supported."""
+    logit_bias: Optional[dict[str, float]] = None
+    """Only an empty map is supported."""
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        for s in stops:
+            if not s:
+                raise ValueError("stop strings must not be empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return v
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise ValueError(f"{name} is not supported (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    """A string, a list of strings, a list of token ids, or a list of token id lists."""
+    echo: bool = False
+    """Prepend the prompt text to each choice's text (not with ``logprobs``)."""
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    """Return the log-probability of each generated token and this many top alternatives."""
+    suffix: Optional[str] = None
+    """Not supported: only null or an empty string."""
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    """Only best_of == n is supported."""
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        p = self.prompt
+        if isinstance(p, str):
+            pass
+        elif len(p) == 0:
+            raise ValueError("prompt must not be empty")
+        elif isinstance(p[0], list) and any(len(x) == 0 for x in p):
+            raise ValueError("token id prompts must not be empty")
+        if isinstance(p, list) and p and not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must equal n)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported")
+        return self
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One chat message; ``content`` is a string, a list of text parts, or null (assistant only)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextContentPart], None] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+    @model_validator(mode="after")
+    def _check_content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> Optional[str]:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined by newlines)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
+    """Only plain text; structured output is not supported."""
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    """Return per-token log-probabilities in ``choices[i].logprobs.content``."""
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    """Top alternatives per token; needs ``logprobs: true``."""
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    """Not supported: only null or an empty list."""
+    tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
+    """Not supported beyond ``"none"`` / ``"auto"`` without tools."""
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if isinstance(self.tool_choice, dict):
+            raise ValueError("tool_choice is not supported")
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------
+
+
+def _is_none(v: Any) -> bool:
+    return v is None
+
+
+def _omit_if_none(default: Any = None) -> Any:
+    """A field left out of the JSON when it is None (ppspec extensions, stream-only fields)."""
+    return Field(default, exclude_if=_is_none)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    """Prompt tokens, each prompt counted once (not once per choice)."""
+    completion_tokens: int = 0
+    """Generated tokens over all choices (after stop-string truncation)."""
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy completions log-probability shape, one list entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    """Character offset of each token's text in the choice's ``text``."""
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = _omit_if_none()
+    """The stop string or stop token id that ended the choice (vLLM extension)."""
+    token_ids: Optional[list[int]] = _omit_if_none()
+    prompt_token_ids: Optional[list[int]] = _omit_if_none()
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = _omit_if_none()
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: Optional[list[ChatTokenLogprob]] = None
+    refusal: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = _omit_if_none()
+    token_ids: Optional[list[int]] = _omit_if_none()
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[UsageInfo] = _omit_if_none()
+    prompt_token_ids: Optional[list[int]] = _omit_if_none()
+
+
+class ChatDelta(_Response):
+    role: Optional[Literal["assistant"]] = _omit_if_none()
+    content: Optional[str] = _omit_if_none()
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = _omit_if_none()
+    token_ids: Optional[list[int]] = _omit_if_none()
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = _omit_if_none()
+    prompt_token_ids: Optional[list[int]] = _omit_if_none()
+
+
+class CompletionChunk(_Response):
+    """A streamed completions event (OpenAI uses ``object: "text_completion"`` here too)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = _omit_if_none()
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "ppspec"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

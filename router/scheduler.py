@@ -1,0 +1,383 @@
+"""The scheduler: continuous batching over micro-batch lanes, with stable request rows.
+
+There is one scheduler. The single-process API (``router.llm``) and the pipeline router
+(``router.engine``) both drive it through the same three calls::
+
+    batch = scheduler.schedule(lane)              # a micro-batch for this lane, or None
+    result = pipeline.step(batch.step_input())    # through every stage
+    update = scheduler.process(batch, result)     # tokens, commit, rows to release
+    pipeline.commit_accept(update.commit)         # every stage, the last included
+    pipeline.release(update.release_rows)
+
+A *lane* is one micro-batch slot of the pipeline (``micro_batch_id``); up to
+``num_lanes`` micro-batches are in flight. A request belongs to one lane for its whole
+life, so micro-batches in flight never share rows. Each request owns one
+``req_pool_index`` from admission to release: every stage addresses its state, scratch
+and KV by that row.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ppspec.proto.messages import SamplingSpec, StepInput
+
+from .drafter import ngram_draft
+from .types import ContextLengthError, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    row: int = -1
+    lane: int = -1
+    status: str = WAITING
+    num_computed: int = 0          # tokens whose KV / state every stage holds
+    output_ids: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # drafts for the next round
+    finish_reason: str | None = None
+    aborted: bool = False
+    in_flight: bool = False
+    seed: int = 0
+    reserved_tokens: int = 0
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= len(self.prompt_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class ScheduledBatch:
+    """One micro-batch of one lane and round: what the stages receive."""
+
+    micro_batch_id: int
+    round: int
+    mode: str
+    requests: list[Request]
+    seq_lens: list[int]
+    extend_lens: list[int]
+    input_ids: list[int]
+    num_drafts: list[int]
+    sample: list[bool]
+    next_token_ids: list[int]
+    rows: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        # Rows are fixed when the micro-batch forms: a request that finishes in this round
+        # gives its row back, but the commit still names the row it ran in.
+        self.rows = [r.row for r in self.requests]
+
+    @property
+    def req_pool_indices(self) -> list[int]:
+        return list(self.rows)
+
+    def step_input(self, eos_token_ids: list[int]) -> StepInput:
+        """The stage message of this micro-batch (rows, lengths, tokens, sampling)."""
+        specs = []
+        for r in self.requests:
+            p = r.params
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            specs.append(
+                SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, r.seed, p.logprobs, p.min_tokens, banned)
+            )
+        return StepInput(
+            self.micro_batch_id, self.round, self.mode, self.req_pool_indices, list(self.seq_lens),
+            list(self.extend_lens), list(self.input_ids), list(self.num_drafts), list(self.sample),
+            list(self.next_token_ids), specs, [len(r.output_ids) for r in self.requests],
+        )
+
+
+@dataclass
+class Commit:
+    micro_batch_id: int
+    round: int
+    req_pool_indices: list[int]
+    accept_lengths: list[int]
+
+
+@dataclass
+class Update:
+    """What a processed step result means: outputs to deliver, the commit every stage
+    must apply, and rows to release once committed."""
+
+    outputs: list[RequestOutput]
+    commit: Commit | None
+    release_rows: list[int]
+    accept_lengths: list[int]
+    num_drafts: list[int]
+
+
+class Scheduler:
+    """Admission, row allocation, micro-batch formation and result processing.
+
+    Args:
+        max_rows: request rows every stage holds (``req_pool_index`` range).
+        kv_tokens: KV budget (tokens) of the smallest stage pool; admission reserves
+            ``prompt + max_tokens + D`` tokens per request so a running request never runs out.
+        max_context: longest sequence in tokens (prompt + completion).
+        num_lanes: micro-batches in flight.
+        max_batch_size: requests per micro-batch.
+        chunk_size: prefill tokens per micro-batch (chunked prefill).
+        speculative_algorithm: ``none``, ``ngram`` or ``mtp``; num_steps drafts per round.
+        eos_token_ids: ids that end a request unless ``ignore_eos``.
+        max_waiting: queue bound; beyond it ``add`` raises QueueFullError.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_rows: int,
+        kv_tokens: int,
+        max_context: int,
+        num_lanes: int = 1,
+        max_batch_size: int = 64,
+        chunk_size: int = 512,
+        speculative_algorithm: str = "none",
+        num_steps: int = 3,
+        eos_token_ids: list[int] | None = None,
+        max_waiting: int = 4096,
+        ngram_min: int = 1,
+        ngram_max: int = 4,
+        drafter=None,
+    ):
+        if speculative_algorithm not in ("none", "ngram", "mtp"):
+            raise ValueError(f"unknown speculative algorithm {speculative_algorithm!r}")
+        self.spec = speculative_algorithm
+        self.num_steps = num_steps if speculative_algorithm != "none" else 0
+        self.D = self.num_steps + 1
+        self.max_rows, self.kv_tokens, self.max_context = max_rows, kv_tokens, max_context
+        self.num_lanes, self.max_batch_size, self.chunk_size = num_lanes, max_batch_size, chunk_size
+        self.eos = list(eos_token_ids or [])
+        self.max_waiting = max_waiting
+        self.ngram = (ngram_min, ngram_max)
+        # drafter(request, k) -> up to k draft tokens; replaces the n-gram lookup when given
+        self.drafter = drafter
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+        self.kv_reserved = 0
+        self.waiting: deque[Request] = deque()
+        self.lanes: list[list[Request]] = [[] for _ in range(num_lanes)]
+        self.requests: dict[str, Request] = {}
+        self.rounds = [0] * num_lanes
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ admission
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request. Raises InvalidRequestError / ContextLengthError (nothing
+        allocated) or QueueFullError."""
+        from .types import QueueFullError
+
+        params.validate()
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_context)
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"the queue is full ({self.max_waiting} waiting requests)")
+        need = len(prompt_ids) + params.max_tokens + self.D
+        if need > self.kv_tokens:
+            raise InvalidRequestError(
+                f"the request needs {need} KV tokens but the pool holds {self.kv_tokens}", param="max_tokens"
+            )
+        req = Request(request_id, list(prompt_ids), params)
+        req.seed = params.seed if params.seed is not None else random.getrandbits(62)
+        req.reserved_tokens = need
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_rows:
+            req = self.waiting[0]
+            if req.aborted:
+                self.waiting.popleft()
+                continue
+            if self.kv_reserved + req.reserved_tokens > self.kv_tokens:
+                break
+            self.waiting.popleft()
+            req.row = self.free_rows.pop()
+            self.kv_reserved += req.reserved_tokens
+            req.lane = min(range(self.num_lanes), key=lambda i: len(self.lanes[i]))
+            req.status = RUNNING
+            self.lanes[req.lane].append(req)
+
+    # ------------------------------------------------------------------ forming micro-batches
+    def schedule(self, lane: int) -> ScheduledBatch | None:
+        """The next micro-batch of ``lane``: a prefill chunk if any of its requests still
+        has prompt left, else a decode (or verify, when any request has drafts) round."""
+        self._admit()
+        reqs = [r for r in self.lanes[lane] if not r.in_flight and r.status == RUNNING and not r.aborted]
+        if not reqs:
+            return None
+        prefill = [r for r in reqs if not r.prefill_done]
+        self.rounds[lane] += 1
+        rnd = self.rounds[lane]
+        if prefill:
+            budget = self.chunk_size
+            chosen, seq, ext, ids, sample, nxt = [], [], [], [], [], []
+            for r in prefill[: self.max_batch_size]:
+                if budget <= 0:
+                    break
+                n = min(budget, len(r.prompt_ids) - r.num_computed)
+                budget -= n
+                end = r.num_computed + n
+                chosen.append(r)
+                seq.append(r.num_computed)
+                ext.append(n)
+                ids += r.prompt_ids[r.num_computed : end]
+                last = end == len(r.prompt_ids)
+                sample.append(last)
+                nxt.append(-1 if last else r.prompt_ids[end])
+            batch = ScheduledBatch(lane, rnd, "prefill", chosen, seq, ext, ids, [0] * len(chosen), sample, nxt)
+        else:
+            chosen = reqs[: self.max_batch_size]
+            drafts = [self._drafts_for(r) for r in chosen]
+            if self.num_steps and any(drafts):
+                mode, d = "verify", self.D
+            else:
+                mode, d = "decode", 1
+            ids, nd = [], []
+            for r, dr in zip(chosen, drafts):
+                dr = dr[: d - 1]
+                ids += [r.output_ids[-1]] + dr + [0] * (d - 1 - len(dr))
+                nd.append(len(dr))
+            batch = ScheduledBatch(
+                lane, rnd, mode, chosen, [r.num_computed for r in chosen], [d] * len(chosen), ids, nd,
+                [True] * len(chosen), [-1] * len(chosen),
+            )
+        for r in batch.requests:
+            r.in_flight = True
+        return batch
+
+    def _drafts_for(self, r: Request) -> list[int]:
+        if self.num_steps == 0:
+            return []
+        # drafts past max_tokens can never be emitted
+        room = r.params.max_tokens - len(r.output_ids) - 1
+        k = min(self.num_steps, max(0, room))
+        if self.drafter is not None:
+            return list(self.drafter(r, k))[:k]
+        if self.spec == "ngram":
+            return ngram_draft(r.all_ids, k, *self.ngram)
+        return r.drafts[:k]
+
+    # ------------------------------------------------------------------ results
+    def process(self, batch: ScheduledBatch, output_ids: list[list[int]], drafts: list[list[int]] | None = None,
+                logprobs: list | None = None) -> Update:
+        """Apply one step result of ``batch``.
+
+        Args:
+            output_ids: tokens each request emitted (accepted drafts + bonus; empty for a
+                prefill chunk that does not end its prompt).
+            drafts: MTP drafts for the next round, per request (empty lists otherwise).
+            logprobs: per request, ``[(token, logprob, top)]`` per emitted token, or None.
+        """
+        if len(output_ids) != len(batch.requests):
+            raise ValueError(
+                f"micro-batch {batch.micro_batch_id} round {batch.round}: {len(output_ids)} results "
+                f"for {len(batch.requests)} requests"
+            )
+        outputs, release, accept = [], [], []
+        for i, r in enumerate(batch.requests):
+            r.in_flight = False
+            toks = output_ids[i]
+            if batch.mode == "verify" and not 1 <= len(toks) <= batch.num_drafts[i] + 1:
+                raise ValueError(f"request {r.request_id}: {len(toks)} tokens from a verify of {batch.num_drafts[i]} drafts")
+            r.num_computed += batch.extend_lens[i] if batch.mode != "verify" else len(toks)
+            accept.append(len(toks))
+            r.drafts = list(drafts[i]) if drafts else []
+            if r.aborted:
+                release.append(self._finish(r, "abort"))
+                outputs.append(RequestOutput(r.request_id, [], "abort", len(r.prompt_ids), len(r.output_ids)))
+                continue
+            new, reason = self._append(r, toks)
+            lps = None
+            if logprobs and logprobs[i] is not None:
+                lps = [TokenLogprob(t, lp, list(top)) for t, lp, top in logprobs[i][: len(new)]]
+            if reason:
+                release.append(self._finish(r, reason))
+            if new or reason:
+                outputs.append(
+                    RequestOutput(
+                        r.request_id, new, reason, len(r.prompt_ids), len(r.output_ids), lps,
+                        [len(toks)] if batch.mode == "verify" else [],
+                    )
+                )
+        commit = None
+        if batch.mode == "verify":
+            commit = Commit(batch.micro_batch_id, batch.round, batch.req_pool_indices, accept)
+        return Update(outputs, commit, release, accept if batch.mode == "verify" else [], list(batch.num_drafts))
+
+    def _append(self, r: Request, toks: list[int]) -> tuple[list[int], str | None]:
+        new = []
+        p = r.params
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
+        for t in toks:
+            new.append(t)
+            r.output_ids.append(t)
+            if t in stop_ids:  # the last stage masks them before min_tokens
+                return new, "stop"
+            if len(r.output_ids) >= p.max_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_context:
+                return new, "length"
+        return new, None
+
+    def _finish(self, r: Request, reason: str) -> int:
+        r.status, r.finish_reason = FINISHED, reason
+        self.lanes[r.lane].remove(r)
+        self.requests.pop(r.request_id, None)
+        self.kv_reserved -= r.reserved_tokens
+        row, r.row = r.row, -1
+        self.free_rows.append(row)
+        return row
+
+    def abort(self, request_id: str) -> list[int]:
+        """Abort a request. Returns rows to release now (none while its micro-batch is in
+        flight: the row is released after that round's commit)."""
+        r = self.requests.get(request_id)
+        if r is None or r.status == FINISHED:
+            return []
+        r.aborted = True
+        if r.status == WAITING:
+            self.requests.pop(request_id, None)
+            r.status, r.finish_reason = FINISHED, "abort"
+            return []
+        if not r.in_flight:
+            return [self._finish(r, "abort")]
+        return []
+
+    def fail_all(self) -> list[Request]:
+        """Drop every request (a stage died): returns them so the driver can tell clients."""
+        dropped = list(self.requests.values())
+        for r in dropped:
+            if r.status == RUNNING:
+                self._finish(r, "abort")
+            r.status = FINISHED
+        self.waiting.clear()
+        self.requests.clear()
+        return dropped
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_running(self) -> int:
+        return sum(len(lane) for lane in self.lanes)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self, lane: int | None = None) -> bool:
+        lanes = range(self.num_lanes) if lane is None else [lane]
+        return bool(self.waiting) or any(self.lanes[i] for i in lanes)

@@ -1,0 +1,85 @@
+"""Random tiny checkpoints written by Hugging Face transformers itself (the independent
+reference), plus a random ``mtp.*`` head in the published tensor layout."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+BASE = dict(
+    vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    max_position_embeddings=2048, initializer_range=0.1, rms_norm_eps=1e-6,
+)
+
+# name -> (model class path, config overrides)
+KINDS = {
+    # qwen3_next: fused in_proj_qkvz / in_proj_ba, dense MLP every layer (mlp_only_layers)
+    "qwen3_next_dense": ("qwen3_next", dict(num_hidden_layers=4, linear_num_value_heads=4, intermediate_size=96,
+                                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=48, mlp_only_layers=[0, 1, 2, 3])),
+    "qwen3_next_moe": ("qwen3_next", dict(num_hidden_layers=4, linear_num_value_heads=4, intermediate_size=96,
+                                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48)),
+    # qwen3_5_text with value/key head ratio 1, and ratio 2 with 7 layers (not a multiple of 4)
+    "qwen3_5_ratio1": ("qwen3_5_text", dict(num_hidden_layers=4, linear_num_value_heads=2, intermediate_size=96)),
+    "qwen3_5_ratio2_7l": ("qwen3_5_text", dict(num_hidden_layers=7, linear_num_value_heads=4, intermediate_size=96)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(num_hidden_layers=4, linear_num_value_heads=4, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=48)),
+}
+
+
+def _model_class(model_type: str):
+    import transformers as tf
+
+    if model_type == "qwen3_next":
+        return tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM
+    if model_type == "qwen3_5_text":
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    return Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
+
+
+def add_random_mtp(path: str, seed: int = 0) -> None:
+    """Append a random one-layer MTP head (``mtp.*`` names of published Qwen3.5 /
+    Qwen3-Next checkpoints) and set ``mtp_num_hidden_layers`` in config.json."""
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    attn_layer = cfg["layer_types"].index("full_attention")
+    mtp = {}
+    for k, v in weights.items():
+        prefix = f"model.layers.{attn_layer}."
+        if k.startswith(prefix):
+            mtp["mtp.layers.0." + k[len(prefix):]] = v.clone() + 0.05 * torch.randn(v.shape, generator=g)
+    h = cfg["hidden_size"]
+    mtp["mtp.fc.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{n}.weight"] = 0.1 * torch.randn(h, generator=g)
+    weights.update(mtp)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg["mtp_num_hidden_layers"] = 1
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"), indent=2)
+
+
+def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> str:
+    """Write checkpoint ``kind`` (see KINDS) under ``root``; returns its folder."""
+    path = os.path.join(root, kind)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    model_type, over = KINDS[kind]
+    cfg_cls, model_cls = _model_class(model_type)
+    torch.manual_seed(seed)
+    cfg = cfg_cls(**{**BASE, **over})
+    model = model_cls(cfg).eval()
+    model.save_pretrained(path)
+    if mtp:
+        add_random_mtp(path, seed)
+    return path

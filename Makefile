@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= models/qwen35-demo
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-gpu run proto demo-model bench clean
+.PHONY: install tools test test-gpu run proto demo-model bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(MAKE) proto
 	touch $@
 
-install: $(VENV)/.installed
+install: tools $(VENV)/.installed
+
+# System tools the deploy tests run (Debian packages; Python ones come with the `test` extra).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+tools:
+	@command -v docker-compose >/dev/null && command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends docker-compose prometheus; }
 
 proto: | $(BIN)/python
 	$(BIN)/python -m ppspec.proto.build

@@ -181,5 +181,5 @@ def load_stage_model(
         ** (torch.arange(0, model.rotary.rotary_dim, 2, dtype=torch.float) / model.rotary.rotary_dim)
     )
     model.rotary.inv_freq = inv.to(device)
-    model.eval()
+    model.eval().requires_grad_(False)
     return cfg, model

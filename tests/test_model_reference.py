@@ -1,0 +1,103 @@
+"""Logits of every forward mode against Hugging Face transformers on the same checkpoint
+(fp32, CPU), layer-range slicing, and greedy generation against ``generate``."""
+import pytest
+import torch
+
+from ppspec.proto.messages import StepInput
+from ppspec.router.llm import LLM
+from ppspec.router.types import SamplingParams
+from ppspec.stage_server.runner import StageRunner, split_layers
+
+KINDS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5_ratio1", "qwen3_5_ratio2_7l", "qwen3_5_moe"]
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def run(runners, inp):
+    """Chain the slices: each runner's hidden states feed the next; logits from the last."""
+    h = None
+    for r in runners:
+        inp.hidden_states = h
+        meta, h = r.forward_hidden(inp)
+    return runners[-1].model.logits(h)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_decode_verify_logits_match_transformers(make_ckpt, kind):
+    path = make_ckpt(kind)
+    hf = hf_model(path)
+    g = torch.Generator().manual_seed(1)
+    # two requests of different lengths in one packed batch
+    a = torch.randint(0, 256, (70,), generator=g).tolist()  # > one 64-token GDN chunk
+    b = torch.randint(0, 256, (23,), generator=g).tolist()
+    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
+    assert ref_a.abs().max() > 0.5, "logits too small for a meaningful comparison"
+    r = [StageRunner(path, max_rows=8, num_speculative_steps=3)]
+    D = 4
+    # chunked prefill of both, rows 5 and 2 (not batch positions)
+    got = run(r, StepInput(0, 0, "prefill", [5, 2], [0, 0], [40, 10], a[:40] + b[:10]))
+    assert (got[:40] - ref_a[:40]).abs().max() < TOL and (got[40:] - ref_b[:10]).abs().max() < TOL
+    got = run(r, StepInput(0, 1, "prefill", [5, 2], [40, 10], [22, 9], a[40:62] + b[10:19]))
+    assert (got[:22] - ref_a[40:62]).abs().max() < TOL and (got[22:] - ref_b[10:19]).abs().max() < TOL
+    # verify D tokens each; commit different accept lengths
+    got = run(r, StepInput(0, 2, "verify", [5, 2], [62, 19], [D, D], a[62:66] + b[19:23], num_drafts=[3, 3]))
+    assert (got[:D] - ref_a[62:66]).abs().max() < TOL and (got[D:] - ref_b[19:23]).abs().max() < TOL
+    r[0].commit_accept(0, 2, [5, 2], [3, 1])
+    # after the commit: a has 65 tokens, b has 20; decode continues from the committed state
+    got = run(r, StepInput(0, 3, "decode", [5, 2], [65, 20], [1, 1], [a[65], b[20]]))
+    assert (got[0] - ref_a[65]).abs().max() < TOL and (got[1] - ref_b[20]).abs().max() < TOL
+    got = run(r, StepInput(0, 4, "verify", [5, 2], [66, 21], [D, D], a[66:70] + b[21:23] + [0, 0], num_drafts=[3, 1]))
+    assert (got[:D] - ref_a[66:70]).abs().max() < TOL and (got[D : D + 2] - ref_b[21:23]).abs().max() < TOL
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_ratio2_7l", "qwen3_next_moe"])
+def test_layer_slices_chain_to_the_whole_model(make_ckpt, kind):
+    path = make_ckpt(kind)
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    whole = run([StageRunner(path, max_rows=2)], StepInput(0, 0, "prefill", [0], [0], [30], ids))
+    n = len(StageRunner(path, max_rows=1, layer_range=(0, 1)).cfg.layer_types)
+    for pp in (2, 3, 4):
+        ranges = split_layers(n, pp)
+        runners = [StageRunner(path, k, pp, max_rows=2) for k in range(pp)]
+        assert [(r.model.start, r.model.end) for r in runners] == ranges
+        # each slice holds only its layers (+ embedding first, norm/lm_head last)
+        assert not hasattr(runners[-1].model, "embed_tokens") and not hasattr(runners[0].model, "lm_head")
+        sliced = run(runners, StepInput(0, 0, "prefill", [1], [0], [30], ids))
+        assert (sliced - whole).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_generation_equals_transformers_generate(make_ckpt, kind):
+    path = make_ckpt(kind)
+    hf = hf_model(path)
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)[0, 12:].tolist()
+    llm = LLM(path, max_rows=4)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0]
+    assert out.token_ids == ref
+
+
+def test_bf16_stage_runs_and_tracks_fp32(make_ckpt):
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    ids = list(range(3, 40))
+    f32 = run([StageRunner(path, max_rows=2)], StepInput(0, 0, "prefill", [0], [0], [len(ids)], ids))
+    b16 = run([StageRunner(path, max_rows=2, dtype=torch.bfloat16)], StepInput(0, 0, "prefill", [0], [0], [len(ids)], ids))
+    assert b16.dtype == torch.float32  # logits are returned in fp32
+    assert (b16 - f32).abs().max() < 0.2 * f32.abs().max()
+    assert (b16.argmax(-1) == f32.argmax(-1)).float().mean() > 0.8

@@ -107,6 +107,18 @@ class RouterMetrics:
     Invalid arguments (negative counts, fractions outside [0, 1], an unknown mode or pool,
     verify-round numbers that contradict each other) raise ``ValueError``: a metric
     silently recorded wrong is the failure these metrics exist to catch.
+
+    Wiring (where each call belongs):
+
+    - HTTP layer: ``on_request_arrived`` when a request is accepted; ``/metrics`` serves
+      ``exposition()`` (or prometheus_client's ASGI app on ``registry``).
+    - scheduler: ``on_request_scheduled`` when a row is allocated; ``on_tokens`` per
+      delivered ``RequestOutput`` with new tokens; ``on_request_finished`` when it has a
+      finish reason; ``set_queue`` after each scheduling pass; for a verify step,
+      ``on_verify_requests(update.num_drafts, update.accept_lengths)``.
+    - pipeline driver: ``set_in_flight`` when a micro-batch is launched or completes;
+      ``on_stage_rpc``, ``set_stage_busy`` and ``set_pool_usage`` with the numbers each
+      stage returns in its responses.
     """
 
     def __init__(
@@ -124,6 +136,24 @@ class RouterMetrics:
         if max_accept_length < 1:
             raise ValueError("max_accept_length must be at least 1")
 
+        try:
+            self._create(reg, max_accept_length)
+        except ValueError:
+            # a name already taken in this registry: leave it as it was
+            self.unregister()
+            raise
+
+        for reason in FINISH_REASONS:
+            self.request_success.labels(finished_reason=reason)
+        for pos in range(num_spec_tokens):
+            self.spec_num_accepted_tokens_per_pos.labels(position=str(pos))
+        for stage in range(num_stages):
+            self._touch_stage(stage)
+
+        self._lock = threading.Lock()
+        self._requests: dict[Hashable, _RequestClock] = {}
+
+    def _create(self, reg: CollectorRegistry, max_accept_length: int) -> None:
         # --- requests
         self.num_requests_running = Gauge(
             PREFIX + "num_requests_running", "Requests holding a request-pool row (prefilling or decoding).", registry=reg)
@@ -189,16 +219,6 @@ class RouterMetrics:
         self.stage_pool_usage = Gauge(
             PREFIX + "stage_pool_usage", "Used fraction of a stage pool (rows, kv, state).", ["stage", "pool"],
             registry=reg)
-
-        for reason in FINISH_REASONS:
-            self.request_success.labels(finished_reason=reason)
-        for pos in range(num_spec_tokens):
-            self.spec_num_accepted_tokens_per_pos.labels(position=str(pos))
-        for stage in range(num_stages):
-            self._touch_stage(stage)
-
-        self._lock = threading.Lock()
-        self._requests: dict[Hashable, _RequestClock] = {}
 
     # ------------------------------------------------------------------ requests
 

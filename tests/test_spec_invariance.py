@@ -1,0 +1,144 @@
+"""Greedy tokens are identical with and without speculation, in one process, with
+requests joining and leaving at different steps, PP slices and micro-batches in flight.
+
+Besides n-gram and MTP drafts (which rarely hit on a random checkpoint), an *oracle*
+drafter proposes the reference continuation with seeded corruption, so that every
+accept length from 1 to D occurs and the cases other engines got wrong are forced: a
+batch where some requests have drafts and others none, a request with no draft right
+after a round that accepted drafts, and rounds where nothing is accepted.
+"""
+import random
+
+import pytest
+import torch
+
+from ppspec.router.llm import LLM
+from ppspec.router.types import SamplingParams
+from ppspec.stage_server.runner import FAULTS
+
+CKPT = "qwen3_5_ratio2_7l"
+N_REQ = 16
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+def workload(seed=0):
+    rnd = random.Random(seed)
+    reqs = []
+    for i in range(N_REQ):
+        n = rnd.choice([3, 9, 17, 40, 70, 100])
+        prompt = [rnd.randrange(256) for _ in range(n)]
+        if i % 4 == 0:  # repetitive prompts give the n-gram drafter something to find
+            prompt = (prompt[:6] * 20)[:n]
+        reqs.append(dict(prompt=prompt, max_tokens=rnd.randint(12, 40), join_step=rnd.randint(0, 12)))
+    return reqs
+
+
+def drive(llm, reqs):
+    """Add requests at their join step, step until all finish; returns token lists."""
+    ids, step = {}, 0
+    pending = sorted(range(len(reqs)), key=lambda i: reqs[i]["join_step"])
+    while pending or llm.has_unfinished():
+        while pending and reqs[pending[0]]["join_step"] <= step:
+            i = pending.pop(0)
+            p = SamplingParams(temperature=0.0, max_tokens=reqs[i]["max_tokens"], ignore_eos=True)
+            ids[i] = llm.add_request(reqs[i]["prompt"], p, request_id=f"r{i}")
+        llm.step()
+        step += 1
+    return [llm.completions[ids[i]].token_ids for i in range(len(reqs))]
+
+
+class Oracle:
+    """Drafts from the reference continuation: per (request, position) a seeded choice of
+    no draft, all correct, first draft wrong, or a wrong token at a random position."""
+
+    def __init__(self, reference, seed=0):
+        self.ref, self.seed = reference, seed
+        self.log = []  # (request_id, output_len, kind)
+
+    def __call__(self, req, k):
+        i = int(req.request_id[1:])
+        L = len(req.output_ids)
+        truth = self.ref[i][L : L + k]
+        kind = random.Random(hash((self.seed, i, L))).choice(["none", "all", "first_wrong", "mid_wrong", "all"])
+        self.log.append((req.request_id, L, kind))
+        if kind == "none" or not truth:
+            return []
+        drafts = list(truth)
+        if kind == "first_wrong":
+            drafts[0] = (drafts[0] + 1) % 256
+        elif kind == "mid_wrong":
+            j = random.Random(hash((self.seed, i, L, 1))).randrange(len(drafts))
+            drafts[j] = (drafts[j] + 7) % 256
+        return drafts
+
+
+def record_rounds(llm):
+    rounds = []
+    orig = llm.scheduler.process
+
+    def process(batch, *a, **kw):
+        up = orig(batch, *a, **kw)
+        if batch.mode in ("verify", "decode") and batch.round:
+            rounds.append((batch.mode, [r.request_id for r in batch.requests], list(batch.num_drafts), list(up.accept_lengths)))
+        return up
+
+    llm.scheduler.process = process
+    return rounds
+
+
+@pytest.fixture(scope="module")
+def setup(make_ckpt):
+    path = make_ckpt(CKPT)
+    reqs = workload()
+    ref = drive(LLM(path, max_rows=N_REQ), reqs)
+    return path, reqs, ref
+
+
+@pytest.mark.parametrize("spec,steps", [("ngram", 3), ("mtp", 3), ("mtp", 1), ("ngram", 4)])
+def test_ngram_and_mtp_match_no_speculation(setup, spec, steps):
+    path, reqs, ref = setup
+    llm = LLM(path, max_rows=N_REQ, speculative_algorithm=spec, num_speculative_steps=steps)
+    rounds = record_rounds(llm)
+    assert drive(llm, reqs) == ref
+    assert any(m == "verify" for m, *_ in rounds), "speculation never verified anything"
+    assert all(u == 0 for u in llm.rows_in_use())
+
+
+@pytest.mark.parametrize("steps,pp,lanes", [(1, 1, 1), (3, 1, 1), (4, 1, 1), (3, 2, 2), (4, 3, 3)])
+def test_oracle_drafts_every_accept_length_match(setup, steps, pp, lanes):
+    path, reqs, ref = setup
+    oracle = Oracle(ref, seed=steps)
+    llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, speculative_algorithm="ngram",
+              num_speculative_steps=steps, drafter=oracle)
+    rounds = record_rounds(llm)
+    assert drive(llm, reqs) == ref
+    verify = [r for r in rounds if r[0] == "verify"]
+    accepts = [a for _, _, _, acc in verify for a in acc]
+    # every accept length 1..D occurred, and the cases other engines got wrong happened
+    assert set(accepts) == set(range(1, steps + 2))
+    assert any(0 in nd and any(nd) for _, _, nd, _ in verify), "no batch mixed drafts and no drafts"
+    assert any(a == 1 and d > 0 for _, _, nd, acc in verify for d, a in zip(nd, acc)), "no round accepted nothing"
+    after = {}
+    for _, rids, nd, acc in verify:
+        for rid, d, a in zip(rids, nd, acc):
+            after.setdefault(rid, []).append((d, a))
+    assert any(
+        prev[1] > 1 and cur[0] == 0 for seq in after.values() for prev, cur in zip(seq, seq[1:])
+    ), "no request went draft-less right after accepting drafts"
+    assert all(u == 0 for u in llm.rows_in_use())
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_invariance_catches_the_commit_bugs(setup, fault):
+    """The same check fails when a non-last stage skips its commit, commits from positional
+    scratch rows, or pairs a commit with another micro-batch's rows (DESIGN.md section 1)."""
+    path, reqs, ref = setup
+    llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
+              num_speculative_steps=3, drafter=Oracle(ref, seed=3), fault=fault)
+    out = drive(llm, reqs)
+    wrong = sum(o != r for o, r in zip(out, ref))
+    assert wrong > 0, f"fault {fault} went unnoticed"

@@ -16,9 +16,17 @@ probabilities are natural logarithms.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Optional, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar, Literal, Optional, Protocol, Union, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from .types import RequestOutput, SamplingParams
 
@@ -287,17 +295,21 @@ class ChatCompletionRequest(_GenerationRequest):
 # --------------------------------------------------------------------------------------
 
 
-def _is_none(v: Any) -> bool:
-    return v is None
-
-
-def _omit_if_none(default: Any = None) -> Any:
-    """A field left out of the JSON when it is None (ppspec extensions, stream-only fields)."""
-    return Field(default, exclude_if=_is_none)
-
-
 class _Response(BaseModel):
+    """Response model; the fields named in ``_omit_if_none`` are left out of the JSON when None
+    (ppspec extensions and stream-only fields), the others are always written."""
+
     model_config = ConfigDict(extra="forbid")
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_optional(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for key in self._omit_if_none:
+                if key in data and data[key] is None:
+                    del data[key]
+        return data
 
 
 class ErrorInfo(_Response):
@@ -332,23 +344,25 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Response):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "stop_reason", "token_ids"})
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
-    stop_reason: Union[str, int, None] = _omit_if_none()
+    stop_reason: Union[str, int, None] = None
     """The stop string or stop token id that ended the choice (vLLM extension)."""
-    token_ids: Optional[list[int]] = _omit_if_none()
-    prompt_token_ids: Optional[list[int]] = _omit_if_none()
+    token_ids: Optional[list[int]] = None
+    prompt_token_ids: Optional[list[int]] = None
 
 
 class CompletionResponse(_Response):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = _omit_if_none()
+    usage: Optional[UsageInfo] = None
 
 
 class ChatTopLogprob(_Response):
@@ -372,57 +386,63 @@ class ChatResponseMessage(_Response):
 
 
 class ChatChoice(_Response):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"stop_reason", "token_ids"})
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
-    stop_reason: Union[str, int, None] = _omit_if_none()
-    token_ids: Optional[list[int]] = _omit_if_none()
+    stop_reason: Union[str, int, None] = None
+    token_ids: Optional[list[int]] = None
 
 
 class ChatCompletionResponse(_Response):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "usage"})
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
-    usage: Optional[UsageInfo] = _omit_if_none()
-    prompt_token_ids: Optional[list[int]] = _omit_if_none()
+    usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None
 
 
 class ChatDelta(_Response):
-    role: Optional[Literal["assistant"]] = _omit_if_none()
-    content: Optional[str] = _omit_if_none()
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"content", "role"})
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
 
 
 class ChatStreamChoice(_Response):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"stop_reason", "token_ids"})
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
-    stop_reason: Union[str, int, None] = _omit_if_none()
-    token_ids: Optional[list[int]] = _omit_if_none()
+    stop_reason: Union[str, int, None] = None
+    token_ids: Optional[list[int]] = None
 
 
 class ChatCompletionChunk(_Response):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "usage"})
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: Optional[UsageInfo] = _omit_if_none()
-    prompt_token_ids: Optional[list[int]] = _omit_if_none()
+    usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None
 
 
 class CompletionChunk(_Response):
     """A streamed completions event (OpenAI uses ``object: "text_completion"`` here too)."""
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
 
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = _omit_if_none()
+    usage: Optional[UsageInfo] = None
 
 
 class ModelCard(_Response):

@@ -1,0 +1,836 @@
+"""The OpenAI-compatible HTTP layer (router/api.py), driven by the official ``openai`` client.
+
+The engine is a fake that really generates: it walks the token ids of a fixed text (with
+multi-byte characters and EOS markers) from a position drawn from (prompt, seed), a few
+tokens per update as speculation would, with made-up log-probabilities. The tokenizer is a
+tiny byte-level BPE trained here with ``tokenizers`` (ChatML template, ``<|im_end|>`` EOS),
+so nothing is downloaded. The app is served by uvicorn (uvloop) on a free loopback port in a
+background thread. Expected values are always derived from the engine's record of what it
+generated and from the tokenizer, never written down.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ppspec.router.api import build_app, serve_http
+from ppspec.router.protocol import AsyncEngine
+from ppspec.router.types import (
+    ContextLengthError,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+    StageDownError,
+    TokenLogprob,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "ppspec-test"
+MAX_MODEL_LEN = 384
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The BPE merges are learnt from mostly-ASCII text, so the CJK characters and emoji of the
+# generated text stay split over several byte tokens.
+TRAIN_TEXT = [
+    "The quick brown fox jumps over the lazy dog while the pipeline commits its state.",
+    "Every stage keeps a recurrent state per request and writes it to a stable row.",
+    "Speculative decoding verifies several draft tokens in one forward pass.",
+    "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9, \u00fcber gr\u00f6\u00dfe.",
+] * 4
+GEN_TEXT = (
+    "Every stage commits the accepted state of its own micro-batch. "
+    "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3082\u5c11\u3057\u3042\u308a\u307e\u3059\u3002 Caf\u00e9 cr\u00e8me \u2713 done. "
+    "<|im_end|>"
+    "The quick brown fox \U0001f98a jumps over the lazy dog \U0001f436, twice \u2014 \u00fcber schnell. "
+    "\u6570\u5b66\u3068\u8a00\u8449\u3002 Rows are stable; positions are not. \u2605\u2605 "
+    "<|im_end|>"
+    "Speculation verifies drafts: \u03b1\u03b2\u03b3 \u0434\u0430 \u043d\u0435\u0442, r\u00e9sum\u00e9 na\u00efve. "
+    "\u4e2d\u6587\u5b57\u7b26\u4e32\u3002 The end is near \U0001f680 but not yet. "
+)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TRAIN_TEXT, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML
+    return hf
+
+
+class FakeEngine:
+    """Deterministic stand-in for router/engine.py, with fault switches."""
+
+    def __init__(self, tokenizer):
+        self.model_name = "fake/tiny-chatml"
+        self.tokenizer = tokenizer
+        self.max_model_len = MAX_MODEL_LEN
+        self.text_ids = tokenizer.encode(GEN_TEXT)
+        self.eos_id = tokenizer.eos_token_id
+        self.vocab = len(tokenizer)
+        self.health_loops: list[str] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.delay = 0.0  # seconds per update
+        self.queue_full = False
+        self.stage_down_after: int | None = None  # tokens yielded before StageDownError
+        self.healthy = (True, "3 of 3 stages up")
+        self.calls: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.logprobs: dict[str, list[TokenLogprob]] = {}
+        self.finish: dict[str, str] = {}
+        self.aborted: list[str] = []
+        self.active: set[str] = set()
+        self._abort_flags: set[str] = set()
+        self._unseeded = 0
+
+    def _rng(self, prompt, params: SamplingParams) -> random.Random:
+        if params.temperature == 0:
+            key = ("greedy", tuple(prompt))
+        elif params.seed is not None:
+            key = ("seeded", tuple(prompt), params.seed)
+        else:
+            self._unseeded += 1
+            key = ("unseeded", self._unseeded)
+        return random.Random(repr(key))
+
+    def _logprob(self, tid: int, k: int) -> TokenLogprob:
+        lp = -0.05 - 0.1 * (tid % 13)
+        top = [(tid, lp)] + [((tid + 7 * j) % self.vocab, lp - 0.25 * j) for j in range(1, k)]
+        return TokenLogprob(tid, lp, top[:k])
+
+    async def generate(self, request_id, prompt_token_ids, params: SamplingParams):
+        if self.queue_full:
+            raise QueueFullError("request queue is full (8 waiting)")
+        if self.stage_down_after == 0:
+            raise StageDownError("stage 1 (127.0.0.1:50052) is unreachable")
+        params.validate()
+        prompt = list(prompt_token_ids)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(len(prompt), params.max_tokens, self.max_model_len)
+        self.calls[request_id] = (prompt, params)
+        self.outputs[request_id] = []
+        self.logprobs[request_id] = []
+        self.active.add(request_id)
+        rng = self._rng(prompt, params)
+        pos = rng.randrange(len(self.text_ids))
+        made = self.outputs[request_id]
+        try:
+            while True:
+                await asyncio.sleep(self.delay)
+                if request_id in self._abort_flags:
+                    self.finish[request_id] = "abort"
+                    yield RequestOutput(request_id, [], "abort", len(prompt), len(made))
+                    return
+                if self.stage_down_after is not None and len(made) >= self.stage_down_after:
+                    raise StageDownError("stage 1 (127.0.0.1:50052) stopped answering")
+                new, finish = [], None
+                for _ in range(rng.choice([1, 1, 2, 3])):
+                    tid = self.text_ids[pos % len(self.text_ids)]
+                    pos += 1
+                    new.append(tid)
+                    made.append(tid)
+                    counts = len(made) >= params.min_tokens
+                    if counts and ((tid == self.eos_id and not params.ignore_eos) or tid in params.stop_token_ids):
+                        finish = "stop"
+                    elif len(made) >= params.max_tokens:
+                        finish = "length"
+                    if finish:
+                        break
+                lps = None
+                if params.logprobs is not None:
+                    lps = [self._logprob(t, params.logprobs) for t in new]
+                    self.logprobs[request_id] += lps
+                if finish:
+                    self.finish[request_id] = finish
+                yield RequestOutput(request_id, new, finish, len(prompt), len(made), lps)
+                if finish:
+                    return
+        finally:
+            self.active.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self._abort_flags.add(request_id)
+
+    def health(self):
+        self.health_loops.append(type(asyncio.get_running_loop()).__module__)
+        return self.healthy
+
+    # test helpers
+    def only_call(self) -> tuple[str, list[int], SamplingParams]:
+        assert len(self.calls) == 1, list(self.calls)
+        rid, (prompt, params) = next(iter(self.calls.items()))
+        return rid, prompt, params
+
+
+@contextlib.contextmanager
+def run_server(app):
+    """uvicorn (uvloop) on a free loopback port in a daemon thread; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, loop="uvloop", log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def wait_for(cond, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return FakeEngine(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with run_server(build_app(engine, served_model_name=MODEL, max_request_bytes=1 << 20)) as url:
+        yield url
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine(engine):
+    engine.reset()
+    yield
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def extra(obj, name):
+    """A ppspec extension field of an openai response object."""
+    return (obj.model_extra or {}).get(name)
+
+
+def decode(tokenizer, ids):
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def collect_completion_stream(stream):
+    texts, ids, finish, usage, chunks = {}, {}, {}, None, []
+    for chunk in stream:
+        chunks.append(chunk)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            ids.setdefault(c.index, []).extend(extra(c, "token_ids") or [])
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return texts, ids, finish, usage, chunks
+
+
+def collect_chat_stream(stream):
+    texts, ids, finish, usage, chunks, roles = {}, {}, {}, None, [], {}
+    for chunk in stream:
+        chunks.append(chunk)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles[c.index] = c.delta.role
+                assert c.index not in texts, "role must come in the first chunk of a choice"
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            ids.setdefault(c.index, []).extend(extra(c, "token_ids") or [])
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return texts, ids, finish, usage, chunks, roles
+
+
+# --------------------------------------------------------------------------------------
+# Basics
+# --------------------------------------------------------------------------------------
+
+
+def test_fake_engine_satisfies_protocol(engine):
+    assert isinstance(engine, AsyncEngine)
+
+
+def test_models_health_metrics(client, server, engine):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+    r = httpx.get(server + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    engine.healthy = (False, "stage 2 (10.0.0.3:50051) is down")
+    r = httpx.get(server + "/health")
+    assert r.status_code == 503
+    body = r.json()
+    assert body["detail"] == engine.healthy[1]
+    assert body["error"]["message"] == engine.healthy[1] and body["error"]["type"] == "service_unavailable"
+
+    for path in ("/metrics", "/metrics/"):
+        r = httpx.get(server + path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert "# HELP" in r.text
+
+
+def test_completion_params_usage_and_token_ids(client, engine, tokenizer):
+    prompt = "The quick brown fox"
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0.7, top_p=0.9, seed=5,
+        extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 3, "ignore_eos": True, "return_token_ids": True,
+                    "stop_token_ids": [7]})
+    rid, prompt_ids, params = engine.only_call()
+    assert prompt_ids == tokenizer.encode(prompt)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (0.7, 0.9, 20, 0.05, 5)
+    assert (params.max_tokens, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (12, 3, True, [7])
+    assert params.logprobs is None
+
+    (choice,) = r.choices
+    ids = extra(choice, "token_ids")
+    assert ids == engine.outputs[rid]
+    assert extra(choice, "prompt_token_ids") == prompt_ids
+    assert choice.text == decode(tokenizer, ids)
+    assert choice.finish_reason == engine.finish[rid]
+    assert (choice.finish_reason == "length") == (len(ids) == 12)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == len(ids)
+    assert r.usage.total_tokens == len(prompt_ids) + len(ids)
+    assert r.model == MODEL and r.object == "text_completion" and r.id.startswith("cmpl-")
+
+
+def test_defaults_temperature_and_max_tokens(client, engine, tokenizer):
+    r = client.completions.create(model=MODEL, prompt="Every stage", extra_body={"ignore_eos": True})
+    rid, prompt_ids, params = engine.only_call()
+    assert params.temperature == 1.0 and params.seed is None
+    assert params.max_tokens == MAX_MODEL_LEN - len(prompt_ids)  # the context left (below the cap)
+    assert r.usage.completion_tokens == params.max_tokens == len(engine.outputs[rid])
+    assert r.choices[0].finish_reason == "length"
+    # Without `model` the served model is used.
+    raw = httpx.post(str(client.base_url) + "completions", json={"prompt": "x", "max_tokens": 2})
+    assert raw.status_code == 200 and raw.json()["model"] == MODEL
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_completion_stream_matches_non_stream(client, engine, tokenizer, seed):
+    kw = dict(model=MODEL, prompt="Rows are stable", max_tokens=60, temperature=0.8, seed=seed)
+    full = client.completions.create(**kw)
+    texts, _, finish, usage, chunks = collect_completion_stream(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert texts[0] == full.choices[0].text
+    assert finish[0] == full.choices[0].finish_reason
+    assert usage.model_dump() == full.usage.model_dump()
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    if "\ufffd" not in full.choices[0].text:
+        assert all("\ufffd" not in c.text for ch in chunks for c in ch.choices)
+    rids = list(engine.calls)
+    assert engine.outputs[rids[0]] == engine.outputs[rids[1]]
+    assert full.usage.completion_tokens == len(engine.outputs[rids[0]])
+
+
+def test_chat_non_stream_and_stream(client, engine, tokenizer):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Say caf\u00e9 \u65e5\u672c <|im_end|> twice."}]
+    kw = dict(model=MODEL, messages=messages, max_completion_tokens=40, temperature=0.5, seed=9)
+    r = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    rid, prompt_ids, params = engine.only_call()
+    expected_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False, sanitize_control_tokens=True)
+    assert prompt_ids == list(expected_prompt)
+    # The <|im_end|> typed by the user stays text: EOS appears once per message, from the template.
+    assert prompt_ids.count(tokenizer.eos_token_id) == len(messages)
+    assert extra(r, "prompt_token_ids") == prompt_ids
+    assert params.max_tokens == 40
+    (choice,) = r.choices
+    ids = extra(choice, "token_ids")
+    assert ids == engine.outputs[rid]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == decode(tokenizer, ids)
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == len(ids)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+    texts, sids, finish, usage, chunks, roles = collect_chat_stream(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"return_token_ids": True}))
+    assert roles == {0: "assistant"}
+    assert texts[0] == choice.message.content
+    assert sids[0] == ids
+    assert finish[0] == choice.finish_reason
+    assert usage.model_dump() == r.usage.model_dump()
+    assert extra(chunks[0], "prompt_token_ids") == prompt_ids
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+
+
+def test_prompt_forms(client, engine, tokenizer):
+    prompts = ["Hello there", "Speculative decoding"]
+    single = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text
+              for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == single
+    assert batch.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+
+    ids = [tokenizer.encode(p) for p in prompts]
+    by_ids = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == single[0]
+    by_id_lists = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    assert [c.text for c in by_id_lists.choices] == single
+    assert by_id_lists.usage.completion_tokens == sum(
+        len(v) for k, v in engine.outputs.items() if k.startswith(by_id_lists.id))
+
+    echoed = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=10, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompts[0] + single[0]
+
+
+def test_n2_derives_seeds(client, engine, tokenizer):
+    kw = dict(model=MODEL, prompt="The end is near", max_tokens=20, temperature=1.0)
+    singles = [client.completions.create(**kw, seed=11 + i).choices[0].text for i in range(2)]
+    engine.reset()
+    r = client.completions.create(**kw, seed=11, n=2)
+    assert sorted(p.seed for _, p in engine.calls.values()) == [11, 12]
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == singles
+    assert r.usage.completion_tokens == sum(len(v) for v in engine.outputs.values())
+    assert r.usage.prompt_tokens == len(tokenizer.encode(kw["prompt"]))  # counted once
+
+    texts, _, finish, usage, _ = collect_completion_stream(
+        client.completions.create(**kw, seed=11, n=2, stream=True, stream_options={"include_usage": True}))
+    assert [texts[0], texts[1]] == singles and set(finish) == {0, 1}
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, seed=3,
+                                          max_tokens=8)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+# --------------------------------------------------------------------------------------
+# Stop strings
+# --------------------------------------------------------------------------------------
+
+
+def _baseline(client, tokenizer, prompt, seed, max_tokens=80):
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, seed=seed,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = extra(r.choices[0], "token_ids")
+    assert r.choices[0].text == decode(tokenizer, ids)
+    return r.choices[0].text, ids
+
+
+def _tokens_until(tokenizer, ids, stop):
+    """How many tokens the engine must produce before ``stop`` appears in the text."""
+    return next(m for m in range(1, len(ids) + 1) if stop in decode(tokenizer, ids[:m]))
+
+
+def _check_stop(client, engine, tokenizer, prompt, seed, stops, full, ids, max_tokens=80):
+    first = min((full.find(s), s) for s in stops if s in full)
+    expected_text = full[:first[0]]
+    m = _tokens_until(tokenizer, ids, first[1])
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, seed=seed, stop=stops,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    engine.reset()
+    r = client.completions.create(**kw)
+    (choice,) = r.choices
+    rid = next(iter(engine.calls))
+    assert choice.text == expected_text
+    assert choice.finish_reason == "stop"
+    assert extra(choice, "stop_reason") == first[1]
+    assert extra(choice, "token_ids") == ids[:m]
+    assert r.usage.completion_tokens == m
+    assert rid in engine.aborted
+    assert wait_for(lambda: rid not in engine.active)
+
+    engine.reset()
+    texts, sids, finish, usage, chunks = collect_completion_stream(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert texts[0] == expected_text and finish[0] == "stop" and sids[0] == ids[:m]
+    assert usage.completion_tokens == m
+    assert all("\ufffd" not in c.text for ch in chunks for c in ch.choices)
+    assert next(iter(engine.calls)) in engine.aborted
+
+    engine.reset()
+    chat_kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, seed=seed,
+                   extra_body={"ignore_eos": True, "return_token_ids": True})
+    base = client.chat.completions.create(**chat_kw)
+    cfull = base.choices[0].message.content
+    hits = [(cfull.find(s), s) for s in stops if s in cfull]
+    engine.reset()
+    cr = client.chat.completions.create(**chat_kw, stop=stops)
+    if hits:
+        assert cr.choices[0].message.content == cfull[:min(hits)[0]] and cr.choices[0].finish_reason == "stop"
+    else:
+        assert cr.choices[0].message.content == cfull
+    return expected_text
+
+
+def test_stop_string_spanning_two_tokens(client, engine, tokenizer):
+    prompt = "Every stage"
+    for seed in range(20):
+        full, ids = _baseline(client, tokenizer, prompt, seed)
+        for k in range(2, len(ids)):
+            head = decode(tokenizer, ids[:k])
+            if (not head or head.endswith("\ufffd") or len(full) <= len(head)
+                    or decode(tokenizer, ids[:k - 1]) == head or not full.startswith(head)):
+                continue
+            stop = head[-1] + full[len(head)]  # last char of token k-1, first char of token k
+            if full.find(stop) == len(head) - 1 and "\ufffd" not in stop:
+                text = _check_stop(client, engine, tokenizer, prompt, seed, [stop], full, ids)
+                assert len(text) == len(head) - 1
+                return
+    pytest.fail("no stop string spanning two tokens found")
+
+
+def test_stop_string_multibyte_character(client, engine, tokenizer):
+    prompt = "Speculation verifies"
+    for seed in range(40):
+        full, ids = _baseline(client, tokenizer, prompt, seed)
+        for k in range(1, len(ids)):
+            head = decode(tokenizer, ids[:k])
+            if not head.endswith("\ufffd"):
+                continue
+            at = len(head.rstrip("\ufffd"))  # a character whose bytes span tokens k-1 and k
+            char = full[at]
+            if len(char.encode("utf-8")) < 2 or at + 1 >= len(full):
+                continue
+            # the character alone, and the character with the next one
+            _check_stop(client, engine, tokenizer, prompt, seed, [char], full, ids)
+            _check_stop(client, engine, tokenizer, prompt, seed, [full[at:at + 2]], full, ids)
+            return
+    pytest.fail("no multi-byte character split over tokens found")
+
+
+def test_stop_strings_earliest_wins_and_held_back_text_is_released(client, engine, tokenizer):
+    prompt = "The quick"
+    full, ids = _baseline(client, tokenizer, prompt, seed=4)
+    a, b = full[10:13], full[30:33]
+    if a not in full[:30]:
+        pytest.skip("text too repetitive")
+    _check_stop(client, engine, tokenizer, prompt, 4, [b, a], full, ids)
+
+    # A stop string that starts like the text but never completes: all text arrives, no stop.
+    never = full[5:9] + "\x00never"
+    engine.reset()
+    texts, _, finish, _, _ = collect_completion_stream(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=80, seed=4, stop=never, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert texts[0] == full and finish[0] == "length"
+    assert not engine.aborted
+
+
+# --------------------------------------------------------------------------------------
+# Logprobs and token ids
+# --------------------------------------------------------------------------------------
+
+
+def test_completion_logprobs_shape(client, engine, tokenizer):
+    kw = dict(model=MODEL, prompt="Caf\u00e9", max_tokens=15, seed=2, logprobs=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(**kw)
+    rid, _, params = engine.only_call()
+    assert params.logprobs == 3
+    (choice,) = r.choices
+    lp = choice.logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in engine.logprobs[rid]])
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for tok, top, value, off in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, lp.text_offset):
+        assert top[tok] == pytest.approx(value)  # the fake ranks the sampled token first
+        if "\ufffd" not in tok:
+            assert choice.text[off:].startswith(tok)
+
+    engine.reset()
+    stream_tokens, stream_lps = [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.logprobs:
+                stream_tokens += c.logprobs.tokens
+                stream_lps += c.logprobs.token_logprobs
+    assert stream_tokens == lp.tokens and stream_lps == pytest.approx(lp.token_logprobs)
+
+
+def test_chat_logprobs_shape(client, engine, tokenizer):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "emoji please"}], max_tokens=30, seed=8,
+              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.chat.completions.create(**kw)
+    rid, _, params = engine.only_call()
+    assert params.logprobs == 2
+    (choice,) = r.choices
+    content = choice.logprobs.content
+    ids = extra(choice, "token_ids")
+    assert len(content) == len(ids) == r.usage.completion_tokens
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in engine.logprobs[rid]])
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    special = set(tokenizer.all_special_ids)
+    text_bytes = b"".join(bytes(c.bytes) for c, t in zip(content, ids) if t not in special)
+    assert text_bytes == choice.message.content.encode("utf-8")  # exact bytes, even of split characters
+
+    engine.reset()
+    streamed = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.content:
+                streamed += c.logprobs.content
+    assert [(c.token, c.bytes) for c in streamed] == [(c.token, c.bytes) for c in content]
+
+    engine.reset()
+    plain = client.chat.completions.create(model=MODEL, messages=kw["messages"], max_tokens=5, logprobs=True)
+    assert engine.only_call()[2].logprobs == 0
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+
+
+# --------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**30}, "prompt"),
+    ("completions", {"prompt": "hi", "bogus_field": 1}, "bogus_field"),
+    ("completions", {"prompt": []}, None),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": [10**6]}, "prompt"),
+    ("completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 5}, "min_tokens"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None),
+    ("completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("completions", {"prompt": "\ud800"}, "prompt"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("chat/completions", {"messages": "hello"}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_REQUESTS)
+def test_bad_requests_get_400(server, path, body, param):
+    # json.dumps escapes non-ASCII, so a lone surrogate travels as the JSON escape "\\ud800".
+    r = httpx.post(f"{server}/v1/{path}", content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize("raw,ctype", [
+    (b"{not json", "application/json"),
+    (b'{"prompt": "\xff\xfe"}', "application/json"),
+    (b'{"prompt": "hi"}', "text/plain"),
+    (b"[1, 2]", "application/json"),
+])
+def test_unparseable_bodies_get_400(server, client, raw, ctype):
+    r = httpx.post(f"{server}/v1/completions", content=raw, headers={"content-type": ctype})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    # ... and the server still answers.
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_large_body_gets_413(server):
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_context_length_error(client, engine, tokenizer):
+    long_prompt = "stage " * MAX_MODEL_LEN
+    n_prompt = len(tokenizer.encode(long_prompt))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=5)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert f"{n_prompt} in the prompt" in err["message"] and "5 for the completion" in err["message"]
+    assert str(MAX_MODEL_LEN) in err["message"]
+
+    msgs = [{"role": "user", "content": "hello"}]
+    n_chat = len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_MODEL_LEN)
+    assert f"{n_chat} in the messages" in e.value.body["message"] or f"{n_chat} in the prompt" in e.value.body["message"]
+    assert f"{MAX_MODEL_LEN} for the completion" in e.value.body["message"]
+    assert not engine.calls  # rejected before the engine allocated anything
+
+
+def test_unknown_model_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "gpt-5" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}], stream=True)
+
+
+def test_api_key_401(engine):
+    with run_server(build_app(engine, served_model_name=MODEL, api_key="sekrit")) as url:
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        right = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
+        assert right.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+        assert httpx.get(url + "/health").status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_queue_full_429(client, engine, stream):
+    engine.queue_full = True
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=stream)
+    assert e.value.status_code == 429 and "queue is full" in e.value.body["message"]
+    assert e.value.body["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stage_down_503_before_first_token(client, engine, stream):
+    engine.stage_down_after = 0
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=stream)
+    assert e.value.status_code == 503
+    assert e.value.body["type"] == "service_unavailable" and "stage 1" in e.value.body["message"]
+
+
+def test_stage_down_mid_stream(client, server, engine):
+    engine.stage_down_after = 5
+    got = []
+    with pytest.raises(openai.APIError) as e:
+        for chunk in client.completions.create(model=MODEL, prompt="hi", max_tokens=50, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            got.append(chunk)
+    assert got and "stage 1" in e.value.message
+
+    with httpx.stream("POST", f"{server}/v1/chat/completions", timeout=10,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
+                            "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    err = json.loads(data[-2])["error"]
+    assert err["type"] == "service_unavailable" and "stage 1" in err["message"]
+    assert all("choices" in json.loads(d) for d in data[:-2])
+
+    # Non-streaming: the whole request fails with 503.
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=50, extra_body={"ignore_eos": True})
+    assert e.value.status_code == 503
+
+
+# --------------------------------------------------------------------------------------
+# Disconnects
+# --------------------------------------------------------------------------------------
+
+
+def test_streaming_client_disconnect_aborts(client, engine):
+    engine.delay = 0.02
+    stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=300, n=2, stream=True,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it), next(it)
+    stream.close()
+    rids = set(engine.calls)
+    assert len(rids) == 2
+    assert wait_for(lambda: rids <= set(engine.aborted)), engine.aborted
+    assert wait_for(lambda: not engine.active)
+    assert all(len(engine.outputs[r]) < 300 for r in rids)
+
+
+def test_non_streaming_client_disconnect_aborts(server, engine):
+    engine.delay = 0.02
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/chat/completions", timeout=0.5,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True})
+    assert wait_for(lambda: len(engine.calls) == 1)
+    rid = next(iter(engine.calls))
+    assert wait_for(lambda: rid in engine.aborted)
+    assert wait_for(lambda: not engine.active)
+
+
+# --------------------------------------------------------------------------------------
+# serve_http
+# --------------------------------------------------------------------------------------
+
+
+def test_serve_http_runs_on_uvloop(engine):
+    import uvloop
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    stop = threading.Event()
+
+    async def main():
+        task = asyncio.ensure_future(serve_http(build_app(engine), "127.0.0.1", port, log_level="warning"))
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+    thread = threading.Thread(target=uvloop.run, args=(main(),), daemon=True)
+    thread.start()
+    try:
+        def up():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_for(up, timeout=15)
+        assert engine.health_loops[-1].startswith("uvloop")
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/models")
+        assert r.json()["data"][0]["id"] == engine.model_name
+    finally:
+        stop.set()
+        thread.join(10)

@@ -1,0 +1,156 @@
+"""The commit at stable rows, speculative rejection sampling, and bad input."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from ppspec.kernels.commit import commit_accept
+from ppspec.kernels.commit.naive import commit_accept_ref
+from ppspec.kernels.gdn import gdn_recurrent
+from ppspec.proto.messages import SamplingSpec
+from ppspec.router.llm import LLM
+from ppspec.router.scheduler import Scheduler
+from ppspec.router.types import ContextLengthError, SamplingParams
+from ppspec.stage_server.config import CheckpointError
+from ppspec.stage_server.loader import load_stage_model
+from ppspec.stage_server.sampler import filter_probs, verify_and_sample
+
+
+def _verify_inputs(B, D, g):
+    H, HV, K, V = 2, 4, 8, 8
+    return (torch.randn(B, D, H, K, generator=g), torch.randn(B, D, H, K, generator=g),
+            torch.randn(B, D, HV, V, generator=g), -torch.rand(B, D, HV, generator=g),
+            torch.rand(B, D, HV, generator=g))
+
+
+def test_commit_of_two_micro_batches_uses_their_own_rows():
+    """Two micro-batches verify back to back (disjoint stable rows), then commit. The stable
+    commit equals running each request alone; swapping in positional scratch rows (0..B-1)
+    or the other micro-batch's rows gives a different state."""
+    g = torch.Generator().manual_seed(0)
+    rows_n, D = 10, 4
+    state0 = torch.randn(rows_n + 1, 4, 8, 8, generator=g)
+    state, scratch = state0.clone(), torch.zeros(rows_n + 1, D, 4, 8, 8)
+    mb = {0: torch.tensor([7, 2, 5]), 1: torch.tensor([1, 9, 3])}
+    inputs = {m: _verify_inputs(3, D, g) for m in mb}
+    acc = {0: torch.tensor([2, 4, 1]), 1: torch.tensor([3, 1, 2])}
+    for m in mb:
+        gdn_recurrent(*inputs[m], state, mb[m], scratch)
+    # reference: each request alone, decoding its accepted prefix in place
+    expect = state0.clone()
+    for m in mb:
+        for b, row in enumerate(mb[m].tolist()):
+            a = int(acc[m][b])
+            q, k, v, gg, beta = (x[b : b + 1, :a] for x in inputs[m])
+            gdn_recurrent(q, k, v, gg, beta, expect, torch.tensor([row]))
+    stable = state.clone()[None]
+    for m in mb:
+        commit_accept(stable, scratch[None], mb[m], acc[m])
+    assert torch.allclose(stable[0], expect, atol=1e-6)
+    # the two bugs: positional rows, and another micro-batch's rows
+    for wrong_rows in (torch.arange(3), mb[1]):
+        bad = state.clone()[None]
+        bad[:, mb[0]] = scratch[None][:, wrong_rows, acc[0] - 1]
+        assert not torch.allclose(bad[0][mb[0]], expect[mb[0]], atol=1e-3)
+
+
+def test_commit_rejects_bad_rows_before_writing():
+    state, scratch = torch.zeros(1, 5, 3), torch.ones(1, 5, 4, 3)
+    for rows, acc, err in [([5], [1], IndexError), ([-1], [1], IndexError), ([1, 1], [1, 2], IndexError),
+                           ([1], [0], ValueError), ([1], [5], ValueError), ([1, 2], [1], ValueError)]:
+        with pytest.raises(err):
+            commit_accept(state, scratch, torch.tensor(rows), torch.tensor(acc))
+    assert state.abs().sum() == 0
+    commit_accept_ref(state, scratch, torch.tensor([2]), torch.tensor([3]))
+    assert state[0, 2].sum() == 3
+
+
+@pytest.mark.parametrize("spec", [SamplingSpec(temperature=1.0), SamplingSpec(temperature=0.7, top_k=4),
+                                  SamplingSpec(temperature=1.3, top_p=0.8), SamplingSpec(temperature=1.0, min_p=0.1)])
+def test_rejection_sampling_keeps_the_target_distribution(spec):
+    """Chi-square: the first emitted token of a verify with one (deterministic) draft is
+    distributed as the filtered target, whichever token is drafted."""
+    V, N = 6, 4000
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.5])
+    target = filter_probs(logits[None], spec)[0].double().numpy()
+    target = target / target.sum()
+    for draft in (0, 3):
+        specs = [SamplingSpec(**{**spec.__dict__, "seed": 1000 + i}) for i in range(N)]
+        res = verify_and_sample(logits.expand(N, 2, V).contiguous(), torch.full((N, 1), draft), [1] * N, specs, [0] * N)
+        counts = np.bincount([r.tokens[0] for r in res], minlength=V)
+        support = target > 0
+        assert counts[~support].sum() == 0
+        p = chisquare(counts[support], target[support] / target[support].sum() * counts.sum()).pvalue
+        assert p > 1e-3, (draft, counts, target)
+
+
+def test_sampling_is_a_function_of_seed_and_position():
+    logits = torch.randn(1, 1, 50, generator=torch.Generator().manual_seed(0))
+    a = verify_and_sample(logits, torch.zeros(1, 0, dtype=torch.long), [0], [SamplingSpec(1.0, seed=5)], [3])
+    b = verify_and_sample(logits, torch.zeros(1, 0, dtype=torch.long), [0], [SamplingSpec(1.0, seed=5)], [3])
+    assert a[0].tokens == b[0].tokens
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_checkpoints_fail_with_file_and_tensor(make_ckpt, tmp_path):
+    src = make_ckpt("qwen3_5_ratio1")
+    d = _copy(src, tmp_path / "missing")
+    os.remove(d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="safetensors"):
+        load_stage_model(str(d))
+    d = _copy(src, tmp_path / "mt")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json.*unsupported model_type 'llama'"):
+        load_stage_model(str(d))
+    from safetensors.torch import load_file, save_file
+
+    d = _copy(src, tmp_path / "shape")
+    w = load_file(d / "model.safetensors")
+    w["model.layers.1.linear_attn.out_proj.weight"] = torch.zeros(3, 3)
+    save_file(w, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.1\.linear_attn\.out_proj\.weight' has shape \(3, 3\)"):
+        load_stage_model(str(d))
+    d = _copy(src, tmp_path / "gone")
+    w = load_file(d / "model.safetensors")
+    del w["model.layers.3.self_attn.k_norm.weight"]
+    save_file(w, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.3\.self_attn\.k_norm\.weight' missing"):
+        load_stage_model(str(d))
+    (tmp_path / "nocfg").mkdir()
+    with pytest.raises(CheckpointError, match="config.json: missing"):
+        load_stage_model(str(tmp_path / "nocfg"))
+
+
+def test_over_long_prompt_allocates_nothing_and_excess_requests_wait(make_ckpt):
+    torch.set_num_threads(1)
+    llm = LLM(make_ckpt("qwen3_5_ratio1"), max_rows=2, max_context=64)
+    free_before = list(llm.scheduler.free_rows)
+    with pytest.raises(ContextLengthError, match="50 in the prompt, 20 for the completion"):
+        llm.add_request(list(range(50)), SamplingParams(temperature=0, max_tokens=20))
+    assert llm.scheduler.free_rows == free_before and not llm.scheduler.requests
+    ids = [llm.add_request([i + 1, i + 2, i + 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)) for i in range(5)]
+    peak = 0
+    while llm.has_unfinished():
+        llm.step()
+        peak = max(peak, llm.scheduler.num_running)
+        assert llm.scheduler.num_running <= 2
+    assert peak == 2 and all(len(llm.completions[i].token_ids) == 5 for i in ids)
+    assert llm.rows_in_use() == [0]
+
+
+def test_scheduler_rejects_bad_parameters():
+    s = Scheduler(max_rows=2, kv_tokens=1000, max_context=100)
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(min_tokens=9, max_tokens=3)):
+        with pytest.raises(Exception, match="must"):
+            s.add("x", [1, 2], SamplingParams(**bad))
+    assert not s.requests and len(s.free_rows) == 2

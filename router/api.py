@@ -26,6 +26,7 @@ their HTTP status.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import inspect
 import json
@@ -36,7 +37,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -523,19 +524,27 @@ class _Prepared:
 
 
 class _Server:
+    """The endpoints' logic over one engine (``build_app`` wires it to routes)."""
+
     def __init__(self, engine: AsyncEngine, served_model_name: str, max_tokens_cap: int):
         self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.tokenizer  # decoding, on the event loop
         self.model_name = served_model_name
         self.max_tokens_cap = max_tokens_cap
         self.pieces = TokenPieces(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
-        # One worker: tokenization stays off the event loop and never runs concurrently
-        # with itself (fast tokenizers are not safe to reconfigure from several threads).
+        # Encoding and chat rendering run on one worker thread, with a private copy of the
+        # tokenizer: encoding toggles settings of the Rust tokenizer (a mutable borrow),
+        # which must not race with decodes of the shared one on the event loop.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppspec-tokenize")
+        try:
+            self.encoder = copy.deepcopy(self.tokenizer)
+        except Exception:  # noqa: BLE001 - an uncopyable tokenizer: share it
+            log.warning("tokenizer could not be copied; encoding shares it with decoding")
+            self.encoder = self.tokenizer
         self._background: set[asyncio.Task] = set()
         try:
-            sig = inspect.signature(self.tokenizer.apply_chat_template)
+            sig = inspect.signature(self.encoder.apply_chat_template)
             self._sanitize_kw = "sanitize_control_tokens" in sig.parameters
         except (TypeError, ValueError, AttributeError):
             self._sanitize_kw = False
@@ -563,6 +572,7 @@ class _Server:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def check_model(self, name: str | None) -> None:
+        """Raise ``APIError`` 404 (code ``model_not_found``) unless ``name`` is None or the served name."""
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
                            param="model", code="model_not_found")
@@ -574,13 +584,13 @@ class _Server:
                                           param=param)
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
-        return [list(self.tokenizer.encode(t, add_special_tokens=True)) for t in texts]
+        return [list(self.encoder.encode(t, add_special_tokens=True)) for t in texts]
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True, "return_dict": False}
         if self._sanitize_kw:
             kwargs["sanitize_control_tokens"] = True  # control tokens typed by users stay text
-        ids = self.tokenizer.apply_chat_template(messages, **kwargs)
+        ids = self.encoder.apply_chat_template(messages, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -624,6 +634,12 @@ class _Server:
         return subs
 
     async def prepare_completion(self, body: CompletionRequest) -> _Prepared:
+        """Tokenize the prompt(s) and build one engine request per choice.
+
+        Raises ``APIError`` (404 unknown model), ``InvalidRequestError`` (empty prompt, ids
+        outside the vocabulary, text that is not UTF-8, bad sampling values) and
+        ``ContextLengthError`` (prompt tokens + max_tokens over ``engine.max_model_len``).
+        """
         self.check_model(body.model)
         p = body.prompt
         texts: list[str] | None = None
@@ -651,6 +667,9 @@ class _Server:
         return _Prepared(request_id, prompts, texts, subs)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
+        """Render the messages with the chat template (generation prompt added) and build one
+        engine request per choice. Raises as ``prepare_completion``, and
+        ``InvalidRequestError`` when the template fails or the model has none."""
         self.check_model(body.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
@@ -713,6 +732,8 @@ class _Server:
     # -- endpoints -----------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """``POST /v1/completions``: JSON, or server-sent events when ``stream``. Raises
+        ``EngineError`` subclasses (turned into OpenAI error bodies by the app)."""
         prepared = await self.prepare_completion(body)
         fanout = _Fanout(self, prepared.subs, body.stop_list, body.skip_special_tokens, body.logprobs is not None)
         if body.stream:
@@ -739,6 +760,7 @@ class _Server:
         return Response(resp.model_dump_json(), media_type="application/json")
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """``POST /v1/chat/completions``; as ``completions``."""
         prepared = await self.prepare_chat(body)
         fanout = _Fanout(self, prepared.subs, body.stop_list, body.skip_special_tokens, body.logprobs)
         if body.stream:
@@ -1016,13 +1038,16 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     return app
 
 
-async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info", **uvicorn_kwargs: Any) -> None:
-    """Serve ``app`` with uvicorn until it is told to exit (SIGINT / SIGTERM).
+async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
+                     shutdown: asyncio.Event | None = None, **uvicorn_kwargs: Any) -> None:
+    """Serve ``app`` with uvicorn until SIGINT / SIGTERM (main thread) or ``shutdown`` is set.
 
     Uses ``loop="uvloop"``: run this coroutine on a uvloop event loop, e.g.
     ``uvloop.run(serve_http(app, host, port))``, so that the engine and the server share it.
-    Extra keyword arguments go to ``uvicorn.Config``. When the port cannot be bound,
-    uvicorn logs the error and raises ``SystemExit(3)``.
+    On exit, in-flight responses get uvicorn's graceful-shutdown time
+    (``timeout_graceful_shutdown``, seconds, in ``uvicorn_kwargs``). Extra keyword arguments
+    go to ``uvicorn.Config``. When the port cannot be bound, uvicorn logs the error and
+    raises ``SystemExit(3)``.
     """
     import uvicorn
 
@@ -1031,4 +1056,15 @@ async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
         log.warning("serve_http is running on %s, not uvloop", type(loop).__name__)
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level, **uvicorn_kwargs)
     server = uvicorn.Server(config)
-    await server.serve()
+    watcher = None
+    if shutdown is not None:
+        async def _stop_when_asked() -> None:
+            await shutdown.wait()
+            server.should_exit = True
+
+        watcher = asyncio.ensure_future(_stop_when_asked())
+    try:
+        await server.serve()
+    finally:
+        if watcher is not None:
+            watcher.cancel()

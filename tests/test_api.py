@@ -345,6 +345,11 @@ def test_defaults_temperature_and_max_tokens(client, engine, tokenizer):
     assert params.max_tokens == MAX_MODEL_LEN - len(prompt_ids)  # the context left (below the cap)
     assert r.usage.completion_tokens == params.max_tokens == len(engine.outputs[rid])
     assert r.choices[0].finish_reason == "length"
+    # The default is capped by build_app(max_tokens_cap=...).
+    engine.reset()
+    with run_server(build_app(engine, max_tokens_cap=7)) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Every stage", "ignore_eos": True}).json()
+    assert engine.only_call()[2].max_tokens == 7 and r["usage"]["completion_tokens"] == 7
     # Without `model` the served model is used.
     raw = httpx.post(str(client.base_url) + "completions", json={"prompt": "x", "max_tokens": 2})
     assert raw.status_code == 200 and raw.json()["model"] == MODEL
@@ -399,6 +404,14 @@ def test_chat_non_stream_and_stream(client, engine, tokenizer):
     assert usage.model_dump() == r.usage.model_dump()
     assert extra(chunks[0], "prompt_token_ids") == prompt_ids
     assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+
+    # Text content parts are joined with newlines before the template renders them.
+    engine.reset()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    client.chat.completions.create(model=MODEL, messages=parts, max_tokens=2)
+    joined = [{"role": "user", "content": "one\ntwo"}]
+    assert engine.only_call()[1] == list(tokenizer.apply_chat_template(joined, add_generation_prompt=True,
+                                                                        tokenize=True, return_dict=False))
 
 
 def test_prompt_forms(client, engine, tokenizer):
@@ -646,6 +659,28 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ("chat/completions", {"messages": "hello"}, "messages"),
+    ("completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    ("completions", {"prompt": "hi", "n": 1000}, "n"),
+    ("completions", {"prompt": "hi", "seed": "x"}, "seed"),
+    ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+    ("completions", {"prompt": "hi", "stop": ["a"] * 17}, "stop"),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": "hi", "frequency_penalty": 1.0}, None),
+    ("completions", {"prompt": "hi", "best_of": 3}, None),
+    ("completions", {"prompt": "hi", "suffix": "x"}, None),
+    ("completions", {"prompt": 42}, "prompt"),
+    ("completions", {"prompt": [[]]}, None),
+    ("completions", {"prompt": [1, "a"]}, "prompt"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, None),
+    ("completions", {"max_tokens": 3}, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 3}, None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
+    ("chat/completions", {}, "messages"),
 ]
 
 
@@ -666,6 +701,8 @@ def test_bad_requests_get_400(server, path, body, param):
     (b'{"prompt": "\xff\xfe"}', "application/json"),
     (b'{"prompt": "hi"}', "text/plain"),
     (b"[1, 2]", "application/json"),
+    (b'{"prompt": "hi", "temperature": NaN}', "application/json"),
+    (b"", "application/json"),
 ])
 def test_unparseable_bodies_get_400(server, client, raw, ctype):
     r = httpx.post(f"{server}/v1/completions", content=raw, headers={"content-type": ctype})
@@ -797,6 +834,46 @@ def test_non_streaming_client_disconnect_aborts(server, engine):
     assert wait_for(lambda: not engine.active)
 
 
+def test_concurrent_requests_and_disconnects_leave_nothing_running(server, engine, tokenizer):
+    engine.delay = 0.005
+
+    async def main():
+        ai = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+        async def whole(i):
+            r = await ai.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=20, seed=i,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+            return r.choices[0].text, extra(r.choices[0], "token_ids"), r.usage.completion_tokens
+
+        async def streamed(i):
+            text = ""
+            async for chunk in await ai.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=20, seed=i,
+                    stream=True, extra_body={"ignore_eos": True}):
+                text += "".join(c.delta.content or "" for c in chunk.choices)
+            return text
+
+        async def leaver(i):
+            stream = await ai.completions.create(model=MODEL, prompt=f"leaver {i}", max_tokens=300, stream=True,
+                                                 extra_body={"ignore_eos": True})
+            async for _ in stream:
+                break
+            await stream.close()
+
+        results = await asyncio.gather(*[whole(i) for i in range(12)], *[streamed(i) for i in range(12)],
+                                       *[leaver(i) for i in range(6)])
+        await ai.close()
+        return results
+
+    results = asyncio.run(main())
+    for text, ids, n in results[:12]:
+        assert text == decode(tokenizer, ids) and n == len(ids) == 20
+    assert all(isinstance(t, str) and t for t in results[12:24])
+    assert wait_for(lambda: not engine.active), engine.active
+    leavers = {rid for rid, (prompt, _) in engine.calls.items() if decode(tokenizer, prompt).startswith("leaver")}
+    assert len(leavers) == 6 and set(engine.aborted) == leavers
+
+
 # --------------------------------------------------------------------------------------
 # serve_http
 # --------------------------------------------------------------------------------------
@@ -812,11 +889,12 @@ def test_serve_http_runs_on_uvloop(engine):
     stop = threading.Event()
 
     async def main():
-        task = asyncio.ensure_future(serve_http(build_app(engine), "127.0.0.1", port, log_level="warning"))
+        shutdown = asyncio.Event()
+        server = asyncio.ensure_future(serve_http(build_app(engine), "127.0.0.1", port, log_level="warning",
+                                                  shutdown=shutdown))
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        shutdown.set()
+        await asyncio.wait_for(server, 10)
 
     thread = threading.Thread(target=uvloop.run, args=(main(),), daemon=True)
     thread.start()
@@ -834,3 +912,4 @@ def test_serve_http_runs_on_uvloop(engine):
     finally:
         stop.set()
         thread.join(10)
+    assert not thread.is_alive()  # serve_http returned once `shutdown` was set

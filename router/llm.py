@@ -99,7 +99,9 @@ class LLM:
         return rid
 
     def abort(self, request_id: str) -> None:
-        self.pipeline.release_sync(self.scheduler.abort(request_id))
+        rows = self.scheduler.abort(request_id)
+        self.pipeline.release_sync(rows)
+        self.scheduler.free(rows)
         c = self.completions.get(request_id)
         if c is not None and c.finish_reason is None and request_id not in self.scheduler.requests:
             c.finish_reason = "abort"
@@ -121,6 +123,7 @@ class LLM:
             if up.commit is not None:
                 pipe.commit_accept_sync(up.commit)
             pipe.release_sync(up.release_rows)
+            sched.free(up.release_rows)
             for o in up.outputs:
                 c = self.completions[o.request_id]
                 c.token_ids += o.new_token_ids

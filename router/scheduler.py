@@ -166,6 +166,7 @@ class Scheduler:
         self.drafter = drafter
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.kv_reserved = 0
+        self._releasing: dict[int, int] = {}  # row -> reserved KV tokens, until released
         self.waiting: deque[Request] = deque()
         self.lanes: list[list[Request]] = [[] for _ in range(num_lanes)]
         self.requests: dict[str, Request] = {}
@@ -335,13 +336,21 @@ class Scheduler:
         return new, None
 
     def _finish(self, r: Request, reason: str) -> int:
+        """End a running request. Its row (and KV reservation) come back with
+        :meth:`free` once every stage acknowledged the release, so a new request never
+        reaches a stage on a row that stage still holds."""
         r.status, r.finish_reason = FINISHED, reason
         self.lanes[r.lane].remove(r)
         self.requests.pop(r.request_id, None)
-        self.kv_reserved -= r.reserved_tokens
+        self._releasing[r.row] = r.reserved_tokens
         row, r.row = r.row, -1
-        self.free_rows.append(row)
         return row
+
+    def free(self, rows: list[int]) -> None:
+        """Rows every stage has released: reusable from now on."""
+        for row in rows:
+            self.kv_reserved -= self._releasing.pop(row)
+            self.free_rows.append(row)
 
     def abort(self, request_id: str) -> list[int]:
         """Abort a request. Returns rows to release now (none while its micro-batch is in
@@ -358,16 +367,19 @@ class Scheduler:
             return [self._finish(r, "abort")]
         return []
 
-    def fail_all(self) -> list[Request]:
-        """Drop every request (a stage died): returns them so the driver can tell clients."""
+    def fail_all(self) -> tuple[list[Request], list[int]]:
+        """Drop every request (a stage died). Returns the dropped requests, so the driver
+        can tell their clients, and the rows they held, to release on every stage."""
         dropped = list(self.requests.values())
+        rows = []
         for r in dropped:
+            r.in_flight = False
             if r.status == RUNNING:
-                self._finish(r, "abort")
+                rows.append(self._finish(r, "abort"))
             r.status = FINISHED
         self.waiting.clear()
         self.requests.clear()
-        return dropped
+        return dropped, rows
 
     # ------------------------------------------------------------------ state
     @property

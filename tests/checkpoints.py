@@ -8,8 +8,15 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+VOCAB = 320
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 BASE = dict(
-    vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
     max_position_embeddings=2048, initializer_range=0.1, rms_norm_eps=1e-6,
 )
@@ -69,6 +76,29 @@ def add_random_mtp(path: str, seed: int = 0) -> None:
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"), indent=2)
 
 
+def add_tokenizer(path: str) -> None:
+    """A byte-level BPE tokenizer of VOCAB ids (bytes, a few merges, ChatML specials), with
+    ``<|im_end|>`` as EOS in config.json: enough for the HTTP API to render and decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["The quick brown fox jumps over the lazy dog. Hello world, how are you today?"] * 50
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    assert len(fast) <= VOCAB
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["eos_token_id"] = fast.convert_tokens_to_ids("<|im_end|>")
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"), indent=2)
+
+
 def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> str:
     """Write checkpoint ``kind`` (see KINDS) under ``root``; returns its folder."""
     path = os.path.join(root, kind)
@@ -82,4 +112,5 @@ def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> st
     model.save_pretrained(path)
     if mtp:
         add_random_mtp(path, seed)
+    add_tokenizer(path)
     return path

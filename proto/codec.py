@@ -1,0 +1,114 @@
+"""Map the stage messages (``messages.py`` dataclasses) to and from protobuf.
+
+Tensors travel as raw bytes with dtype and shape: no per-element protobuf encoding.
+"""
+from __future__ import annotations
+
+from .messages import SamplingSpec, StepInput, StepOutput
+from .stubs import pb
+
+MAX_MESSAGE_BYTES = 1 << 30
+"""gRPC send/receive limit (bytes) for stages and the router: hidden states of a large
+micro-batch exceed gRPC's 4 MiB default."""
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def tensor_to_pb(t) -> "pb.Tensor":
+    """A torch tensor (any device / dtype) as ``pb.Tensor`` (raw bytes, C order)."""
+    import torch
+
+    c = t.detach().contiguous().cpu()
+    raw = c.view(torch.uint8) if c.element_size() != 1 and c.numel() else c
+    return pb.Tensor(data=raw.numpy().tobytes(), dtype=str(c.dtype).removeprefix("torch."), shape=list(c.shape))
+
+
+def tensor_from_pb(m: "pb.Tensor"):
+    """``pb.Tensor`` back to a CPU torch tensor. Raises ValueError on a size mismatch."""
+    import torch
+
+    dtype = getattr(torch, m.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {m.dtype!r}")
+    shape = tuple(m.shape)
+    n = 1
+    for s in shape:
+        n *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(m.data) != n * itemsize:
+        raise ValueError(f"tensor of shape {shape} {m.dtype} needs {n * itemsize} bytes, got {len(m.data)}")
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(m.data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def step_to_pb(s: StepInput) -> "pb.StepRequest":
+    m = pb.StepRequest(
+        micro_batch_id=s.micro_batch_id, round=s.round, mode=s.mode,
+        req_pool_indices=s.req_pool_indices, seq_lens=s.seq_lens, extend_lens=s.extend_lens,
+        input_ids=s.input_ids, num_drafts=s.num_drafts, sample=s.sample, next_token_ids=s.next_token_ids,
+        output_lens=s.output_lens,
+        sampling=[
+            pb.SamplingSpec(
+                temperature=x.temperature, top_p=x.top_p, top_k=x.top_k, min_p=x.min_p, seed=x.seed,
+                logprobs=-1 if x.logprobs is None else x.logprobs, min_tokens=x.min_tokens,
+                banned_until_min=x.banned_until_min,
+            )
+            for x in s.sampling
+        ],
+    )
+    if s.hidden_states is not None:
+        m.hidden_states.CopyFrom(tensor_to_pb(s.hidden_states))
+    return m
+
+
+def step_from_pb(m: "pb.StepRequest") -> StepInput:
+    return StepInput(
+        micro_batch_id=m.micro_batch_id, round=m.round, mode=m.mode,
+        req_pool_indices=list(m.req_pool_indices), seq_lens=list(m.seq_lens), extend_lens=list(m.extend_lens),
+        input_ids=list(m.input_ids), num_drafts=list(m.num_drafts), sample=list(m.sample),
+        next_token_ids=list(m.next_token_ids), output_lens=list(m.output_lens),
+        sampling=[
+            SamplingSpec(
+                x.temperature, x.top_p, x.top_k, x.min_p, x.seed, None if x.logprobs < 0 else x.logprobs,
+                x.min_tokens, list(x.banned_until_min),
+            )
+            for x in m.sampling
+        ],
+        hidden_states=tensor_from_pb(m.hidden_states) if m.HasField("hidden_states") else None,
+    )
+
+
+def result_to_pb(o: StepOutput) -> "pb.StepResult":
+    m = pb.StepResult(
+        micro_batch_id=o.micro_batch_id, round=o.round,
+        output_ids=[pb.TokenList(ids=t) for t in o.output_ids],
+        drafts=[pb.TokenList(ids=t) for t in o.drafts],
+        stage_seconds=o.stage_seconds or [o.compute_seconds],
+        has_logprobs=o.logprobs is not None,
+    )
+    if o.logprobs is not None:
+        for lp in o.logprobs:
+            item = pb.LogprobList(present=lp is not None)
+            for tok, val, top in lp or []:
+                item.items.append(pb.TokenLogprob(token=tok, logprob=val, top_ids=[i for i, _ in top],
+                                                  top_logprobs=[v for _, v in top]))
+            m.logprobs.append(item)
+    return m
+
+
+def result_from_pb(m: "pb.StepResult") -> StepOutput:
+    logprobs = None
+    if m.has_logprobs:
+        logprobs = [
+            [(x.token, x.logprob, list(zip(x.top_ids, x.top_logprobs))) for x in lp.items] if lp.present else None
+            for lp in m.logprobs
+        ]
+    return StepOutput(
+        micro_batch_id=m.micro_batch_id, round=m.round,
+        output_ids=[list(t.ids) for t in m.output_ids], drafts=[list(t.ids) for t in m.drafts],
+        logprobs=logprobs, stage_seconds=list(m.stage_seconds),
+    )

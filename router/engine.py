@@ -1,0 +1,295 @@
+"""The router's engine: the scheduler driven over a pipeline, one asyncio task per lane.
+
+Each lane (micro-batch slot) loops: form a micro-batch, send it through the pipeline,
+process the last stage's result, then — without waiting — send ``CommitAccept`` for that
+micro-batch's rows and round to every stage and release finished rows. Stages order a
+commit before the next verify of the same rows, so the lane goes straight on to its next
+round, and up to ``num_lanes`` micro-batches are in flight at once.
+
+Implements the ``AsyncEngine`` shape the HTTP layer (``router.api``) serves.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from .metrics import RouterMetrics
+from .scheduler import Scheduler, Update
+from .types import EngineError, RequestOutput, SamplingParams, StageDownError
+
+log = logging.getLogger("ppspec.router")
+
+
+class Engine:
+    """Async engine over ``pipeline`` (``GrpcPipeline`` or ``InProcessPipeline``).
+
+    Call :meth:`start` (reads every stage's ``Info``) before serving.
+
+    Args:
+        model_name: served model id. tokenizer: the checkpoint's HF tokenizer.
+        speculative_algorithm: ``none``, ``ngram`` or ``mtp``, or None to infer it from
+            the stages (an MTP head on the last stage: mtp; drafts without one: ngram).
+        num_micro_batches: lanes in flight (default: the number of stages).
+        wedge_timeout: seconds a micro-batch may stay outstanding before ``health``
+            reports the pipeline wedged.
+    """
+
+    def __init__(self, pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
+                 num_micro_batches: int | None = None, max_batch_size: int = 64, chunk_size: int = 512,
+                 max_waiting: int = 4096, wedge_timeout: float = 60.0, metrics: RouterMetrics | None = None):
+        self.pipeline = pipeline
+        self.model_name, self.tokenizer = model_name, tokenizer
+        self.spec = speculative_algorithm
+        self.num_micro_batches = num_micro_batches
+        self.max_batch_size, self.chunk_size, self.max_waiting = max_batch_size, chunk_size, max_waiting
+        self.wedge_timeout = wedge_timeout
+        self.metrics = metrics
+        self.scheduler: Scheduler | None = None
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.outstanding: dict[int, float] = {}  # lane -> start time of its in-flight micro-batch
+        self.failure: str | None = None
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self.max_model_len = 0
+        self.stage_infos: list[dict] = []
+
+    async def start(self) -> None:
+        infos = await self.pipeline.info()
+        self.stage_infos = infos
+        last = infos[-1]
+        steps = last["num_speculative_steps"]
+        inferred = "mtp" if last["has_mtp"] else ("ngram" if steps else "none")
+        spec = self.spec or inferred
+        if spec != inferred and not (spec == "ngram" and inferred == "mtp"):
+            raise ValueError(f"--speculative-algorithm {spec} but the stages run {inferred}")
+        if len({i["num_speculative_steps"] for i in infos}) != 1:
+            raise ValueError("stages disagree on --speculative-num-steps")
+        ranges = [(i["layer_start"], i["layer_end"]) for i in infos]
+        if ranges[0][0] != 0 or ranges[-1][1] != infos[0]["num_layers"] or any(
+            a[1] != b[0] for a, b in zip(ranges, ranges[1:])
+        ):
+            raise ValueError(f"stage layer ranges {ranges} do not chain over {infos[0]['num_layers']} layers")
+        self.spec = spec
+        self.max_model_len = min(i["max_context"] for i in infos)
+        lanes = self.num_micro_batches or len(infos)
+        self.scheduler = Scheduler(
+            max_rows=min(i["max_rows"] for i in infos), kv_tokens=min(i["kv_tokens"] for i in infos),
+            max_context=self.max_model_len, num_lanes=lanes, max_batch_size=self.max_batch_size,
+            chunk_size=self.chunk_size, speculative_algorithm=spec, num_steps=steps,
+            eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
+        )
+        self.eos = last["eos_token_ids"]
+        if hasattr(self.pipeline, "start_monitor"):
+            self.pipeline.start_monitor()
+        self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(lanes)]
+        self._tasks.append(asyncio.ensure_future(self._stats_loop()))
+
+    # ------------------------------------------------------------------ client side
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self.failure is not None or not self.pipeline.health()[0]:
+            raise StageDownError(self.health()[1])
+        q: asyncio.Queue = asyncio.Queue()
+        self.scheduler.add(request_id, prompt_token_ids, params)  # raises before allocating anything
+        self.queues[request_id] = q
+        if self.metrics:
+            self.metrics.on_request_arrived(request_id)
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self.scheduler is None:
+            return
+        req = self.scheduler.requests.get(request_id)
+        waiting = req is not None and req.row < 0
+        rows = self.scheduler.abort(request_id)
+        if rows:
+            self._spawn(self._release(rows))
+        if waiting or rows:
+            self._finished(request_id, RequestOutput(request_id, [], "abort", len(req.prompt_ids), len(req.output_ids)))
+        self._wake.set()
+
+    def health(self) -> tuple[bool, str]:
+        ok, detail = self.pipeline.health()
+        if not ok:
+            return False, detail
+        if self.failure is not None:
+            return False, self.failure
+        now = time.monotonic()
+        for lane, t0 in self.outstanding.items():
+            if now - t0 > self.wedge_timeout:
+                return False, f"pipeline wedged: micro-batch {lane} outstanding for {now - t0:.0f}s"
+        return True, detail
+
+    # ------------------------------------------------------------------ lanes
+    def _spawn(self, coro) -> None:
+        t = asyncio.ensure_future(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        q = self.queues.get(out.request_id)
+        if self.metrics and out.new_token_ids:
+            self.metrics.on_tokens(out.request_id, len(out.new_token_ids))
+        if out.finished:
+            self._finished(out.request_id, out)
+        elif q is not None:
+            q.put_nowait(out)
+
+    def _finished(self, request_id: str, out: RequestOutput) -> None:
+        q = self.queues.get(request_id)
+        if self.metrics:
+            try:
+                self.metrics.on_request_finished(request_id, out.finish_reason)
+            except (KeyError, ValueError):
+                pass
+        if q is not None:
+            q.put_nowait(out)
+
+    async def _lane_loop(self, lane: int) -> None:
+        sched = self.scheduler
+        while True:
+            if self.failure is not None:
+                await self._recover()
+                continue
+            batch = sched.schedule(lane)
+            if batch is None:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            if self.metrics:
+                now = time.monotonic()
+                for r in batch.requests:
+                    if batch.mode == "prefill" and r.num_computed == 0:
+                        self.metrics.on_request_scheduled(r.request_id, len(r.prompt_ids), now)
+            self.outstanding[lane] = time.monotonic()
+            self._set_in_flight()
+            try:
+                res = await self.pipeline.step(batch.step_input(self.eos))
+            except (StageDownError, ValueError, OSError) as e:
+                self.outstanding.pop(lane, None)
+                self._fail(f"{e}")
+                continue
+            finally:
+                self._set_in_flight()
+            self.outstanding.pop(lane, None)
+            up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
+            self._record(batch, res, up)
+            if up.commit is not None or up.release_rows:
+                self._spawn(self._commit_and_release(up))
+            for out in up.outputs:
+                self._deliver(out)
+            self._wake.set()
+
+    async def _commit_and_release(self, up: Update) -> None:
+        try:
+            if up.commit is not None:
+                secs = await self.pipeline.commit_accept(up.commit)
+                if self.metrics and secs:
+                    for k, s in enumerate(secs):
+                        self.metrics.on_stage_rpc(k, "commit", s)
+            await self._release(up.release_rows)
+        except (StageDownError, OSError) as e:
+            self._fail(str(e))
+
+    async def _release(self, rows: list[int]) -> None:
+        if rows:
+            await self.pipeline.release(rows)
+            self.scheduler.free(rows)
+            self._wake.set()
+
+    def _record(self, batch, res, up: Update) -> None:
+        if not self.metrics:
+            return
+        mode = "verify" if batch.mode == "verify" else "forward"
+        for k, s in enumerate(res.stage_seconds):
+            self.metrics.on_stage_rpc(k, mode, s)
+        if batch.mode == "verify":
+            self.metrics.on_verify_requests(up.num_drafts, up.accept_lengths)
+        self.metrics.set_queue(self.scheduler.num_running, self.scheduler.num_waiting)
+
+    def _set_in_flight(self) -> None:
+        if self.metrics:
+            self.metrics.set_in_flight(len(self.outstanding))
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, reason: str) -> None:
+        """A stage failed: end every request with StageDownError, keep the router up."""
+        if self.failure is None:
+            log.error("pipeline failure: %s", reason)
+            self.failure = reason
+        dropped, rows = self.scheduler.fail_all()
+        self._stale_rows = getattr(self, "_stale_rows", []) + rows
+        for r in dropped:
+            q = self.queues.get(r.request_id)
+            if q is not None:
+                q.put_nowait(StageDownError(f"request {r.request_id} failed: {reason}"))
+            if self.metrics:
+                try:
+                    self.metrics.on_request_finished(r.request_id, "abort")
+                except (KeyError, ValueError):
+                    pass
+        self.outstanding.clear()
+
+    async def _recover(self) -> None:
+        """Once every stage serves again, release all rows everywhere and resume."""
+        await asyncio.sleep(0.5)
+        if not self.pipeline.health()[0]:
+            return
+        try:
+            infos = await self.pipeline.info()
+            await self.pipeline.release(list(range(min(i["max_rows"] for i in infos))))
+        except (StageDownError, OSError):
+            return
+        if self.failure is not None:
+            self.scheduler.free(self._stale_rows)
+            self._stale_rows = []
+            log.info("pipeline recovered after: %s", self.failure)
+            self.failure = None
+
+    async def _stats_loop(self, period: float = 2.0) -> None:
+        """Stage busy fraction and pool usage for the metrics, from each stage's Info."""
+        prev: dict[int, tuple[float, float]] = {}
+        while True:
+            await asyncio.sleep(period)
+            if not self.metrics or self.failure is not None:
+                continue
+            try:
+                infos = await self.pipeline.info()
+            except (StageDownError, OSError, EngineError):
+                continue
+            now = time.monotonic()
+            for i in infos:
+                k = i["pp_rank"]
+                if k in prev:
+                    t0, b0 = prev[k]
+                    self.metrics.set_stage_busy(k, min(1.0, max(0.0, (i["busy_seconds"] - b0) / max(1e-9, now - t0))))
+                prev[k] = (now, i["busy_seconds"])
+                self.metrics.set_pool_usage(k, "rows", i["rows_in_use"] / max(1, i["max_rows"]))
+                if i["kv_pages_total"]:
+                    self.metrics.set_pool_usage(k, "kv", i["kv_pages_used"] / i["kv_pages_total"])
+                self.metrics.set_pool_usage(k, "state", i["rows_in_use"] / max(1, i["max_rows"]))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.pipeline.close()

@@ -1,0 +1,152 @@
+"""The pipeline over gRPC: stage 0 takes each step (it relays to the others), every stage
+takes commits and releases, and a monitor watches each stage's gRPC health service."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ppspec.proto.codec import GRPC_OPTIONS, result_from_pb, step_to_pb
+from ppspec.proto.messages import VERIFY, StepInput, StepOutput
+from ppspec.proto.stubs import pb, pb_grpc
+
+from .scheduler import Commit
+from .types import StageDownError
+
+
+def _info_dict(r: pb.InfoReply) -> dict:
+    return {
+        "pp_rank": r.pp_rank, "pp_size": r.pp_size, "layer_start": r.layer_start, "layer_end": r.layer_end,
+        "num_layers": r.num_layers, "max_rows": r.max_rows, "rows_in_use": r.rows_in_use, "kv_tokens": r.kv_tokens,
+        "kv_pages_used": r.kv_pages_used, "kv_pages_total": r.kv_pages_total, "max_context": r.max_context,
+        "num_speculative_steps": r.num_speculative_steps, "has_mtp": r.has_mtp, "vocab_size": r.vocab_size,
+        "eos_token_ids": list(r.eos_token_ids), "memory_bytes": dict(r.memory_bytes),
+        "busy_seconds": r.busy_seconds, "pending_commits": r.pending_commits,
+    }
+
+
+class GrpcPipeline:
+    """Stages at ``addresses`` (``host:port``, in PP-rank order).
+
+    Args:
+        step_timeout: seconds a micro-batch may take through the whole pipeline; past it
+            the step fails with StageDownError (a wedged pipeline).
+        rpc_timeout: seconds for commits, releases and info.
+    """
+
+    def __init__(self, addresses: list[str], step_timeout: float = 120.0, rpc_timeout: float = 30.0):
+        if not addresses:
+            raise ValueError("no stage addresses")
+        self.addresses = list(addresses)
+        self.step_timeout, self.rpc_timeout = step_timeout, rpc_timeout
+        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+        self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
+        self.health_stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
+        self.down: dict[int, str] = {}
+        self._monitor: asyncio.Task | None = None
+
+    def _error(self, stage: int | None, e: grpc.aio.AioRpcError, what: str) -> StageDownError:
+        where = f"stage {stage} ({self.addresses[stage]})" if stage is not None else "the pipeline"
+        return StageDownError(f"{what} failed at {where}: {e.code().name}: {e.details()}")
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until every stage's health service answers SERVING.
+
+        Raises:
+            StageDownError: naming the first stage not serving after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        for k, stub in enumerate(self.health_stubs):
+            while True:
+                try:
+                    r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise StageDownError(f"stage {k} at {self.addresses[k]} is unreachable or not serving")
+                await asyncio.sleep(0.2)
+
+    async def info(self) -> list[dict]:
+        out = []
+        for k, s in enumerate(self.stubs):
+            try:
+                out.append(_info_dict(await s.Info(pb.InfoRequest(), timeout=self.rpc_timeout)))
+            except grpc.aio.AioRpcError as e:
+                raise self._error(k, e, "Info") from None
+        return out
+
+    async def step(self, inp: StepInput) -> StepOutput:
+        call = self.stubs[0].Verify if inp.mode == VERIFY else self.stubs[0].Forward
+        try:
+            res = await call(step_to_pb(inp), timeout=self.step_timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise ValueError(e.details()) from None
+            details = e.details() or ""
+            stage = 0
+            if details.startswith("stage ") and details.split()[1].isdigit():
+                stage = int(details.split()[1])
+            raise self._error(stage, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}") from None
+        return result_from_pb(res)
+
+    async def commit_accept(self, c: Commit) -> list[float]:
+        """CommitAccept to every stage, the last included; returns each stage's seconds."""
+        req = pb.CommitRequest(micro_batch_id=c.micro_batch_id, round=c.round,
+                               req_pool_indices=c.req_pool_indices, accept_lengths=c.accept_lengths)
+        replies = await asyncio.gather(
+            *(s.CommitAccept(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
+        )
+        for k, r in enumerate(replies):
+            if isinstance(r, grpc.aio.AioRpcError):
+                raise self._error(k, r, f"commit of micro-batch {c.micro_batch_id} round {c.round}")
+            if isinstance(r, BaseException):
+                raise r
+        return [r.seconds for r in replies]
+
+    async def release(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        req = pb.ReleaseRequest(req_pool_indices=rows)
+        replies = await asyncio.gather(
+            *(s.Release(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
+        )
+        for k, r in enumerate(replies):
+            if isinstance(r, grpc.aio.AioRpcError):
+                raise self._error(k, r, "release")
+            if isinstance(r, BaseException):
+                raise r
+
+    # ---- health
+    async def _watch(self, period: float) -> None:
+        while True:
+            for k, stub in enumerate(self.health_stubs):
+                try:
+                    r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=max(1.0, period))
+                    ok = r.status == health_pb2.HealthCheckResponse.SERVING
+                    detail = "" if ok else f"stage {k} ({self.addresses[k]}) is not serving"
+                except grpc.aio.AioRpcError as e:
+                    ok, detail = False, f"stage {k} ({self.addresses[k]}) is down: {e.code().name}"
+                if ok:
+                    self.down.pop(k, None)
+                else:
+                    self.down[k] = detail
+            await asyncio.sleep(period)
+
+    def start_monitor(self, period: float = 1.0) -> None:
+        if self._monitor is None:
+            self._monitor = asyncio.ensure_future(self._watch(period))
+
+    def health(self) -> tuple[bool, str]:
+        if self.down:
+            return False, "; ".join(self.down[k] for k in sorted(self.down))
+        return True, f"{len(self.addresses)} stages serving"
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for c in self.channels:
+            await c.close()

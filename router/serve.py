@@ -1,0 +1,171 @@
+"""``ppspec serve``: start N stage processes and the router on loopback, and supervise them.
+
+Waits until the router's ``/health`` answers 200 (every stage serving), prints the URL,
+and on Ctrl-C or SIGTERM stops every child. When a child dies unexpectedly it stops the
+others and exits non-zero, so that a supervisor restarts the whole set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from .llm import DEMO_MODEL
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ppspec serve", description="start N pipeline stages and the router")
+    ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the bundled demo model)")
+    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
+    ap.add_argument("--speculative-num-steps", type=int, default=3)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--stage-ports", default=None, help="comma-separated stage ports (default: free ports)")
+    ap.add_argument("--max-rows", type=int, default=64)
+    ap.add_argument("--kv-tokens", type=int, default=65536)
+    ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--num-micro-batches", type=int, default=None)
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, cuda (stage k on cuda:k), or a comma-separated device per stage")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--num-threads", type=int, default=0, help="torch threads per stage (0: cores / stages)")
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--wedge-timeout", type=float, default=60.0)
+    ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def stage_devices(device: str, n: int) -> list[str]:
+    """Device of each stage: ``cuda`` puts stage k on ``cuda:k``; a list gives one per stage."""
+    if "," in device:
+        devs = [d.strip() for d in device.split(",")]
+        if len(devs) != n:
+            raise ValueError(f"--device lists {len(devs)} devices for {n} stages")
+        return devs
+    if device == "cuda":
+        return [f"cuda:{k}" for k in range(n)]
+    return [device] * n
+
+
+class Children:
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str]) -> None:
+        self.procs.append((name, subprocess.Popen(argv, start_new_session=True)))
+
+    def dead(self) -> tuple[str, int] | None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                return name, p.returncode
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    n = a.pp_size
+    try:
+        devices = stage_devices(a.device, n)
+    except ValueError as e:
+        print(f"ppspec serve: {e}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        print(f"ppspec serve: {a.model}: no config.json (is this a checkpoint folder?)", file=sys.stderr)
+        return 2
+    ports = [int(p) for p in a.stage_ports.split(",")] if a.stage_ports else [free_port(a.host) for _ in range(n)]
+    threads = a.num_threads or max(1, (os.cpu_count() or 1) // n)
+    py = [sys.executable, "-m", "ppspec.cli"]
+    kids = Children()
+    stop = {"sig": None}
+
+    def on_signal(sig, _frame):
+        stop["sig"] = sig
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for k in range(n):
+            argv_k = py + [
+                "stage", "--model", a.model, "--pp-rank", str(k), "--pp-size", str(n), "--host", a.host,
+                "--port", str(ports[k]), "--max-rows", str(a.max_rows), "--kv-tokens", str(a.kv_tokens),
+                "--speculative-algorithm", a.speculative_algorithm,
+                "--speculative-num-steps", str(a.speculative_num_steps), "--dtype", a.dtype,
+                "--device", devices[k], "--num-threads", str(threads),
+            ]
+            if k + 1 < n:
+                argv_k += ["--next-stage", f"{a.host}:{ports[k + 1]}"]
+            if a.max_context:
+                argv_k += ["--max-context", str(a.max_context)]
+            if a.inject_fault:
+                argv_k += ["--inject-fault", a.inject_fault]
+            kids.start(f"stage {k}", argv_k)
+        router = py + [
+            "router", "--model", a.model, "--stages", ",".join(f"{a.host}:{p}" for p in ports),
+            "--host", a.host, "--port", str(a.port), "--speculative-algorithm", a.speculative_algorithm,
+            "--max-batch-size", str(a.max_batch_size), "--connect-timeout", str(a.startup_timeout),
+            "--wedge-timeout", str(a.wedge_timeout), "--log-level", "warning",
+        ]
+        if a.num_micro_batches:
+            router += ["--num-micro-batches", str(a.num_micro_batches)]
+        if a.api_key:
+            router += ["--api-key", a.api_key]
+        if a.served_model_name:
+            router += ["--served-model-name", a.served_model_name]
+        kids.start("router", router)
+        url = f"http://{a.host}:{a.port}"
+        deadline = time.monotonic() + a.startup_timeout
+        while not healthy(url):
+            dead = kids.dead()
+            if dead or stop["sig"] or time.monotonic() > deadline:
+                why = f"{dead[0]} exited with code {dead[1]}" if dead else (
+                    "interrupted" if stop["sig"] else f"not healthy after {a.startup_timeout:.0f}s")
+                print(f"ppspec serve: startup failed: {why}", file=sys.stderr)
+                return 0 if stop["sig"] and not dead else 1
+            time.sleep(0.25)
+        print(f"ppspec serve: PP{n}, speculative {a.speculative_algorithm}, ready at {url}/v1", flush=True)
+        while stop["sig"] is None:
+            dead = kids.dead()
+            if dead:
+                print(f"ppspec serve: {dead[0]} exited unexpectedly with code {dead[1]}; stopping", file=sys.stderr)
+                time.sleep(3.0)  # let the router answer in-flight requests with 503
+                return 1
+            time.sleep(0.25)
+        return 0
+    finally:
+        kids.stop()

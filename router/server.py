@@ -1,0 +1,85 @@
+"""``ppspec router``: the HTTP API and the scheduler in front of running stages."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .llm import DEMO_MODEL
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ppspec router", description="OpenAI-compatible router in front of ppspec stages")
+    ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (its tokenizer and chat template)")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--stages", required=True, help="comma-separated host:port of the stages, in PP-rank order")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--speculative-algorithm", default=None, choices=["none", "ngram", "mtp"],
+                    help="checked against the stages (default: what the stages run)")
+    ap.add_argument("--num-micro-batches", type=int, default=None, help="micro-batches in flight (default: stages)")
+    ap.add_argument("--max-batch-size", type=int, default=64, help="requests per micro-batch")
+    ap.add_argument("--chunk-size", type=int, default=512, help="prefill tokens per micro-batch")
+    ap.add_argument("--max-waiting", type=int, default=4096, help="queued requests before 429")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the stages at start")
+    ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds one micro-batch may take")
+    ap.add_argument("--wedge-timeout", type=float, default=60.0,
+                    help="seconds a micro-batch may stay outstanding before /health says 503")
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+async def run_router(args) -> int:
+    from transformers import AutoTokenizer
+
+    from .api import build_app, serve_http
+    from .engine import Engine
+    from .grpc_pipeline import GrpcPipeline
+    from .metrics import RouterMetrics
+    from .types import StageDownError
+
+    addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        print(f"ppspec router: cannot load the tokenizer of {args.model}: {e}", file=sys.stderr)
+        return 2
+    pipeline = GrpcPipeline(addresses, step_timeout=args.step_timeout)
+    try:
+        await pipeline.wait_ready(args.connect_timeout)
+    except StageDownError as e:
+        print(f"ppspec router: {e}", file=sys.stderr)
+        return 2
+    infos = await pipeline.info()
+    metrics = RouterMetrics(num_stages=len(addresses), num_spec_tokens=infos[-1]["num_speculative_steps"])
+    name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
+    engine = Engine(pipeline, model_name=name, tokenizer=tokenizer, speculative_algorithm=args.speculative_algorithm,
+                    num_micro_batches=args.num_micro_batches, max_batch_size=args.max_batch_size,
+                    chunk_size=args.chunk_size, max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
+                    metrics=metrics)
+    try:
+        await engine.start()
+    except ValueError as e:
+        print(f"ppspec router: {e}", file=sys.stderr)
+        return 2
+    app = build_app(engine, name, api_key=args.api_key, registry=metrics.registry)
+    print(f"ppspec router: {len(addresses)} stages, speculative {engine.spec}, "
+          f"serving {name} on http://{args.host}:{args.port}", flush=True)
+    try:
+        await serve_http(app, args.host, args.port, log_level=args.log_level)
+    finally:
+        await engine.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        return uvloop.run(run_router(args))
+    except ImportError:
+        return asyncio.run(run_router(args))

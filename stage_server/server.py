@@ -1,0 +1,277 @@
+"""``ppspec stage``: one pipeline stage as a gRPC server (grpc.aio on uvloop).
+
+Compute runs on one worker thread, off the event loop, in the order this server admits
+it. A non-last stage relays each step to the next stage with its hidden states and
+returns the next stage's answer, so activations go stage to stage and the last stage's
+result travels back up the chain to the router.
+
+**Ordering.** ``CommitAccept(mb, r)`` and ``Verify(mb, r + 1)`` come from different
+senders (the router, the previous stage) and may arrive in either order. A verify marks
+its rows *pending* with its ``(micro_batch_id, round)``; any later step or release that
+names a pending row waits until the commit of that round has been applied. A commit must
+name exactly the micro-batch and round its rows are pending on, or it is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ppspec.proto.codec import GRPC_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
+from ppspec.proto.messages import VERIFY
+from ppspec.proto.stubs import pb, pb_grpc
+
+from .config import CheckpointError
+from .pools import PoolExhaustedError
+
+log = logging.getLogger("ppspec.stage")
+
+SERVICE_NAME = "ppspec.stage.Stage"
+
+
+class StageServicer(pb_grpc.StageServicer):
+    """gRPC front of a :class:`~ppspec.stage_server.runner.StageRunner`.
+
+    Args:
+        runner: the stage's runner.
+        next_stage: ``host:port`` of stage ``pp_rank + 1`` (None on the last stage).
+        relay_timeout: seconds a relayed step may take downstream before it fails.
+        order_timeout: seconds a step or release waits for a pending commit.
+    """
+
+    def __init__(self, runner, next_stage: str | None, relay_timeout: float = 600.0, order_timeout: float = 600.0):
+        self.runner = runner
+        self.next_stage = next_stage
+        self.relay_timeout, self.order_timeout = relay_timeout, order_timeout
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{runner.pp_rank}")
+        self.pending: dict[int, tuple[int, int]] = {}
+        self.cond = asyncio.Condition()
+        self._next = None
+        if next_stage:
+            self._channel = grpc.aio.insecure_channel(next_stage, options=GRPC_OPTIONS)
+            self._next = pb_grpc.StageStub(self._channel)
+
+    async def _compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _wait_committed(self, rows, context, what: str) -> bool:
+        try:
+            async with self.cond:
+                await asyncio.wait_for(
+                    self.cond.wait_for(lambda: not any(r in self.pending for r in rows)), self.order_timeout
+                )
+            return True
+        except asyncio.TimeoutError:
+            stuck = {r: self.pending[r] for r in rows if r in self.pending}
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"stage {self.runner.pp_rank}: {what} waited {self.order_timeout:.0f}s for commits of {stuck}",
+            )
+            return False
+
+    async def _step(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
+        inp = step_from_pb(request)
+        rank = self.runner.pp_rank
+        if (inp.mode == VERIFY) != verify:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode {inp.mode!r} sent to the wrong RPC")
+        rows = inp.req_pool_indices
+        await self._wait_committed(rows, context, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
+        if verify:
+            async with self.cond:
+                for r in rows:
+                    self.pending[r] = (inp.micro_batch_id, inp.round)
+        try:
+            out = await self._compute(self.runner.step, inp)
+        except (ValueError, IndexError) as e:
+            await self._unmark(rows, verify)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}")
+        except PoolExhaustedError as e:
+            await self._unmark(rows, verify)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"stage {rank}: {e}")
+        if self._next is None:
+            out.stage_seconds = [out.compute_seconds]
+            return result_to_pb(out)
+        request.hidden_states.CopyFrom(tensor_to_pb(out.hidden_states))
+        call = self._next.Verify if verify else self._next.Forward
+        try:
+            res = await call(request, timeout=self.relay_timeout)
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                msg = f"stage {rank + 1} at {self.next_stage}: {e.details()}"
+            else:
+                msg = e.details()
+            await context.abort(code, msg)
+        res.stage_seconds[:] = [out.compute_seconds] + list(res.stage_seconds)
+        return res
+
+    async def _unmark(self, rows, verify):
+        if verify:
+            async with self.cond:
+                for r in rows:
+                    self.pending.pop(r, None)
+                self.cond.notify_all()
+
+    async def Forward(self, request, context):
+        return await self._step(request, context, verify=False)
+
+    async def Verify(self, request, context):
+        return await self._step(request, context, verify=True)
+
+    async def CommitAccept(self, request: pb.CommitRequest, context):
+        rows, acc = list(request.req_pool_indices), list(request.accept_lengths)
+        key = (request.micro_batch_id, request.round)
+        wrong = {r: self.pending.get(r) for r in rows if self.pending.get(r) != key}
+        if wrong:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stage {self.runner.pp_rank}: commit of micro-batch {key[0]} round {key[1]} names rows "
+                f"not pending on it: {wrong}",
+            )
+        t0 = time.perf_counter()
+        try:
+            await self._compute(self.runner.commit_accept, request.micro_batch_id, request.round, rows, acc)
+        except (ValueError, IndexError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.runner.pp_rank}: {e}")
+        finally:
+            async with self.cond:
+                for r in rows:
+                    if self.pending.get(r) == key:
+                        del self.pending[r]
+                self.cond.notify_all()
+        return pb.CommitReply(seconds=time.perf_counter() - t0)
+
+    async def Release(self, request: pb.ReleaseRequest, context):
+        rows = list(request.req_pool_indices)
+        await self._wait_committed(rows, context, "release")
+        try:
+            await self._compute(self.runner.release, rows)
+        except IndexError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ReleaseReply()
+
+    async def Info(self, request, context):
+        i = self.runner.info()
+        return pb.InfoReply(
+            pp_rank=i["pp_rank"], pp_size=i["pp_size"], layer_start=i["layer_start"], layer_end=i["layer_end"],
+            num_layers=i["num_layers"], max_rows=i["max_rows"], rows_in_use=i["rows_in_use"],
+            kv_tokens=i["kv_tokens"], kv_pages_used=i["kv_pages_used"], kv_pages_total=i["kv_pages_total"],
+            max_context=i["max_context"], num_speculative_steps=i["num_speculative_steps"], has_mtp=i["has_mtp"],
+            vocab_size=i["vocab_size"], eos_token_ids=i["eos_token_ids"], memory_bytes=i["memory_bytes"],
+            busy_seconds=i["busy_seconds"], pending_commits=len(self.pending),
+        )
+
+
+class DelayInterceptor(grpc.aio.ServerInterceptor):
+    """Test aid: hold every incoming call for a random 0..max_ms milliseconds, so that
+    commits and relayed verifies arrive in random order (``PPSPEC_INJECT_DELAY_MS``)."""
+
+    def __init__(self, max_ms: float, seed: int):
+        self.max_s = max_ms / 1000.0
+        self.rng = random.Random(seed)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        await asyncio.sleep(self.rng.random() * self.max_s)
+        return await continuation(handler_call_details)
+
+
+async def serve_stage(args) -> int:
+    import torch
+
+    from .runner import StageRunner
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"ppspec stage: --device {args.device} asked for, but CUDA is not available", file=sys.stderr)
+        return 2
+    spec = args.speculative_algorithm
+    steps = args.speculative_num_steps if spec != "none" else 0
+    try:
+        runner = StageRunner(
+            args.model, args.pp_rank, args.pp_size, max_rows=args.max_rows, kv_tokens=args.kv_tokens,
+            num_speculative_steps=steps, use_mtp=spec == "mtp", max_context=args.max_context,
+            dtype=getattr(torch, args.dtype), device=args.device, fault=args.inject_fault,
+        )
+    except (CheckpointError, ValueError) as e:
+        print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
+        return 2
+    last = args.pp_rank == args.pp_size - 1
+    if not last and not args.next_stage:
+        print(f"ppspec stage {args.pp_rank}: --next-stage is required on all but the last stage", file=sys.stderr)
+        return 2
+    interceptors = []
+    delay = float(os.environ.get("PPSPEC_INJECT_DELAY_MS", "0") or 0)
+    if delay > 0:
+        interceptors.append(DelayInterceptor(delay, seed=args.pp_rank))
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    servicer = StageServicer(runner, None if last else args.next_stage)
+    pb_grpc.add_StageServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    addr = f"{args.host}:{args.port}"
+    try:
+        bound = server.add_insecure_port(addr)
+    except RuntimeError as e:
+        print(f"ppspec stage {args.pp_rank}: cannot listen on {addr}: {e}", file=sys.stderr)
+        return 2
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    mem = runner.memory_report()
+    print(
+        f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
+        f"listening on {args.host}:{bound}; pools (bytes): {mem}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2)
+    servicer.executor.shutdown(wait=False, cancel_futures=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ppspec.router.llm import DEMO_MODEL
+
+    ap = argparse.ArgumentParser(prog="ppspec stage", description="run one pipeline stage (gRPC)")
+    ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the demo model)")
+    ap.add_argument("--pp-rank", type=int, default=0)
+    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--next-stage", default=None, help="host:port of stage pp_rank + 1")
+    ap.add_argument("--max-rows", type=int, default=64, help="request rows (concurrent requests)")
+    ap.add_argument("--kv-tokens", type=int, default=65536, help="KV cache budget in tokens")
+    ap.add_argument("--max-context", type=int, default=None, help="context limit in tokens")
+    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
+    ap.add_argument("--speculative-num-steps", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        return uvloop.run(serve_stage(args))
+    except ImportError:
+        return asyncio.run(serve_stage(args))

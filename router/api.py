@@ -174,6 +174,7 @@ class TokenPieces:
         decoder = getattr(backend, "decoder", None)
         self._alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
         self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.byte_level = self._alphabet is not None
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import pathlib
 import random
 import socket
 import threading
@@ -23,9 +24,9 @@ import openai
 import pytest
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ppspec.router.api import build_app, serve_http
+from ppspec.router.api import TextStream, TokenPieces, build_app, serve_http
 from ppspec.router.protocol import AsyncEngine
 from ppspec.router.types import (
     ContextLengthError,
@@ -454,6 +455,48 @@ def test_n2_derives_seeds(client, engine, tokenizer):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, seed=3,
                                           max_tokens=8)
     assert [c.index for c in chat.choices] == [0, 1]
+
+
+DEMO_CHECKPOINT = pathlib.Path(__file__).resolve().parent.parent / "models" / "qwen35-demo"
+
+
+TOKENIZERS_UNDER_TEST = [
+    pytest.param(make_tokenizer, id="tiny-bpe"),
+    pytest.param(lambda: AutoTokenizer.from_pretrained(str(DEMO_CHECKPOINT), local_files_only=True),
+                 id="qwen35-demo", marks=pytest.mark.skipif(not (DEMO_CHECKPOINT / "tokenizer_config.json").exists(),
+                                                            reason="demo checkpoint not built")),
+]
+
+
+@pytest.mark.parametrize("load", TOKENIZERS_UNDER_TEST)
+def test_detokenizer_units(load):
+    """TextStream releases exactly decode(ids), one whole character at a time; TokenPieces
+    gives each token's exact bytes (byte-level tokenizers)."""
+    tok = load()
+    prompt = tok.encode("Prompt: ")
+    ids = tok.encode(GEN_TEXT.replace("<|im_end|>", " "))
+    full = decode(tok, ids)
+    stream = TextStream(tok, prompt, [])
+    parts = []
+    for t in ids:
+        stream.add(t)
+        parts.append(stream.take())
+    parts.append(stream.finish())
+    assert "".join(parts) == full
+    assert all("\ufffd" not in p for p in parts)
+    pieces = TokenPieces(tok)
+    if pieces.byte_level:
+        assert b"".join(bytes(pieces(t)[1]) for t in ids) == full.encode("utf-8")
+    # A stop string made of a multi-byte character cuts the text right before it.
+    char = next(c for c in full if len(c.encode()) == 3)
+    stream = TextStream(tok, prompt, [char])
+    out = []
+    for t in ids:
+        if stream.add(t):
+            break
+        out.append(stream.take())
+    out.append(stream.take())
+    assert "".join(out) == full[:full.index(char)] and stream.stop_str == char
 
 
 # --------------------------------------------------------------------------------------

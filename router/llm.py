@@ -34,6 +34,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
     text: str | None = None
 
 
@@ -128,6 +129,7 @@ class LLM:
                 c = self.completions[o.request_id]
                 c.token_ids += o.new_token_ids
                 c.accept_lengths += o.accept_lengths
+                c.logprobs += o.logprobs or []
                 c.finish_reason = o.finish_reason
             outputs += up.outputs
         return outputs

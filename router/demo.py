@@ -1,0 +1,96 @@
+"""``ppspec demo`` (``make run``): serve the demo model with PP2 + MTP, send a few ShareGPT
+prompts through the OpenAI API, print the answers and the accept length, keep serving."""
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from .llm import DEMO_MODEL
+
+
+def accept_stats(url: str) -> tuple[float | None, list[float]]:
+    """Mean accept length (1 + accepted / drafts) and per-position acceptance from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    vals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == "ppspec:spec_decode_num_accepted_tokens_per_pos_total":
+                per_pos[int(s.labels["position"])] = s.value
+            elif s.name.startswith("ppspec:spec_decode_num_") and s.name.endswith("_total"):
+                vals[s.name] = s.value
+    drafts = vals.get("ppspec:spec_decode_num_drafts_total", 0.0)
+    if not drafts:
+        return None, []
+    mean = 1.0 + vals.get("ppspec:spec_decode_num_accepted_tokens_total", 0.0) / drafts
+    return mean, [per_pos[k] / drafts for k in sorted(per_pos)]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ppspec demo", description=__doc__)
+    ap.add_argument("--model", default=DEMO_MODEL)
+    ap.add_argument("--pp-size", type=int, default=2)
+    ap.add_argument("--speculative-algorithm", default="mtp", choices=["none", "ngram", "mtp"])
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--no-keep-serving", action="store_true", help="exit after the demo prompts")
+    a = ap.parse_args(argv)
+    url = f"http://127.0.0.1:{a.port}"
+    serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", a.model, "--pp-size",
+                              str(a.pp_size), "--speculative-algorithm", a.speculative_algorithm, "--port", str(a.port)])
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if serve.poll() is not None:
+                print(f"ppspec demo: the server exited with code {serve.returncode}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        from openai import OpenAI
+
+        from ppspec.bench.dataset import first_exchange, load_sharegpt
+
+        client = OpenAI(base_url=url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        prompts = []
+        for rec in load_sharegpt():
+            pair = first_exchange(rec)
+            if pair and 20 <= len(pair[0]) <= 300:
+                prompts.append(pair[0])
+            if len(prompts) == a.num_prompts:
+                break
+        for i, p in enumerate(prompts, 1):
+            t0 = time.monotonic()
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                               max_tokens=a.max_tokens, temperature=0.0)
+            dt = time.monotonic() - t0
+            n = r.usage.completion_tokens
+            print(f"\n[{i}] user: {p.strip()}\n[{i}] assistant ({n} tokens, {n / dt:.1f} tok/s): "
+                  f"{r.choices[0].message.content.strip()}")
+        mean, per_pos = accept_stats(url)
+        if mean is not None:
+            print(f"\nmean accept length {mean:.2f}; acceptance per draft position "
+                  + ", ".join(f"{x:.2f}" for x in per_pos))
+        if a.no_keep_serving:
+            return 0
+        print(f"\nserving on {url}/v1 (OpenAI API; metrics at {url}/metrics); Ctrl-C to stop", flush=True)
+        return serve.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGINT)
+            try:
+                serve.wait(20)
+            except subprocess.TimeoutExpired:
+                serve.kill()

@@ -1,0 +1,181 @@
+"""Plain-torch GDN verify with the *replay* commit (DESIGN.md section 7): the reference for
+``triton_replay.py``.
+
+The copy design (``naive.recurrent_gated_delta_rule_ref`` with a scratch, then
+``commit.naive.commit_accept_ref``) writes the state after each of the D verify steps and
+copies one of them back: ``1 + D`` state sizes in the verify and 2 more in the commit. The
+replay design keeps only each verify step's *inputs* at the request's stable row (raw k,
+v, g, beta of that step: a few KiB per head, against a 64 KiB state per head at
+K = V = 128 fp32). The commit records how many of those steps were accepted; the next
+verify (or decode) of that row first replays them onto the committed state, writes the
+committed state back once, then runs its own D steps without writing any state. A round
+reads and writes each state once, as plain decode does.
+
+Keys are stored raw (before the L2 norm, in the input dtype) and normalised again on
+replay: the same arithmetic as the verify step that first consumed them, so the replayed
+state equals the copy design's ``scratch[row, accept_length - 1]``.
+
+Buffers, per linear layer (``R = rows + 1`` with the padding row)::
+
+    k     [R, 2, D_max, H, K]     v    [R, 2, D_max, HV, V]
+    g     [R, 2, D_max, HV]       beta [R, 2, D_max, HV]
+    pending [R] int32   accepted steps of slot ``slot[row]`` not yet applied to state[row]
+    slot    [R] int32   which of the two slots holds them
+
+A verify reads slot ``slot[row]`` and writes its own inputs into slot ``1 - slot[row]``
+(two slots, so that programs of one row never read a step another program of that row is
+overwriting); the commit sets ``pending[row] = accept_length`` and flips ``slot[row]``.
+``pending``/``slot`` of all layers can live in one ``[L, R]`` tensor, so one launch commits
+every layer. Every access is at ``req_pool_indices``; no positional row exists.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .naive import _expand_heads, _prepare, l2norm
+
+
+class ReplayBuffers(NamedTuple):
+    """Per-layer replay state at stable rows; see the module docstring for shapes."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    pending: torch.Tensor
+    slot: torch.Tensor
+
+
+def alloc_replay_meta(num_layers: int, num_rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pending, slot)``, each ``[num_layers, num_rows]`` int32 zeros (num_rows counts the
+    padding row). Layer ``l`` uses ``pending[l]``, ``slot[l]``; the commit takes the whole."""
+    z = torch.zeros(num_layers, num_rows, dtype=torch.int32, device=device)
+    return z, z.clone()
+
+
+def alloc_replay_buffers(
+    num_rows: int,
+    d_max: int,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    meta: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> ReplayBuffers:
+    """Buffers for one layer. ``dtype`` is the dtype of the GDN inputs (k, v, g, beta);
+    ``meta`` = ``(pending[l], slot[l])`` views of :func:`alloc_replay_meta`, else fresh."""
+    R = num_rows
+    if meta is None:
+        p, s = alloc_replay_meta(1, R, device)
+        meta = (p[0], s[0])
+    return ReplayBuffers(
+        k=torch.zeros(R, 2, d_max, num_k_heads, head_k_dim, dtype=dtype, device=device),
+        v=torch.zeros(R, 2, d_max, num_v_heads, head_v_dim, dtype=dtype, device=device),
+        g=torch.zeros(R, 2, d_max, num_v_heads, dtype=dtype, device=device),
+        beta=torch.zeros(R, 2, d_max, num_v_heads, dtype=dtype, device=device),
+        pending=meta[0],
+        slot=meta[1],
+    )
+
+
+def _step(s, k_t, v_t, g_t, beta_t):
+    """One GDN step on ``s`` ``[B, HV, K, V]``: the same operations, in the same order, as
+    ``naive.recurrent_gated_delta_rule_ref``."""
+    s = s * g_t.exp()[..., None, None]
+    kv_mem = torch.einsum("bhkv,bhk->bhv", s, k_t)
+    delta = (v_t - kv_mem) * beta_t[..., None]
+    return s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
+def replay_pending_ref(s: torch.Tensor, bufs: ReplayBuffers, req_pool_indices: torch.Tensor) -> torch.Tensor:
+    """State ``s`` (``[B, HV, K, V]`` fp32, the committed state of the rows) with each row's
+    ``pending`` accepted steps applied. Does not write anything."""
+    rows = req_pool_indices
+    if rows.numel() == 0:
+        return s
+    n = bufs.pending[rows].long()
+    n_max = int(n.max())
+    if n_max == 0:
+        return s
+    sl = bufs.slot[rows].long()
+    hv = bufs.v.shape[-2]
+    kk = _expand_heads(l2norm(bufs.k[rows, sl].float()), hv)  # [B, D_max, HV, K]
+    vv, gg, bb = (x[rows, sl].float() for x in (bufs.v, bufs.g, bufs.beta))
+    for j in range(n_max):
+        stepped = _step(s, kk[:, j], vv[:, j], gg[:, j], bb[:, j])
+        s = torch.where((j < n)[:, None, None, None], stepped, s)
+    return s
+
+
+def recurrent_gated_delta_rule_replay_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    bufs: ReplayBuffers,
+    scale: float | None = None,
+    verify: bool = True,
+) -> torch.Tensor:
+    """Replay each row's pending accepted steps, then run D new steps.
+
+    Shapes as :func:`naive.recurrent_gated_delta_rule_ref`. ``verify=True``: the committed
+    state (after the replay) is written to ``state[row]`` and the D steps' raw inputs to
+    slot ``1 - slot[row]`` of the buffers; no other state is written. ``verify=False``
+    (plain decode): the state after the D steps is written to ``state[row]``. Either way
+    ``pending[row]`` is 0 afterwards.
+
+    Returns:
+        o: ``[B, D, HV, V]`` in v's dtype.
+    """
+    rows = req_pool_indices
+    out_dtype = v.dtype
+    raw = (k, v, g, beta)
+    s = replay_pending_ref(state[rows].float(), bufs, rows)
+    qn, kn, vf, gf, bf = _prepare(q, k, v, g, beta, scale)
+    B, D = q.shape[:2]
+    if verify:
+        state[rows] = s.to(state.dtype)
+    o = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
+    for t in range(D):
+        s = _step(s, kn[:, t], vf[:, t], gf[:, t], bf[:, t])
+        o[:, t] = torch.einsum("bhkv,bhk->bhv", s, qn[:, t])
+    if verify:
+        if B and D > bufs.k.shape[2]:
+            raise ValueError(f"D = {D} exceeds the replay buffers' D_max = {bufs.k.shape[2]}")
+        new = 1 - bufs.slot[rows].long()
+        for buf, x in zip((bufs.k, bufs.v, bufs.g, bufs.beta), raw):
+            buf[rows, new, :D] = x.to(buf.dtype)
+    else:
+        state[rows] = s.to(state.dtype)
+    bufs.pending[rows] = 0
+    return o.to(out_dtype)
+
+
+def commit_accept_replay_ref(
+    pending: torch.Tensor, slot: torch.Tensor, req_pool_indices: torch.Tensor, accept_lengths: torch.Tensor
+) -> None:
+    """Replay commit: ``pending[..., row] = accept_length``; ``slot[..., row]`` flips to the
+    slot the verify just wrote. ``pending``/``slot`` are ``[R]`` or ``[L, R]`` (all layers at
+    once). No state moves here: the next verify or decode of the row applies the steps."""
+    pending[..., req_pool_indices] = accept_lengths.to(pending.dtype)
+    slot[..., req_pool_indices] = 1 - slot[..., req_pool_indices]
+
+
+def replay_flush_ref(state: torch.Tensor, bufs: ReplayBuffers, req_pool_indices: torch.Tensor) -> None:
+    """Apply the rows' pending steps to ``state[row]`` now (before a prefill continues the
+    row, before a state is read out, or in tests); ``pending[row]`` becomes 0."""
+    rows = req_pool_indices
+    state[rows] = replay_pending_ref(state[rows].float(), bufs, rows).to(state.dtype)
+    bufs.pending[rows] = 0
+
+
+def replay_reset_ref(pending: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
+    """Drop pending steps of rows (a new request's prefill, or a released row)."""
+    pending[..., req_pool_indices] = 0

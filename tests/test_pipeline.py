@@ -156,7 +156,7 @@ def test_stage_death_gives_503_and_health_names_the_stage(random_ref, tmp_path):
                 async def one(p):
                     t0 = time.monotonic()
                     r = await client.post(c.url + "/v1/completions", json=dict(
-                        prompt=p, max_tokens=2000, temperature=0.0, ignore_eos=True))
+                        prompt=p, max_tokens=1500, temperature=0.0, ignore_eos=True))
                     return r, time.monotonic() - t0
                 tasks = [asyncio.ensure_future(one(p)) for p in prompts[:8]]
                 await asyncio.sleep(3.0)
@@ -215,12 +215,12 @@ def test_serve_exits_nonzero_when_a_child_dies(random_ref):
                 pass
             assert serve.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
-        pid = int(subprocess.check_output(["pgrep", "-f", f"--port {ports[1]}"]).split()[0])
+        pid = int(subprocess.check_output(["pgrep", "-f", f"ppspec.cli stage .*port {ports[1]}"]).split()[0])
         os.kill(pid, signal.SIGKILL)
         assert serve.wait(60) == 1
         out = serve.stdout.read()
         assert "stage 1 exited unexpectedly" in out
-        assert subprocess.run(["pgrep", "-f", f"--port {ports[0]}"], capture_output=True).returncode == 1
+        assert subprocess.run(["pgrep", "-f", f"ppspec.cli stage .*port {ports[0]}"], capture_output=True).returncode == 1
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)

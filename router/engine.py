@@ -191,7 +191,9 @@ class Engine:
                 continue
             finally:
                 self._set_in_flight()
-            self.outstanding.pop(lane, None)
+            started = self.outstanding.pop(lane, None)
+            if self.metrics and started is not None:
+                self.metrics.on_pipeline_step("verify" if batch.mode == "verify" else "forward", time.monotonic() - started)
             up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
             self._record(batch, res, up)
             if up.commit is not None or up.release_rows:

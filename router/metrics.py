@@ -210,6 +210,11 @@ class RouterMetrics:
             PREFIX + "stage_commit_latency_seconds",
             "Stage compute seconds of one CommitAccept, as reported by the stage.", ["stage"],
             buckets=STAGE_BUCKETS, registry=reg)
+        self.pipeline_step_latency = Histogram(
+            PREFIX + "pipeline_step_latency_seconds",
+            "Wall seconds of one micro-batch through the whole pipeline as the router sees it (all "
+            "stages' compute plus one gRPC round trip per stage): minus the stages' compute, the hop cost.",
+            ["mode"], buckets=STAGE_BUCKETS, registry=reg)
         self.micro_batches_in_flight = Gauge(
             PREFIX + "micro_batches_in_flight", "Micro-batches launched into the pipeline and not yet finished.",
             registry=reg)
@@ -383,6 +388,12 @@ class RouterMetrics:
             self.stage_commit_latency.labels(stage=str(stage)).observe(seconds)
         else:
             self.stage_forward_latency.labels(stage=str(stage), mode=mode).observe(seconds)
+
+    def on_pipeline_step(self, mode: str, seconds: float) -> None:
+        """Wall time of one micro-batch through every stage (``forward`` or ``verify``)."""
+        if mode not in ("forward", "verify"):
+            raise ValueError(f"mode must be forward or verify, got {mode!r}")
+        self.pipeline_step_latency.labels(mode=mode).observe(max(0.0, float(seconds)))
 
     def set_in_flight(self, n: int) -> None:
         """Micro-batches currently in the pipeline."""

@@ -1,0 +1,151 @@
+"""GPU engine benchmarks (H200): ``python -m ppspec.bench.gpu_bench`` prints a markdown report.
+
+1. HBM bandwidth: device-to-device copy of a 2 GiB buffer (the roofline's denominator).
+2. Demo checkpoint, bf16: output tokens/s with MTP against no speculation at batch 1 and 32,
+   and Hugging Face transformers' ``generate`` on the same prompts and GPU.
+3. A random 1B-parameter Qwen3.5-shaped checkpoint: decode-step time at batch 1, 16, 64
+   against its roofline ``(weight + KV + state bytes read) / measured bandwidth``.
+Every ratio is measured within this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+
+def bandwidth_gbs(torch) -> float:
+    x = torch.empty(1 << 30, dtype=torch.float16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / n
+    return 2 * x.numel() * x.element_size() / dt / 1e9  # read + write
+
+
+def demo_throughput(torch, model, prompts, batch, spec, max_tokens):
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    llm = LLM(model, device="cuda", dtype="bfloat16", speculative_algorithm=spec, max_rows=max(batch, 4))
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts[:batch], p)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    acc = [a for o in outs for a in o.accept_lengths]
+    return sum(len(o.token_ids) for o in outs) / dt, (sum(acc) / len(acc) if acc else None)
+
+
+def hf_throughput(torch, model, prompts, batch, max_tokens):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    L = max(len(p) for p in prompts[:batch])
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts[:batch]], device="cuda")
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts[:batch]], device="cuda")
+    kw = dict(attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        m.generate(ids, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m.generate(ids, **kw)
+        torch.cuda.synchronize()
+    return batch * max_tokens / (time.perf_counter() - t0)
+
+
+def make_1b(torch, path):
+    from transformers import Qwen3_5ForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=20,
+                            num_attention_heads=16, num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
+                            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                            max_position_embeddings=8192, tie_word_embeddings=False)
+    with torch.device("cuda"):
+        m = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+    m.save_pretrained(path)
+    return sum(p.numel() for p in m.parameters())
+
+
+def decode_step(torch, path, batch, ctx, bw):
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    r = StageRunner(path, max_rows=batch, kv_tokens=batch * (ctx + 64), dtype=torch.bfloat16, device="cuda")
+    rows = list(range(batch))
+    r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
+    seq = ctx
+    for _ in range(3):
+        r.step(StepInput(0, 1, "decode", rows, [seq] * batch, [1] * batch, [1] * batch))
+        seq += 1
+    torch.cuda.synchronize()
+    n = 10
+    t0 = time.perf_counter()
+    for _ in range(n):
+        r.step(StepInput(0, 1, "decode", rows, [seq] * batch, [1] * batch, [1] * batch))
+        seq += 1
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / n
+    c = r.cfg
+    weights = sum(p.numel() * p.element_size() for p in r.model.parameters()) - r.model.embed_tokens.weight.numel() * 2
+    kv = len(c.attention_layers) * batch * seq * 2 * c.num_key_value_heads * c.head_dim * 2
+    state = len(c.linear_layers) * batch * 2 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    floor = (weights + kv + state) / (bw * 1e9)
+    return dt, floor, weights, kv, state
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ppspec.bench.gpu_bench", description=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--skip-1b", action="store_true")
+    a = ap.parse_args(argv)
+    import torch
+    from transformers import AutoTokenizer
+
+    from ppspec.router.llm import DEMO_MODEL
+
+    model = a.model or DEMO_MODEL
+    bw = bandwidth_gbs(torch)
+    print(f"## GPU engine ({torch.cuda.get_device_name()}, torch {torch.__version__})\n")
+    print(f"device-to-device copy bandwidth: {bw:.0f} GB/s\n")
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = ["Explain how a hash map works.", "Write a short poem about the sea.", "What is 17 times 23?",
+             "Give me three tips for learning Python.", "Summarize the plot of Hamlet.", "How do vaccines work?"]
+    prompts = []
+    for i in range(32):
+        x = tok.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}], add_generation_prompt=True)
+        prompts.append(x if isinstance(x, list) else list(x["input_ids"]))
+    print("| batch | ppspec none tok/s | ppspec mtp tok/s | mtp / none | mean accept length | HF generate tok/s | ppspec best / HF |")
+    print("|---|---|---|---|---|---|---|")
+    for b in (1, 32):
+        none, _ = demo_throughput(torch, model, prompts, b, "none", a.max_tokens)
+        mtp, acc = demo_throughput(torch, model, prompts, b, "mtp", a.max_tokens)
+        hf = hf_throughput(torch, model, prompts, b, a.max_tokens)
+        print(f"| {b} | {none:.0f} | {mtp:.0f} | {mtp / none:.2f} | {acc:.2f} | {hf:.0f} | {max(none, mtp) / hf:.2f} |", flush=True)
+    if not a.skip_1b:
+        path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
+        n = make_1b(torch, path)
+        torch.cuda.empty_cache()
+        print(f"\nrandom Qwen3.5-shaped checkpoint: {n / 1e9:.2f} B parameters, bf16, context 1024\n")
+        print("| batch | decode step (ms) | roofline (ms) | step / roofline | weight MB | KV MB | state MB |")
+        print("|---|---|---|---|---|---|---|")
+        for b in (1, 16, 64):
+            dt, floor, w, kv, st = decode_step(torch, path, b, 1024, bw)
+            print(f"| {b} | {dt * 1e3:.2f} | {floor * 1e3:.3f} | {dt / floor:.1f} | {w / 1e6:.0f} | {kv / 1e6:.0f} | {st / 1e6:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

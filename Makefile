@@ -42,7 +42,7 @@ run: install
 	$(BIN)/ppspec demo --model $(MODEL)
 
 demo-model: install
-	$(BIN)/python -m ppspec.train_demo --out $(MODEL)
+	$(BIN)/python models/train_demo.py --out models/qwen35-demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -120,3 +120,37 @@ def test_replay_reset_and_flush_touch_only_named_rows():
     replay_flush_ref(state, bufs, torch.arange(R))
     changed = [r for r in range(R) if not torch.equal(state[r], before[r])]
     assert changed == [6]
+
+
+def test_replay_dispatchers_check_rows_and_match_reference():
+    from ppspec.kernels.gdn import (
+        alloc_replay_buffers as alloc, commit_accept_replay, gdn_recurrent_replay, replay_flush, replay_reset,
+    )
+
+    gen = torch.Generator().manual_seed(11)
+    R, H, HV, K, V, D = 7, 1, 2, 4, 4, 3
+    state = torch.randn(R, HV, K, V, generator=gen)
+    st_ref = state.clone()
+    bufs, bufs_ref = alloc(R, D, H, HV, K, V), alloc(R, D, H, HV, K, V)
+    rows = torch.tensor([5, 1])
+    x = _inputs(gen, 2, D, H, HV, K, V, torch.float32)
+    o = gdn_recurrent_replay(*x, state, rows, bufs)
+    o_ref = recurrent_gated_delta_rule_replay_ref(*x, st_ref, rows, bufs_ref)
+    assert torch.equal(o, o_ref)
+    commit_accept_replay(bufs.pending, bufs.slot, rows, torch.tensor([3, 1]), d_max=D)
+    commit_accept_replay_ref(bufs_ref.pending, bufs_ref.slot, rows, torch.tensor([3, 1]))
+    replay_flush(state, bufs, rows)
+    replay_flush_ref(st_ref, bufs_ref, rows)
+    assert torch.equal(state, st_ref)
+    before = (state.clone(), bufs.pending.clone(), bufs.slot.clone())
+    with pytest.raises(IndexError):
+        gdn_recurrent_replay(*x, state, torch.tensor([1, R]), bufs)
+    with pytest.raises(IndexError):
+        commit_accept_replay(bufs.pending, bufs.slot, torch.tensor([1, 1]), torch.tensor([1, 1]))
+    with pytest.raises(ValueError):
+        commit_accept_replay(bufs.pending, bufs.slot, rows, torch.tensor([0, 1]))
+    with pytest.raises(ValueError):
+        commit_accept_replay(bufs.pending, bufs.slot, rows, torch.tensor([D + 1, 1]), d_max=D)
+    with pytest.raises(IndexError):
+        replay_reset(bufs.pending, torch.tensor([-1]))
+    assert torch.equal(state, before[0]) and torch.equal(bufs.pending, before[1]) and torch.equal(bufs.slot, before[2])

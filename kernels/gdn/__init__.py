@@ -50,3 +50,83 @@ def gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scratch=None, scale
         else:
             return recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, req_pool_indices, scratch, scale)
     return recurrent_gated_delta_rule_ref(q, k, v, g, beta, state, req_pool_indices, scratch, scale)
+
+
+# ---- replay commit (DESIGN.md section 7): step inputs at stable rows, replayed in the next verify
+from .naive_replay import (  # noqa: E402
+    ReplayBuffers,
+    alloc_replay_buffers,
+    alloc_replay_meta,
+    commit_accept_replay_ref,
+    recurrent_gated_delta_rule_replay_ref,
+    replay_flush_ref,
+    replay_reset_ref,
+)
+
+__all__ += [
+    "ReplayBuffers", "alloc_replay_buffers", "alloc_replay_meta",
+    "gdn_recurrent_replay", "commit_accept_replay", "replay_flush", "replay_reset",
+]
+
+
+def gdn_recurrent_replay(q, k, v, g, beta, state, req_pool_indices, bufs, scale=None, verify=True):
+    """Verify (``verify=True``) or decode that first replays each row's accepted steps.
+
+    Shapes and semantics as :func:`naive_replay.recurrent_gated_delta_rule_replay_ref`.
+    Raises ``IndexError`` before any write when a row is outside the pool.
+    """
+    _check_rows(req_pool_indices, state.shape[0])
+    if q.is_cuda:
+        try:
+            from .triton_replay import recurrent_gated_delta_rule_replay_triton
+        except ImportError:
+            pass
+        else:
+            return recurrent_gated_delta_rule_replay_triton(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
+    return recurrent_gated_delta_rule_replay_ref(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
+
+
+def commit_accept_replay(pending, slot, req_pool_indices, accept_lengths, d_max=None) -> None:
+    """Replay commit of one micro-batch for all layers (``pending``/``slot`` ``[L, R]`` or ``[R]``).
+
+    Raises IndexError on rows outside ``[0, R)`` or repeated, ValueError on accept lengths
+    outside ``[1, d_max]`` (``d_max`` when given) or a length mismatch; nothing is written then.
+    """
+    n_rows = pending.shape[-1]
+    if req_pool_indices.shape != accept_lengths.shape:
+        raise ValueError("req_pool_indices and accept_lengths differ in length")
+    if req_pool_indices.numel() == 0:
+        return
+    _check_rows(req_pool_indices, n_rows)
+    if torch.unique(req_pool_indices).numel() != req_pool_indices.numel():
+        raise IndexError(f"commit rows repeat: {req_pool_indices.tolist()}")
+    if int(accept_lengths.min()) < 1 or (d_max is not None and int(accept_lengths.max()) > d_max):
+        raise ValueError(f"accept lengths must be in [1, {d_max}]: {accept_lengths.tolist()}")
+    if pending.is_cuda:
+        try:
+            from .triton_replay import commit_accept_replay_triton
+        except ImportError:
+            pass
+        else:
+            return commit_accept_replay_triton(pending, slot, req_pool_indices, accept_lengths)
+    commit_accept_replay_ref(pending, slot, req_pool_indices, accept_lengths)
+
+
+def replay_flush(state, bufs, req_pool_indices) -> None:
+    """Apply the rows' pending accepted steps to ``state[row]`` now (before a prefill
+    continues a row or a state is read out)."""
+    _check_rows(req_pool_indices, state.shape[0])
+    if state.is_cuda:
+        try:
+            from .triton_replay import replay_flush_triton
+        except ImportError:
+            pass
+        else:
+            return replay_flush_triton(state, bufs, req_pool_indices)
+    replay_flush_ref(state, bufs, req_pool_indices)
+
+
+def replay_reset(pending, req_pool_indices) -> None:
+    """Drop the rows' pending steps (a new request's prefill, a released row)."""
+    _check_rows(req_pool_indices, pending.shape[-1])
+    replay_reset_ref(pending, req_pool_indices)

@@ -1,0 +1,144 @@
+"""GPU paged attention for prefill, decode and verify: the GPU path of
+``naive.paged_attention_ref`` (same shapes and semantics).
+
+A Triton flash-attention over paged KV. One program per (request, KV head, block of
+``BLOCK_M`` (query, grouped head) pairs): the ``G = Hq / Hkv`` query heads that share a KV
+head are processed together, so decode (one query) still fills the matrix unit. The
+``L_b`` queries of request b sit at the last ``L_b`` of its ``kv_lens[b]`` positions;
+query i sees positions ``<= kv_lens[b] - L_b + i`` (causal). Softmax runs in fp32 with an
+online max; fp32 inputs use IEEE fp32 products (no tf32).
+
+FlashInfer is not wired in yet (its wheels are heavy to carry to the GPU machine): this
+Triton path is the GPU path whenever q is on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q, k_cache, v_cache, page_table, rows, kv_lens, cu_q, o,
+    scale, pt_stride,
+    HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_hk = tl.program_id(1)
+    i_mb = tl.program_id(2)
+    G: tl.constexpr = HQ // HKV
+    q0 = tl.load(cu_q + i_b)
+    L = tl.load(cu_q + i_b + 1) - q0
+    m_start = i_mb * BLOCK_M
+    if m_start // G < L:
+        n = tl.load(kv_lens + i_b)
+        row = tl.load(rows + i_b).to(tl.int64)
+        o_m = m_start + tl.arange(0, BLOCK_M)
+        i_q = o_m // G
+        i_hq = i_hk * G + o_m % G
+        m_q = i_q < L
+        o_d = tl.arange(0, BD)
+        m_d = o_d < HD
+        tok = (q0 + i_q).to(tl.int64)
+        p_q = q + (tok[:, None] * HQ + i_hq[:, None]) * HD + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_q[:, None] & m_d[None, :], other=0.0)
+        q_pos = n - L + i_q
+        last_i = tl.minimum(L - 1, (m_start + BLOCK_M - 1) // G)
+        hi = n - L + last_i + 1  # keys [0, hi) are visible to some query of this block
+
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
+        start = tl.full([], 0, tl.int32)
+        while start < hi:  # (while: Triton's interpreter cannot range() over a loaded value)
+            pos = start + tl.arange(0, BLOCK_N)
+            m_n = pos < hi
+            page = tl.load(page_table + row * pt_stride + pos // PAGE, mask=m_n, other=0).to(tl.int64)
+            slot = page * PAGE + pos % PAGE
+            kv_off = (slot[:, None] * HKV + i_hk) * HD + o_d[None, :]
+            b_k = tl.load(k_cache + kv_off, mask=m_n[:, None] & m_d[None, :], other=0.0)
+            b_v = tl.load(v_cache + kv_off, mask=m_n[:, None] & m_d[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(b_q.to(b_k.dtype), tl.trans(b_k))
+            s = s * scale
+            vis = (pos[None, :] <= q_pos[:, None]) & m_n[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(b_v.dtype), b_v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+            start += BLOCK_N
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        p_o = o + (tok[:, None] * HQ + i_hq[:, None]) * HD + o_d[None, :]
+        tl.store(p_o, out.to(o.dtype.element_ty), mask=m_q[:, None] & m_d[None, :])
+
+
+def _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q):
+    T, Hq, hd = q.shape
+    num_pages, page_size, Hkv, hd_k = k_cache.shape
+    if v_cache.shape != k_cache.shape or hd_k != hd or Hq % Hkv:
+        raise ValueError(f"attention shapes disagree: q {tuple(q.shape)} k_cache {tuple(k_cache.shape)} "
+                         f"v_cache {tuple(v_cache.shape)}")
+    B = req_pool_indices.numel()
+    if kv_lens.numel() != B or cu_seqlens_q.numel() != B + 1:
+        raise ValueError("req_pool_indices, kv_lens and cu_seqlens_q disagree on the batch")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged KV caches must be contiguous")
+    if B == 0:
+        return
+    rows_n, max_pages = page_table.shape
+    if int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= rows_n:
+        raise IndexError(f"req_pool_indices out of range [0, {rows_n})")
+    lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if int(cu_seqlens_q[-1]) != T or bool((lens_q < 0).any()) or bool((lens_q > kv_lens).any()):
+        raise ValueError("cu_seqlens_q must cover q, with each request's queries within its kv_lens")
+    if int(kv_lens.max()) > max_pages * page_size:
+        raise IndexError("kv_lens exceed the page table's capacity")
+    need = (kv_lens.to(page_table.device) + page_size - 1) // page_size
+    used = torch.arange(max_pages, device=page_table.device)[None, :] < need[:, None]
+    pages = page_table[req_pool_indices.to(page_table.device)][used]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise IndexError(f"page table names pages outside [0, {num_pages})")
+
+
+def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale):
+    """Shapes as :func:`naive.paged_attention_ref`; raises before the launch on rows or pages
+    outside the pool."""
+    _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q)
+    T, Hq, hd = q.shape
+    _, page_size, Hkv, _ = k_cache.shape
+    B = req_pool_indices.numel()
+    o = torch.empty_like(q)
+    if B == 0 or T == 0:
+        return o
+    dev = q.device
+    q = q.contiguous()
+    rows = req_pool_indices.to(dev, torch.int64).contiguous()
+    lens = kv_lens.to(dev, torch.int32).contiguous()
+    cu = cu_seqlens_q.to(dev, torch.int32).contiguous()
+    pt = page_table.to(dev)
+    if pt.stride(1) != 1:
+        pt = pt.contiguous()
+    G = Hq // Hkv
+    max_l = int((cu[1:] - cu[:-1]).max())
+    ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
+    BD = triton.next_power_of_2(hd)
+    BLOCK_M = 16 if max_l * G <= 16 else (32 if ieee and BD > 128 else 64)
+    BLOCK_N = 32 if (ieee or BD > 128) else 64
+    grid = (B, Hkv, triton.cdiv(max_l * G, BLOCK_M))
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, pt, rows, lens, cu, o, float(scale), pt.stride(0),
+        HQ=Hq, HKV=Hkv, HD=hd, PAGE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BD=BD, IEEE=ieee,
+        num_warps=4 if BLOCK_M <= 32 else 8,
+    )
+    return o

@@ -1,0 +1,106 @@
+"""Triton causal depthwise conv1d update over D tokens per request at stable rows: the GPU
+path of ``naive.causal_conv1d_update_ref``.
+
+One program per (request, channel block). The window ``conv_state[row]`` (``[C, W - 1]``)
+and the D new inputs form ``full = [window | x]``; output ``t`` is
+``act(sum_j w[:, j] * full[:, t + j] + bias)``. Verify writes the window after each step
+to ``conv_scratch[row, t]``; decode writes the final window back to ``conv_state[row]``.
+As in the reference, inputs and window pass through the weight's dtype before the sum
+(accumulated in fp32 here).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_ACT = {None: 0, "silu": 1, "swish": 1}
+
+
+@triton.jit
+def _full_col(x, conv_state, row, i_b, o_c, m_c, C, i: tl.constexpr, D: tl.constexpr, W: tl.constexpr, wdt: tl.constexpr):
+    # column i of full = [window (W-1 columns) | x (D columns)], rounded to the weight dtype
+    if i < W - 1:
+        val = tl.load(conv_state + (row * C + o_c) * (W - 1) + i, mask=m_c, other=0.0)
+    else:
+        val = tl.load(x + (i_b * D + (i - (W - 1))) * C + o_c, mask=m_c, other=0.0)
+    return val.to(wdt)
+
+
+@triton.jit
+def _conv_update_kernel(
+    x, weight, bias, conv_state, conv_scratch, rows, out,
+    C, D_MAX,
+    D: tl.constexpr, W: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_SCRATCH: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_cb = tl.program_id(1)
+    row = tl.load(rows + i_b).to(tl.int64)
+    o_c = i_cb * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    wdt = weight.dtype.element_ty
+    if HAS_BIAS:
+        b_bias = tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+    for t in tl.static_range(D):
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            w_j = tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
+            col = _full_col(x, conv_state, row, i_b, o_c, m_c, C, t + j, D, W, wdt)
+            acc += w_j * col.to(tl.float32)
+        if HAS_BIAS:
+            acc += b_bias
+        # the reference rounds the conv to the weight dtype before the activation
+        acc = acc.to(wdt).to(tl.float32)
+        if ACT == 1:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out + (i_b * D + t) * C + o_c, acc.to(wdt).to(out.dtype.element_ty), mask=m_c)
+        if STORE_SCRATCH:
+            for j in tl.static_range(W - 1):
+                col = _full_col(x, conv_state, row, i_b, o_c, m_c, C, t + 1 + j, D, W, wdt)
+                p = conv_scratch + ((row * D_MAX + t) * C + o_c) * (W - 1) + j
+                tl.store(p, col.to(conv_scratch.dtype.element_ty), mask=m_c)
+    if not STORE_SCRATCH:
+        # column j of the new window is full[:, D + j]: it reads window column D + j > j,
+        # never one this loop has already overwritten
+        for j in tl.static_range(W - 1):
+            col = _full_col(x, conv_state, row, i_b, o_c, m_c, C, D + j, D, W, wdt)
+            tl.store(conv_state + (row * C + o_c) * (W - 1) + j, col.to(conv_state.dtype.element_ty), mask=m_c)
+
+
+def causal_conv1d_update_triton(x, weight, bias, conv_state, req_pool_indices, conv_scratch=None, activation="silu"):
+    """Same shapes and semantics as :func:`naive.causal_conv1d_update_ref`."""
+    if activation not in _ACT:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    B, D, C = x.shape
+    W = weight.shape[-1]
+    if weight.shape != (C, W) or tuple(conv_state.shape[1:]) != (C, W - 1):
+        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)} weight {tuple(weight.shape)} "
+                         f"conv_state {tuple(conv_state.shape)}")
+    R = conv_state.shape[0]
+    if req_pool_indices.numel() != B:
+        raise ValueError(f"{req_pool_indices.numel()} rows for a batch of {B}")
+    if B and (int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= R):
+        raise IndexError(f"req_pool_indices out of range [0, {R}): {req_pool_indices.tolist()}")
+    out = torch.empty_like(x)
+    if B == 0 or D == 0:
+        return out
+    if not conv_state.is_contiguous():
+        raise ValueError("conv_state must be contiguous")
+    d_max = D
+    if conv_scratch is not None:
+        d_max = conv_scratch.shape[1]
+        if tuple(conv_scratch.shape) != (R, d_max, C, W - 1) or d_max < D or not conv_scratch.is_contiguous():
+            raise ValueError(f"conv_scratch {tuple(conv_scratch.shape)} does not fit {(R, D, C, W - 1)}")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    rows = req_pool_indices.to(x.device, torch.int64).contiguous()
+    BC = min(256, triton.next_power_of_2(C))
+    grid = (B, triton.cdiv(C, BC))
+    _conv_update_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_state,
+        conv_scratch if conv_scratch is not None else conv_state, rows, out, C, d_max,
+        D=D, W=W, BC=BC, HAS_BIAS=bias is not None, ACT=_ACT[activation],
+        STORE_SCRATCH=conv_scratch is not None, num_warps=4,
+    )
+    return out

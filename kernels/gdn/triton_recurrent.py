@@ -1,0 +1,205 @@
+"""Triton GDN recurrent decode / verify at stable rows (the GPU path of
+``naive.recurrent_gated_delta_rule_ref``), and the kernel body shared with the replay
+commit (``triton_replay.py``).
+
+One program per (request, value head, V-block). Its ``[K, BV]`` tile of the fp32 state is
+loaded once from ``state[row]`` and stays in registers across the D steps; q and k are
+L2-normalised in the program, and the grouped heads (``HV = G * H``) are resolved by
+reading query/key head ``hv // G``. Verify writes the state after step t to
+``scratch[row, t]``; decode writes the final state back to ``state[row]``. Rows are always
+``req_pool_indices[b]``: there is no positional row anywhere.
+
+With ``REPLAY`` the program first applies ``pending[row]`` accepted steps of the previous
+verify, read from the replay buffers (slot ``slot[row]``), and a verify stores its own
+raw step inputs into slot ``1 - slot[row]`` instead of any state (naive_replay.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .naive import recurrent_gated_delta_rule_ref  # noqa: F401  (the oracle; documented pairing)
+
+_EPS = 1e-6  # naive.l2norm
+
+
+@triton.jit
+def _gdn_step(b_s, b_k, b_v, g_t, beta_t):
+    """One gated delta step on the [BK, BV] tile, in the reference's order."""
+    b_s = b_s * tl.exp(g_t)
+    kv_mem = tl.sum(b_s * b_k[:, None], axis=0)
+    delta = (b_v - kv_mem) * beta_t
+    return b_s + b_k[:, None] * delta[None, :]
+
+
+@triton.jit
+def _gdn_recurrent_kernel(
+    q, k, v, g, beta, o,
+    state, scratch, rows,
+    buf_k, buf_v, buf_g, buf_beta, pending, slot,
+    scale,
+    D: tl.constexpr, D_MAX: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    STORE_SCRATCH: tl.constexpr, STORE_FINAL: tl.constexpr, REPLAY: tl.constexpr, STORE_BUF: tl.constexpr,
+):
+    i_bh = tl.program_id(0)
+    i_vb = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    G: tl.constexpr = HV // H
+    i_h = i_hv // G
+    row = tl.load(rows + i_b).to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_vb * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_off = o_k[:, None] * V + o_v[None, :]
+
+    # committed state of the row: [K, V] tile of head i_hv
+    p_state = state + (row * HV + i_hv) * (K * V) + kv_off
+    b_s = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
+
+    if REPLAY:
+        # apply the accepted steps of the previous verify, kept as raw inputs at this row
+        n_pend = tl.load(pending + row)
+        cur = tl.load(slot + row).to(tl.int64)
+        j = tl.full([], 0, tl.int32)
+        while j < n_pend:  # (a while loop: Triton's interpreter cannot range() over a loaded value)
+            st = (row * 2 + cur) * D_MAX + j
+            b_k = tl.load(buf_k + (st * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+            b_v = tl.load(buf_v + (st * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            g_t = tl.load(buf_g + st * HV + i_hv).to(tl.float32)
+            beta_t = tl.load(buf_beta + st * HV + i_hv).to(tl.float32)
+            b_s = _gdn_step(b_s, b_k, b_v, g_t, beta_t)
+            j += 1
+        if STORE_BUF:
+            # verify: the committed state is final now; the D steps below stay speculative
+            if n_pend > 0:
+                tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
+        nxt = 1 - cur
+
+    for t in range(D):
+        tok = i_b * D + t
+        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_kr = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_vr = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
+        g_r = tl.load(g + tok * HV + i_hv)
+        beta_r = tl.load(beta + tok * HV + i_hv)
+        b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+        b_k = b_kr.to(tl.float32)
+        b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_s = _gdn_step(b_s, b_k, b_vr.to(tl.float32), g_r.to(tl.float32), beta_r.to(tl.float32))
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)
+        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if STORE_SCRATCH:
+            p_scr = scratch + ((row * D_MAX + t) * HV + i_hv) * (K * V) + kv_off
+            tl.store(p_scr, b_s.to(scratch.dtype.element_ty), mask=m_kv)
+        if STORE_BUF:
+            st = (row * 2 + nxt) * D_MAX + t
+            # k is per key head and g/beta per value head: one program writes each
+            is_k_writer = (i_vb == 0) & (i_hv % G == 0)
+            tl.store(buf_k + (st * H + i_h) * K + o_k, b_kr.to(buf_k.dtype.element_ty), mask=m_k & is_k_writer)
+            tl.store(buf_v + (st * HV + i_hv) * V + o_v, b_vr.to(buf_v.dtype.element_ty), mask=m_v)
+            if i_vb == 0:
+                tl.store(buf_g + st * HV + i_hv, g_r.to(buf_g.dtype.element_ty))
+                tl.store(buf_beta + st * HV + i_hv, beta_r.to(buf_beta.dtype.element_ty))
+
+    if STORE_FINAL:
+        tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
+
+
+def _block_v(V: int, B: int, HV: int) -> int:
+    # 32 columns of a K = 128 fp32 tile: 4096 values, 32 registers a thread at 4 warps;
+    # smaller tiles only when the grid would be too small to fill the chip
+    bv = min(32, triton.next_power_of_2(V))
+    while bv > 8 and B * HV * triton.cdiv(V, bv) < 4 * 132:
+        bv //= 2
+    return bv
+
+
+def _check_gdn_args(q, k, v, g, beta, state):
+    B, D, H, K = q.shape
+    HV, V = v.shape[-2:]
+    if k.shape != q.shape or v.shape[:2] != (B, D) or g.shape != (B, D, HV) or beta.shape != (B, D, HV):
+        raise ValueError(f"GDN shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"g {tuple(g.shape)} beta {tuple(beta.shape)}")
+    if HV % H:
+        raise ValueError(f"value heads {HV} not a multiple of key heads {H}")
+    if tuple(state.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state rows are {tuple(state.shape[1:])}, expected {(HV, K, V)}")
+    if not state.is_contiguous():
+        raise ValueError("the state pool must be contiguous")
+    return B, D, H, HV, K, V
+
+
+def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scratch=None, bufs=None, verify=None,
+                         block_v=None, num_warps=None):
+    """Shared launcher: checks shapes, not rows, and never syncs the host (CUDA-graph
+    capturable). ``bufs`` (a ``naive_replay.ReplayBuffers``) selects the replay design;
+    ``verify`` is implied by ``scratch`` in the copy design and explicit in the replay one.
+    ``block_v`` / ``num_warps`` override the tile choice (benchmarks)."""
+    B, D, H, HV, K, V = _check_gdn_args(q, k, v, g, beta, state)
+    rows = req_pool_indices.to(device=q.device, dtype=torch.int64).contiguous()
+    if rows.numel() != B:
+        raise ValueError(f"{rows.numel()} rows for a batch of {B}")
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if B == 0 or D == 0:
+        return o
+    if scale is None:
+        scale = K ** -0.5
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    replay = bufs is not None
+    if replay:
+        d_max = bufs.k.shape[2]
+        if tuple(bufs.k.shape) != (state.shape[0], 2, d_max, H, K) or tuple(bufs.v.shape) != (state.shape[0], 2, d_max, HV, V):
+            raise ValueError("replay buffers do not match the state pool / heads")
+        if not all(x.is_contiguous() for x in bufs[:4]) or bufs.pending.stride(-1) != 1 or bufs.slot.stride(-1) != 1:
+            raise ValueError("replay buffers must be contiguous")
+        if verify and D > d_max:
+            raise ValueError(f"D = {D} exceeds the replay buffers' D_max = {d_max}")
+        store_scratch, store_final, store_buf = False, not verify, bool(verify)
+        scratch_arg = state  # unused
+        buf_args = tuple(bufs[:4]) + (bufs.pending, bufs.slot)
+    else:
+        d_max = D
+        if scratch is not None:
+            d_max = scratch.shape[1]
+            if tuple(scratch.shape) != (state.shape[0], d_max, HV, K, V) or d_max < D:
+                raise ValueError(f"scratch {tuple(scratch.shape)} does not fit state {tuple(state.shape)} and D = {D}")
+            if not scratch.is_contiguous():
+                raise ValueError("the verify scratch must be contiguous")
+        store_scratch, store_final, store_buf = scratch is not None, scratch is None, False
+        scratch_arg = scratch if scratch is not None else state
+        buf_args = (state,) * 4 + (rows, rows)  # unused
+    BK = triton.next_power_of_2(K)
+    BV = block_v or _block_v(V, B, HV)
+    grid = (B * HV, triton.cdiv(V, BV))
+    _gdn_recurrent_kernel[grid](
+        q, k, v, g, beta, o, state, scratch_arg, rows, *buf_args, float(scale),
+        D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        STORE_SCRATCH=store_scratch, STORE_FINAL=store_final, REPLAY=replay, STORE_BUF=store_buf,
+        num_warps=num_warps or (4 if BK * BV <= 4096 else 8),
+    )
+    return o
+
+
+def recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, req_pool_indices, scratch=None, scale=None):
+    """GPU path of :func:`naive.recurrent_gated_delta_rule_ref` (same shapes and semantics).
+
+    Rows are checked by the dispatcher (``gdn_recurrent``); this also refuses rows outside
+    the pool before the launch, so it is safe to call directly.
+    """
+    _check_rows_gpu(req_pool_indices, state.shape[0])
+    return launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scratch=scratch)
+
+
+def _check_rows_gpu(req_pool_indices: torch.Tensor, num_rows: int) -> None:
+    if req_pool_indices.numel() and (
+        int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= num_rows
+    ):
+        raise IndexError(f"req_pool_indices out of range [0, {num_rows}): {req_pool_indices.tolist()}")

@@ -173,7 +173,7 @@ def load_stage_model(
                 f"expected {tuple(p.shape)} from config.json"
             )
         state[name] = t.to(dtype)
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(state, strict=False, assign=False)
     # Non-persistent buffers were allocated on "meta": rebuild them on the device.
     inv = 1.0 / (

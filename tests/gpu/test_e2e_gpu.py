@@ -55,17 +55,34 @@ def test_fp32_identical_to_pp1(prompts, reference, pp, spec):
             assert gaps[i][j] < TIE, f"request {i} diverges at {j} with top-2 gap {gaps[i][j]:.2e}"
 
 
-@pytest.mark.parametrize("pp,spec", [(1, "none"), (2, "mtp"), (4, "ngram")])
-def test_bf16_tokens_mostly_identical(prompts, reference, pp, spec):
+@pytest.fixture(scope="module")
+def bf16_reference(prompts):
     from ppspec.router.llm import LLM
     from ppspec.router.types import SamplingParams
 
-    ref, _ = reference
+    llm = LLM(DEMO, device="cuda", dtype="bfloat16", max_rows=N)
+    outs = llm.generate([_ids(p) for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def _prefix_agreement(outs, ref):
+    """Tokens up to each request's first divergence (after it the contexts differ), as a fraction."""
+    same = sum(next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, ref))
+    return same / sum(len(r) for r in ref)
+
+
+@pytest.mark.parametrize("pp,spec", [(2, "mtp"), (4, "ngram"), (2, "none")])
+def test_bf16_tokens_mostly_identical_to_bf16_pp1(prompts, bf16_reference, reference, pp, spec):
+    """bf16 PP x spec against bf16 PP1 without speculation: at least 99% identical. The
+    agreement of bf16 with fp32 is printed (it measures bf16 rounding, not the pipeline)."""
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
     llm = LLM(DEMO, device="cuda", dtype="bfloat16", pp_size=pp, speculative_algorithm=spec, max_rows=N)
     outs = llm.generate([_ids(p) for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    # compare up to the first divergence of each request (after it, the contexts differ)
-    same = sum(next((j for j, (a, b) in enumerate(zip(o.token_ids, r)) if a != b), len(r)) for o, r in zip(outs, ref))
-    assert same / sum(len(r) for r in ref) >= 0.99 or pytest.fail(f"bf16 agreement {same / sum(map(len, ref)):.3f}")
+    agree = _prefix_agreement([o.token_ids for o in outs], bf16_reference)
+    print(f"bf16 PP{pp} {spec}: {agree:.3f} of bf16 PP1, {_prefix_agreement(bf16_reference, reference[0]):.3f} bf16 vs fp32")
+    assert agree >= 0.99, f"bf16 agreement with bf16 PP1 {agree:.3f}"
 
 
 def test_stage_asked_for_missing_cuda_device_fails_clearly():

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="cpu",
                     help="cpu, cuda (stage k on cuda:k), or a comma-separated device per stage")
+    ap.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per stage (weights + pools)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads per stage (0: cores / stages)")
@@ -132,6 +133,8 @@ def main(argv: list[str]) -> int:
                 argv_k += ["--next-stage", f"{a.host}:{ports[k + 1]}"]
             if a.max_context:
                 argv_k += ["--max-context", str(a.max_context)]
+            if a.memory_budget_gb:
+                argv_k += ["--memory-budget-gb", str(a.memory_budget_gb)]
             if a.inject_fault:
                 argv_k += ["--inject-fault", a.inject_fault]
             kids.start(f"stage {k}", argv_k)

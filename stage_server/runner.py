@@ -58,6 +58,12 @@ class StageRunner:
         num_speculative_steps: drafts per round (verify D = steps + 1); 0 = no speculation.
         use_mtp: draft with the checkpoint's MTP head (last stage).
         max_context: longest sequence (tokens); default the model's max_position_embeddings.
+        memory_budget: bytes this stage may use for weights and pools (several stages can
+            share one GPU); a larger need raises ValueError at start, before allocating.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be loaded. ValueError: bad arguments, CUDA
+        asked for but absent, or the memory budget is too small.
     """
 
     def __init__(
@@ -76,9 +82,16 @@ class StageRunner:
         device: str = "cpu",
         layer_range: tuple[int, int] | None = None,
         fault: str | None = None,
+        memory_budget: int | None = None,
     ):
         from .config import load_config
 
+        if str(device).startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
+            idx = torch.device(device).index or 0
+            if idx >= torch.cuda.device_count():
+                raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA devices")
         cfg = load_config(model_dir)
         start, end = layer_range or split_layers(cfg.num_hidden_layers, pp_size)[pp_rank]
         self.cfg: HybridConfig
@@ -101,6 +114,8 @@ class StageRunner:
         self._slot = {layer: i for i, layer in enumerate(lin)} | {layer: i for i, layer in enumerate(att)}
         # Verify writes up to D - 1 tokens past the committed length: reserve them.
         ctx = self.max_context + d
+        if memory_budget is not None:
+            self._check_budget(memory_budget, len(lin), len(att), kv_tokens, page_size, d)
         self.kv = KVPool(len(att), max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx, dtype, device) if att else None
         self.state = StatePool(
             len(lin), max_rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
@@ -115,6 +130,23 @@ class StageRunner:
         self._last_verify_rows: list[int] = []      # FAULT_STALE_ROWS
         self.busy_seconds = 0.0
         log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
+
+    def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> None:
+        c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
+        rows = self.max_rows + 1
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        pages = -(-kv_tokens // page_size)
+        kv = (n_att + (1 if self.use_mtp else 0)) * 2 * pages * page_size * c.num_key_value_heads * c.head_dim * esize
+        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * esize
+        state = n_lin * rows * (ssm + conv) * (1 + (d if d > 1 else 0))
+        need = weights + kv + state
+        if need > budget:
+            raise ValueError(
+                f"stage {self.pp_rank} needs {need / 2**30:.2f} GiB (weights {weights / 2**30:.2f}, KV {kv / 2**30:.2f}, "
+                f"state + verify scratch {state / 2**30:.2f}) but its memory budget is {budget / 2**30:.2f} GiB: "
+                f"lower --max-rows / --kv-tokens or raise the budget"
+            )
 
     # ------------------------------------------------------------------ info
     def memory_report(self) -> dict[str, int]:

@@ -191,9 +191,6 @@ async def serve_stage(args) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"ppspec stage: --device {args.device} asked for, but CUDA is not available", file=sys.stderr)
-        return 2
     spec = args.speculative_algorithm
     steps = args.speculative_num_steps if spec != "none" else 0
     try:
@@ -201,6 +198,7 @@ async def serve_stage(args) -> int:
             args.model, args.pp_rank, args.pp_size, max_rows=args.max_rows, kv_tokens=args.kv_tokens,
             num_speculative_steps=steps, use_mtp=spec == "mtp", max_context=args.max_context,
             dtype=getattr(torch, args.dtype), device=args.device, fault=args.inject_fault,
+            memory_budget=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
         )
     except (CheckpointError, ValueError) as e:
         print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
@@ -261,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-num-steps", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--memory-budget-gb", type=float, default=None,
+                    help="GiB this stage may use for weights and pools (stages sharing a GPU)")
     ap.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap

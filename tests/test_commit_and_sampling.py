@@ -154,3 +154,27 @@ def test_scheduler_rejects_bad_parameters():
         with pytest.raises(Exception, match="must"):
             s.add("x", [1, 2], SamplingParams(**bad))
     assert not s.requests and len(s.free_rows) == 2
+
+
+def test_stage_start_errors_are_clear(make_ckpt):
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_ckpt("qwen3_5_ratio1")
+    with pytest.raises(ValueError, match=r"needs .* GiB .* memory budget is 0\.00 GiB"):
+        StageRunner(path, memory_budget=1000)
+    assert StageRunner(path, max_rows=2, memory_budget=1 << 30).max_rows == 2
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            StageRunner(path, device="cuda")
+
+
+def test_stage_cli_exits_with_one_clear_line(make_ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    path = make_ckpt("qwen3_5_ratio1")
+    for extra, msg in ((["--memory-budget-gb", "0.000001"], "memory budget"),
+                       (["--model", str(tmp_path)], "config.json: missing")):
+        p = subprocess.run([sys.executable, "-m", "ppspec.cli", "stage", "--model", path, "--port", "0"] + extra,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -463,8 +463,7 @@ DEMO_CHECKPOINT = pathlib.Path(__file__).resolve().parent.parent / "models" / "q
 TOKENIZERS_UNDER_TEST = [
     pytest.param(make_tokenizer, id="tiny-bpe"),
     pytest.param(lambda: AutoTokenizer.from_pretrained(str(DEMO_CHECKPOINT), local_files_only=True),
-                 id="qwen35-demo", marks=pytest.mark.skipif(not (DEMO_CHECKPOINT / "tokenizer_config.json").exists(),
-                                                            reason="demo checkpoint not built")),
+                 id="qwen35-demo"),
 ]
 
 
@@ -598,8 +597,7 @@ def test_stop_strings_earliest_wins_and_held_back_text_is_released(client, engin
     prompt = "The quick"
     full, ids = _baseline(client, tokenizer, prompt, seed=4)
     a, b = full[10:13], full[30:33]
-    if a not in full[:30]:
-        pytest.skip("text too repetitive")
+    assert a not in full[:10], "the fake engine's text must not repeat here (it is deterministic)"
     _check_stop(client, engine, tokenizer, prompt, 4, [b, a], full, ids)
 
     # A stop string that starts like the text but never completes: all text arrives, no stop.

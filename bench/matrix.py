@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ppspec.router.serve import wait_healthy
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -93,16 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             serve = subprocess.Popen(serve_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
             try:
-                deadline = time.monotonic() + 600
-                while True:
-                    try:
-                        if httpx.get(url + "/health", timeout=2).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if serve.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit(f"serve PP{pp} {spec} did not start")
-                    time.sleep(0.5)
+                if not wait_healthy(url, serve, timeout=600):
+                    raise SystemExit(f"serve PP{pp} {spec} did not start")
                 for conc in [int(x) for x in a.concurrency.split(",")]:
                     label = f"{a.label_prefix}pp{pp}-{spec}"
                     res_path = out / f"{label}-c{conc}.json"

@@ -11,6 +11,7 @@ import time
 import httpx
 
 from .llm import DEMO_MODEL
+from .serve import wait_healthy
 
 
 def accept_stats(url: str) -> tuple[float | None, list[float]]:
@@ -46,16 +47,9 @@ def main(argv: list[str]) -> int:
     serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", a.model, "--pp-size",
                               str(a.pp_size), "--speculative-algorithm", a.speculative_algorithm, "--port", str(a.port)])
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if serve.poll() is not None:
-                print(f"ppspec demo: the server exited with code {serve.returncode}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        if not wait_healthy(url, serve, timeout=600):
+            print(f"ppspec demo: the server did not become healthy (exit code {serve.poll()})", file=sys.stderr)
+            return 1
         from openai import OpenAI
 
         from ppspec.bench.dataset import first_exchange, load_sharegpt

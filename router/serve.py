@@ -98,6 +98,16 @@ def healthy(url: str) -> bool:
         return False
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Poll ``url``/health until 200. False when ``proc`` exits or ``timeout`` (s) passes."""
+    deadline = time.monotonic() + timeout
+    while not healthy(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     n = a.pp_size

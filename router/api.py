@@ -435,7 +435,7 @@ class _Fanout:
                 if stream.stopped:
                     text = stream.take()
                     finished = True
-                    await server.abort(sub.request_id)  # frees the rows; the iterator is closed below
+                    await server.abort(sub.request_id, "stop")  # frees the rows; the iterator is closed below
                     self.queue.put_nowait(_Event(sub.index, text, ids, records, "stop", stream.stop_str, first))
                     return
                 if out.finish_reason is not None:
@@ -559,13 +559,13 @@ class _Server:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
         """``engine.abort``, completed even if the caller is cancelled meanwhile."""
-        await asyncio.shield(self.spawn(self._abort_now(request_id)))
+        await asyncio.shield(self.spawn(self._abort_now(request_id, finish_reason)))
 
-    async def _abort_now(self, request_id: str) -> None:
+    async def _abort_now(self, request_id: str, finish_reason: str) -> None:
         try:
-            await self.engine.abort(request_id)
+            await self.engine.abort(request_id, finish_reason)
         except Exception:  # noqa: BLE001
             log.exception("engine.abort(%s) failed", request_id)
 

@@ -113,16 +113,18 @@ class Engine:
             if not finished:
                 await self.abort(request_id)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
+        """Stop a request and free its rows (no-op for unknown or finished ids).
+        ``finish_reason``: how it is counted, ``stop`` for a stop string the HTTP layer matched."""
         if self.scheduler is None:
             return
         req = self.scheduler.requests.get(request_id)
         waiting = req is not None and req.row < 0
-        rows = self.scheduler.abort(request_id)
+        rows = self.scheduler.abort(request_id, finish_reason)
         if rows:
             self._spawn(self._release(rows))
         if waiting or rows:
-            self._finished(request_id, RequestOutput(request_id, [], "abort", len(req.prompt_ids), len(req.output_ids)))
+            self._finished(request_id, RequestOutput(request_id, [], finish_reason, len(req.prompt_ids), len(req.output_ids)))
         self._wake.set()
 
     def health(self) -> tuple[bool, str]:

@@ -178,11 +178,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     a = ap.parse_args(argv)
-    llm = LLM(a.model, pp_size=a.pp_size, speculative_algorithm=a.speculative_algorithm,
-              num_speculative_steps=a.speculative_num_steps)
-    for c in llm.generate(a.prompt, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens)):
-        acc = f" (mean accept length {sum(c.accept_lengths) / len(c.accept_lengths):.2f})" if c.accept_lengths else ""
-        print(f"{c.text!r} [{c.finish_reason}]{acc}")
+    from ppspec.stage_server.config import CheckpointError
+
+    from .types import EngineError
+
+    try:
+        llm = LLM(a.model, pp_size=a.pp_size, speculative_algorithm=a.speculative_algorithm,
+                  num_speculative_steps=a.speculative_num_steps)
+        outs = llm.generate(a.prompt, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens))
+    except (CheckpointError, EngineError, ValueError, OSError) as e:
+        print(f"ppspec generate: {e}", file=sys.stderr)
+        return 2
+    for p, c in zip(a.prompt, outs):
+        acc = f", mean accept length {sum(c.accept_lengths) / len(c.accept_lengths):.2f}" if c.accept_lengths else ""
+        print(f"{p}{c.text}\n  [{len(c.token_ids)} tokens, finish {c.finish_reason}{acc}]")
     return 0
 
 

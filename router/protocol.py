@@ -80,8 +80,11 @@ class AsyncEngine(Protocol):
         """
         ...
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
         """Stop a request and free its rows; a no-op for unknown or finished ids.
+
+        ``finish_reason`` is what the request is recorded as (metrics): ``"stop"`` when the
+        HTTP layer matched a stop string, ``"abort"`` otherwise.
 
         The running ``generate`` then yields a final output with ``finish_reason="abort"``
         (the HTTP layer may instead close the iterator with ``aclose()``; both must free

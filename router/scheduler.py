@@ -45,6 +45,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)  # drafts for the next round
     finish_reason: str | None = None
     aborted: bool = False
+    abort_reason: str = "abort"
     in_flight: bool = False
     seed: int = 0
     reserved_tokens: int = 0
@@ -301,8 +302,8 @@ class Scheduler:
             accept.append(len(toks))
             r.drafts = list(drafts[i]) if drafts else []
             if r.aborted:
-                release.append(self._finish(r, "abort"))
-                outputs.append(RequestOutput(r.request_id, [], "abort", len(r.prompt_ids), len(r.output_ids)))
+                release.append(self._finish(r, r.abort_reason))
+                outputs.append(RequestOutput(r.request_id, [], r.abort_reason, len(r.prompt_ids), len(r.output_ids)))
                 continue
             new, reason = self._append(r, toks)
             lps = None
@@ -352,19 +353,20 @@ class Scheduler:
             self.kv_reserved -= self._releasing.pop(row)
             self.free_rows.append(row)
 
-    def abort(self, request_id: str) -> list[int]:
-        """Abort a request. Returns rows to release now (none while its micro-batch is in
+    def abort(self, request_id: str, reason: str = "abort") -> list[int]:
+        """Abort a request (``reason``: ``abort``, or ``stop`` for a stop string matched by
+        the HTTP layer). Returns rows to release now (none while its micro-batch is in
         flight: the row is released after that round's commit)."""
         r = self.requests.get(request_id)
-        if r is None or r.status == FINISHED:
+        if r is None or r.status == FINISHED or r.aborted:
             return []
-        r.aborted = True
+        r.aborted, r.abort_reason = True, reason
         if r.status == WAITING:
             self.requests.pop(request_id, None)
-            r.status, r.finish_reason = FINISHED, "abort"
+            r.status, r.finish_reason = FINISHED, reason
             return []
         if not r.in_flight:
-            return [self._finish(r, "abort")]
+            return [self._finish(r, reason)]
         return []
 
     def fail_all(self) -> tuple[list[Request], list[int]]:

@@ -25,6 +25,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ppspec serve", description="start N pipeline stages and the router")
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the bundled demo model)")
@@ -111,6 +120,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     n = a.pp_size
+    if n < 1:
+        print(f"ppspec serve: --pp-size must be at least 1, got {n}", file=sys.stderr)
+        return 2
+    for port in [a.port] + ([int(p) for p in a.stage_ports.split(",")] if a.stage_ports else []):
+        if not port_free(a.host, port):
+            print(f"ppspec serve: {a.host}:{port} is already in use (another server?); pick another --port",
+                  file=sys.stderr)
+            return 2
     try:
         devices = stage_devices(a.device, n)
     except ValueError as e:
@@ -179,6 +196,7 @@ def main(argv: list[str]) -> int:
                 time.sleep(3.0)  # let the router answer in-flight requests with 503
                 return 1
             time.sleep(0.25)
+        print("ppspec serve: stopping", flush=True)
         return 0
     finally:
         kids.stop()

@@ -43,6 +43,8 @@ async def run_router(args) -> int:
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
+        # The context limit is the stages' (checked per request); silence the tokenizer's own.
+        tokenizer.model_max_length = 1 << 62
     except (OSError, ValueError) as e:
         print(f"ppspec router: cannot load the tokenizer of {args.model}: {e}", file=sys.stderr)
         return 2

@@ -170,7 +170,7 @@ class FakeEngine:
         finally:
             self.active.discard(request_id)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
         self.aborted.append(request_id)
         self._abort_flags.add(request_id)
 

@@ -1,4 +1,6 @@
 """The official openai client against a running PP2 + MTP pipeline, and the metrics it leaves."""
+import time
+
 import httpx
 import pytest
 import torch
@@ -70,3 +72,21 @@ def test_metrics_after_traffic(cluster):
     assert m[("ppspec:request_success_total", (("finished_reason", "length"),))] >= 3
     assert m[("ppspec:stage_forward_latency_seconds_count", (("mode", "verify"), ("stage", "1")))] > 0
     assert m[("ppspec:generation_tokens_total", ())] >= 48
+
+
+def test_stop_string_finishes_count_as_stop(cluster):
+    _, c = cluster
+    client = OpenAI(base_url=c.url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    full = client.completions.create(model=model, prompt="The quick brown", max_tokens=300, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[4:6]  # matched long before max_tokens: the engine is still running the request
+    before = metric_values(c.url)
+    r = client.completions.create(model=model, prompt="The quick brown", max_tokens=300, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
+    time.sleep(0.5)
+    after = metric_values(c.url)
+    key = lambda reason: ("ppspec:request_success_total", (("finished_reason", reason),))  # noqa: E731
+    assert after.get(key("stop"), 0) - before.get(key("stop"), 0) == 1
+    assert after.get(key("abort"), 0) == before.get(key("abort"), 0)

@@ -330,8 +330,8 @@ class StageRunner:
         pos = (mmeta.seq_lens + mmeta.extend_lens).tolist()
         for step in range(self.num_steps):
             d = self.model.mtp_logits(u).argmax(-1)  # [B]
-            for b in range(B):
-                drafts[b].append(int(d[b]))
+            for b, tok in enumerate(d.tolist()):  # one device sync per step, not per request
+                drafts[b].append(tok)
             if step == self.num_steps - 1:
                 break
             cmeta = self._meta(DECODE, meta.rows.tolist(), [p + step for p in pos], [1] * B, self.mtp_kv)

@@ -85,14 +85,14 @@ def verify_and_sample(
         if spec.banned_until_min and output_lens[b] < spec.min_tokens:
             n_ban = min(D, spec.min_tokens - output_lens[b])
             logits[b, :n_ban, spec.banned_until_min] = float("-inf")
-    greedy_targets = logits.argmax(-1)  # [B, D]
+    greedy_targets = logits.argmax(-1).tolist()  # [B][D], one transfer for the batch
     results = []
     drafts_l = drafts.tolist() if drafts.numel() else [[] for _ in range(B)]
     for b, spec in enumerate(specs):
         m, out0 = num_drafts[b], output_lens[b]
         tokens: list[int] = []
         if spec.temperature == 0.0:
-            tg = greedy_targets[b].tolist()
+            tg = greedy_targets[b]
             j = 0
             while j < m and drafts_l[b][j] == tg[j]:
                 j += 1

@@ -137,9 +137,15 @@ class StageServicer(pb_grpc.StageServicer):
                 f"stage {self.runner.pp_rank}: commit of micro-batch {key[0]} round {key[1]} names rows "
                 f"not pending on it: {wrong}",
             )
-        t0 = time.perf_counter()
+        def timed_commit():
+            # timed on the worker thread: queueing behind other micro-batches is not commit time
+            t0 = time.perf_counter()
+            self.runner.commit_accept(request.micro_batch_id, request.round, rows, acc)
+            return time.perf_counter() - t0
+
+        seconds = 0.0
         try:
-            await self._compute(self.runner.commit_accept, request.micro_batch_id, request.round, rows, acc)
+            seconds = await self._compute(timed_commit)
         except (ValueError, IndexError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.runner.pp_rank}: {e}")
         finally:
@@ -148,7 +154,7 @@ class StageServicer(pb_grpc.StageServicer):
                     if self.pending.get(r) == key:
                         del self.pending[r]
                 self.cond.notify_all()
-        return pb.CommitReply(seconds=time.perf_counter() - t0)
+        return pb.CommitReply(seconds=seconds)
 
     async def Release(self, request: pb.ReleaseRequest, context):
         rows = list(request.req_pool_indices)

@@ -122,7 +122,7 @@ class Engine:
         waiting = req is not None and req.row < 0
         rows = self.scheduler.abort(request_id, finish_reason)
         if rows:
-            self._spawn(self._release(rows))
+            self._spawn(self._release(rows, req.lane, self.scheduler.rounds[req.lane]))
         if waiting or rows:
             self._finished(request_id, RequestOutput(request_id, [], finish_reason, len(req.prompt_ids), len(req.output_ids)))
         self._wake.set()
@@ -211,13 +211,13 @@ class Engine:
                 if self.metrics and secs:
                     for k, s in enumerate(secs):
                         self.metrics.on_stage_rpc(k, "commit", s)
-            await self._release(up.release_rows)
+            await self._release(up.release_rows, up.micro_batch_id, up.round)
         except (StageDownError, OSError) as e:
             self._fail(str(e))
 
-    async def _release(self, rows: list[int]) -> None:
+    async def _release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0) -> None:
         if rows:
-            await self.pipeline.release(rows)
+            await self.pipeline.release(rows, micro_batch_id, round)
             self.scheduler.free(rows)
             self._wake.set()
 

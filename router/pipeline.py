@@ -73,7 +73,7 @@ class InProcessPipeline:
     async def commit_accept(self, c: Commit) -> None:
         await self._run(self.commit_accept_sync, c)
 
-    async def release(self, rows: list[int]) -> None:
+    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0) -> None:
         await self._run(self.release_sync, rows)
 
     def health(self) -> tuple[bool, str]:

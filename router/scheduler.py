@@ -118,6 +118,8 @@ class Update:
     release_rows: list[int]
     accept_lengths: list[int]
     num_drafts: list[int]
+    micro_batch_id: int = 0
+    round: int = 0
 
 
 class Scheduler:
@@ -321,7 +323,8 @@ class Scheduler:
         commit = None
         if batch.mode == "verify":
             commit = Commit(batch.micro_batch_id, batch.round, batch.req_pool_indices, accept)
-        return Update(outputs, commit, release, accept if batch.mode == "verify" else [], list(batch.num_drafts))
+        return Update(outputs, commit, release, accept if batch.mode == "verify" else [], list(batch.num_drafts),
+                      batch.micro_batch_id, batch.round)
 
     def _append(self, r: Request, toks: list[int]) -> tuple[list[int], str | None]:
         new = []

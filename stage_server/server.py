@@ -158,7 +158,7 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context):
         rows = list(request.req_pool_indices)
-        await self._wait_committed(rows, context, "release")
+        await self._wait_committed(rows, context, f"release after micro-batch {request.micro_batch_id} round {request.round}")
         try:
             await self._compute(self.runner.release, rows)
         except IndexError as e:

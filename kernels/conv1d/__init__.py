@@ -1,7 +1,7 @@
 """Causal depthwise conv1d (the short conv before GDN / Mamba2 mixing), one dispatch per op."""
 from __future__ import annotations
 
-from ..gdn import _check_rows
+from ..checks import check_rows as _check_rows
 from .naive import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 
 __all__ = ["causal_conv1d_prefill", "causal_conv1d_update"]

@@ -6,21 +6,11 @@ module imports.
 """
 from __future__ import annotations
 
-import torch
 
+from ..checks import check_commit, check_rows as _check_rows
 from .naive import chunk_gated_delta_rule_ref, l2norm, recurrent_gated_delta_rule_ref
 
 __all__ = ["gdn_prefill", "gdn_recurrent", "l2norm"]
-
-
-def _check_rows(req_pool_indices: torch.Tensor, num_rows: int) -> None:
-    if req_pool_indices.numel() and (
-        int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= num_rows
-    ):
-        raise IndexError(
-            f"req_pool_indices out of range [0, {num_rows}): "
-            f"min {int(req_pool_indices.min())}, max {int(req_pool_indices.max())}"
-        )
 
 
 def gdn_prefill(q, k, v, g, beta, cu_seqlens, initial_state, scale=None):
@@ -92,16 +82,8 @@ def commit_accept_replay(pending, slot, req_pool_indices, accept_lengths, d_max=
     Raises IndexError on rows outside ``[0, R)`` or repeated, ValueError on accept lengths
     outside ``[1, d_max]`` (``d_max`` when given) or a length mismatch; nothing is written then.
     """
-    n_rows = pending.shape[-1]
-    if req_pool_indices.shape != accept_lengths.shape:
-        raise ValueError("req_pool_indices and accept_lengths differ in length")
-    if req_pool_indices.numel() == 0:
+    if not check_commit(req_pool_indices, accept_lengths, pending.shape[-1], d_max):
         return
-    _check_rows(req_pool_indices, n_rows)
-    if torch.unique(req_pool_indices).numel() != req_pool_indices.numel():
-        raise IndexError(f"commit rows repeat: {req_pool_indices.tolist()}")
-    if int(accept_lengths.min()) < 1 or (d_max is not None and int(accept_lengths.max()) > d_max):
-        raise ValueError(f"accept lengths must be in [1, {d_max}]: {accept_lengths.tolist()}")
     if pending.is_cuda:
         try:
             from .triton_replay import commit_accept_replay_triton

@@ -99,6 +99,15 @@ def chunk_gated_delta_rule_ref(
     return o.to(out_dtype), final
 
 
+def gdn_step(s, k_t, v_t, g_t, beta_t):
+    """One step of the recurrence on ``s`` ``[B, HV, K, V]`` fp32 (k_t normalised, heads
+    expanded): decay, read ``S^T k``, write the beta-scaled delta. Returns the new state."""
+    s = s * g_t.exp()[..., None, None]
+    kv_mem = torch.einsum("bhkv,bhk->bhv", s, k_t)
+    delta = (v_t - kv_mem) * beta_t[..., None]
+    return s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
 def recurrent_gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,10 +140,7 @@ def recurrent_gated_delta_rule_ref(
     D = q.shape[1]
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(D):
-        s = s * g[:, t].exp()[..., None, None]
-        kv_mem = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
-        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        s = s + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        s = gdn_step(s, k[:, t], v[:, t], g[:, t], beta[:, t])
         o[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t])
         if scratch is not None:
             scratch[req_pool_indices, t] = s.to(scratch.dtype)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from .naive import _expand_heads, _prepare, l2norm
+from .naive import _expand_heads, _prepare, gdn_step as _step, l2norm
 
 
 class ReplayBuffers(NamedTuple):
@@ -80,15 +80,6 @@ def alloc_replay_buffers(
         pending=meta[0],
         slot=meta[1],
     )
-
-
-def _step(s, k_t, v_t, g_t, beta_t):
-    """One GDN step on ``s`` ``[B, HV, K, V]``: the same operations, in the same order, as
-    ``naive.recurrent_gated_delta_rule_ref``."""
-    s = s * g_t.exp()[..., None, None]
-    kv_mem = torch.einsum("bhkv,bhk->bhv", s, k_t)
-    delta = (v_t - kv_mem) * beta_t[..., None]
-    return s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
 
 
 def replay_pending_ref(s: torch.Tensor, bufs: ReplayBuffers, req_pool_indices: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 import triton
 
 from .naive_replay import ReplayBuffers, alloc_replay_buffers, alloc_replay_meta  # noqa: F401
+from ..checks import check_commit
 from .triton_recurrent import _block_v, _check_rows_gpu, _gdn_recurrent_kernel, launch_gdn_recurrent
 
 
@@ -42,15 +43,8 @@ def commit_accept_replay_triton(pending, slot, req_pool_indices, accept_lengths)
     """Replay commit for all layers at once (``pending``/``slot`` ``[L, R]`` or ``[R]``):
     ``pending[:, row] = accept_length``, ``slot[:, row]`` flips. Two tiny scatters; no state
     moves. Rows are validated like :func:`kernels.commit.commit_accept` validates them."""
-    n_rows = pending.shape[-1]
-    if req_pool_indices.shape != accept_lengths.shape:
-        raise ValueError("req_pool_indices and accept_lengths differ in length")
-    if req_pool_indices.numel() == 0:
+    if not check_commit(req_pool_indices, accept_lengths, pending.shape[-1], None):
         return
-    if int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= n_rows:
-        raise IndexError(f"commit rows out of range [0, {n_rows}): {req_pool_indices.tolist()}")
-    if torch.unique(req_pool_indices).numel() != req_pool_indices.numel():
-        raise IndexError(f"commit rows repeat: {req_pool_indices.tolist()}")
     launch_replay_commit(pending, slot, req_pool_indices.to(pending.device, torch.int64),
                          accept_lengths.to(pending.device, pending.dtype))
 

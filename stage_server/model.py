@@ -20,7 +20,7 @@ from torch import nn
 
 from ppspec.kernels.attention import paged_attention, store_kv
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
-from ppspec.kernels.gdn import gdn_prefill, gdn_recurrent
+from ppspec.kernels.gdn import ReplayBuffers, gdn_prefill, gdn_recurrent, gdn_recurrent_replay, replay_flush, replay_reset
 
 from .config import HybridConfig
 
@@ -34,7 +34,8 @@ class BatchMeta:
     mode: ``prefill`` (a chunk of each prompt; linear state starts from ``state[row]`` when
     ``seq_lens > 0``, else zeros, and the final state is written to ``state[row]``),
     ``decode`` (one token, state updated in place) or ``verify`` (``D`` tokens per request,
-    the state after each step written to the verify scratch at ``row``).
+    the state after each step written to the verify scratch at ``row``, or with the replay
+    commit design only the steps' inputs kept at ``row``).
     rows: ``[B]`` int64 ``req_pool_indices``. seq_lens: ``[B]`` tokens already cached.
     extend_lens: ``[B]`` new tokens. cu_seqlens: ``[B + 1]``. positions: ``[T]``.
     slots: ``[T]`` flat KV slot of each token (paged KV of this stage's attention layers).
@@ -66,12 +67,15 @@ class BatchMeta:
 @dataclass
 class LinearLayerState:
     """Views of one GDN layer's pools: ``conv [rows+1, C, W-1]``, ``ssm [rows+1, HV, K, V]``
-    and the verify scratch ``conv_scratch [rows+1, D, C, W-1]``, ``ssm_scratch [rows+1, D, HV, K, V]``."""
+    fp32, the conv verify scratch ``conv_scratch [rows+1, D, C, W-1]`` and either the copy
+    design's ``ssm_scratch [rows+1, D, HV, K, V]`` or the replay design's ``replay``
+    buffers (``kernels.gdn.ReplayBuffers``); both None when the stage never verifies."""
 
     conv: torch.Tensor
     ssm: torch.Tensor
     conv_scratch: torch.Tensor | None
     ssm_scratch: torch.Tensor | None
+    replay: ReplayBuffers | None = None
 
 
 class RMSNorm(nn.Module):
@@ -143,17 +147,30 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk), v.view(T, self.hv, self.dv)
         if meta.mode == PREFILL:
-            has_init = (meta.seq_lens > 0).view(-1, 1, 1, 1)
-            init = torch.where(has_init, st.ssm[meta.rows], torch.zeros((), dtype=st.ssm.dtype, device=x.device))
+            has_init = meta.seq_lens > 0
+            if st.replay is not None:
+                # replay design: a new request drops the row's pending steps (a previous
+                # request's); a continuing prefill applies them before reading the state
+                replay_reset(st.replay.pending, meta.rows[~has_init])
+                replay_flush(st.ssm, st.replay, meta.rows[has_init])
+            init = torch.where(
+                has_init.view(-1, 1, 1, 1), st.ssm[meta.rows], torch.zeros((), dtype=st.ssm.dtype, device=x.device)
+            )
             o, final = gdn_prefill(q, k, v, g, beta, meta.cu_seqlens, init)
             st.ssm[meta.rows] = final.to(st.ssm.dtype)
         else:
             B, D = meta.batch_size, meta.tokens_per_request
-            scratch = st.ssm_scratch if meta.mode == VERIFY else None
-            o = gdn_recurrent(
+            args = (
                 q.view(B, D, self.hk, self.dk), k.view(B, D, self.hk, self.dk), v.view(B, D, self.hv, self.dv),
-                g.view(B, D, self.hv), beta.view(B, D, self.hv), st.ssm, meta.rows, scratch,
-            ).reshape(T, self.hv, self.dv)
+                g.view(B, D, self.hv), beta.view(B, D, self.hv), st.ssm, meta.rows,
+            )
+            if st.replay is not None:
+                # replay design: pending accepted steps first; a verify keeps only its inputs,
+                # a decode writes its final state (DESIGN.md section 7)
+                o = gdn_recurrent_replay(*args, st.replay, verify=meta.mode == VERIFY)
+            else:
+                o = gdn_recurrent(*args, st.ssm_scratch if meta.mode == VERIFY else None)
+            o = o.reshape(T, self.hv, self.dv)
         o = self.norm(o, z).reshape(T, self.value_dim)
         return self.out_proj(o)
 

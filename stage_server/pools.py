@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ppspec.kernels.commit import commit_accept
+from ppspec.kernels.gdn import ReplayBuffers, alloc_replay_buffers, alloc_replay_meta, commit_accept_replay
 
 from .model import LinearLayerState
 
@@ -76,40 +77,120 @@ class KVPool:
         return self.k[i], self.v[i]
 
 
+COMMIT_DESIGNS = ("copy", "replay")
+
+
+def state_pool_nbytes(
+    num_layers, max_rows, hk, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, commit_design="copy"
+) -> dict[str, int]:
+    """Bytes :class:`StatePool` allocates for these arguments, before allocating anything
+    (the stage's memory-budget check); equal to ``StatePool(...).nbytes``.
+
+    Returns ``{"state": committed state + conv window, "verify_scratch": copy design's
+    per-step state and conv windows, or the replay design's conv windows, step inputs and
+    pending/slot counters}``, in bytes.
+    """
+    rows, d = max_rows + 1, num_verify_tokens
+    esize = torch.empty((), dtype=dtype).element_size()
+    ssm = hv * dk * dv * 4
+    conv = conv_dim * (conv_width - 1) * esize
+    state = num_layers * rows * (ssm + conv)
+    if d <= 1:
+        return {"state": state, "verify_scratch": 0}
+    scratch = num_layers * rows * d * conv
+    if commit_design == "copy":
+        scratch += num_layers * rows * d * ssm
+    else:  # replay: k, v, beta in the model dtype, g fp32, both slots; pending + slot int32
+        step = hk * dk * esize + hv * dv * esize + hv * 4 + hv * esize
+        scratch += num_layers * rows * 2 * d * step + 2 * num_layers * rows * 4
+    return {"state": state, "verify_scratch": scratch}
+
+
 class StatePool:
     """Recurrent state, conv window and verify scratch of ``num_layers`` GDN layers.
 
-    ssm: ``[L, rows + 1, HV, K, V]`` fp32; conv: ``[L, rows + 1, C, W - 1]``;
-    ssm_scratch: ``[L, rows + 1, D, HV, K, V]`` and conv_scratch: ``[L, rows + 1, D, C, W - 1]``,
-    the state after each of the D verify steps (allocated only when D > 1).
+    ``L = num_layers``, ``R = max_rows + 1`` rows (the last pads), ``D = num_verify_tokens``:
+
+    - ssm: ``[L, R, HV, K, V]`` fp32 committed state; conv: ``[L, R, C, W - 1]`` in ``dtype``.
+    - conv_scratch: ``[L, R, D, C, W - 1]``, the conv window after each verify step (both
+      designs; the conv window is small, its commit is a copy).
+    - ``commit_design="copy"``: ssm_scratch ``[L, R, D, HV, K, V]`` fp32, the state after
+      each verify step; the commit copies ``ssm_scratch[row, accept_length - 1]`` to ``ssm[row]``.
+    - ``commit_design="replay"`` (DESIGN.md section 7): no ssm_scratch; ``replay[l]`` is the
+      layer's :class:`~ppspec.kernels.gdn.ReplayBuffers` (k ``[R, 2, D, H, K]``, v
+      ``[R, 2, D, HV, V]``, beta ``[R, 2, D, HV]`` in ``dtype``, g ``[R, 2, D, HV]`` fp32: the
+      model computes the log decay in fp32, so the replay repeats the verify's arithmetic
+      exactly), whose ``pending``/``slot`` are rows of ``replay_pending``/``replay_slot``
+      ``[L, R]`` int32, so one commit covers every layer.
+
+    Scratch and replay buffers exist only when ``D > 1``; with ``D = 1`` there is no verify
+    and nothing to commit.
+
+    Raises:
+        ValueError: ``commit_design`` not one of :data:`COMMIT_DESIGNS`.
     """
 
-    def __init__(self, num_layers, max_rows, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, device):
+    def __init__(self, num_layers, max_rows, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, device,
+                 *, num_k_heads: int | None = None, commit_design: str = "copy"):
+        if commit_design not in COMMIT_DESIGNS:
+            raise ValueError(f"commit_design must be one of {', '.join(COMMIT_DESIGNS)}, got {commit_design!r}")
+        self.commit_design = commit_design
+        self.num_verify_tokens = d = num_verify_tokens
+        hk = hv if num_k_heads is None else num_k_heads
         n = max_rows + 1
         self.ssm = torch.zeros(num_layers, n, hv, dk, dv, dtype=torch.float32, device=device)
         self.conv = torch.zeros(num_layers, n, conv_dim, conv_width - 1, dtype=dtype, device=device)
-        d = num_verify_tokens
+        self.ssm_scratch = self.conv_scratch = None
+        self.replay: list[ReplayBuffers] | None = None
+        self.replay_pending = self.replay_slot = None
         if d > 1:
-            self.ssm_scratch = torch.zeros(num_layers, n, d, hv, dk, dv, dtype=torch.float32, device=device)
             self.conv_scratch = torch.zeros(num_layers, n, d, conv_dim, conv_width - 1, dtype=dtype, device=device)
-        else:
-            self.ssm_scratch = self.conv_scratch = None
+            if commit_design == "copy":
+                self.ssm_scratch = torch.zeros(num_layers, n, d, hv, dk, dv, dtype=torch.float32, device=device)
+            else:
+                self.replay_pending, self.replay_slot = alloc_replay_meta(num_layers, n, device)
+                self.replay = []
+                for i in range(num_layers):
+                    b = alloc_replay_buffers(n, d, hk, hv, dk, dv, dtype=dtype, device=device,
+                                             meta=(self.replay_pending[i], self.replay_slot[i]))
+                    # g is fp32 in the model (the log decay); store it so, not rounded to dtype
+                    self.replay.append(b._replace(g=torch.zeros(b.g.shape, dtype=torch.float32, device=device)))
 
     @property
     def nbytes(self) -> dict[str, int]:
+        """``{"state": ssm + conv, "verify_scratch": conv_scratch + ssm_scratch or replay buffers}`` in bytes."""
         size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        return {
-            "state": size(self.ssm) + size(self.conv),
-            "verify_scratch": size(self.ssm_scratch) + size(self.conv_scratch),
-        }
+        scratch = size(self.ssm_scratch) + size(self.conv_scratch)
+        if self.replay is not None:
+            scratch += sum(size(t) for b in self.replay for t in b[:4])
+            scratch += size(self.replay_pending) + size(self.replay_slot)
+        return {"state": size(self.ssm) + size(self.conv), "verify_scratch": scratch}
 
     def layer(self, i: int) -> LinearLayerState:
         pick = lambda t: None if t is None else t[i]  # noqa: E731
-        return LinearLayerState(self.conv[i], self.ssm[i], pick(self.conv_scratch), pick(self.ssm_scratch))
+        return LinearLayerState(
+            self.conv[i], self.ssm[i], pick(self.conv_scratch), pick(self.ssm_scratch), pick(self.replay)
+        )
 
     def commit(self, rows: torch.Tensor, accept_lengths: torch.Tensor) -> None:
-        """``state[row] = scratch[row, accept_length - 1]`` for every layer (DESIGN.md §4)."""
-        if self.ssm_scratch is None:
+        """Commit the accepted verify steps of ``rows`` (``[B]`` int64) in every layer, with
+        ``accept_lengths`` ``[B]`` int64 in ``[1, D]`` (DESIGN.md sections 4 and 7).
+
+        Conv window (both designs): ``conv[row] = conv_scratch[row, accept_length - 1]``.
+        Copy design: ``ssm[row] = ssm_scratch[row, accept_length - 1]``. Replay design:
+        ``pending[:, row] = accept_length`` and ``slot[:, row]`` flips, for all layers in one
+        call; the next verify, decode or continuing prefill of the row applies the steps.
+
+        Raises:
+            RuntimeError: the pool has no verify scratch (started with D = 1).
+            IndexError: a row outside ``[0, rows + 1)`` or repeated rows.
+            ValueError: an accept length outside ``[1, D]`` or a length mismatch.
+            Nothing is written when it raises.
+        """
+        if self.conv_scratch is None:
             raise RuntimeError("commit without a verify scratch (the stage was started with D = 1)")
-        commit_accept(self.ssm, self.ssm_scratch, rows, accept_lengths)
-        commit_accept(self.conv, self.conv_scratch, rows, accept_lengths)
+        commit_accept(self.conv, self.conv_scratch, rows, accept_lengths)  # validates first
+        if self.commit_design == "copy":
+            commit_accept(self.ssm, self.ssm_scratch, rows, accept_lengths)
+        else:
+            commit_accept_replay(self.replay_pending, self.replay_slot, rows, accept_lengths, self.num_verify_tokens)

@@ -18,7 +18,7 @@ import torch
 from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
-from .pools import KVPool, StatePool
+from .pools import COMMIT_DESIGNS, KVPool, StatePool, state_pool_nbytes
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
 
 from .sampler import verify_and_sample
@@ -29,6 +29,7 @@ log = logging.getLogger("ppspec.stage")
 # DESIGN.md section 1. Never set in production.
 FAULT_SKIP_COMMIT = "skip_commit"            # non-last stages never commit
 FAULT_POSITIONAL_SCRATCH = "positional_scratch"  # scratch copied to rows 0..B-1, commit reads them
+#   (replay design: the commit marks rows 0..B-1, the verify's batch positions, not the real rows)
 FAULT_STALE_ROWS = "stale_rows"              # commit uses the rows of the latest verify on this stage
 FAULTS = (FAULT_SKIP_COMMIT, FAULT_POSITIONAL_SCRATCH, FAULT_STALE_ROWS)
 
@@ -60,6 +61,11 @@ class StageRunner:
         max_context: longest sequence (tokens); default the model's max_position_embeddings.
         memory_budget: bytes this stage may use for weights and pools (several stages can
             share one GPU); a larger need raises ValueError at start, before allocating.
+        commit_design: how a verify's accepted GDN state is committed (``StatePool``):
+            ``"copy"`` (the state after every verify step in a scratch, the commit copies
+            one back; the reference) or ``"replay"`` (the verify keeps only the steps'
+            inputs, the commit records the accept length, the next verify or decode
+            replays it: DESIGN.md section 7). None: ``"replay"`` on CUDA, ``"copy"`` on CPU.
 
     Raises:
         CheckpointError: the checkpoint cannot be loaded. ValueError: bad arguments, CUDA
@@ -83,9 +89,18 @@ class StageRunner:
         layer_range: tuple[int, int] | None = None,
         fault: str | None = None,
         memory_budget: int | None = None,
+        commit_design: str | None = None,
     ):
         from .config import load_config
 
+        if commit_design is None:
+            commit_design = "replay" if str(device).startswith("cuda") else "copy"
+        if commit_design not in COMMIT_DESIGNS:
+            raise ValueError(
+                f"commit_design must be one of {', '.join(COMMIT_DESIGNS)} (or None: replay on CUDA, copy on CPU), "
+                f"got {commit_design!r}"
+            )
+        self.commit_design = commit_design
         if str(device).startswith("cuda"):
             if not torch.cuda.is_available():
                 raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
@@ -120,6 +135,7 @@ class StageRunner:
         self.state = StatePool(
             len(lin), max_rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
             c.conv_dim, c.linear_conv_kernel_dim, d, dtype, device,
+            num_k_heads=c.linear_num_key_heads, commit_design=commit_design,
         ) if lin else None
         self.mtp_kv = (
             KVPool(1, max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx + d, dtype, device)
@@ -133,13 +149,14 @@ class StageRunner:
 
     def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> None:
         c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
-        rows = self.max_rows + 1
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         pages = -(-kv_tokens // page_size)
         kv = (n_att + (1 if self.use_mtp else 0)) * 2 * pages * page_size * c.num_key_value_heads * c.head_dim * esize
-        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-        conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * esize
-        state = n_lin * rows * (ssm + conv) * (1 + (d if d > 1 else 0))
+        # recurrent state, conv window and the commit design's verify scratch / replay buffers
+        state = sum(state_pool_nbytes(
+            n_lin, self.max_rows, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+            c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim, d, self.dtype, self.commit_design,
+        ).values())
         need = weights + kv + state
         if need > budget:
             raise ValueError(
@@ -173,6 +190,7 @@ class StageRunner:
             "max_context": self.max_context,
             "num_speculative_steps": self.num_steps,
             "has_mtp": self.use_mtp,
+            "commit_design": self.commit_design,
             "vocab_size": self.cfg.vocab_size,
             "eos_token_ids": list(self.cfg.eos_token_ids),
             "memory_bytes": self.memory_report(),
@@ -340,8 +358,10 @@ class StageRunner:
 
     # ------------------------------------------------------------------ commit and release
     def commit_accept(self, micro_batch_id: int, round: int, req_pool_indices: list[int], accept_lengths: list[int]) -> None:
-        """Commit the accepted verify state of one micro-batch: for each named row,
-        ``state[row] = scratch[row, accept_length - 1]`` in every linear layer (DESIGN.md §4).
+        """Commit the accepted verify state of one micro-batch in every linear layer
+        (``StatePool.commit``): copy design ``state[row] = scratch[row, accept_length - 1]``
+        (DESIGN.md §4); replay design ``pending[row] = accept_length``, applied by the row's
+        next verify or decode (DESIGN.md §7).
 
         This is the only commit; every stage runs it, the last included, with the rows and
         accept lengths the router relays for exactly this micro-batch and round.
@@ -364,6 +384,13 @@ class StageRunner:
             rows = self._last_verify_rows[: len(rows)]
             accept_lengths = accept_lengths[: len(rows)]
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last and self.state.commit_design == "replay":
+            # the commit lands on the verify's batch positions 0..B-1 instead of the rows
+            pos = [self._positional_rows.get(r, i) for i, r in enumerate(rows)]
+            if len(set(pos)) < len(pos):
+                pos = list(range(len(rows)))
+            self.state.commit(t(pos), t(accept_lengths))
+            return
         if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last:
             pos = t([self._positional_rows.get(r, 0) for r in rows])
             s = self.state
@@ -377,6 +404,9 @@ class StageRunner:
         if self.fault == FAULT_STALE_ROWS:
             self._last_verify_rows = meta.rows.tolist()
         elif self.fault == FAULT_POSITIONAL_SCRATCH and self.state is not None:
+            self._positional_rows = {r: i for i, r in enumerate(meta.rows.tolist())}
+            if self.state.ssm_scratch is None:
+                return  # replay design: the commit itself goes to the positions
             # Emulate a kernel that wrote the scratch at batch positions 0..B-1.
             if not hasattr(self, "_pos_ssm"):
                 self._pos_ssm = torch.zeros_like(self.state.ssm_scratch)
@@ -384,7 +414,6 @@ class StageRunner:
             B = meta.batch_size
             self._pos_ssm[:, :B] = self.state.ssm_scratch[:, meta.rows]
             self._pos_conv[:, :B] = self.state.conv_scratch[:, meta.rows]
-            self._positional_rows = {r: i for i, r in enumerate(meta.rows.tolist())}
 
     def release(self, req_pool_indices: list[int]) -> None:
         """Free the rows of finished or aborted requests (their KV pages too)."""

@@ -48,6 +48,8 @@ class LLM:
         num_micro_batches: lanes in flight (default pp_size).
         max_rows, kv_tokens, chunk_size, max_batch_size: pool rows, KV budget (tokens),
             prefill chunk (tokens), requests per micro-batch.
+        commit_design: ``"copy"``, ``"replay"`` or None (replay on CUDA, copy on CPU): how
+            every stage commits accepted GDN state (``StageRunner``).
         fault: fault injection for tests (``stage_server.runner.FAULTS``).
         drafter: ``f(request, k) -> drafts`` replacing the n-gram lookup (tests, custom drafters).
     """
@@ -68,6 +70,7 @@ class LLM:
         dtype: str = "float32",
         device: str = "cpu",
         fault: str | None = None,
+        commit_design: str | None = None,
         pipeline: InProcessPipeline | None = None,
         drafter=None,
     ):
@@ -77,7 +80,7 @@ class LLM:
         self.pipeline = pipeline or InProcessPipeline.build(
             model, pp_size, max_rows=max_rows, kv_tokens=kv_tokens, num_speculative_steps=steps,
             use_mtp=speculative_algorithm == "mtp", max_context=max_context,
-            dtype=getattr(torch, dtype), device=device, fault=fault,
+            dtype=getattr(torch, dtype), device=device, fault=fault, commit_design=commit_design,
         )
         infos = self.pipeline.info_sync()
         self.eos_token_ids = infos[-1]["eos_token_ids"]
@@ -177,6 +180,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--speculative-num-steps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
+                    help="GDN verify commit (default: replay on CUDA, copy on CPU)")
     a = ap.parse_args(argv)
     from ppspec.stage_server.config import CheckpointError
 
@@ -184,7 +189,7 @@ def main(argv: list[str]) -> int:
 
     try:
         llm = LLM(a.model, pp_size=a.pp_size, speculative_algorithm=a.speculative_algorithm,
-                  num_speculative_steps=a.speculative_num_steps)
+                  num_speculative_steps=a.speculative_num_steps, commit_design=a.commit_design)
         outs = llm.generate(a.prompt, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens))
     except (CheckpointError, EngineError, ValueError, OSError) as e:
         print(f"ppspec generate: {e}", file=sys.stderr)

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu",
                     help="cpu, cuda (stage k on cuda:k), or a comma-separated device per stage")
     ap.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per stage (weights + pools)")
+    ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
+                    help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads per stage (0: cores / stages)")
@@ -162,6 +164,8 @@ def main(argv: list[str]) -> int:
                 argv_k += ["--max-context", str(a.max_context)]
             if a.memory_budget_gb:
                 argv_k += ["--memory-budget-gb", str(a.memory_budget_gb)]
+            if a.commit_design:
+                argv_k += ["--commit-design", a.commit_design]
             if a.inject_fault:
                 argv_k += ["--inject-fault", a.inject_fault]
             kids.start(f"stage {k}", argv_k)

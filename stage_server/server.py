@@ -173,7 +173,7 @@ class StageServicer(pb_grpc.StageServicer):
             kv_tokens=i["kv_tokens"], kv_pages_used=i["kv_pages_used"], kv_pages_total=i["kv_pages_total"],
             max_context=i["max_context"], num_speculative_steps=i["num_speculative_steps"], has_mtp=i["has_mtp"],
             vocab_size=i["vocab_size"], eos_token_ids=i["eos_token_ids"], memory_bytes=i["memory_bytes"],
-            busy_seconds=i["busy_seconds"], pending_commits=len(self.pending),
+            busy_seconds=i["busy_seconds"], pending_commits=len(self.pending), commit_design=i["commit_design"],
         )
 
 
@@ -205,6 +205,7 @@ async def serve_stage(args) -> int:
             num_speculative_steps=steps, use_mtp=spec == "mtp", max_context=args.max_context,
             dtype=getattr(torch, args.dtype), device=args.device, fault=args.inject_fault,
             memory_budget=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
+            commit_design=args.commit_design,
         )
     except (CheckpointError, ValueError) as e:
         print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
@@ -234,7 +235,7 @@ async def serve_stage(args) -> int:
     mem = runner.memory_report()
     print(
         f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
-        f"listening on {args.host}:{bound}; pools (bytes): {mem}",
+        f"listening on {args.host}:{bound}; commit design {runner.commit_design}; pools (bytes): {mem}",
         flush=True,
     )
     stop = asyncio.Event()
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--memory-budget-gb", type=float, default=None,
                     help="GiB this stage may use for weights and pools (stages sharing a GPU)")
+    ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
+                    help="GDN verify commit: copy (per-step state scratch) or replay (step inputs, replayed "
+                         "by the next verify); default replay on CUDA, copy on CPU")
     ap.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap

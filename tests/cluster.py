@@ -24,8 +24,9 @@ class Cluster:
     """``pp`` stage processes plus a router, each a ``python -m ppspec.cli`` child."""
 
     def __init__(self, model, pp, spec="none", steps=3, fault=None, delay_ms=0, max_rows=48,
-                 kv_tokens=32768, router_args=(), log_dir=None):
+                 kv_tokens=32768, router_args=(), log_dir=None, commit_design=None):
         self.model, self.pp, self.spec, self.steps = model, pp, spec, steps
+        self.commit_design = commit_design
         self.fault, self.delay_ms, self.max_rows, self.kv_tokens = fault, delay_ms, max_rows, kv_tokens
         self.router_args = list(router_args)
         self.stage_ports = [free_port() for _ in range(pp)]
@@ -49,6 +50,8 @@ class Cluster:
             argv += ["--next-stage", f"127.0.0.1:{self.stage_ports[k + 1]}"]
         if self.fault:
             argv += ["--inject-fault", self.fault]
+        if self.commit_design:
+            argv += ["--commit-design", self.commit_design]
         self._spawn(f"stage{k}", argv, env)
 
     def start(self, timeout=240):

@@ -92,23 +92,28 @@ def random_ref(make_ckpt):
     return path, prompts, [o.token_ids for o in outs], gaps
 
 
+@pytest.mark.parametrize("design", ["copy", "replay"])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_pipeline_check_catches_commit_faults(random_ref, fault, tmp_path):
+def test_pipeline_check_catches_commit_faults(random_ref, fault, design, tmp_path):
     path, prompts, ref, gaps = random_ref
-    with Cluster(path, 3, "ngram", fault=fault, log_dir=str(tmp_path)) as c:
+    with Cluster(path, 3, "ngram", fault=fault, log_dir=str(tmp_path), commit_design=design) as c:
         outs = complete(c.url, prompts, max_tokens=32)
     real, _ = divergences(outs, ref, gaps)
     assert real, f"fault {fault} went unnoticed"
 
 
-def test_random_message_delays_leave_outputs_unchanged(random_ref, tmp_path):
+@pytest.mark.parametrize("design", ["copy", "replay"])
+def test_random_message_delays_leave_outputs_unchanged(random_ref, design, tmp_path):
+    """Commits and verifies reach the stages in random order, under either commit design
+    of the GDN state (``--commit-design``; replay: the next verify applies the commit)."""
     path, prompts, ref, gaps = random_ref
-    with Cluster(path, 3, "mtp", delay_ms=30, log_dir=str(tmp_path)) as c:
+    with Cluster(path, 3, "mtp", delay_ms=30, log_dir=str(tmp_path), commit_design=design) as c:
         outs = complete(c.url, prompts, max_tokens=32)
         infos = c.wait_rows_free()
     real, _ = divergences(outs, ref, gaps)
     assert not real
     assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos)
+    assert [i.commit_design for i in infos] == [design] * 3
 
 
 def test_rows_free_after_aborts_and_bad_requests_get_400(random_ref, tmp_path):

@@ -6,6 +6,11 @@ drafter proposes the reference continuation with seeded corruption, so that ever
 accept length from 1 to D occurs and the cases other engines got wrong are forced: a
 batch where some requests have drafts and others none, a request with no draft right
 after a round that accepted drafts, and rounds where nothing is accepted.
+
+Every check runs under both commit designs of the GDN state (``StageRunner(commit_design=)``):
+``copy`` (per-step state scratch, the commit copies one back) and ``replay`` (the verify
+keeps only its step inputs, the commit records the accept length, the next verify or
+decode of the row replays it; DESIGN.md section 7).
 """
 import random
 
@@ -18,6 +23,7 @@ from ppspec.stage_server.runner import FAULTS
 
 CKPT = "qwen3_5_ratio2_7l"
 N_REQ = 16
+DESIGNS = ["copy", "replay"]
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +82,35 @@ class Oracle:
         return drafts
 
 
+def check_design(llm, design):
+    """Every stage runs ``design``: replay stages hold no per-step state scratch but
+    replay buffers, and they did commit through them (some row had pending steps)."""
+    for r in llm.pipeline.runners:
+        assert r.info()["commit_design"] == design
+        if r.state is None:
+            continue
+        if design == "replay":
+            assert r.state.ssm_scratch is None and r.state.replay is not None
+        else:
+            assert r.state.replay is None and r.state.ssm_scratch is not None
+
+
+def spy_replay_commits(llm):
+    """Count replay commits that recorded accepted steps (pending > 0) on every stage."""
+    seen = [0]
+    for r in llm.pipeline.runners:
+        if r.state is None or r.state.replay is None:
+            continue
+        orig = r.state.commit
+
+        def commit(rows, acc, _orig=orig, _st=r.state):
+            _orig(rows, acc)
+            seen[0] += int((_st.replay_pending[:, rows] > 0).sum())
+
+        r.state.commit = commit
+    return seen
+
+
 def record_rounds(llm):
     rounds = []
     orig = llm.scheduler.process
@@ -98,22 +133,31 @@ def setup(make_ckpt):
     return path, reqs, ref
 
 
-@pytest.mark.parametrize("spec,steps", [("ngram", 3), ("mtp", 3), ("mtp", 1), ("ngram", 4)])
-def test_ngram_and_mtp_match_no_speculation(setup, spec, steps):
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("spec,steps,pp", [("ngram", 3, 1), ("mtp", 3, 1), ("mtp", 1, 1), ("ngram", 4, 1),
+                                           ("ngram", 3, 2), ("mtp", 3, 2)])
+def test_ngram_and_mtp_match_no_speculation(setup, spec, steps, pp, design):
     path, reqs, ref = setup
-    llm = LLM(path, max_rows=N_REQ, speculative_algorithm=spec, num_speculative_steps=steps)
+    llm = LLM(path, pp_size=pp, max_rows=N_REQ, speculative_algorithm=spec, num_speculative_steps=steps,
+              commit_design=design)
+    check_design(llm, design)
     rounds = record_rounds(llm)
+    committed = spy_replay_commits(llm)
     assert drive(llm, reqs) == ref
     assert any(m == "verify" for m, *_ in rounds), "speculation never verified anything"
     assert all(u == 0 for u in llm.rows_in_use())
+    if design == "replay":
+        assert committed[0] > 0, "no replay commit recorded accepted steps"
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("steps,pp,lanes", [(1, 1, 1), (3, 1, 1), (4, 1, 1), (3, 2, 2), (4, 3, 3)])
-def test_oracle_drafts_every_accept_length_match(setup, steps, pp, lanes):
+def test_oracle_drafts_every_accept_length_match(setup, steps, pp, lanes, design):
     path, reqs, ref = setup
     oracle = Oracle(ref, seed=steps)
     llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, speculative_algorithm="ngram",
-              num_speculative_steps=steps, drafter=oracle)
+              num_speculative_steps=steps, drafter=oracle, commit_design=design)
+    check_design(llm, design)
     rounds = record_rounds(llm)
     assert drive(llm, reqs) == ref
     verify = [r for r in rounds if r[0] == "verify"]
@@ -132,13 +176,16 @@ def test_oracle_drafts_every_accept_length_match(setup, steps, pp, lanes):
     assert all(u == 0 for u in llm.rows_in_use())
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("fault", FAULTS)
-def test_invariance_catches_the_commit_bugs(setup, fault):
+def test_invariance_catches_the_commit_bugs(setup, fault, design):
     """The same check fails when a non-last stage skips its commit, commits from positional
-    scratch rows, or pairs a commit with another micro-batch's rows (DESIGN.md section 1)."""
+    scratch rows (replay: commits the batch positions' rows), or pairs a commit with another
+    micro-batch's rows (DESIGN.md section 1), under either commit design."""
     path, reqs, ref = setup
     llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
-              num_speculative_steps=3, drafter=Oracle(ref, seed=3), fault=fault)
+              num_speculative_steps=3, drafter=Oracle(ref, seed=3), fault=fault, commit_design=design)
+    check_design(llm, design)
     out = drive(llm, reqs)
     wrong = sum(o != r for o, r in zip(out, ref))
     assert wrong > 0, f"fault {fault} went unnoticed"

@@ -42,6 +42,7 @@ from ppspec.kernels.gdn.triton_recurrent import launch_gdn_recurrent
 from ppspec.kernels.gdn.triton_replay import launch_replay_commit, launch_replay_verify
 
 MiB = 1 << 20
+KEYS = ("decode", "copy_verify", "copy_commit", "copy_round", "replay_round", "replay_decode")
 
 
 GRAPHS = {"ok": True}
@@ -112,7 +113,7 @@ def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int 
     state = torch.randn(R, HV, K, V, device=dev, generator=gen) * 0.05
     S = HV * K * V * 4  # bytes of one request's state
     io_bytes = lambda d: B * d * (2 * H * K + 2 * HV * V + 2 * HV) * 2  # q, k, v, o, g, beta (bf16)
-    step_in = (H * K + HV * V + 2 * HV) * 2  # one step's replay inputs per request (bf16)
+    step_in = (H * K + HV * V + HV) * 4  # one step's replay record per request (fp32 k, delta, g)
 
     res = {"batch": B, "D": D, "state_MiB_per_request": S / MiB}
 
@@ -141,7 +142,7 @@ def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int 
     torch.cuda.empty_cache()
 
     # replay design: the verify replays last round's accepted steps, the commit moves 2 ints
-    bufs = alloc_replay_buffers(R, D, H, HV, K, V, dtype=dt, device=dev)
+    bufs = alloc_replay_buffers(R, D, H, HV, K, V, device=dev)
     rows32 = acc.to(torch.int32)
 
     def replay_round():
@@ -155,15 +156,18 @@ def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int 
                            "bytes": 2 * S * B + io_bytes(D) + B * 2 * D * step_in}
     f_rdec = _graph(lambda: launch_replay_verify(*x1, state, rows, bufs, verify=False))
     res["replay_decode"] = {"ms": _time_ms(f_rdec), "state_bytes": 2 * S * B, "bytes": 2 * S * B + io_bytes(1)}
-    # tile sweep of the replay round (the default tile is _block_v: BV 32, 4 warps at these sizes)
+    # tile sweep of the round (BV, warps); the default is triton_recurrent._block_v
     res["replay_round_tiles"] = []
-    for bv, nw in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
+    for bv, nw in ((16, 1), (32, 1), (64, 2), (32, 2), (32, 4), (64, 4)):
         def tiled():
-            launch_gdn_recurrent(*xv, state, rows, None, bufs=bufs, verify=True, block_v=bv, num_warps=nw)
-            bufs.pending.index_fill_(0, rows, 0)
+            launch_replay_verify(*xv, state, rows, bufs, block_v=bv, num_warps=nw)
             launch_replay_commit(bufs.pending, bufs.slot, rows, rows32)
         res["replay_round_tiles"].append({"BV": bv, "num_warps": nw, "ms": _time_ms(_graph(tiled))})
-    for key in ("decode", "copy_verify", "copy_commit", "copy_round", "replay_round", "replay_decode"):
+    res["decode_tiles"] = []
+    for bv, nw in ((32, 1), (32, 2), (32, 4), (64, 4), (128, 8)):
+        res["decode_tiles"].append({"BV": bv, "num_warps": nw, "ms": _time_ms(_graph(
+            lambda: launch_gdn_recurrent(*x1, state, rows, None, block_v=bv, num_warps=nw)))})
+    for key in KEYS:
         r = res[key]
         r["TBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
         r["state_sizes_per_request"] = r["state_bytes"] / (S * B)
@@ -186,13 +190,15 @@ def main(argv=None):
         out["runs"].append(r)
         dec = r["decode"]["ms"]
         print(f"\nbatch {B}, D = {a.steps}, HV = 32, K = V = 128, fp32 state ({r['state_MiB_per_request']:.0f} MiB/request), one layer")
-        print(f"{'variant':<16}{'time us':>10}{'state sizes':>13}{'GB moved':>10}{'TB/s':>8}{'% copy':>8}{'x decode':>10}")
-        for key in ("decode", "copy_verify", "copy_commit", "copy_round", "replay_round", "replay_decode"):
+        print(f"{'variant':<26}{'time us':>10}{'state sizes':>13}{'GB moved':>10}{'TB/s':>8}{'% copy':>8}{'x decode':>10}")
+        for key in KEYS:
             x = r[key]
-            print(f"{key:<16}{x['ms'] * 1e3:>10.1f}{x['state_sizes_per_request']:>13.1f}{x['bytes'] / 1e9:>10.3f}"
+            print(f"{key:<26}{x['ms'] * 1e3:>10.1f}{x['state_sizes_per_request']:>13.1f}{x['bytes'] / 1e9:>10.3f}"
                   f"{x['TBps']:>8.2f}{100 * x['TBps'] * 1e12 / bw:>7.0f}%{x['ms'] / dec:>10.2f}")
         print("replay round by tile (BV, warps): " + ", ".join(
             f"({t['BV']}, {t['num_warps']}) {t['ms'] * 1e3:.1f} us" for t in r["replay_round_tiles"]))
+        print("decode by tile (BV, warps): " + ", ".join(
+            f"({t['BV']}, {t['num_warps']}) {t['ms'] * 1e3:.1f} us" for t in r["decode_tiles"]))
     print(f"\ntimed as {'CUDA graph replays' if GRAPHS['ok'] else 'plain launches'} (do_bench median)")
     if a.json:
         with open(a.json, "w") as f:

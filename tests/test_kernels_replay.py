@@ -47,7 +47,7 @@ def test_replay_matches_copy_commit(H, HV, dtype):
     st_rep = state0.clone()
     scratch = torch.full((L, R, D, HV, K, V), float("nan"))
     pending, slot = alloc_replay_meta(L, R)
-    bufs = [alloc_replay_buffers(R, D, H, HV, K, V, dtype=dtype, meta=(pending[l], slot[l])) for l in range(L)]
+    bufs = [alloc_replay_buffers(R, D, H, HV, K, V, meta=(pending[l], slot[l])) for l in range(L)]
 
     # three micro-batches with disjoint, scattered stable rows (never 0..bs-1)
     perm = torch.randperm(rows_n, generator=gen)

@@ -99,12 +99,24 @@ def chunk_gated_delta_rule_ref(
     return o.to(out_dtype), final
 
 
+def gdn_delta(s, k_t, v_t, g_t, beta_t):
+    """The first half of one step on ``s`` ``[B, HV, K, V]`` fp32 (k_t normalised, heads
+    expanded): ``(s * exp(g_t), delta)`` with ``delta = beta_t (v_t - (s exp(g_t))^T k_t)``,
+    ``[B, HV, V]`` (Yang et al., "Gated Delta Networks", ICLR 2025, eq. 10)."""
+    s = s * g_t.exp()[..., None, None]
+    kv_mem = torch.einsum("bhkv,bhk->bhv", s, k_t)
+    return s, (v_t - kv_mem) * beta_t[..., None]
+
+
+def gdn_apply(s, k_t, delta, g_t):
+    """The state update of one step given its delta: ``s exp(g_t) + k_t delta^T``."""
+    return s * g_t.exp()[..., None, None] + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
 def gdn_step(s, k_t, v_t, g_t, beta_t):
     """One step of the recurrence on ``s`` ``[B, HV, K, V]`` fp32 (k_t normalised, heads
     expanded): decay, read ``S^T k``, write the beta-scaled delta. Returns the new state."""
-    s = s * g_t.exp()[..., None, None]
-    kv_mem = torch.einsum("bhkv,bhk->bhv", s, k_t)
-    delta = (v_t - kv_mem) * beta_t[..., None]
+    s, delta = gdn_delta(s, k_t, v_t, g_t, beta_t)
     return s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
 
 

@@ -4,21 +4,24 @@
 The copy design (``naive.recurrent_gated_delta_rule_ref`` with a scratch, then
 ``commit.naive.commit_accept_ref``) writes the state after each of the D verify steps and
 copies one of them back: ``1 + D`` state sizes in the verify and 2 more in the commit. The
-replay design keeps only each verify step's *inputs* at the request's stable row (raw k,
-v, g, beta of that step: a few KiB per head, against a 64 KiB state per head at
-K = V = 128 fp32). The commit records how many of those steps were accepted; the next
-verify (or decode) of that row first replays them onto the committed state, writes the
-committed state back once, then runs its own D steps without writing any state. A round
-reads and writes each state once, as plain decode does.
+replay design keeps only what each verify step needs to redo its *write* at the request's
+stable row: the normalised key, the log decay and the delta ``beta (v - (a S)^T k)`` of that
+step (a few KiB per head, against a 64 KiB state per head at K = V = 128 fp32). The commit
+records how many of those steps were accepted; the next verify (or decode) of that row
+first replays them onto the committed state, writes the committed state back once, then
+runs its own D steps without writing any state. A round reads and writes each state once,
+as plain decode does.
 
-Keys are stored raw (before the L2 norm, in the input dtype) and normalised again on
-replay: the same arithmetic as the verify step that first consumed them, so the replayed
-state equals the copy design's ``scratch[row, accept_length - 1]``.
+A replayed step is ``S <- exp(g) S + k delta^T``: no read of the state (the delta was
+computed by the verify against exactly the state the replay reproduces), hence no
+reduction over K, and the same arithmetic as the verify's own update, so the replayed state
+equals the copy design's ``scratch[row, accept_length - 1]`` bit for bit on the reference.
 
-Buffers, per linear layer (``R = rows + 1`` with the padding row)::
+Buffers, per linear layer (``R = rows + 1`` with the padding row), all fp32::
 
-    k     [R, 2, D_max, H, K]     v    [R, 2, D_max, HV, V]
-    g     [R, 2, D_max, HV]       beta [R, 2, D_max, HV]
+    k     [R, 2, D_max, H, K]   normalised keys (per key head)
+    delta [R, 2, D_max, HV, V]  the step's delta (per value head)
+    g     [R, 2, D_max, HV]     the step's log decay
     pending [R] int32   accepted steps of slot ``slot[row]`` not yet applied to state[row]
     slot    [R] int32   which of the two slots holds them
 
@@ -34,16 +37,15 @@ from typing import NamedTuple
 
 import torch
 
-from .naive import _expand_heads, _prepare, gdn_step as _step, l2norm
+from .naive import _expand_heads, _prepare, gdn_apply, gdn_delta
 
 
 class ReplayBuffers(NamedTuple):
     """Per-layer replay state at stable rows; see the module docstring for shapes."""
 
     k: torch.Tensor
-    v: torch.Tensor
+    delta: torch.Tensor
     g: torch.Tensor
-    beta: torch.Tensor
     pending: torch.Tensor
     slot: torch.Tensor
 
@@ -62,21 +64,20 @@ def alloc_replay_buffers(
     num_v_heads: int,
     head_k_dim: int,
     head_v_dim: int,
-    dtype: torch.dtype = torch.float32,
     device=None,
     meta: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> ReplayBuffers:
-    """Buffers for one layer. ``dtype`` is the dtype of the GDN inputs (k, v, g, beta);
-    ``meta`` = ``(pending[l], slot[l])`` views of :func:`alloc_replay_meta`, else fresh."""
+    """Buffers for one layer (fp32 whatever the model dtype: they feed the fp32 state).
+    ``meta`` = ``(pending[l], slot[l])`` views of :func:`alloc_replay_meta`, else fresh.
+    Size per row: ``2 D_max (H K + HV V + HV) 4`` bytes."""
     R = num_rows
     if meta is None:
         p, s = alloc_replay_meta(1, R, device)
         meta = (p[0], s[0])
     return ReplayBuffers(
-        k=torch.zeros(R, 2, d_max, num_k_heads, head_k_dim, dtype=dtype, device=device),
-        v=torch.zeros(R, 2, d_max, num_v_heads, head_v_dim, dtype=dtype, device=device),
-        g=torch.zeros(R, 2, d_max, num_v_heads, dtype=dtype, device=device),
-        beta=torch.zeros(R, 2, d_max, num_v_heads, dtype=dtype, device=device),
+        k=torch.zeros(R, 2, d_max, num_k_heads, head_k_dim, dtype=torch.float32, device=device),
+        delta=torch.zeros(R, 2, d_max, num_v_heads, head_v_dim, dtype=torch.float32, device=device),
+        g=torch.zeros(R, 2, d_max, num_v_heads, dtype=torch.float32, device=device),
         pending=meta[0],
         slot=meta[1],
     )
@@ -93,11 +94,11 @@ def replay_pending_ref(s: torch.Tensor, bufs: ReplayBuffers, req_pool_indices: t
     if n_max == 0:
         return s
     sl = bufs.slot[rows].long()
-    hv = bufs.v.shape[-2]
-    kk = _expand_heads(l2norm(bufs.k[rows, sl].float()), hv)  # [B, D_max, HV, K]
-    vv, gg, bb = (x[rows, sl].float() for x in (bufs.v, bufs.g, bufs.beta))
+    hv = bufs.delta.shape[-2]
+    kk = _expand_heads(bufs.k[rows, sl], hv)  # [B, D_max, HV, K]
+    dd, gg = bufs.delta[rows, sl], bufs.g[rows, sl]
     for j in range(n_max):
-        stepped = _step(s, kk[:, j], vv[:, j], gg[:, j], bb[:, j])
+        stepped = gdn_apply(s, kk[:, j], dd[:, j], gg[:, j])
         s = torch.where((j < n)[:, None, None, None], stepped, s)
     return s
 
@@ -127,23 +128,25 @@ def recurrent_gated_delta_rule_replay_ref(
     """
     rows = req_pool_indices
     out_dtype = v.dtype
-    raw = (k, v, g, beta)
     s = replay_pending_ref(state[rows].float(), bufs, rows)
     qn, kn, vf, gf, bf = _prepare(q, k, v, g, beta, scale)
-    B, D = q.shape[:2]
-    if verify:
-        state[rows] = s.to(state.dtype)
-    o = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
-    for t in range(D):
-        s = _step(s, kn[:, t], vf[:, t], gf[:, t], bf[:, t])
-        o[:, t] = torch.einsum("bhkv,bhk->bhv", s, qn[:, t])
+    B, D, H = k.shape[:3]
     if verify:
         if B and D > bufs.k.shape[2]:
             raise ValueError(f"D = {D} exceeds the replay buffers' D_max = {bufs.k.shape[2]}")
+        state[rows] = s.to(state.dtype)
         new = 1 - bufs.slot[rows].long()
-        for buf, x in zip((bufs.k, bufs.v, bufs.g, bufs.beta), raw):
-            buf[rows, new, :D] = x.to(buf.dtype)
-    else:
+        # keys per key head (kn repeats them over the group)
+        bufs.k[rows, new, :D] = kn[:, :, :: kn.shape[2] // H]
+        bufs.g[rows, new, :D] = gf
+    o = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
+    for t in range(D):
+        s, delta = gdn_delta(s, kn[:, t], vf[:, t], gf[:, t], bf[:, t])
+        s = s + kn[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        o[:, t] = torch.einsum("bhkv,bhk->bhv", s, qn[:, t])
+        if verify:
+            bufs.delta[rows, new, t] = delta
+    if not verify:
         state[rows] = s.to(state.dtype)
     bufs.pending[rows] = 0
     return o.to(out_dtype)

@@ -10,8 +10,9 @@ reading query/key head ``hv // G``. Verify writes the state after step t to
 ``req_pool_indices[b]``: there is no positional row anywhere.
 
 With ``REPLAY`` the program first applies ``pending[row]`` accepted steps of the previous
-verify, read from the replay buffers (slot ``slot[row]``), and a verify stores its own
-raw step inputs into slot ``1 - slot[row]`` instead of any state (naive_replay.py).
+verify, read from the replay buffers (slot ``slot[row]``), and a verify stores each step's
+normalised key, delta and log decay into slot ``1 - slot[row]`` instead of any state
+(naive_replay.py).
 """
 from __future__ import annotations
 
@@ -26,18 +27,19 @@ _EPS = 1e-6  # naive.l2norm
 
 @triton.jit
 def _gdn_step(b_s, b_k, b_v, g_t, beta_t):
-    """One gated delta step on the [BK, BV] tile, in the reference's order."""
+    """One gated delta step on the [BK, BV] tile, in the reference's order
+    (``naive.gdn_step``): ``(new state, delta [BV])``."""
     b_s = b_s * tl.exp(g_t)
     kv_mem = tl.sum(b_s * b_k[:, None], axis=0)
     delta = (b_v - kv_mem) * beta_t
-    return b_s + b_k[:, None] * delta[None, :]
+    return b_s + b_k[:, None] * delta[None, :], delta
 
 
 @triton.jit
 def _gdn_recurrent_kernel(
     q, k, v, g, beta, o,
     state, scratch, rows,
-    buf_k, buf_v, buf_g, buf_beta, pending, slot,
+    buf_k, buf_delta, buf_g, pending, slot,
     scale,
     D: tl.constexpr, D_MAX: tl.constexpr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -64,19 +66,19 @@ def _gdn_recurrent_kernel(
     b_s = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
 
     if REPLAY:
-        # apply the accepted steps of the previous verify, kept as raw inputs at this row
+        # apply the accepted steps of the previous verify: S <- exp(g) S + k delta^T with the
+        # normalised key and the delta that verify stored (naive.gdn_apply): no reduction.
+        # Unrolled over D_MAX with masked loads (a masked step has k = 0, g = 0: the
+        # identity), so the loads of every step issue before the first step's math.
         n_pend = tl.load(pending + row)
         cur = tl.load(slot + row).to(tl.int64)
-        j = tl.full([], 0, tl.int32)
-        while j < n_pend:  # (a while loop: Triton's interpreter cannot range() over a loaded value)
+        for j in tl.static_range(D_MAX):
             st = (row * 2 + cur) * D_MAX + j
-            b_k = tl.load(buf_k + (st * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-            b_v = tl.load(buf_v + (st * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            g_t = tl.load(buf_g + st * HV + i_hv).to(tl.float32)
-            beta_t = tl.load(buf_beta + st * HV + i_hv).to(tl.float32)
-            b_s = _gdn_step(b_s, b_k, b_v, g_t, beta_t)
-            j += 1
+            on = j < n_pend
+            b_k = tl.load(buf_k + (st * H + i_h) * K + o_k, mask=m_k & on, other=0.0)
+            b_d = tl.load(buf_delta + (st * HV + i_hv) * V + o_v, mask=m_v & on, other=0.0)
+            g_t = tl.load(buf_g + st * HV + i_hv, mask=on, other=0.0)
+            b_s = b_s * tl.exp(g_t) + b_k[:, None] * b_d[None, :]
         if STORE_BUF:
             # verify: the committed state is final now; the D steps below stay speculative
             if n_pend > 0:
@@ -93,7 +95,7 @@ def _gdn_recurrent_kernel(
         b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_kr.to(tl.float32)
         b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_s = _gdn_step(b_s, b_k, b_vr.to(tl.float32), g_r.to(tl.float32), beta_r.to(tl.float32))
+        b_s, b_d = _gdn_step(b_s, b_k, b_vr.to(tl.float32), g_r.to(tl.float32), beta_r.to(tl.float32))
         b_o = tl.sum(b_s * b_q[:, None], axis=0)
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if STORE_SCRATCH:
@@ -101,25 +103,32 @@ def _gdn_recurrent_kernel(
             tl.store(p_scr, b_s.to(scratch.dtype.element_ty), mask=m_kv)
         if STORE_BUF:
             st = (row * 2 + nxt) * D_MAX + t
-            # k is per key head and g/beta per value head: one program writes each
+            # k is per key head and g per value head: one program writes each
             is_k_writer = (i_vb == 0) & (i_hv % G == 0)
-            tl.store(buf_k + (st * H + i_h) * K + o_k, b_kr.to(buf_k.dtype.element_ty), mask=m_k & is_k_writer)
-            tl.store(buf_v + (st * HV + i_hv) * V + o_v, b_vr.to(buf_v.dtype.element_ty), mask=m_v)
+            tl.store(buf_k + (st * H + i_h) * K + o_k, b_k, mask=m_k & is_k_writer)
+            tl.store(buf_delta + (st * HV + i_hv) * V + o_v, b_d, mask=m_v)
             if i_vb == 0:
-                tl.store(buf_g + st * HV + i_hv, g_r.to(buf_g.dtype.element_ty))
-                tl.store(buf_beta + st * HV + i_hv, beta_r.to(buf_beta.dtype.element_ty))
+                tl.store(buf_g + st * HV + i_hv, g_r.to(tl.float32))
 
     if STORE_FINAL:
         tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
 
 
-def _block_v(V: int, B: int, HV: int) -> int:
-    # 32 columns of a K = 128 fp32 tile: 4096 values, 32 registers a thread at 4 warps;
-    # smaller tiles only when the grid would be too small to fill the chip
-    bv = min(32, triton.next_power_of_2(V))
+def _block_v(V: int, B: int, HV: int, replay: bool = False) -> int:
+    # measured on the H200 (kernels/bench_verify.py, B 64 / 256, HV 32, K = V = 128): plain
+    # decode and the copy verify run best at BV 64 / 4 warps; the replay design at BV 32 /
+    # 1 warp (its per-step reductions over K then stay inside one warp). Smaller tiles only
+    # when the grid would be too small to fill the chip.
+    bv = min(32 if replay else 64, triton.next_power_of_2(V))
     while bv > 8 and B * HV * triton.cdiv(V, bv) < 4 * 132:
         bv //= 2
     return bv
+
+
+def _num_warps(BV: int, replay: bool) -> int:
+    if replay:
+        return 1 if BV <= 32 else 2
+    return 4 if BV <= 64 else 8
 
 
 def _check_gdn_args(q, k, v, g, beta, state):
@@ -156,15 +165,15 @@ def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scrat
     replay = bufs is not None
     if replay:
         d_max = bufs.k.shape[2]
-        if tuple(bufs.k.shape) != (state.shape[0], 2, d_max, H, K) or tuple(bufs.v.shape) != (state.shape[0], 2, d_max, HV, V):
+        if tuple(bufs.k.shape) != (state.shape[0], 2, d_max, H, K) or tuple(bufs.delta.shape) != (state.shape[0], 2, d_max, HV, V):
             raise ValueError("replay buffers do not match the state pool / heads")
-        if not all(x.is_contiguous() for x in bufs[:4]) or bufs.pending.stride(-1) != 1 or bufs.slot.stride(-1) != 1:
-            raise ValueError("replay buffers must be contiguous")
+        if not all(x.is_contiguous() and x.dtype == torch.float32 for x in bufs[:3]) or bufs.pending.stride(-1) != 1 or bufs.slot.stride(-1) != 1:
+            raise ValueError("replay buffers must be contiguous fp32")
         if verify and D > d_max:
             raise ValueError(f"D = {D} exceeds the replay buffers' D_max = {d_max}")
         store_scratch, store_final, store_buf = False, not verify, bool(verify)
         scratch_arg = state  # unused
-        buf_args = tuple(bufs[:4]) + (bufs.pending, bufs.slot)
+        buf_args = tuple(bufs[:3]) + (bufs.pending, bufs.slot)
     else:
         d_max = D
         if scratch is not None:
@@ -175,15 +184,15 @@ def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scrat
                 raise ValueError("the verify scratch must be contiguous")
         store_scratch, store_final, store_buf = scratch is not None, scratch is None, False
         scratch_arg = scratch if scratch is not None else state
-        buf_args = (state,) * 4 + (rows, rows)  # unused
+        buf_args = (state,) * 3 + (rows, rows)  # unused
     BK = triton.next_power_of_2(K)
-    BV = block_v or _block_v(V, B, HV)
+    BV = block_v or _block_v(V, B, HV, replay)
     grid = (B * HV, triton.cdiv(V, BV))
     _gdn_recurrent_kernel[grid](
         q, k, v, g, beta, o, state, scratch_arg, rows, *buf_args, float(scale),
         D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         STORE_SCRATCH=store_scratch, STORE_FINAL=store_final, REPLAY=replay, STORE_BUF=store_buf,
-        num_warps=num_warps or (4 if BK * BV <= 4096 else 8),
+        num_warps=num_warps or _num_warps(BV, replay),
     )
     return o
 

@@ -3,8 +3,8 @@
 
 The verify program of a row first replays that row's accepted steps of the previous round
 onto the committed state (read once from ``state[row]``), writes the committed state back
-once, then runs its D speculative steps in registers and keeps only their raw inputs
-(k, v, g, beta) at the row. The commit is a scatter of two int32 per row and layer. A
+once, then runs its D speculative steps in registers and keeps only each step's normalised
+key, delta and log decay at the row. The commit is a scatter of two int32 per row and layer. A
 round moves 2 state sizes per request and layer, the same as plain decode, against
 ``D + 3`` for the scratch-and-copy design.
 
@@ -18,7 +18,7 @@ import triton
 
 from .naive_replay import ReplayBuffers, alloc_replay_buffers, alloc_replay_meta  # noqa: F401
 from ..checks import check_commit
-from .triton_recurrent import _block_v, _check_rows_gpu, _gdn_recurrent_kernel, launch_gdn_recurrent
+from .triton_recurrent import _block_v, _check_rows_gpu, _gdn_recurrent_kernel, _num_warps, launch_gdn_recurrent
 
 
 def recurrent_gated_delta_rule_replay_triton(
@@ -30,9 +30,12 @@ def recurrent_gated_delta_rule_replay_triton(
     return launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
 
 
-def launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs: ReplayBuffers, scale=None, verify=True):
-    """The device work alone (rows not checked, no host sync: CUDA-graph capturable)."""
-    o = launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, bufs=bufs, verify=verify)
+def launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs: ReplayBuffers, scale=None, verify=True,
+                         block_v=None, num_warps=None):
+    """The device work alone (rows not checked, no host sync: CUDA-graph capturable).
+    ``block_v`` / ``num_warps`` override the tile (benchmarks)."""
+    o = launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, bufs=bufs, verify=verify,
+                             block_v=block_v, num_warps=num_warps)
     if req_pool_indices.numel():
         # after the kernel (stream order): every program of the row has read pending
         bufs.pending.index_fill_(0, req_pool_indices.to(bufs.pending.device, torch.int64), 0)
@@ -64,17 +67,17 @@ def replay_flush_triton(state, bufs: ReplayBuffers, req_pool_indices) -> None:
     if B == 0:
         return
     H, K = bufs.k.shape[-2:]
-    HV, V = bufs.v.shape[-2:]
+    HV, V = bufs.delta.shape[-2:]
     dev = state.device
     rows = req_pool_indices.to(dev, torch.int64).contiguous()
-    BV = _block_v(V, B, HV)
+    BV = _block_v(V, B, HV, replay=True)
     # a zero-step "decode" whose only work is the replay and the final store (the input and
     # output pointers are never touched at D = 0)
     _gdn_recurrent_kernel[(B * HV, triton.cdiv(V, BV))](
-        state, state, state, state, state, state, state, state, rows, *bufs[:4], bufs.pending, bufs.slot, 1.0,
+        state, state, state, state, state, state, state, state, rows, *bufs[:3], bufs.pending, bufs.slot, 1.0,
         D=0, D_MAX=bufs.k.shape[2], H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
         STORE_SCRATCH=False, STORE_FINAL=True, REPLAY=True, STORE_BUF=False,
-        num_warps=4,
+        num_warps=_num_warps(BV, True),
     )
     bufs.pending.index_fill_(0, rows, 0)
 

@@ -149,9 +149,9 @@ def test_gdn_replay_matches_copy_commit(dev, G, dtype):
     st_copy, st_rep, st_ref = state0.clone(), state0[0].clone(), state0[0].clone()
     scratch = torch.full((1, R, D, HV, K, V), float("nan"), device=dev)
     pend, slot = alloc_replay_meta(1, R, dev)
-    bufs = alloc_replay_buffers(R, D, H, HV, K, V, dtype=dtype, device=dev, meta=(pend[0], slot[0]))
+    bufs = alloc_replay_buffers(R, D, H, HV, K, V, device=dev, meta=(pend[0], slot[0]))
     pend_r, slot_r = alloc_replay_meta(1, R, dev)
-    bufs_r = alloc_replay_buffers(R, D, H, HV, K, V, dtype=dtype, device=dev, meta=(pend_r[0], slot_r[0]))
+    bufs_r = alloc_replay_buffers(R, D, H, HV, K, V, device=dev, meta=(pend_r[0], slot_r[0]))
     tol = 1e-5 if dtype == F32 else 1e-2
 
     for rnd in range(3):

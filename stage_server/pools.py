@@ -80,6 +80,11 @@ class KVPool:
 COMMIT_DESIGNS = ("copy", "replay")
 
 
+def _replay_data(b: ReplayBuffers) -> list[torch.Tensor]:
+    """The per-step data tensors of a layer's buffers (not the shared pending/slot views)."""
+    return [t for name, t in zip(b._fields, b) if name not in ("pending", "slot")]
+
+
 def state_pool_nbytes(
     num_layers, max_rows, hk, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, commit_design="copy"
 ) -> dict[str, int]:
@@ -87,8 +92,8 @@ def state_pool_nbytes(
     (the stage's memory-budget check); equal to ``StatePool(...).nbytes``.
 
     Returns ``{"state": committed state + conv window, "verify_scratch": copy design's
-    per-step state and conv windows, or the replay design's conv windows, step inputs and
-    pending/slot counters}``, in bytes.
+    per-step state and conv windows, or the replay design's conv windows, per-step replay
+    buffers and pending/slot counters}``, in bytes.
     """
     rows, d = max_rows + 1, num_verify_tokens
     esize = torch.empty((), dtype=dtype).element_size()
@@ -100,9 +105,10 @@ def state_pool_nbytes(
     scratch = num_layers * rows * d * conv
     if commit_design == "copy":
         scratch += num_layers * rows * d * ssm
-    else:  # replay: k, v, beta in the model dtype, g fp32, both slots; pending + slot int32
-        step = hk * dk * esize + hv * dv * esize + hv * 4 + hv * esize
-        scratch += num_layers * rows * 2 * d * step + 2 * num_layers * rows * 4
+    else:  # replay: one layer's buffers laid out on the meta device (no memory), pending + slot int32
+        one = alloc_replay_buffers(rows, d, hk, hv, dk, dv, device="meta")
+        scratch += num_layers * sum(t.numel() * t.element_size() for t in _replay_data(one))
+        scratch += 2 * num_layers * rows * 4
     return {"state": state, "verify_scratch": scratch}
 
 
@@ -117,11 +123,11 @@ class StatePool:
     - ``commit_design="copy"``: ssm_scratch ``[L, R, D, HV, K, V]`` fp32, the state after
       each verify step; the commit copies ``ssm_scratch[row, accept_length - 1]`` to ``ssm[row]``.
     - ``commit_design="replay"`` (DESIGN.md section 7): no ssm_scratch; ``replay[l]`` is the
-      layer's :class:`~ppspec.kernels.gdn.ReplayBuffers` (k ``[R, 2, D, H, K]``, v
-      ``[R, 2, D, HV, V]``, beta ``[R, 2, D, HV]`` in ``dtype``, g ``[R, 2, D, HV]`` fp32: the
-      model computes the log decay in fp32, so the replay repeats the verify's arithmetic
-      exactly), whose ``pending``/``slot`` are rows of ``replay_pending``/``replay_slot``
-      ``[L, R]`` int32, so one commit covers every layer.
+      layer's :class:`~ppspec.kernels.gdn.ReplayBuffers` (per verify step, two slots, fp32
+      whatever ``dtype``, so a bf16 stage replays exactly what it verified: normalised key
+      ``k [R, 2, D, H, K]``, ``delta [R, 2, D, HV, V]``, log decay ``g [R, 2, D, HV]``), whose
+      ``pending``/``slot`` are rows of ``replay_pending``/``replay_slot`` ``[L, R]`` int32, so
+      one commit covers every layer.
 
     Scratch and replay buffers exist only when ``D > 1``; with ``D = 1`` there is no verify
     and nothing to commit.
@@ -149,12 +155,10 @@ class StatePool:
                 self.ssm_scratch = torch.zeros(num_layers, n, d, hv, dk, dv, dtype=torch.float32, device=device)
             else:
                 self.replay_pending, self.replay_slot = alloc_replay_meta(num_layers, n, device)
-                self.replay = []
-                for i in range(num_layers):
-                    b = alloc_replay_buffers(n, d, hk, hv, dk, dv, dtype=dtype, device=device,
-                                             meta=(self.replay_pending[i], self.replay_slot[i]))
-                    # g is fp32 in the model (the log decay); store it so, not rounded to dtype
-                    self.replay.append(b._replace(g=torch.zeros(b.g.shape, dtype=torch.float32, device=device)))
+                self.replay = [
+                    alloc_replay_buffers(n, d, hk, hv, dk, dv, device=device, meta=(self.replay_pending[i], self.replay_slot[i]))
+                    for i in range(num_layers)
+                ]
 
     @property
     def nbytes(self) -> dict[str, int]:
@@ -162,7 +166,7 @@ class StatePool:
         size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
         scratch = size(self.ssm_scratch) + size(self.conv_scratch)
         if self.replay is not None:
-            scratch += sum(size(t) for b in self.replay for t in b[:4])
+            scratch += sum(size(t) for b in self.replay for t in _replay_data(b))
             scratch += size(self.replay_pending) + size(self.replay_slot)
         return {"state": size(self.ssm) + size(self.conv), "verify_scratch": scratch}
 

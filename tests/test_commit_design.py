@@ -129,16 +129,16 @@ def test_replay_and_copy_give_the_same_state_and_logits(hf_reference, sequences)
     assert (rep.ssm[:, [5, 2]] - runners["copy"].state.ssm[:, [5, 2]]).abs().max() < TOL_DESIGNS
 
 
-def test_replay_keeps_g_in_fp32_so_bf16_stages_agree(make_ckpt, sequences):
-    """bf16 stage: the replay buffers keep k, v, beta in bf16 (the verify's own inputs,
-    exact) and the log decay g in fp32 (the model computes it in fp32), so the replayed
-    state equals the copy design's scratch state."""
+def test_bf16_stage_replays_exactly_what_it_verified(make_ckpt, sequences):
+    """bf16 stage: the replay buffers are fp32 (normalised key, delta, log decay: the
+    model computes g in fp32, and the delta comes from the fp32 state), so the replayed
+    state equals the copy design's fp32 scratch state and the next decode is identical."""
     path = make_ckpt(CKPT)
     a, b = sequences["a"], sequences["b"]
     runners = {d: StageRunner(path, max_rows=4, num_speculative_steps=D - 1, dtype=torch.bfloat16, commit_design=d)
                for d in ("copy", "replay")}
     bufs = runners["replay"].state.replay[0]
-    assert bufs.k.dtype == bufs.v.dtype == bufs.beta.dtype == torch.bfloat16 and bufs.g.dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in (bufs.k, bufs.delta, bufs.g))
     for r in runners.values():
         step(r, 0, 0, "prefill", [1, 3], [0, 0], [20, 10], a[:20] + b[:10])
         step(r, 0, 1, "verify", [1, 3], [20, 10], [D, D], a[20:24] + b[10:14], num_drafts=[3, 3])

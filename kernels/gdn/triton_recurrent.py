@@ -43,7 +43,7 @@ def _gdn_recurrent_kernel(
     scale,
     D: tl.constexpr, D_MAX: tl.constexpr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     STORE_SCRATCH: tl.constexpr, STORE_FINAL: tl.constexpr, REPLAY: tl.constexpr, STORE_BUF: tl.constexpr,
 ):
     i_bh = tl.program_id(0)
@@ -85,30 +85,73 @@ def _gdn_recurrent_kernel(
                 tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
         nxt = 1 - cur
 
-    for t in range(D):
-        tok = i_b * D + t
-        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_kr = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        b_vr = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
-        g_r = tl.load(g + tok * HV + i_hv)
-        beta_r = tl.load(beta + tok * HV + i_hv)
-        b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-        b_k = b_kr.to(tl.float32)
-        b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_s, b_d = _gdn_step(b_s, b_k, b_vr.to(tl.float32), g_r.to(tl.float32), beta_r.to(tl.float32))
-        b_o = tl.sum(b_s * b_q[:, None], axis=0)
-        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        if STORE_SCRATCH:
-            p_scr = scratch + ((row * D_MAX + t) * HV + i_hv) * (K * V) + kv_off
-            tl.store(p_scr, b_s.to(scratch.dtype.element_ty), mask=m_kv)
-        if STORE_BUF:
-            st = (row * 2 + nxt) * D_MAX + t
-            # k is per key head and g per value head: one program writes each
-            is_k_writer = (i_vb == 0) & (i_hv % G == 0)
-            tl.store(buf_k + (st * H + i_h) * K + o_k, b_k, mask=m_k & is_k_writer)
-            tl.store(buf_delta + (st * HV + i_hv) * V + o_v, b_d, mask=m_v)
-            if i_vb == 0:
-                tl.store(buf_g + st * HV + i_hv, g_r.to(tl.float32))
+    if STORE_BUF:
+        # verify of the replay design: its D steps never write a state, so none is formed.
+        # With c_t = g_0 + ... + g_t and S the committed state, the recurrence unrolls to
+        #   delta_t = beta_t (v_t - e^{c_t} S^T k_t - sum_{s<t} e^{c_t - c_s} (k_t.k_s) delta_s)
+        #   o_t     = e^{c_t} S^T q_t + sum_{s<=t} e^{c_t - c_s} (q_t.k_s) delta_s
+        # (the intra-chunk form of naive.chunk_gated_delta_rule_ref): 2 D independent
+        # reductions over K of one tile instead of 4 D dependent passes over it.
+        o_t = tl.arange(0, BT)
+        m_t = o_t < D
+        tok = (i_b * D + o_t).to(tl.int64)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_Q = tl.load(q + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_K = tl.load(k + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_V = tl.load(v + (tok * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_g = tl.load(g + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_Q = b_Q * (tl.math.rsqrt(tl.sum(b_Q * b_Q, 1) + 1e-6) * scale)[:, None]
+        b_K = b_K * tl.math.rsqrt(tl.sum(b_K * b_K, 1) + 1e-6)[:, None]
+        b_c = tl.cumsum(b_g, 0)
+        b_e = tl.exp(b_c)
+        causal = o_t[:, None] >= o_t[None, :]
+        decay = tl.exp(tl.where(causal, b_c[:, None] - b_c[None, :], 0.0))
+        b_kk = tl.where(o_t[:, None] > o_t[None, :], tl.sum(b_K[:, None, :] * b_K[None, :, :], 2) * decay, 0.0)
+        b_qk = tl.where(causal, tl.sum(b_Q[:, None, :] * b_K[None, :, :], 2) * decay, 0.0)
+        b_SK = tl.zeros([BT, BV], dtype=tl.float32)
+        b_SQ = tl.zeros([BT, BV], dtype=tl.float32)
+        for t in tl.static_range(D):
+            sel = (o_t == t)[:, None]
+            k_t = tl.sum(tl.where(sel, b_K, 0.0), 0)
+            q_t = tl.sum(tl.where(sel, b_Q, 0.0), 0)
+            b_SK = tl.where(sel, tl.sum(b_s * k_t[:, None], 0)[None, :], b_SK)
+            b_SQ = tl.where(sel, tl.sum(b_s * q_t[:, None], 0)[None, :], b_SQ)
+        # the deltas, by forward substitution over the D steps (rows of b_U)
+        b_rhs = b_b[:, None] * (b_V - b_e[:, None] * b_SK)
+        b_U = tl.zeros([BT, BV], dtype=tl.float32)
+        for t in tl.static_range(D):
+            sel = o_t == t
+            a_t = tl.sum(tl.where(sel[:, None], b_kk, 0.0), 0) * tl.sum(tl.where(sel, b_b, 0.0))
+            u_t = tl.sum(tl.where(sel[:, None], b_rhs, 0.0), 0) - tl.sum(a_t[:, None] * b_U, 0)
+            b_U = tl.where(sel[:, None], u_t[None, :], b_U)
+        b_O = b_e[:, None] * b_SQ + tl.sum(b_qk[:, :, None] * b_U[None, :, :], 1)
+        tl.store(o + (tok * HV + i_hv)[:, None] * V + o_v[None, :], b_O.to(o.dtype.element_ty), mask=m_tv)
+        # the steps' record for the replay, in the row's other slot; k is per key head and
+        # g per value head: one program writes each
+        st = ((row * 2 + nxt) * D_MAX + o_t).to(tl.int64)
+        is_k_writer = (i_vb == 0) & (i_hv % G == 0)
+        tl.store(buf_k + (st * H + i_h)[:, None] * K + o_k[None, :], b_K, mask=m_tk & is_k_writer)
+        tl.store(buf_delta + (st * HV + i_hv)[:, None] * V + o_v[None, :], b_U, mask=m_tv)
+        tl.store(buf_g + st * HV + i_hv, b_g, mask=m_t & (i_vb == 0))
+    else:
+        for t in range(D):
+            tok = i_b * D + t
+            b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_kr = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            b_vr = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
+            g_r = tl.load(g + tok * HV + i_hv)
+            beta_r = tl.load(beta + tok * HV + i_hv)
+            b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+            b_k = b_kr.to(tl.float32)
+            b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+            b_s, b_d = _gdn_step(b_s, b_k, b_vr.to(tl.float32), g_r.to(tl.float32), beta_r.to(tl.float32))
+            b_o = tl.sum(b_s * b_q[:, None], axis=0)
+            tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+            if STORE_SCRATCH:
+                p_scr = scratch + ((row * D_MAX + t) * HV + i_hv) * (K * V) + kv_off
+                tl.store(p_scr, b_s.to(scratch.dtype.element_ty), mask=m_kv)
 
     if STORE_FINAL:
         tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
@@ -190,7 +233,7 @@ def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scrat
     grid = (B * HV, triton.cdiv(V, BV))
     _gdn_recurrent_kernel[grid](
         q, k, v, g, beta, o, state, scratch_arg, rows, *buf_args, float(scale),
-        D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BT=max(2, triton.next_power_of_2(D)),
         STORE_SCRATCH=store_scratch, STORE_FINAL=store_final, REPLAY=replay, STORE_BUF=store_buf,
         num_warps=num_warps or _num_warps(BV, replay),
     )

@@ -1,19 +1,59 @@
 """Argument checks shared by every dispatch function: they run before any launch, so a
-bad row never reaches a kernel (which would write memory it does not own)."""
+bad row never reaches a kernel (which would write memory it does not own).
+
+Reading a CUDA tensor's values on the host waits for the device, and a step that does it
+in every layer spends most of its time waiting. The engine builds each micro-batch's index
+tensors from host lists, so it states what it already knows about them with
+:func:`known`; the checks read those facts instead of the device. A fact is dropped as
+soon as its tensor is modified in place (the tensor's version counter moves; inference-mode
+tensors have none, see :func:`known`), and a tensor without facts is read from the device
+as before.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 
+def _version(t: torch.Tensor):
+    # inference-mode tensors keep no version counter: their facts hold until stated again,
+    # so state facts only about such tensors that nothing modifies afterwards
+    return None if t.is_inference() else t._version
+
+
+def known(t: torch.Tensor, **facts) -> torch.Tensor:
+    """Attach host-known facts about ``t``'s current values and return ``t``: ``min`` /
+    ``max`` are bounds (every value lies within them), other names are what the checks
+    that read them say. Only state what the host knows of these very values."""
+    t._ppspec_facts = (_version(t), facts)
+    return t
+
+
+def fact(t: torch.Tensor, name: str, compute: Callable[[], object]):
+    """The fact ``name`` about ``t`` if still valid, else ``compute()`` (may sync)."""
+    f = getattr(t, "_ppspec_facts", None)
+    if f is not None and f[0] == _version(t) and name in f[1]:
+        return f[1][name]
+    return compute()
+
+
+def min_max(t: torch.Tensor) -> tuple[int, int]:
+    """Bounds ``(lo, hi)`` of a non-empty integer tensor: its stated facts, or its exact
+    min and max in one device read."""
+    lo = fact(t, "min", lambda: None)
+    hi = fact(t, "max", lambda: None)
+    if lo is None or hi is None:
+        lo, hi = (int(x) for x in torch.aminmax(t))
+    return lo, hi
+
+
 def check_rows(req_pool_indices: torch.Tensor, num_rows: int) -> None:
     """Raise IndexError unless every row is in ``[0, num_rows)`` (padding row included)."""
-    if req_pool_indices.numel() and (
-        int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= num_rows
-    ):
-        raise IndexError(
-            f"req_pool_indices out of range [0, {num_rows}): "
-            f"min {int(req_pool_indices.min())}, max {int(req_pool_indices.max())}"
-        )
+    if req_pool_indices.numel():
+        lo, hi = min_max(req_pool_indices)
+        if lo < 0 or hi >= num_rows:
+            raise IndexError(f"req_pool_indices out of range [0, {num_rows}): min {lo}, max {hi}")
 
 
 def check_commit(req_pool_indices: torch.Tensor, accept_lengths: torch.Tensor, num_rows: int, d_max: int | None) -> bool:
@@ -32,6 +72,7 @@ def check_commit(req_pool_indices: torch.Tensor, accept_lengths: torch.Tensor, n
     check_rows(req_pool_indices, num_rows)
     if torch.unique(req_pool_indices).numel() != req_pool_indices.numel():
         raise IndexError(f"commit rows repeat: {req_pool_indices.tolist()}")
-    if int(accept_lengths.min()) < 1 or (d_max is not None and int(accept_lengths.max()) > d_max):
+    lo, hi = min_max(accept_lengths)
+    if lo < 1 or (d_max is not None and hi > d_max):
         raise ValueError(f"accept lengths must be in [1, {d_max}]: {accept_lengths.tolist()}")
     return True

@@ -49,19 +49,12 @@ class BatchMeta:
     positions: torch.Tensor
     slots: torch.Tensor | None
     page_table: torch.Tensor | None
+    kv_lens: torch.Tensor  # [B] seq_lens + extend_lens
+    tokens_per_request: int  # D for decode/verify (every request has the same count), host-known
 
     @property
     def batch_size(self) -> int:
         return int(self.rows.numel())
-
-    @property
-    def tokens_per_request(self) -> int:
-        """D for decode/verify (every request has the same count)."""
-        return int(self.extend_lens[0]) if self.batch_size else 0
-
-    @property
-    def kv_lens(self) -> torch.Tensor:
-        return self.seq_lens + self.extend_lens
 
 
 @dataclass

@@ -19,6 +19,7 @@ from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
 from .pools import COMMIT_DESIGNS, KVPool, StatePool, state_pool_nbytes
+from ppspec.kernels.checks import known
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
 
 from .sampler import verify_and_sample
@@ -199,19 +200,32 @@ class StageRunner:
 
     # ------------------------------------------------------------------ layout
     def _meta(self, mode, rows, seq_lens, extend_lens, kv: KVPool | None) -> BatchMeta:
+        # Every index tensor is built from host lists, so what the kernels' checks need to
+        # know about it is stated here (kernels.checks.known) instead of read back from the
+        # device in every layer: a read-back waits for the device and serialises the step.
         dev = self.device
+        kv_lens = [s + e for s, e in zip(seq_lens, extend_lens)]
+        B = len(rows)
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
         seq_t = torch.tensor(seq_lens, dtype=torch.long, device=dev)
         ext_t = torch.tensor(extend_lens, dtype=torch.long, device=dev)
-        cu = torch.zeros(len(rows) + 1, dtype=torch.long, device=dev)
+        cu = torch.zeros(B + 1, dtype=torch.long, device=dev)
         cu[1:] = ext_t.cumsum(0)
-        tok_rows = torch.repeat_interleave(rows_t, ext_t)
-        positions = torch.repeat_interleave(seq_t - cu[:-1], ext_t) + torch.arange(int(cu[-1]), device=dev)
+        total = sum(extend_lens)
+        tok_rows = torch.repeat_interleave(rows_t, ext_t, output_size=total)
+        positions = torch.repeat_interleave(seq_t - cu[:-1], ext_t, output_size=total) + torch.arange(total, device=dev)
         slots = page_table = None
         if kv is not None:
-            kv.ensure(rows, [s + e for s, e in zip(seq_lens, extend_lens)])
+            kv.ensure(rows, kv_lens)
             slots, page_table = kv.slots(tok_rows, positions), kv.page_table
-        return BatchMeta(mode, rows_t, seq_t, ext_t, cu, positions, slots, page_table)
+            known(slots, min=0, max=kv.num_pages * kv.page_size - 1)  # pages come from the pool
+            known(page_table, pages_in_pool=True)
+        if B:
+            known(rows_t, min=min(rows), max=max(rows))
+            known(cu, total=total, max_len=max(extend_lens), queries_fit=all(e >= 0 for e in extend_lens))
+        kv_t = known(seq_t + ext_t, min=min(kv_lens, default=0), max=max(kv_lens, default=0))
+        return BatchMeta(mode, rows_t, seq_t, ext_t, cu, positions, slots, page_table, kv_t,
+                         extend_lens[0] if B else 0)
 
     def _layer_states(self) -> dict:
         states = {}
@@ -334,7 +348,8 @@ class StageRunner:
             tok += chunk
             sel += idx
             ext.append(len(chunk))
-        mmeta = self._meta(PREFILL, meta.rows.tolist(), meta.seq_lens.tolist(), ext, self.mtp_kv)
+        rows, seq_lens = list(inp.req_pool_indices), list(inp.seq_lens)
+        mmeta = self._meta(PREFILL, rows, seq_lens, ext, self.mtp_kv)
         mtp = self.model.mtp
         kv = self.mtp_kv.layer(0)
         tok_t = torch.tensor(tok, dtype=torch.long, device=self.device)
@@ -345,14 +360,14 @@ class StageRunner:
         ends = mmeta.cu_seqlens[1:] - 1
         u = u[ends]  # [B, hidden]: the head's output at each request's last position
         drafts = [[] for _ in range(B)]
-        pos = (mmeta.seq_lens + mmeta.extend_lens).tolist()
+        pos = [s + e for s, e in zip(seq_lens, ext)]
         for step in range(self.num_steps):
             d = self.model.mtp_logits(u).argmax(-1)  # [B]
             for b, tok in enumerate(d.tolist()):  # one device sync per step, not per request
                 drafts[b].append(tok)
             if step == self.num_steps - 1:
                 break
-            cmeta = self._meta(DECODE, meta.rows.tolist(), [p + step for p in pos], [1] * B, self.mtp_kv)
+            cmeta = self._meta(DECODE, rows, [p + step for p in pos], [1] * B, self.mtp_kv)
             u = mtp(self.model.embed(d), u, cmeta, kv)
         return [dr if w else [] for dr, w in zip(drafts, wants)]
 

@@ -1,6 +1,7 @@
 """Paged attention for prefill, decode and verify: one dispatch function per op."""
 from __future__ import annotations
 
+from ..checks import min_max
 from .naive import paged_attention_ref, store_kv_ref
 
 __all__ = ["paged_attention", "store_kv"]
@@ -9,8 +10,10 @@ __all__ = ["paged_attention", "store_kv"]
 def store_kv(k_cache, v_cache, slots, k, v):
     """Shapes as :func:`naive.store_kv_ref`. Raises IndexError on a slot outside the cache."""
     n = k_cache.shape[0] * k_cache.shape[1]
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n):
-        raise IndexError(f"KV slots out of range [0, {n})")
+    if slots.numel():
+        lo, hi = min_max(slots)
+        if lo < 0 or hi >= n:
+            raise IndexError(f"KV slots out of range [0, {n})")
     store_kv_ref(k_cache, v_cache, slots, k, v)
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import check_rows, fact, min_max
+
 
 @triton.jit
 def _paged_attn_kernel(
@@ -97,17 +99,25 @@ def _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seq
     if B == 0:
         return
     rows_n, max_pages = page_table.shape
-    if int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= rows_n:
-        raise IndexError(f"req_pool_indices out of range [0, {rows_n})")
-    lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    if int(cu_seqlens_q[-1]) != T or bool((lens_q < 0).any()) or bool((lens_q > kv_lens).any()):
+    check_rows(req_pool_indices, rows_n)
+
+    def queries_fit() -> bool:
+        lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        return int(cu_seqlens_q[-1]) == T and not bool((lens_q < 0).any()) and not bool((lens_q > kv_lens).any())
+
+    # facts (kernels/checks.py) stated by the stage, which built these from host lists
+    if not fact(cu_seqlens_q, "queries_fit", queries_fit) or fact(cu_seqlens_q, "total", lambda: T) != T:
         raise ValueError("cu_seqlens_q must cover q, with each request's queries within its kv_lens")
-    if int(kv_lens.max()) > max_pages * page_size:
+    if min_max(kv_lens)[1] > max_pages * page_size:
         raise IndexError("kv_lens exceed the page table's capacity")
-    need = (kv_lens.to(page_table.device) + page_size - 1) // page_size
-    used = torch.arange(max_pages, device=page_table.device)[None, :] < need[:, None]
-    pages = page_table[req_pool_indices.to(page_table.device)][used]
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+
+    def pages_in_pool() -> bool:
+        need = (kv_lens.to(page_table.device) + page_size - 1) // page_size
+        used = torch.arange(max_pages, device=page_table.device)[None, :] < need[:, None]
+        pages = page_table[req_pool_indices.to(page_table.device)][used]
+        return not pages.numel() or (int(pages.min()) >= 0 and int(pages.max()) < num_pages)
+
+    if not fact(page_table, "pages_in_pool", pages_in_pool):
         raise IndexError(f"page table names pages outside [0, {num_pages})")
 
 
@@ -130,7 +140,7 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
     if pt.stride(1) != 1:
         pt = pt.contiguous()
     G = Hq // Hkv
-    max_l = int((cu[1:] - cu[:-1]).max())
+    max_l = fact(cu_seqlens_q, "max_len", lambda: int((cu[1:] - cu[:-1]).max()))
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
     BD = triton.next_power_of_2(hd)
     BLOCK_M = 16 if max_l * G <= 16 else (32 if ieee and BD > 128 else 64)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
+
 import triton
 import triton.language as tl
+
+from ..checks import check_rows, min_max
 
 
 @triton.jit
@@ -56,9 +59,9 @@ def commit_accept_triton(state: torch.Tensor, scratch: torch.Tensor, req_pool_in
     if B == 0 or L == 0:
         return
     d = scratch.shape[2]
-    if int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= R:
-        raise IndexError(f"commit rows out of range [0, {R}): {req_pool_indices.tolist()}")
-    if int(accept_lengths.min()) < 1 or int(accept_lengths.max()) > d:
+    check_rows(req_pool_indices, R)
+    lo, hi = min_max(accept_lengths)
+    if lo < 1 or hi > d:
         raise ValueError(f"accept lengths must be in [1, {d}]: {accept_lengths.tolist()}")
     if not (_inner_contiguous(state, 2) and _inner_contiguous(scratch, 3)):
         raise ValueError("commit needs each row's state contiguous")

@@ -11,8 +11,11 @@ As in the reference, inputs and window pass through the weight's dtype before th
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
+
+from ..checks import check_rows
 
 _ACT = {None: 0, "silu": 1, "swish": 1}
 
@@ -80,8 +83,7 @@ def causal_conv1d_update_triton(x, weight, bias, conv_state, req_pool_indices, c
     R = conv_state.shape[0]
     if req_pool_indices.numel() != B:
         raise ValueError(f"{req_pool_indices.numel()} rows for a batch of {B}")
-    if B and (int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= R):
-        raise IndexError(f"req_pool_indices out of range [0, {R}): {req_pool_indices.tolist()}")
+    check_rows(req_pool_indices, R)
     out = torch.empty_like(x)
     if B == 0 or D == 0:
         return out

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import check_rows
 from .naive import recurrent_gated_delta_rule_ref  # noqa: F401  (the oracle; documented pairing)
 
 _EPS = 1e-6  # naive.l2norm
@@ -246,12 +247,5 @@ def recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, req_pool_indices,
     Rows are checked by the dispatcher (``gdn_recurrent``); this also refuses rows outside
     the pool before the launch, so it is safe to call directly.
     """
-    _check_rows_gpu(req_pool_indices, state.shape[0])
+    check_rows(req_pool_indices, state.shape[0])
     return launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scratch=scratch)
-
-
-def _check_rows_gpu(req_pool_indices: torch.Tensor, num_rows: int) -> None:
-    if req_pool_indices.numel() and (
-        int(req_pool_indices.min()) < 0 or int(req_pool_indices.max()) >= num_rows
-    ):
-        raise IndexError(f"req_pool_indices out of range [0, {num_rows}): {req_pool_indices.tolist()}")

@@ -17,8 +17,8 @@ import torch
 import triton
 
 from .naive_replay import ReplayBuffers, alloc_replay_buffers, alloc_replay_meta  # noqa: F401
-from ..checks import check_commit
-from .triton_recurrent import _block_v, _check_rows_gpu, _gdn_recurrent_kernel, _num_warps, launch_gdn_recurrent
+from ..checks import check_commit, check_rows
+from .triton_recurrent import _block_v, _gdn_recurrent_kernel, _num_warps, launch_gdn_recurrent
 
 
 def recurrent_gated_delta_rule_replay_triton(
@@ -26,7 +26,7 @@ def recurrent_gated_delta_rule_replay_triton(
 ) -> torch.Tensor:
     """GPU path of :func:`naive_replay.recurrent_gated_delta_rule_replay_ref` (same shapes,
     same semantics). Raises IndexError before any launch on a row outside the pool."""
-    _check_rows_gpu(req_pool_indices, state.shape[0])
+    check_rows(req_pool_indices, state.shape[0])
     return launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
 
 
@@ -62,7 +62,7 @@ def launch_replay_commit(pending, slot, rows, acc) -> None:
 
 def replay_flush_triton(state, bufs: ReplayBuffers, req_pool_indices) -> None:
     """Apply the rows' pending steps to ``state[row]`` now; ``pending[row]`` becomes 0."""
-    _check_rows_gpu(req_pool_indices, state.shape[0])
+    check_rows(req_pool_indices, state.shape[0])
     B = req_pool_indices.numel()
     if B == 0:
         return

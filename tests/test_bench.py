@@ -469,10 +469,13 @@ def test_poisson_arrivals_follow_seed(dataset, tmp_path):
                       "--max-output-len", "4", progress=True)
     assert r["request_rate"] == rate and r["completed"] == n
     expected = arrival_offsets(n, rate, seed)
-    got = [t - stub.arrivals[1] for t in stub.arrivals[1:]]  # [0] is the test request
-    # never early; late only by scheduling jitter (this machine is shared and loaded)
+    got = stub.arrivals[1:]  # [0] is the test request
+    # The schedule's start is not observable here, and the first request may itself arrive
+    # late; take the least-late request as the reference: every arrival then lies within
+    # scheduling jitter (this machine is shared and loaded) after its scheduled offset.
+    base = min(g - e for g, e in zip(got, expected))
     for g, e in zip(got, expected):
-        assert -0.005 <= g - e <= 0.15, (g, e)
+        assert 0 <= g - e - base <= 0.15, (g - base, e)
     assert expected == arrival_offsets(n, rate, seed) and expected != arrival_offsets(n, rate, seed + 1)
     assert r["duration_s"] >= expected[-1] + FIRST + 3 * GAP - 0.005
     assert r["spec_decode"]["mean_accept_length"] is None

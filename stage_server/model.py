@@ -51,6 +51,10 @@ class BatchMeta:
     page_table: torch.Tensor | None
     kv_lens: torch.Tensor  # [B] seq_lens + extend_lens
     tokens_per_request: int  # D for decode/verify (every request has the same count), host-known
+    # prefill only: the rows of requests that start here (seq_lens == 0) and of those that
+    # continue a chunked prefill, split on the host (a boolean index would sync per layer)
+    rows_new: torch.Tensor | None = None
+    rows_cont: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -144,8 +148,8 @@ class GatedDeltaNet(nn.Module):
             if st.replay is not None:
                 # replay design: a new request drops the row's pending steps (a previous
                 # request's); a continuing prefill applies them before reading the state
-                replay_reset(st.replay.pending, meta.rows[~has_init])
-                replay_flush(st.ssm, st.replay, meta.rows[has_init])
+                replay_reset(st.replay.pending, meta.rows_new)
+                replay_flush(st.ssm, st.replay, meta.rows_cont)
             init = torch.where(
                 has_init.view(-1, 1, 1, 1), st.ssm[meta.rows], torch.zeros((), dtype=st.ssm.dtype, device=x.device)
             )

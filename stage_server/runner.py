@@ -224,8 +224,15 @@ class StageRunner:
             known(rows_t, min=min(rows), max=max(rows))
             known(cu, total=total, max_len=max(extend_lens), queries_fit=all(e >= 0 for e in extend_lens))
         kv_t = known(seq_t + ext_t, min=min(kv_lens, default=0), max=max(kv_lens, default=0))
-        return BatchMeta(mode, rows_t, seq_t, ext_t, cu, positions, slots, page_table, kv_t,
+        meta = BatchMeta(mode, rows_t, seq_t, ext_t, cu, positions, slots, page_table, kv_t,
                          extend_lens[0] if B else 0)
+        if mode == PREFILL:
+            split = ([r for r, s in zip(rows, seq_lens) if s == 0], [r for r, s in zip(rows, seq_lens) if s > 0])
+            meta.rows_new, meta.rows_cont = (
+                known(torch.tensor(x, dtype=torch.long, device=dev), min=min(x, default=0), max=max(x, default=0))
+                for x in split
+            )
+        return meta
 
     def _layer_states(self) -> dict:
         states = {}

@@ -268,12 +268,20 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             top_w = top_w / top_w.sum(-1, keepdim=True)
         top_w = top_w.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in top_i.unique().tolist():
-            tok, slot = torch.where(top_i == e)
-            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e]) * top_w[tok, slot, None]
-            out.index_add_(0, tok, y)
+        # group the (token, slot) pairs by expert on the device; one host read of the group
+        # sizes per layer (not one per expert) decides which expert GEMMs run
+        flat = top_i.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.experts.down_proj.shape[0]).tolist()
+        tok = order // self.top_k
+        xs, ws = x[tok], top_w.flatten()[order, None]
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = F.linear(xs[start:start + n], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate) * up, self.experts.down_proj[e]))
+                start += n
+        out = torch.zeros_like(x).index_add_(0, tok, torch.cat(ys) * ws) if ys else torch.zeros_like(x)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 

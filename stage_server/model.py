@@ -84,8 +84,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm: one call instead of five (every eager call costs host time on a GPU)
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
@@ -99,8 +99,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return ((self.weight * xf.to(dtype)) * F.silu(z.float())).to(dtype)
 
 

@@ -50,6 +50,8 @@ class Engine:
         self.queues: dict[str, asyncio.Queue] = {}
         self.outstanding: dict[int, float] = {}  # lane -> start time of its in-flight micro-batch
         self.failure: str | None = None
+        self._stale_rows: list[int] = []  # rows of failed requests, freed once recovered
+        self._recover_error: str | None = None  # last recovery failure logged
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -189,11 +191,11 @@ class Engine:
                 res = await self.pipeline.step(batch.step_input(self.eos))
             except (StageDownError, ValueError, OSError) as e:
                 self.outstanding.pop(lane, None)
+                self._set_in_flight()
                 self._fail(f"{e}")
                 continue
-            finally:
-                self._set_in_flight()
             started = self.outstanding.pop(lane, None)
+            self._set_in_flight()
             if self.metrics and started is not None:
                 self.metrics.on_pipeline_step("verify" if batch.mode == "verify" else "forward", time.monotonic() - started)
             up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
@@ -242,7 +244,7 @@ class Engine:
             log.error("pipeline failure: %s", reason)
             self.failure = reason
         dropped, rows = self.scheduler.fail_all()
-        self._stale_rows = getattr(self, "_stale_rows", []) + rows
+        self._stale_rows = self._stale_rows + rows
         for r in dropped:
             q = self.queues.get(r.request_id)
             if q is not None:
@@ -261,9 +263,15 @@ class Engine:
             return
         try:
             infos = await self.pipeline.info()
-            await self.pipeline.release(list(range(min(i["max_rows"] for i in infos))))
-        except (StageDownError, OSError):
+            # the failed rounds' commits will never be sent: abandon them, or a stage that
+            # survived would wait for them forever
+            await self.pipeline.release(list(range(min(i["max_rows"] for i in infos))), abandon=True)
+        except (StageDownError, OSError, EngineError) as e:
+            if str(e) != self._recover_error:
+                self._recover_error = str(e)
+                log.warning("recovery attempt failed (retrying): %s", e)
             return
+        self._recover_error = None
         if self.failure is not None:
             self.scheduler.free(self._stale_rows)
             self._stale_rows = []

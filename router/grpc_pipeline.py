@@ -107,11 +107,12 @@ class GrpcPipeline:
                 raise r
         return [r.seconds for r in replies]
 
-    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0) -> None:
-        """Release rows on every stage (each waits for pending commits of those rows first)."""
+    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False) -> None:
+        """Release rows on every stage. Each stage first waits for pending commits of those
+        rows, or with ``abandon`` (after a failure: no commit will come) drops them."""
         if not rows:
             return
-        req = pb.ReleaseRequest(req_pool_indices=rows, micro_batch_id=micro_batch_id, round=round)
+        req = pb.ReleaseRequest(req_pool_indices=rows, micro_batch_id=micro_batch_id, round=round, abandon=abandon)
         replies = await asyncio.gather(
             *(s.Release(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
         )

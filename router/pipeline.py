@@ -73,7 +73,8 @@ class InProcessPipeline:
     async def commit_accept(self, c: Commit) -> None:
         await self._run(self.commit_accept_sync, c)
 
-    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0) -> None:
+    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False) -> None:
+        # in process, a commit is applied before the step that follows it: nothing is pending
         await self._run(self.release_sync, rows)
 
     def health(self) -> tuple[bool, str]:

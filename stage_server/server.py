@@ -158,6 +158,12 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context):
         rows = list(request.req_pool_indices)
+        if request.abandon:
+            async with self.cond:
+                dropped = {r: self.pending.pop(r) for r in rows if r in self.pending}
+                self.cond.notify_all()
+            if dropped:
+                log.warning("release abandons the pending commits of rows %s", dropped)
         await self._wait_committed(rows, context, f"release after micro-batch {request.micro_batch_id} round {request.round}")
         try:
             await self._compute(self.runner.release, rows)

@@ -72,6 +72,7 @@ def test_metrics_after_traffic(cluster):
     assert m[("ppspec:request_success_total", (("finished_reason", "length"),))] >= 3
     assert m[("ppspec:stage_forward_latency_seconds_count", (("mode", "verify"), ("stage", "1")))] > 0
     assert m[("ppspec:generation_tokens_total", ())] >= 48
+    assert m[("ppspec:micro_batches_in_flight", ())] == 0  # idle after the traffic
 
 
 def test_stop_string_finishes_count_as_stop(cluster):

@@ -186,6 +186,32 @@ def test_stage_death_gives_503_and_health_names_the_stage(random_ref, tmp_path):
         assert r.status_code == 503
 
 
+def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
+    """A stage dies with verifies in flight (their rows pending on the stages that ran
+    them), then comes back on its port: the router abandons the failed rounds' commits,
+    releases every row and serves again, with the same greedy tokens as before."""
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path), router_args=["--step-timeout", "20"]) as c:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as client:
+                tasks = [asyncio.ensure_future(client.post(c.url + "/v1/completions", json=dict(
+                    prompt=p, max_tokens=1500, temperature=0.0, ignore_eos=True))) for p in prompts[:8]]
+                await asyncio.sleep(3.0)
+                c.kill("stage1")
+                return await asyncio.gather(*tasks)
+        assert all(r.status_code == 503 for r in asyncio.run(scenario()))
+        c.procs["stage1"].wait(10)
+        c.start_stage(1)
+        deadline = time.monotonic() + 90
+        while httpx.get(c.url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the router did not recover after the stage came back"
+            time.sleep(0.5)
+        outs = complete(c.url, prompts[:6], max_tokens=32)
+        c.wait_rows_free()
+    real, _ = divergences(outs, ref[:6], gaps[:6])
+    assert not real, real
+
+
 def test_wedged_stage_turns_health_503(random_ref, tmp_path):
     path, prompts, _, _ = random_ref
     with Cluster(path, 2, "none", log_dir=str(tmp_path), router_args=["--wedge-timeout", "3"]) as c:

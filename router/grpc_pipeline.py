@@ -3,6 +3,7 @@ takes commits and releases, and a monitor watches each stage's gRPC health servi
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -14,6 +15,8 @@ from ppspec.proto.stubs import pb, pb_grpc
 
 from .scheduler import Commit
 from .types import StageDownError
+
+log = logging.getLogger("ppspec.router")
 
 
 def _info_dict(r: pb.InfoReply) -> dict:
@@ -58,6 +61,7 @@ class GrpcPipeline:
             StageDownError: naming the first stage not serving after ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
+        next_note = time.monotonic() + 10.0
         for k, stub in enumerate(self.health_stubs):
             while True:
                 try:
@@ -66,8 +70,12 @@ class GrpcPipeline:
                         break
                 except grpc.aio.AioRpcError:
                     pass
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise StageDownError(f"stage {k} at {self.addresses[k]} is unreachable or not serving")
+                if now > next_note:  # say what it waits for, not just hang
+                    log.warning("waiting for stage %d at %s to serve (%.0f s left)", k, self.addresses[k], deadline - now)
+                    next_note = now + 10.0
                 await asyncio.sleep(0.2)
 
     async def info(self) -> list[dict]:

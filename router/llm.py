@@ -17,6 +17,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ppspec.argtypes import positive_int
+
 from .pipeline import InProcessPipeline
 from .scheduler import Scheduler
 from .types import RequestOutput, SamplingParams
@@ -175,10 +177,10 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="ppspec generate", description="generate in one process (no gRPC)")
     ap.add_argument("prompt", nargs="+")
     ap.add_argument("--model", default=DEMO_MODEL)
-    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--pp-size", type=positive_int, default=1)
     ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
-    ap.add_argument("--speculative-num-steps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit (default: replay on CUDA, copy on CPU)")

@@ -16,6 +16,8 @@ import time
 import urllib.error
 import urllib.request
 
+from ppspec.argtypes import device_list, nonneg_int, port, port_list, positive_float, positive_int
+
 from .llm import DEMO_MODEL
 
 
@@ -26,7 +28,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as the servers set it:
+    sockets of a stopped server left in TIME_WAIT do not count as in use."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -37,28 +42,28 @@ def port_free(host: str, port: int) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ppspec serve", description="start N pipeline stages and the router")
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the bundled demo model)")
-    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--pp-size", type=positive_int, default=1)
     ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
-    ap.add_argument("--speculative-num-steps", type=int, default=3)
+    ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--stage-ports", default=None, help="comma-separated stage ports (default: free ports)")
-    ap.add_argument("--max-rows", type=int, default=64)
-    ap.add_argument("--kv-tokens", type=int, default=65536)
-    ap.add_argument("--max-context", type=int, default=None)
-    ap.add_argument("--num-micro-batches", type=int, default=None)
-    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--port", type=port, default=8000)
+    ap.add_argument("--stage-ports", type=port_list, default=None, help="comma-separated stage ports (default: free ports)")
+    ap.add_argument("--max-rows", type=positive_int, default=64)
+    ap.add_argument("--kv-tokens", type=positive_int, default=65536)
+    ap.add_argument("--max-context", type=positive_int, default=None)
+    ap.add_argument("--num-micro-batches", type=positive_int, default=None)
+    ap.add_argument("--max-batch-size", type=positive_int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default="cpu",
+    ap.add_argument("--device", type=device_list, default="cpu",
                     help="cpu, cuda (stage k on cuda:k), or a comma-separated device per stage")
-    ap.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per stage (weights + pools)")
+    ap.add_argument("--memory-budget-gb", type=positive_float, default=None, help="GiB per stage (weights + pools)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--num-threads", type=int, default=0, help="torch threads per stage (0: cores / stages)")
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--wedge-timeout", type=float, default=60.0)
+    ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch threads per stage (0: cores / stages)")
+    ap.add_argument("--startup-timeout", type=positive_float, default=300.0)
+    ap.add_argument("--wedge-timeout", type=positive_float, default=60.0)
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -122,12 +127,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     n = a.pp_size
-    if n < 1:
-        print(f"ppspec serve: --pp-size must be at least 1, got {n}", file=sys.stderr)
+    if a.stage_ports and len(a.stage_ports) != n:
+        print(f"ppspec serve: --stage-ports lists {len(a.stage_ports)} ports for {n} stages", file=sys.stderr)
         return 2
-    for port in [a.port] + ([int(p) for p in a.stage_ports.split(",")] if a.stage_ports else []):
-        if not port_free(a.host, port):
-            print(f"ppspec serve: {a.host}:{port} is already in use (another server?); pick another --port",
+    for p in [a.port] + (a.stage_ports or []):
+        if not port_free(a.host, p):
+            print(f"ppspec serve: {a.host}:{p} is already in use (another server?); pick another --port",
                   file=sys.stderr)
             return 2
     try:
@@ -138,7 +143,7 @@ def main(argv: list[str]) -> int:
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         print(f"ppspec serve: {a.model}: no config.json (is this a checkpoint folder?)", file=sys.stderr)
         return 2
-    ports = [int(p) for p in a.stage_ports.split(",")] if a.stage_ports else [free_port(a.host) for _ in range(n)]
+    ports = a.stage_ports or [free_port(a.host) for _ in range(n)]
     threads = a.num_threads or max(1, (os.cpu_count() or 1) // n)
     py = [sys.executable, "-m", "ppspec.cli"]
     kids = Children()

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import sys
 
+from ppspec.argtypes import address_list, port, positive_float, positive_int
+
 from .llm import DEMO_MODEL
 
 
@@ -13,19 +15,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ppspec router", description="OpenAI-compatible router in front of ppspec stages")
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (its tokenizer and chat template)")
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--stages", required=True, help="comma-separated host:port of the stages, in PP-rank order")
+    ap.add_argument("--stages", type=address_list, required=True, help="comma-separated host:port of the stages, in PP-rank order")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=port, default=8000)
     ap.add_argument("--speculative-algorithm", default=None, choices=["none", "ngram", "mtp"],
                     help="checked against the stages (default: what the stages run)")
-    ap.add_argument("--num-micro-batches", type=int, default=None, help="micro-batches in flight (default: stages)")
-    ap.add_argument("--max-batch-size", type=int, default=64, help="requests per micro-batch")
-    ap.add_argument("--chunk-size", type=int, default=512, help="prefill tokens per micro-batch")
-    ap.add_argument("--max-waiting", type=int, default=4096, help="queued requests before 429")
+    ap.add_argument("--num-micro-batches", type=positive_int, default=None, help="micro-batches in flight (default: stages)")
+    ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
+    ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
+    ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the stages at start")
-    ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds one micro-batch may take")
-    ap.add_argument("--wedge-timeout", type=float, default=60.0,
+    ap.add_argument("--connect-timeout", type=positive_float, default=60.0, help="seconds to wait for the stages at start")
+    ap.add_argument("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take")
+    ap.add_argument("--wedge-timeout", type=positive_float, default=60.0,
                     help="seconds a micro-batch may stay outstanding before /health says 503")
     ap.add_argument("--log-level", default="info")
     return ap
@@ -40,7 +42,7 @@ async def run_router(args) -> int:
     from .metrics import RouterMetrics
     from .types import StageDownError
 
-    addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
+    addresses = args.stages
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         # The context limit is the stages' (checked per request); silence the tokenizer's own.

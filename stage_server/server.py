@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ppspec.argtypes import device, nonneg_int, port, positive_float, positive_int
 from ppspec.proto.codec import GRPC_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
 from ppspec.proto.messages import VERIFY
 from ppspec.proto.stubs import pb, pb_grpc
@@ -260,30 +261,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="ppspec stage", description="run one pipeline stage (gRPC)")
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the demo model)")
-    ap.add_argument("--pp-rank", type=int, default=0)
-    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--pp-rank", type=nonneg_int, default=0)
+    ap.add_argument("--pp-size", type=positive_int, default=1)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--port", type=port, default=50051)
     ap.add_argument("--next-stage", default=None, help="host:port of stage pp_rank + 1")
-    ap.add_argument("--max-rows", type=int, default=64, help="request rows (concurrent requests)")
-    ap.add_argument("--kv-tokens", type=int, default=65536, help="KV cache budget in tokens")
-    ap.add_argument("--max-context", type=int, default=None, help="context limit in tokens")
+    ap.add_argument("--max-rows", type=positive_int, default=64, help="request rows (concurrent requests)")
+    ap.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache budget in tokens")
+    ap.add_argument("--max-context", type=positive_int, default=None, help="context limit in tokens")
     ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
-    ap.add_argument("--speculative-num-steps", type=int, default=3)
+    ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--memory-budget-gb", type=float, default=None,
+    ap.add_argument("--device", type=device, default="cpu")
+    ap.add_argument("--memory-budget-gb", type=positive_float, default=None,
                     help="GiB this stage may use for weights and pools (stages sharing a GPU)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit: copy (per-step state scratch) or replay (step inputs, replayed "
                          "by the next verify); default replay on CUDA, copy on CPU")
-    ap.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.pp_rank >= args.pp_size:
+        ap.error(f"--pp-rank {args.pp_rank} is not below --pp-size {args.pp_size}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop

@@ -172,9 +172,11 @@ def test_stage_cli_exits_with_one_clear_line(make_ckpt, tmp_path):
     import subprocess
     import sys
 
+    from cluster import free_port
+
     path = make_ckpt("qwen3_5_ratio1")
     for extra, msg in ((["--memory-budget-gb", "0.000001"], "memory budget"),
                        (["--model", str(tmp_path)], "config.json: missing")):
-        p = subprocess.run([sys.executable, "-m", "ppspec.cli", "stage", "--model", path, "--port", "0"] + extra,
+        p = subprocess.run([sys.executable, "-m", "ppspec.cli", "stage", "--model", path, "--port", str(free_port())] + extra,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr

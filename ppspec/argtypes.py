@@ -1,0 +1,87 @@
+"""argparse value types shared by the ``ppspec`` subcommands: a bad value is one clear
+usage error (exit code 2), never a traceback from deep inside a server."""
+from __future__ import annotations
+
+import argparse
+import re
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    return v
+
+
+def port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, got {s!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is in [1, 65535], got {v}")
+    return v
+
+
+def port_list(s: str) -> list[int]:
+    """``"9000,9001"`` -> ``[9000, 9001]``."""
+    parts = [p.strip() for p in s.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected comma-separated ports")
+    return [port(p) for p in parts]
+
+
+def address_list(s: str) -> list[str]:
+    """``"host:port,host:port"``, each port in range."""
+    out = []
+    for a in (p.strip() for p in s.split(",")):
+        if not a:
+            continue
+        host, sep, p = a.rpartition(":")
+        if not sep or not host:
+            raise argparse.ArgumentTypeError(f"expected host:port, got {a!r}")
+        port(p)
+        out.append(a)
+    if not out:
+        raise argparse.ArgumentTypeError("expected comma-separated host:port addresses")
+    return out
+
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def device(s: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    if not _DEVICE.match(s):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {s!r}")
+    return s
+
+
+def device_list(s: str) -> str:
+    """One device, or a comma-separated device per stage (returned as given)."""
+    for d in s.split(","):
+        device(d.strip())
+    return s

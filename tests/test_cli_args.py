@@ -1,0 +1,53 @@
+"""Bad command-line values are one usage error (exit 2, no traceback) for every subcommand."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CASES = [
+    (["serve", "--max-rows", "0"], "--max-rows: must be >= 1"),
+    (["serve", "--max-batch-size", "0"], "--max-batch-size: must be >= 1"),
+    (["serve", "--port", "99999"], "--port: a TCP port is in [1, 65535]"),
+    (["serve", "--stage-ports", "abc"], "--stage-ports: expected a TCP port"),
+    (["serve", "--pp-size", "2", "--stage-ports", "9504,9505,9506"], "lists 3 ports for 2 stages"),
+    (["serve", "--device", "gpu"], "--device: expected cpu, cuda or cuda:N"),
+    (["serve", "--num-threads", "-3"], "--num-threads: must be >= 0"),
+    (["serve", "--speculative-num-steps", "0"], "--speculative-num-steps: must be >= 1"),
+    (["serve", "--max-context", "0"], "--max-context: must be >= 1"),
+    (["serve", "--num-micro-batches", "0"], "--num-micro-batches: must be >= 1"),
+    (["serve", "--startup-timeout", "-1"], "--startup-timeout: must be > 0"),
+    (["router", "--stages", "garbage"], "--stages: expected host:port"),
+    (["router", "--stages", "127.0.0.1:70000"], "a TCP port is in [1, 65535]"),
+    (["stage", "--pp-rank", "5", "--pp-size", "2"], "--pp-rank 5 is not below --pp-size 2"),
+    (["stage", "--device", "cuda:x"], "--device: expected cpu, cuda or cuda:N"),
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens: must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_values_are_usage_errors(argv, msg):
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_port_free_ignores_time_wait_sockets():
+    """A server that stopped leaves TIME_WAIT sockets; serve must still see the port free."""
+    import socket
+
+    from ppspec.router.serve import port_free
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    assert not port_free("127.0.0.1", port)  # a listener: in use
+    cli = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.close()  # the server side closes first: its end goes to TIME_WAIT
+    cli.close()
+    srv.close()
+    assert port_free("127.0.0.1", port)

@@ -830,7 +830,10 @@ class _Server:
                 if ev.first and body.echo and prepared.prompt_texts:
                     prefix = prepared.prompt_texts[sub.prompt_index]
                 text = prefix + ev.text
-                if not (text or ev.token_ids or ev.finish_reason or (ev.first and body.return_token_ids)):
+                # tokens whose text is held back (a possible stop string) make no chunk unless
+                # the client asked for their ids or logprobs
+                carries = body.return_token_ids or body.logprobs is not None
+                if not (text or ev.finish_reason or (carries and (ev.token_ids or ev.first))):
                     continue
                 choice = CompletionChoice(
                     index=ev.index, text=text,
@@ -867,7 +870,7 @@ class _Server:
                         id=prepared.request_id, created=created, model=self.model_name,
                         choices=[ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=""))],
                         prompt_token_ids=prompt_ids).model_dump_json()
-                if not (ev.text or ev.token_ids or ev.finish_reason):
+                if not (ev.text or ev.finish_reason or ((body.return_token_ids or body.logprobs) and ev.token_ids)):
                     continue
                 choice = ChatStreamChoice(
                     index=ev.index, delta=ChatDelta(content=ev.text or None),

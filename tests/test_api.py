@@ -609,6 +609,12 @@ def test_stop_strings_earliest_wins_and_held_back_text_is_released(client, engin
     assert texts[0] == full and finish[0] == "length"
     assert not engine.aborted
 
+    # held-back text makes no empty chunk: each chunk carries text or the finish reason
+    engine.reset()
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=80, seed=4, stop=never,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert chunks and all(c.choices[0].text or c.choices[0].finish_reason for c in chunks)
+
 
 # --------------------------------------------------------------------------------------
 # Logprobs and token ids

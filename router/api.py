@@ -1043,7 +1043,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
 
 
 async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
-                     shutdown: asyncio.Event | None = None, **uvicorn_kwargs: Any) -> None:
+                     shutdown: asyncio.Event | None = None, on_exit: Callable[[], None] | None = None,
+                     drain_seconds: float = 1.0, **uvicorn_kwargs: Any) -> None:
     """Serve ``app`` with uvicorn until SIGINT / SIGTERM (main thread) or ``shutdown`` is set.
 
     Uses ``loop="uvloop"``: run this coroutine on a uvloop event loop, e.g.
@@ -1052,6 +1053,10 @@ async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
     (``timeout_graceful_shutdown``, seconds, in ``uvicorn_kwargs``). Extra keyword arguments
     go to ``uvicorn.Config``. When the port cannot be bound, uvicorn logs the error and
     raises ``SystemExit(3)``.
+
+    ``on_exit`` runs on the event loop at the first SIGINT / SIGTERM, ``drain_seconds``
+    before the server starts closing: the engine ends its requests there, so that open
+    streams still carry the error event and ``[DONE]`` instead of being cut off.
     """
     import uvicorn
 
@@ -1059,7 +1064,18 @@ async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
     if "uvloop" not in type(loop).__module__:
         log.warning("serve_http is running on %s, not uvloop", type(loop).__name__)
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level, **uvicorn_kwargs)
-    server = uvicorn.Server(config)
+
+    class _Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame):  # a signal handler: hand the work to the loop
+            if on_exit is None or self.draining:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            loop.call_soon_threadsafe(on_exit)
+            loop.call_soon_threadsafe(loop.call_later, drain_seconds, super().handle_exit, sig, frame)
+
+    server = _Server(config)
     watcher = None
     if shutdown is not None:
         async def _stop_when_asked() -> None:

@@ -50,6 +50,7 @@ class Engine:
         self.queues: dict[str, asyncio.Queue] = {}
         self.outstanding: dict[int, float] = {}  # lane -> start time of its in-flight micro-batch
         self.failure: str | None = None
+        self.closing = False  # shutdown(): requests end, nothing new starts, no recovery
         self._stale_rows: list[int] = []  # rows of failed requests, freed once recovered
         self._recover_error: str | None = None  # last recovery failure logged
         self._wake = asyncio.Event()
@@ -241,7 +242,7 @@ class Engine:
     def _fail(self, reason: str) -> None:
         """A stage failed: end every request with StageDownError, keep the router up."""
         if self.failure is None:
-            log.error("pipeline failure: %s", reason)
+            (log.info if self.closing else log.error)("pipeline failure: %s", reason)
             self.failure = reason
         dropped, rows = self.scheduler.fail_all()
         self._stale_rows = self._stale_rows + rows
@@ -256,10 +257,17 @@ class Engine:
                     pass
         self.outstanding.clear()
 
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """End every request now with StageDownError(reason) (HTTP 503; a stream gets the
+        error event and ``[DONE]``) and accept nothing new. Called when the process is asked
+        to stop, before the HTTP server closes its connections."""
+        self.closing = True
+        self._fail(reason)
+
     async def _recover(self) -> None:
         """Once every stage serves again, release all rows everywhere and resume."""
         await asyncio.sleep(0.5)
-        if not self.pipeline.health()[0]:
+        if self.closing or not self.pipeline.health()[0]:
             return
         try:
             infos = await self.pipeline.info()

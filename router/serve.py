@@ -94,16 +94,19 @@ class Children:
         return None
 
     def stop(self, timeout: float = 10.0) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        """SIGTERM in reverse start order, the router before the stages, so that it ends
+        in-flight requests itself while the stages still answer; SIGKILL after ``timeout``."""
         deadline = time.monotonic() + timeout
-        for _, p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        for group in (self.procs[-1:], self.procs[:-1]):
+            for _, p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for _, p in group:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
 
 def healthy(url: str) -> bool:

@@ -72,7 +72,7 @@ async def run_router(args) -> int:
     print(f"ppspec router: {len(addresses)} stages, speculative {engine.spec}, "
           f"serving {name} on http://{args.host}:{args.port}", flush=True)
     try:
-        await serve_http(app, args.host, args.port, log_level=args.log_level)
+        await serve_http(app, args.host, args.port, log_level=args.log_level, on_exit=engine.shutdown)
     finally:
         await engine.close()
     return 0

@@ -255,3 +255,51 @@ def test_serve_exits_nonzero_when_a_child_dies(random_ref):
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
+
+
+def test_serve_sigterm_ends_open_requests_with_a_message(random_ref):
+    """SIGTERM to ``ppspec serve``: the router ends in-flight requests itself (503 body; a
+    stream gets the error event and [DONE]) before the stages stop, and serve exits 0."""
+    path = random_ref[0]
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", path, "--pp-size", "2",
+                              "--port", str(port), "--num-threads", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = dict(prompt=[5, 6, 7], max_tokens=2000, temperature=0.0, ignore_eos=True)
+
+                async def stream():
+                    lines = []
+                    async with client.stream("POST", url + "/v1/completions", json=dict(body, stream=True)) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                lines.append(line[6:])
+                    return lines
+
+                tasks = [asyncio.ensure_future(stream()),
+                         asyncio.ensure_future(client.post(url + "/v1/completions", json=body))]
+                await asyncio.sleep(3.0)
+                os.kill(serve.pid, signal.SIGTERM)
+                return await asyncio.gather(*tasks)
+
+        lines, plain = asyncio.run(scenario())
+        assert len(lines) >= 2 and lines[-1] == "[DONE]" and "shutting down" in lines[-2], (lines[-3:], plain.text)
+        assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
+        assert serve.wait(30) == 0
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+

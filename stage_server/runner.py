@@ -323,7 +323,7 @@ class StageRunner:
             drafts, num_drafts = ids[:, 1:], inp.num_drafts or [0] * B
         specs = inp.sampling or [SamplingSpec() for _ in range(B)]
         output_lens = inp.output_lens or [0] * B
-        results = verify_and_sample(logits.cpu(), drafts, num_drafts, specs, output_lens)
+        results = verify_and_sample(logits, drafts, num_drafts, specs, output_lens)
         out.output_ids = [r.tokens if sample[b] else [] for b, r in enumerate(results)]
         if any(s.logprobs is not None for s in specs):
             out.logprobs = [r.logprobs if sample[b] else None for b, r in enumerate(results)]

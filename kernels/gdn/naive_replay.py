@@ -118,8 +118,9 @@ def recurrent_gated_delta_rule_replay_ref(
     """Replay each row's pending accepted steps, then run D new steps.
 
     Shapes as :func:`naive.recurrent_gated_delta_rule_ref`. ``verify=True``: the committed
-    state (after the replay) is written to ``state[row]`` and each of the D steps' record (normalised key, delta, log decay) to
-    slot ``1 - slot[row]`` of the buffers; no other state is written. ``verify=False``
+    state (after the replay) is written to ``state[row]`` and each of the D steps' record
+    (normalised key, delta, log decay) to slot ``1 - slot[row]`` of the buffers; no other
+    state is written. ``verify=False``
     (plain decode): the state after the D steps is written to ``state[row]``. Either way
     ``pending[row]`` is 0 afterwards.
 

@@ -27,22 +27,32 @@ def tensor_to_pb(t) -> "pb.Tensor":
 
 
 def tensor_from_pb(m: "pb.Tensor"):
-    """``pb.Tensor`` back to a CPU torch tensor. Raises ValueError on a size mismatch."""
+    """``pb.Tensor`` back to a CPU torch tensor.
+
+    Raises:
+        ValueError: an unknown or undecodable dtype, a negative dimension, or a byte count
+        that does not match dtype and shape.
+    """
     import torch
 
-    dtype = getattr(torch, m.dtype, None)
+    dtype = getattr(torch, m.dtype, None) if m.dtype else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown tensor dtype {m.dtype!r}")
     shape = tuple(m.shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
     n = 1
     for s in shape:
         n *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(m.data) != n * itemsize:
-        raise ValueError(f"tensor of shape {shape} {m.dtype} needs {n * itemsize} bytes, got {len(m.data)}")
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(m.data), dtype=torch.uint8).view(dtype).reshape(shape)
+        raise ValueError(f"tensor of shape {list(shape)} {m.dtype} needs {n * itemsize} bytes, got {len(m.data)}")
+    try:
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(m.data), dtype=torch.uint8).view(dtype).reshape(shape)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise ValueError(f"tensor of dtype {m.dtype!r} cannot be decoded ({e})") from None
 
 
 def step_to_pb(s: StepInput) -> "pb.StepRequest":
@@ -66,6 +76,7 @@ def step_to_pb(s: StepInput) -> "pb.StepRequest":
 
 
 def step_from_pb(m: "pb.StepRequest") -> StepInput:
+    """Raises ValueError (naming hidden_states) when the hidden states cannot be decoded."""
     return StepInput(
         micro_batch_id=m.micro_batch_id, round=m.round, mode=m.mode,
         req_pool_indices=list(m.req_pool_indices), seq_lens=list(m.seq_lens), extend_lens=list(m.extend_lens),
@@ -78,8 +89,17 @@ def step_from_pb(m: "pb.StepRequest") -> StepInput:
             )
             for x in m.sampling
         ],
-        hidden_states=tensor_from_pb(m.hidden_states) if m.HasField("hidden_states") else None,
+        hidden_states=_hidden_from_pb(m),
     )
+
+
+def _hidden_from_pb(m: "pb.StepRequest"):
+    if not m.HasField("hidden_states"):
+        return None
+    try:
+        return tensor_from_pb(m.hidden_states)
+    except ValueError as e:
+        raise ValueError(f"hidden_states: {e}") from None
 
 
 def result_to_pb(o: StepOutput) -> "pb.StepResult":

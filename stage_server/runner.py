@@ -11,14 +11,16 @@ in-process pipeline (``ppspec.router.pipeline``) call it the same way.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from contextlib import contextmanager
 
 import torch
 
 from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
-from .pools import COMMIT_DESIGNS, KVPool, StatePool, state_pool_nbytes
+from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
 from ppspec.kernels.checks import known
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
 
@@ -33,6 +35,23 @@ FAULT_POSITIONAL_SCRATCH = "positional_scratch"  # scratch copied to rows 0..B-1
 #   (replay design: the commit marks rows 0..B-1, the verify's batch positions, not the real rows)
 FAULT_STALE_ROWS = "stale_rows"              # commit uses the rows of the latest verify on this stage
 FAULTS = (FAULT_SKIP_COMMIT, FAULT_POSITIONAL_SCRATCH, FAULT_STALE_ROWS)
+
+
+class RowStateError(ValueError):
+    """A step or commit that does not fit the state of its rows on this stage (a row never
+    started or already released, a new request on a row still in use, a sequence length
+    other than the row holds, a row whose state a failed step left undefined), or a verify
+    or commit on a stage started without speculation. Nothing was changed. The gRPC
+    server answers FAILED_PRECONDITION; other ValueErrors are INVALID_ARGUMENT."""
+
+
+def brief(xs, n: int = 16) -> str:
+    """A list or dict for an error message, cut after ``n`` items (a status message must
+    stay small)."""
+    if isinstance(xs, dict):
+        return str(xs) if len(xs) <= n else f"{str(dict(list(xs.items())[:n]))[:-1]}, ... ({len(xs)} in all)}}"
+    xs = list(xs)
+    return str(xs) if len(xs) <= n else f"{str(xs[:n])[:-1]}, ... ({len(xs)} in all)]"
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -67,6 +86,15 @@ class StageRunner:
             one back; the reference) or ``"replay"`` (the verify keeps only the steps'
             inputs, the commit records the accept length, the next verify or decode
             replays it: DESIGN.md section 7). None: ``"replay"`` on CUDA, ``"copy"`` on CPU.
+        strict_lengths: refuse a step whose ``seq_lens`` differ from the tokens its row
+            holds (prefill and decode add their tokens, a commit adds the accepted ones).
+            The gRPC stage turns it on; off, a caller may re-run a step at one length
+            (benchmarks do).
+
+    Every step is validated before any pool is touched (:meth:`check_input`, the rows'
+    state, then KV pages for the whole step, MTP head included, all or nothing). A step
+    that still fails while running releases the rows it started; rows it continued whose
+    state it may have half-written are refused (:class:`RowStateError`) until released.
 
     Raises:
         CheckpointError: the checkpoint cannot be loaded. ValueError: bad arguments, CUDA
@@ -91,6 +119,7 @@ class StageRunner:
         fault: str | None = None,
         memory_budget: int | None = None,
         commit_design: str | None = None,
+        strict_lengths: bool = False,
     ):
         from .config import load_config
 
@@ -143,6 +172,11 @@ class StageRunner:
             if self.use_mtp else None
         )
         self.rows_in_use: set[int] = set()
+        self.strict_lengths = strict_lengths
+        self.row_lens: dict[int, int] = {}  # tokens each row in use holds (committed)
+        self._verify_open: dict[int, tuple[int, int]] = {}  # row -> (seq_len, most tokens a commit accepts)
+        self.broken_rows: set[int] = set()  # state undefined after a failed step: release them
+        self._touched = False  # the running step has started writing pools
         self._positional_rows: dict[int, int] = {}  # FAULT_POSITIONAL_SCRATCH: row -> batch position
         self._last_verify_rows: list[int] = []      # FAULT_STALE_ROWS
         self.busy_seconds = 0.0
@@ -243,27 +277,187 @@ class StageRunner:
                 states[layer] = self.kv.layer(i)
         return states
 
-    def _check_input(self, inp: StepInput) -> None:
-        B = len(inp.req_pool_indices)
-        if not (len(inp.seq_lens) == len(inp.extend_lens) == B):
-            raise ValueError("req_pool_indices, seq_lens and extend_lens differ in length")
-        if len(set(inp.req_pool_indices)) != B:
-            raise ValueError(f"micro-batch {inp.micro_batch_id}: repeated rows {inp.req_pool_indices}")
-        for r in inp.req_pool_indices:
+    # ------------------------------------------------------------------ validation
+    def check_input(self, inp: StepInput, hidden: bool = True) -> None:
+        """Validate one micro-batch against this stage's limits; touches nothing.
+
+        Every check but the hidden states' depends only on what every stage of a pipeline
+        shares (rows, context, vocabulary, D), so a step one stage refuses the first stage
+        refuses too, before any stage changed anything. The rows' state is checked when
+        the step runs (it changes as steps and commits apply). ``hidden=False`` skips the
+        ``hidden_states`` checks (the gRPC server's early check, on its event loop).
+
+        Raises:
+            IndexError: a row outside ``[0, max_rows)``.
+            RowStateError: a verify on a stage started without speculation.
+            ValueError: any other malformed field; the message names it.
+        """
+        rows, seq, ext, ids = inp.req_pool_indices, inp.seq_lens, inp.extend_lens, inp.input_ids
+        mode, B, V = inp.mode, len(inp.req_pool_indices), self.cfg.vocab_size
+        if mode not in (PREFILL, DECODE, VERIFY):
+            raise ValueError(f"mode: unknown mode {mode!r} (prefill, decode or verify)")
+        if B == 0:
+            raise ValueError("req_pool_indices: empty micro-batch")
+        if not (len(seq) == len(ext) == B):
+            raise ValueError(
+                f"req_pool_indices, seq_lens and extend_lens differ in length ({B}, {len(seq)}, {len(ext)})"
+            )
+        for name in ("num_drafts", "sample", "next_token_ids", "sampling", "output_lens"):
+            n = len(getattr(inp, name))
+            if n not in (0, B):
+                raise ValueError(f"{name}: {n} entries for {B} requests (one per request, or none)")
+        if len(set(rows)) != B:
+            raise ValueError(f"req_pool_indices: micro-batch {inp.micro_batch_id} repeats rows {brief(rows)}")
+        for r in rows:
             if not 0 <= r < self.max_rows:
-                raise IndexError(f"req_pool_index {r} outside [0, {self.max_rows})")
-        if any(e < 1 for e in inp.extend_lens) or sum(inp.extend_lens) != len(inp.input_ids):
-            raise ValueError("extend_lens must be >= 1 and sum to the number of input_ids")
-        if any(s + e > self.max_context + self.num_steps + 1 for s, e in zip(inp.seq_lens, inp.extend_lens)):
-            raise ValueError(f"a request exceeds the context limit of {self.max_context} tokens")
-        if inp.mode in (DECODE, VERIFY):
-            d = 1 if inp.mode == DECODE else self.num_steps + 1
-            if any(e != d for e in inp.extend_lens):
-                raise ValueError(f"{inp.mode} expects {d} tokens per request")
-        elif inp.mode != PREFILL:
-            raise ValueError(f"unknown mode {inp.mode!r}")
-        if not self.is_first and (inp.hidden_states is None or inp.hidden_states.shape[0] != len(inp.input_ids)):
-            raise ValueError("stages after the first need hidden_states with one row per token")
+                raise IndexError(f"req_pool_indices: row {r} outside [0, {self.max_rows})")
+        if any(s < 0 for s in seq):
+            raise ValueError(f"seq_lens must be >= 0, got {brief(seq)}")
+        if any(e < 1 for e in ext) or sum(ext) != len(ids):
+            raise ValueError(
+                f"extend_lens must be >= 1 and sum to the number of input_ids ({sum(ext)} vs {len(ids)})"
+            )
+        if min(ids) < 0 or max(ids) >= V:
+            raise ValueError(f"input_ids must be token ids in [0, {V}), got min {min(ids)} max {max(ids)}")
+        for b, (s, e) in enumerate(zip(seq, ext)):
+            if s + e > self.max_context + self.num_steps + 1:
+                raise ValueError(
+                    f"seq_lens + extend_lens: request {b} (row {rows[b]}) reaches {s + e} tokens, beyond "
+                    f"the context limit of {self.max_context} tokens"
+                )
+        if mode == VERIFY and self.num_steps == 0:
+            raise RowStateError("verify: this stage was started without speculative decoding (D = 1)")
+        d = 1 if mode == DECODE else self.num_steps + 1
+        if mode != PREFILL and any(e != d for e in ext):
+            raise ValueError(f"extend_lens: {mode} expects {d} tokens per request, got {brief(ext)}")
+        most = d - 1 if mode == VERIFY else 0
+        if any(not 0 <= n <= most for n in inp.num_drafts):
+            raise ValueError(f"num_drafts must be in [0, {most}] for {mode}, got {brief(inp.num_drafts)}")
+        if mode != PREFILL and not all(inp.sample):
+            raise ValueError(f"sample: every request of a {mode} samples, got {brief(inp.sample)}")
+        if any(t != -1 and not 0 <= t < V for t in inp.next_token_ids):
+            raise ValueError(f"next_token_ids must be -1 or token ids in [0, {V}), got {brief(inp.next_token_ids)}")
+        for b, smp in enumerate(inp.sample):
+            if not smp and not (inp.next_token_ids and 0 <= inp.next_token_ids[b] < V):
+                raise ValueError(
+                    f"next_token_ids: request {b} (row {rows[b]}) ends a prefill chunk without sampling, "
+                    f"so it needs the prompt token after the chunk"
+                )
+        for b, spec in enumerate(inp.sampling):
+            self._check_sampling(b, spec)
+        if any(n < 0 for n in inp.output_lens):
+            raise ValueError(f"output_lens must be >= 0, got {brief(inp.output_lens)}")
+        if hidden and not self.is_first:
+            self._check_hidden(inp.hidden_states, len(ids))
+
+    def _check_sampling(self, b: int, spec: SamplingSpec) -> None:
+        V = self.cfg.vocab_size
+        bad = None
+        if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
+            bad = f"temperature must be a finite number >= 0, got {spec.temperature}"
+        elif spec.temperature > 0 and not 0 < spec.top_p <= 1:  # the filters apply only when sampling
+            bad = f"top_p must be in (0, 1], got {spec.top_p}"
+        elif spec.temperature > 0 and spec.top_k < -1:
+            bad = f"top_k must be -1, 0 (all tokens) or positive, got {spec.top_k}"
+        elif spec.temperature > 0 and not 0 <= spec.min_p <= 1:
+            bad = f"min_p must be in [0, 1], got {spec.min_p}"
+        elif spec.logprobs is not None and not 0 <= spec.logprobs <= V:
+            bad = f"logprobs must be in [0, {V}] (or none), got {spec.logprobs}"
+        elif spec.min_tokens < 0:
+            bad = f"min_tokens must be >= 0, got {spec.min_tokens}"
+        elif any(not 0 <= t < V for t in spec.banned_until_min):
+            bad = f"banned_until_min must be token ids in [0, {V}), got {brief(spec.banned_until_min)}"
+        if bad:
+            raise ValueError(f"sampling[{b}]: {bad}")
+
+    def _check_hidden(self, h, tokens: int) -> None:
+        want = (tokens, self.cfg.hidden_size)
+        if h is None:
+            raise ValueError(f"hidden_states: stages after the first need hidden_states of shape {list(want)}")
+        if tuple(h.shape) != want:
+            raise ValueError(f"hidden_states: shape {list(h.shape)}, expected {list(want)} (tokens, hidden size)")
+        if not h.dtype.is_floating_point:
+            raise ValueError(f"hidden_states: dtype {str(h.dtype).removeprefix('torch.')} is not a floating-point type")
+        # a device tensor comes from a stage in this process; one received over the wire is
+        # checked here (a read of the device would wait for it)
+        if h.device.type == "cpu" and not bool(torch.isfinite(h).all()):
+            raise ValueError("hidden_states: contains NaN or infinite values")
+
+    def _check_rows_state(self, inp: StepInput) -> None:
+        """The rows' state admits the step (in the compute order: after earlier steps and
+        commits). Raises RowStateError."""
+        for r, s in zip(inp.req_pool_indices, inp.seq_lens):
+            if r in self.broken_rows:
+                raise RowStateError(f"row {r}: a failed step left its state undefined; release the row")
+            if inp.mode == PREFILL and s == 0:
+                if r in self.rows_in_use:
+                    raise RowStateError(f"row {r} starts a new request but is still in use (not released)")
+            elif r not in self.rows_in_use:
+                raise RowStateError(
+                    f"row {r}: {inp.mode} at seq_lens {s}, but the row holds no request (start one with a "
+                    f"prefill at seq_lens 0)"
+                )
+            elif self.strict_lengths and self.row_lens.get(r) != s:
+                raise RowStateError(f"seq_lens: row {r} holds {self.row_lens.get(r)} tokens, the {inp.mode} says {s}")
+
+    def _reserve_pages(self, inp: StepInput) -> None:
+        """KV pages for the whole step in every pool, taken all or nothing. The MTP head's
+        pool gets room for its draft chain too (``num_steps - 1`` positions past the step).
+
+        Raises PoolExhaustedError (no page taken)."""
+        rows = inp.req_pool_indices
+        lens = [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)]
+        plan = [(self.kv, lens, "KV pool")] if self.kv else []
+        if self.mtp_kv:
+            plan.append((self.mtp_kv, [n + max(self.num_steps - 1, 0) for n in lens], "MTP KV pool"))
+        for pool, want, name in plan:
+            need = sum(max(0, -(-n // pool.page_size) - len(pool.row_pages.get(r, ()))) for r, n in zip(rows, want))
+            if need > len(pool.free_pages):
+                raise PoolExhaustedError(f"{name}: need {need} pages, {len(pool.free_pages)} free")
+        for pool, want, _ in plan:
+            pool.ensure(rows, want)
+
+    @contextmanager
+    def _applying(self, inp: StepInput):
+        """Around the part of a step that writes pools: checks the rows' state and takes
+        the step's KV pages first; if the body raises, undoes what can be undone (rows the
+        step started are released) and marks rows it continued as broken (a decode or
+        prefill may have half-advanced their state; a verify leaves committed state as it
+        was). On success, records the rows' new lengths."""
+        self._check_rows_state(inp)
+        self._reserve_pages(inp)
+        rows = inp.req_pool_indices
+        new = [r for r, s in zip(rows, inp.seq_lens) if inp.mode == PREFILL and s == 0]
+        self._touched = False
+        try:
+            yield
+        except BaseException:
+            for r in new:
+                self._forget(r)
+            if self._touched and inp.mode != VERIFY:
+                self.broken_rows.update(r for r in rows if r not in new)
+            raise
+        for b, (r, s, e) in enumerate(zip(rows, inp.seq_lens, inp.extend_lens)):
+            if inp.mode == VERIFY:
+                # the last stage accepts at most the real drafts (none when not given) + 1
+                self._verify_open[r] = (s, (inp.num_drafts[b] if inp.num_drafts else 0) + 1)
+            else:
+                self.row_lens[r] = s + e
+
+    def _forget(self, r: int) -> None:
+        self.rows_in_use.discard(r)
+        self.row_lens.pop(r, None)
+        self._verify_open.pop(r, None)
+        self.broken_rows.discard(r)
+        if self.kv:
+            self.kv.release(r)
+        if self.mtp_kv:
+            self.mtp_kv.release(r)
+
+    def mark_broken(self, req_pool_indices: list[int]) -> None:
+        """The rows' state is undefined (a later stage refused a step this stage applied):
+        refuse steps on them until they are released."""
+        self.broken_rows.update(r for r in req_pool_indices if r in self.rows_in_use)
 
     # ------------------------------------------------------------------ the path of a micro-batch
     @torch.inference_mode()
@@ -272,28 +466,33 @@ class StageRunner:
 
         Raises:
             ValueError / IndexError: malformed input (nothing is changed).
+            RowStateError (a ValueError): the step does not fit its rows' state (nothing
+            is changed).
             PoolExhaustedError: no KV page left (nothing is changed).
         """
         t0 = time.perf_counter()
-        meta, hidden = self.forward_hidden(inp)
+        self.check_input(inp)
         out = StepOutput(inp.micro_batch_id, inp.round)
-        if not self.is_last:
-            out.hidden_states = hidden
-        else:
-            self._last_stage(inp, meta, hidden, out)
+        with self._applying(inp):
+            meta, hidden = self._run_layers(inp)
+            if not self.is_last:
+                out.hidden_states = hidden
+            else:
+                self._last_stage(inp, meta, hidden, out)
         out.compute_seconds = time.perf_counter() - t0
         self.busy_seconds += out.compute_seconds
         return out
 
     @torch.inference_mode()
     def forward_hidden(self, inp: StepInput) -> tuple[BatchMeta, torch.Tensor]:
-        """Validate, lay out and run this stage's layers: ``(meta, hidden [T, hidden])``."""
-        self._check_input(inp)
+        """Validate, lay out and run this stage's layers: ``(meta, hidden [T, hidden])``.
+        Raises as :meth:`step`."""
+        self.check_input(inp)
+        with self._applying(inp):
+            return self._run_layers(inp)
+
+    def _run_layers(self, inp: StepInput) -> tuple[BatchMeta, torch.Tensor]:
         rows = inp.req_pool_indices
-        if inp.mode == PREFILL:
-            for r, s in zip(rows, inp.seq_lens):
-                if s == 0 and r in self.rows_in_use:
-                    raise ValueError(f"row {r} starts a new request but is still in use (not released)")
         meta = self._meta(inp.mode, rows, inp.seq_lens, inp.extend_lens, self.kv)
         if inp.mode == PREFILL:
             self.rows_in_use.update(rows)
@@ -301,6 +500,7 @@ class StageRunner:
             hidden = self.model.embed_tokens(torch.tensor(inp.input_ids, dtype=torch.long, device=self.device))
         else:
             hidden = inp.hidden_states.to(device=self.device, dtype=self.dtype)
+        self._touched = True
         hidden = self.model(meta, hidden, self._layer_states())
         if inp.mode == VERIFY:
             self._after_verify_fault_hooks(meta)
@@ -388,17 +588,50 @@ class StageRunner:
         This is the only commit; every stage runs it, the last included, with the rows and
         accept lengths the router relays for exactly this micro-batch and round.
 
+        A row's length grows by its accept length (the tokens its verify started from plus
+        the accepted ones).
+
         Raises:
-            IndexError / ValueError: rows outside the pool, repeated, or accept lengths
-            outside ``[1, D]`` (nothing is written).
+            IndexError / ValueError: rows outside ``[0, max_rows)``, repeated, accept
+            lengths outside ``[1, D]`` or beyond the row's verified drafts + 1 (nothing
+            is written).
+            RowStateError: the stage was started without speculation.
         """
-        if self.state is None or not req_pool_indices:
+        self._check_commit(micro_batch_id, round, req_pool_indices, accept_lengths)
+        if not req_pool_indices:
             return
-        if len(req_pool_indices) != len(accept_lengths):
-            raise ValueError(
-                f"micro-batch {micro_batch_id} round {round}: {len(req_pool_indices)} rows "
-                f"but {len(accept_lengths)} accept lengths"
-            )
+        if self.state is not None:
+            self._commit_state(req_pool_indices, accept_lengths)
+        for r, a in zip(req_pool_indices, accept_lengths):
+            base = self._verify_open.pop(r, None)
+            if base is not None:
+                self.row_lens[r] = base[0] + a
+
+    def _check_commit(self, micro_batch_id, round, rows, accept_lengths) -> None:
+        what = f"commit of micro-batch {micro_batch_id} round {round}"
+        if len(rows) != len(accept_lengths):
+            raise ValueError(f"{what}: {len(rows)} req_pool_indices but {len(accept_lengths)} accept_lengths")
+        if not rows:
+            return
+        if self.num_steps == 0:
+            raise RowStateError(f"{what}: this stage was started without speculative decoding: nothing to commit")
+        bad = [r for r in rows if not 0 <= r < self.max_rows]
+        if bad:
+            raise IndexError(f"{what}: req_pool_indices {brief(bad)} outside [0, {self.max_rows})")
+        if len(set(rows)) != len(rows):
+            raise IndexError(f"{what}: req_pool_indices repeat rows {brief(rows)}")
+        d = self.num_steps + 1
+        if any(not 1 <= a <= d for a in accept_lengths):
+            raise ValueError(f"{what}: accept_lengths must be in [1, {d}], got {brief(accept_lengths)}")
+        for r, a in zip(rows, accept_lengths):
+            most = self._verify_open.get(r, (0, d))[1]
+            if a > most:
+                raise ValueError(
+                    f"{what}: accept_lengths: row {r} was verified with {most - 1} drafts, so at most {most} "
+                    f"tokens can be accepted, got {a}"
+                )
+
+    def _commit_state(self, req_pool_indices: list[int], accept_lengths: list[int]) -> None:
         rows = req_pool_indices
         if self.fault == FAULT_SKIP_COMMIT and not self.is_last:
             return
@@ -438,13 +671,11 @@ class StageRunner:
             self._pos_conv[:, :B] = self.state.conv_scratch[:, meta.rows]
 
     def release(self, req_pool_indices: list[int]) -> None:
-        """Free the rows of finished or aborted requests (their KV pages too)."""
+        """Free the rows of finished or aborted requests (their KV pages too). A row not in
+        use is no error (releasing is idempotent). Raises IndexError (nothing freed) for a
+        row outside ``[0, max_rows)``."""
+        bad = [r for r in req_pool_indices if not 0 <= r < self.max_rows]
+        if bad:
+            raise IndexError(f"release: req_pool_indices {brief(bad)} outside [0, {self.max_rows})")
         for r in req_pool_indices:
-            if not 0 <= r < self.max_rows:
-                raise IndexError(f"req_pool_index {r} outside [0, {self.max_rows})")
-        for r in req_pool_indices:
-            self.rows_in_use.discard(r)
-            if self.kv:
-                self.kv.release(r)
-            if self.mtp_kv:
-                self.mtp_kv.release(r)
+            self._forget(r)

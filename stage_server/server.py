@@ -10,6 +10,11 @@ senders (the router, the previous stage) and may arrive in either order. A verif
 its rows *pending* with its ``(micro_batch_id, round)``; any later step or release that
 names a pending row waits until the commit of that round has been applied. A commit must
 name exactly the micro-batch and round its rows are pending on, or it is refused.
+
+**Bad input** is refused with a status naming the field before anything changes (see
+:class:`StageServicer`); every stage refuses the same malformed step, the first before any
+stage ran it. Each step is checked against its rows' state: a row starts with a prefill at
+``seq_lens`` 0, and every later step must name the length the row holds.
 """
 from __future__ import annotations
 
@@ -28,11 +33,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ppspec.argtypes import device, nonneg_int, port, positive_float, positive_int
 from ppspec.proto.codec import GRPC_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
-from ppspec.proto.messages import VERIFY
+from ppspec.proto.messages import PREFILL, VERIFY
 from ppspec.proto.stubs import pb, pb_grpc
 
 from .config import CheckpointError
 from .pools import PoolExhaustedError
+from .runner import RowStateError, brief
 
 log = logging.getLogger("ppspec.stage")
 
@@ -42,6 +48,16 @@ SERVICE_NAME = "ppspec.stage.Stage"
 class StageServicer(pb_grpc.StageServicer):
     """gRPC front of a :class:`~ppspec.stage_server.runner.StageRunner`.
 
+    Bad input is refused before anything changes, with a status naming the field:
+    INVALID_ARGUMENT (malformed), FAILED_PRECONDITION (does not fit the rows' state or
+    pending commits), RESOURCE_EXHAUSTED (no KV page: the pools are left as they were);
+    INTERNAL for an unexpected failure while a step runs (rows it started are released,
+    rows it continued refused until released). When a later stage refuses a step this
+    stage already ran, this stage undoes what it can the same way: a verify's pending
+    marks are dropped, rows a prefill started are released, and rows a decode or prefill
+    continued are refused until released (their state went one step ahead of the
+    later stages).
+
     Args:
         runner: the stage's runner.
         next_stage: ``host:port`` of stage ``pp_rank + 1`` (None on the last stage).
@@ -49,12 +65,17 @@ class StageServicer(pb_grpc.StageServicer):
         order_timeout: seconds a step or release waits for a pending commit.
     """
 
+    # a later stage answered with one of these: it changed nothing (or undid it)
+    REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
+
     def __init__(self, runner, next_stage: str | None, relay_timeout: float = 600.0, order_timeout: float = 600.0):
         self.runner = runner
         self.next_stage = next_stage
         self.relay_timeout, self.order_timeout = relay_timeout, order_timeout
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{runner.pp_rank}")
         self.pending: dict[int, tuple[int, int]] = {}
+        self.committing: set[int] = set()  # rows whose commit is being applied
         self.cond = asyncio.Condition()
         self._next = None
         if next_stage:
@@ -64,40 +85,66 @@ class StageServicer(pb_grpc.StageServicer):
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def _wait_committed(self, rows, context, what: str) -> bool:
+    @staticmethod
+    def _code(e: BaseException) -> grpc.StatusCode:
+        if isinstance(e, RowStateError):
+            return grpc.StatusCode.FAILED_PRECONDITION
+        if isinstance(e, (ValueError, IndexError)):
+            return grpc.StatusCode.INVALID_ARGUMENT
+        if isinstance(e, PoolExhaustedError):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+        return grpc.StatusCode.INTERNAL
+
+    async def _fail(self, context, e: BaseException, what: str):
+        code = self._code(e)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("stage %d: %s failed", self.runner.pp_rank, what, exc_info=e)
+        await context.abort(code, f"stage {self.runner.pp_rank}: {e}")
+
+    async def _wait_committed(self, rows, context, what: str, mark: tuple[int, int] | None = None) -> bool:
+        """Wait until no row is pending a commit; then, with ``mark``, mark them pending on
+        it (in the same turn: no other step can slip in between)."""
         try:
             async with self.cond:
                 await asyncio.wait_for(
                     self.cond.wait_for(lambda: not any(r in self.pending for r in rows)), self.order_timeout
                 )
+                if mark is not None:
+                    for r in rows:
+                        self.pending[r] = mark
             return True
         except asyncio.TimeoutError:
             stuck = {r: self.pending[r] for r in rows if r in self.pending}
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"stage {self.runner.pp_rank}: {what} waited {self.order_timeout:.0f}s for commits of {stuck}",
+                f"stage {self.runner.pp_rank}: {what} waited {self.order_timeout:.0f}s for commits of {brief(stuck)}",
             )
             return False
 
     async def _step(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
-        inp = step_from_pb(request)
         rank = self.runner.pp_rank
+        try:
+            inp = step_from_pb(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}")
         if (inp.mode == VERIFY) != verify:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode {inp.mode!r} sent to the wrong RPC")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"stage {rank}: mode {inp.mode!r} sent to {'Verify' if verify else 'Forward'} "
+                f"(Verify takes verify, Forward prefill and decode)",
+            )
+        try:  # refuse a malformed step before it waits for commits or marks rows
+            self.runner.check_input(inp, hidden=False)
+        except (ValueError, IndexError) as e:
+            await self._fail(context, e, inp.mode)
         rows = inp.req_pool_indices
-        await self._wait_committed(rows, context, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
-        if verify:
-            async with self.cond:
-                for r in rows:
-                    self.pending[r] = (inp.micro_batch_id, inp.round)
+        await self._wait_committed(rows, context, f"{inp.mode} of micro-batch {inp.micro_batch_id}",
+                                   mark=(inp.micro_batch_id, inp.round) if verify else None)
         try:
             out = await self._compute(self.runner.step, inp)
-        except (ValueError, IndexError) as e:
+        except Exception as e:
             await self._unmark(rows, verify)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}")
-        except PoolExhaustedError as e:
-            await self._unmark(rows, verify)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"stage {rank}: {e}")
+            await self._fail(context, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
         if self._next is None:
             out.stage_seconds = [out.compute_seconds]
             return result_to_pb(out)
@@ -107,6 +154,8 @@ class StageServicer(pb_grpc.StageServicer):
             res = await call(request, timeout=self.relay_timeout)
         except grpc.aio.AioRpcError as e:
             code = e.code()
+            if code in self.REFUSED:
+                await self._undo(inp, verify)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 msg = f"stage {rank + 1} at {self.next_stage}: {e.details()}"
             else:
@@ -114,6 +163,23 @@ class StageServicer(pb_grpc.StageServicer):
             await context.abort(code, msg)
         res.stage_seconds[:] = [out.compute_seconds] + list(res.stage_seconds)
         return res
+
+    async def _undo(self, inp, verify: bool) -> None:
+        """A later stage refused a step this stage ran: drop a verify's pending marks (its
+        committed state is as before); release rows a prefill started; refuse rows a
+        decode or prefill continued until released."""
+        rows = inp.req_pool_indices
+        if verify:
+            await self._unmark(rows, True)
+            return
+        new = [r for r, s in zip(rows, inp.seq_lens) if inp.mode == PREFILL and s == 0]
+        cont = [r for r in rows if r not in new]
+        if new:
+            await self._compute(self.runner.release, new)
+        if cont:
+            await self._compute(self.runner.mark_broken, cont)
+            log.warning("stage %d: rows %s ran a %s that a later stage refused; refused until released",
+                        self.runner.pp_rank, cont, inp.mode)
 
     async def _unmark(self, rows, verify):
         if verify:
@@ -131,34 +197,62 @@ class StageServicer(pb_grpc.StageServicer):
     async def CommitAccept(self, request: pb.CommitRequest, context):
         rows, acc = list(request.req_pool_indices), list(request.accept_lengths)
         key = (request.micro_batch_id, request.round)
+        rank = self.runner.pp_rank
+        what = f"commit of micro-batch {key[0]} round {key[1]}"
+        d = self.runner.num_steps + 1
+        bad = None
+        if len(rows) != len(acc):
+            bad = f"{len(rows)} req_pool_indices but {len(acc)} accept_lengths"
+        elif len(set(rows)) != len(rows):
+            bad = f"req_pool_indices repeat rows {brief(rows)}"
+        elif any(not 1 <= a <= d for a in acc):
+            bad = f"accept_lengths must be in [1, {d}], got {brief(acc)}"
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {what}: {bad}")
         wrong = {r: self.pending.get(r) for r in rows if self.pending.get(r) != key}
         if wrong:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"stage {self.runner.pp_rank}: commit of micro-batch {key[0]} round {key[1]} names rows "
-                f"not pending on it: {wrong}",
+                f"stage {rank}: {what} names rows not pending on it: {brief(wrong)}",
             )
+        busy = [r for r in rows if r in self.committing]
+        if busy:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"stage {rank}: {what}: rows {brief(busy)} are being committed already")
+        self.committing.update(rows)  # no await since the checks: a second commit sees them
+
         def timed_commit():
             # timed on the worker thread: queueing behind other micro-batches is not commit time
             t0 = time.perf_counter()
             self.runner.commit_accept(request.micro_batch_id, request.round, rows, acc)
             return time.perf_counter() - t0
 
-        seconds = 0.0
+        seconds, done = 0.0, True
         try:
             seconds = await self._compute(timed_commit)
         except (ValueError, IndexError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.runner.pp_rank}: {e}")
+            done = False  # refused before writing: the rows stay pending for a valid commit
+            await self._fail(context, e, what)
+        except Exception as e:
+            await self._compute(self.runner.mark_broken, rows)
+            await self._fail(context, e, what)
         finally:
             async with self.cond:
-                for r in rows:
-                    if self.pending.get(r) == key:
-                        del self.pending[r]
+                self.committing.difference_update(rows)
+                if done:
+                    for r in rows:
+                        if self.pending.get(r) == key:
+                            del self.pending[r]
                 self.cond.notify_all()
         return pb.CommitReply(seconds=seconds)
 
     async def Release(self, request: pb.ReleaseRequest, context):
         rows = list(request.req_pool_indices)
+        n = self.runner.max_rows
+        bad = [r for r in rows if not 0 <= r < n]
+        if bad:  # before anything, abandoned marks included, is dropped
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"stage {self.runner.pp_rank}: release: req_pool_indices {brief(bad)} outside [0, {n})")
         if request.abandon:
             async with self.cond:
                 dropped = {r: self.pending.pop(r) for r in rows if r in self.pending}
@@ -168,8 +262,8 @@ class StageServicer(pb_grpc.StageServicer):
         await self._wait_committed(rows, context, f"release after micro-batch {request.micro_batch_id} round {request.round}")
         try:
             await self._compute(self.runner.release, rows)
-        except IndexError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            await self._fail(context, e, "release")
         return pb.ReleaseReply()
 
     async def Info(self, request, context):
@@ -212,7 +306,7 @@ async def serve_stage(args) -> int:
             num_speculative_steps=steps, use_mtp=spec == "mtp", max_context=args.max_context,
             dtype=getattr(torch, args.dtype), device=args.device, fault=args.inject_fault,
             memory_budget=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
-            commit_design=args.commit_design,
+            commit_design=args.commit_design, strict_lengths=True,
         )
     except (CheckpointError, ValueError) as e:
         print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)

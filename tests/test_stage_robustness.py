@@ -1,0 +1,403 @@
+"""Bad input to a stage's gRPC API gets a clear status naming the field and loses nothing.
+
+Real stage processes (PP2 with an MTP head and the replay commit design, and a PP1 stage
+without speculation) take
+hand-built requests. After every refused request the stages hold no row, KV page or
+pending commit, and a valid request gives the very tokens and log-probabilities it gave
+on the fresh stages. The checkpoint (4 layers, attention only in the last) puts no KV
+pool on stage 0 and one on stage 1, so stage 1 runs out of pages after stage 0 ran a step.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from cluster import free_port
+from ppspec.proto.codec import GRPC_OPTIONS, result_from_pb, step_to_pb
+from ppspec.proto.messages import SamplingSpec, StepInput
+from ppspec.proto.stubs import pb, pb_grpc
+
+MAX_ROWS, KV_TOKENS, MAX_CONTEXT, STEPS, VOCAB, HIDDEN = 4, 256, 200, 3, 320, 64
+D = STEPS + 1
+PROMPT = list(range(10, 30))
+TIMEOUT = 30  # seconds per call: a request the stage wrongly holds back fails instead of hanging
+INV, PRE, EXH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class Stages:
+    def __init__(self, path, tmp):
+        self.procs, self.stubs, self.channels = [], {}, []
+        ports = {name: free_port() for name in ("s0", "s1", "nospec")}
+        common = ["--model", path, "--max-rows", str(MAX_ROWS), "--kv-tokens", str(KV_TOKENS),
+                  "--max-context", str(MAX_CONTEXT), "--num-threads", "1"]
+        # the replay commit design (the CUDA default): a commit applied twice would corrupt it
+        mtp = ["--pp-size", "2", "--speculative-algorithm", "mtp", "--speculative-num-steps", str(STEPS),
+               "--commit-design", "replay"]
+        argvs = {
+            "s1": mtp + ["--pp-rank", "1"],
+            "s0": mtp + ["--pp-rank", "0", "--next-stage", f"127.0.0.1:{ports['s1']}"],
+            "nospec": ["--speculative-algorithm", "none"],
+        }
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for name, argv in argvs.items():
+            log = open(os.path.join(tmp, f"{name}.log"), "w")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ppspec.cli", "stage", "--port", str(ports[name])] + common + argv,
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            ch = grpc.insecure_channel(f"127.0.0.1:{ports[name]}", options=GRPC_OPTIONS)
+            self.channels.append(ch)
+            self.stubs[name] = pb_grpc.StageStub(ch)
+        deadline = time.monotonic() + 120
+        for name, stub in self.stubs.items():
+            while True:
+                assert all(p.poll() is None for p in self.procs), f"a stage exited; logs in {tmp}"
+                try:
+                    stub.Info(pb.InfoRequest(), timeout=2)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, f"stage {name} did not start"
+                    time.sleep(0.2)
+        self.s0, self.s1, self.nospec = self.stubs["s0"], self.stubs["s1"], self.stubs["nospec"]
+
+    def stop(self):
+        for ch in self.channels:
+            ch.close()
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+    # ---- helpers
+    def both(self, method, req):
+        return [call(getattr(s, method), req) for s in (self.s0, self.s1)]
+
+    def commit(self, mb, rnd, rows, acc):
+        return self.both("CommitAccept", pb.CommitRequest(micro_batch_id=mb, round=rnd, req_pool_indices=rows,
+                                                         accept_lengths=acc))
+
+    def release(self, rows, abandon=False):
+        return self.both("Release", pb.ReleaseRequest(req_pool_indices=rows, abandon=abandon))
+
+    def state(self):
+        """(rows in use, KV pages used, pending commits) of stage 0 and stage 1."""
+        out = []
+        for s in (self.s0, self.s1):
+            i = s.Info(pb.InfoRequest(), timeout=10)
+            out.append((i.rows_in_use, i.kv_pages_used, i.pending_commits))
+        return out
+
+    def request(self, row=1):
+        """A full request on ``row``: prefill, verify + commit, decode, release. Returns
+        every token, draft and log-probability."""
+        spec = [SamplingSpec(logprobs=3)]
+        r = self.forward(prefill([row], sampling=spec))
+        first = r.output_ids[0][0]
+        v = result_from_pb(self.s0.Verify(step_to_pb(StepInput(
+            3, 2, "verify", [row], [20], [D], [first] + r.drafts[0], num_drafts=[len(r.drafts[0])],
+            sampling=spec, output_lens=[1])), timeout=TIMEOUT))
+        acc = len(v.output_ids[0])
+        assert [c for c, _ in self.commit(3, 2, [row], [acc])] == ["OK", "OK"]
+        dec = self.forward(StepInput(3, 3, "decode", [row], [20 + acc], [1], [v.output_ids[0][-1]],
+                                     sampling=spec, output_lens=[1 + acc]))
+        assert [c for c, _ in self.release([row])] == ["OK", "OK"]
+        return [(o.output_ids, o.drafts, o.logprobs) for o in (r, v, dec)]
+
+    def forward(self, inp, stub=None):
+        return result_from_pb((stub or self.s0).Forward(step_to_pb(inp), timeout=TIMEOUT))
+
+
+def call(fn, req):
+    try:
+        fn(req, timeout=TIMEOUT)
+        return "OK", ""
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
+def prefill(rows, seq=None, ext=None, ids=None, **kw):
+    B = len(rows)
+    kw.setdefault("sampling", [SamplingSpec() for _ in rows])
+    return StepInput(1, 1, "prefill", rows, seq or [0] * B, ext or [20] * B, PROMPT * B if ids is None else ids, **kw)
+
+
+@pytest.fixture(scope="module")
+def stages(make_ckpt, tmp_path_factory):
+    s = Stages(make_ckpt("qwen3_5_ratio1"), str(tmp_path_factory.mktemp("stage_logs")))
+    s.reference = s.request()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def st(stages):
+    """The stages, checked clean and serving exactly as fresh after the test."""
+    yield stages
+    state = stages.state()
+    if state != [(0, 0, 0), (0, 0, 0)]:  # one failure must not spill into the next test
+        stages.release(list(range(MAX_ROWS)), abandon=True)
+    assert state == [(0, 0, 0), (0, 0, 0)]
+    assert stages.request() == stages.reference
+
+
+def expect(result, code, *fragments):
+    got, msg = result
+    assert got == code, (got, msg)
+    for f in fragments:
+        assert f in msg, msg
+
+
+def hidden_req(data, dtype, shape):
+    m = step_to_pb(prefill([0]))
+    m.hidden_states.CopyFrom(pb.Tensor(data=data, dtype=dtype, shape=shape))
+    return m
+
+
+def floats(n, value=0.0):
+    import torch
+
+    return torch.full((n,), value, dtype=torch.float32).numpy().tobytes()
+
+
+STEP_CASES = {
+    # name: (RPC of stage 0 or 1, request, code, fragments of the message)
+    "seq_lens negative": ("s0", "Forward", prefill([0], seq=[-5]), INV, ["seq_lens must be >= 0"]),
+    "input_ids above the vocabulary": ("s0", "Forward", prefill([0], ids=[VOCAB] * 20), INV, ["input_ids", "[0, 320)"]),
+    "input_ids negative": ("s0", "Forward", prefill([0], ids=[-3] * 20), INV, ["input_ids"]),
+    "empty micro-batch": ("s0", "Forward", StepInput(1, 1, "prefill", [], [], [], []), INV, ["empty micro-batch"]),
+    "lengths differ": ("s0", "Forward", prefill([0], seq=[0, 0]), INV, ["seq_lens and extend_lens differ"]),
+    "repeated rows": ("s0", "Forward", prefill([0, 0], ext=[10, 10]), INV, ["repeats rows"]),
+    "row out of range": ("s0", "Forward", prefill([MAX_ROWS]), INV, ["req_pool_indices", "outside [0, 4)"]),
+    "row negative": ("s0", "Forward", prefill([-1]), INV, ["req_pool_indices", "outside [0, 4)"]),
+    "extend_lens 0": ("s0", "Forward", prefill([0], ext=[0], ids=[]), INV, ["extend_lens must be >= 1"]),
+    "beyond the context": ("s0", "Forward", prefill([0], seq=[190]), INV, ["context limit of 200"]),
+    "unknown mode": ("s0", "Forward", StepInput(1, 1, "bogus", [0], [0], [20], PROMPT), INV, ["unknown mode"]),
+    "verify sent to Forward": ("s0", "Forward", StepInput(1, 1, "verify", [0], [20], [D], PROMPT[:D]), INV,
+                               ["sent to Forward"]),
+    "verify of 3 tokens": ("s0", "Verify", StepInput(1, 1, "verify", [0], [20], [3], PROMPT[:3]), INV,
+                           ["verify expects 4 tokens"]),
+    "num_drafts beyond D - 1": ("s0", "Verify", StepInput(1, 1, "verify", [0], [20], [D], PROMPT[:D], num_drafts=[4]),
+                                INV, ["num_drafts must be in [0, 3]"]),
+    "decode on a row never prefilled": ("s0", "Forward", StepInput(1, 1, "decode", [0], [5], [1], [7]), PRE,
+                                        ["row 0", "holds no request"]),
+    "verify on a row never prefilled": ("s0", "Verify", StepInput(1, 1, "verify", [0], [5], [D], PROMPT[:D],
+                                                                  num_drafts=[3]), PRE, ["holds no request"]),
+    "continuing prefill of a row never started": ("s0", "Forward", prefill([0], seq=[5]), PRE, ["holds no request"]),
+    "top_p 0": ("s0", "Forward", prefill([0], sampling=[SamplingSpec(temperature=1.0, top_p=0.0)]), INV,
+                ["sampling[0]: top_p"]),
+    "temperature negative": ("s0", "Forward", prefill([0], sampling=[SamplingSpec(temperature=-1.0)]), INV,
+                             ["sampling[0]: temperature"]),
+    "temperature NaN": ("s0", "Forward", prefill([0], sampling=[SamplingSpec(temperature=float("nan"))]), INV,
+                        ["sampling[0]: temperature"]),
+    "top_k negative": ("s0", "Forward", prefill([0], sampling=[SamplingSpec(temperature=1.0, top_k=-5)]), INV,
+                       ["sampling[0]: top_k"]),
+    "min_p above 1": ("s0", "Forward", prefill([0], sampling=[SamplingSpec(temperature=1.0, min_p=2.0)]), INV,
+                      ["sampling[0]: min_p"]),
+    "huge logprobs": ("s0", "Forward", prefill([0], sampling=[SamplingSpec(logprobs=100000)]), INV,
+                      ["sampling[0]: logprobs"]),
+    "banned id outside the vocabulary": ("s0", "Forward", prefill([0], sampling=[SamplingSpec(
+        min_tokens=2, banned_until_min=[99999])]), INV, ["banned_until_min"]),
+    "two sampling specs for one request": ("s0", "Forward", prefill([0], sampling=[SamplingSpec()] * 2), INV,
+                                           ["sampling: 2 entries for 1 requests"]),
+    "chunk without its next token": ("s0", "Forward", prefill([0], sample=[False], next_token_ids=[-1]), INV,
+                                     ["next_token_ids"]),
+    "sample list too long": ("s0", "Forward", prefill([0], sample=[True, True]), INV, ["sample: 2 entries"]),
+    "drafts in a prefill": ("s0", "Forward", prefill([0], num_drafts=[2]), INV, ["num_drafts"]),
+    # stage 1 decodes the hidden states itself
+    "no hidden_states": ("s1", "Forward", step_to_pb(prefill([0])), INV, ["hidden_states"]),
+    "hidden_states byte count": ("s1", "Forward", hidden_req(b"\0" * 100, "float32", [20, HIDDEN]), INV,
+                                 ["hidden_states", "needs 5120 bytes, got 100"]),
+    "hidden_states unknown dtype": ("s1", "Forward", hidden_req(floats(20 * HIDDEN), "nonsense", [20, HIDDEN]), INV,
+                                    ["hidden_states", "unknown tensor dtype"]),
+    "hidden_states negative shape": ("s1", "Forward", hidden_req(floats(20 * HIDDEN), "float32", [-20, -HIDDEN]),
+                                     INV, ["hidden_states", "negative dimension"]),
+    "hidden_states too narrow": ("s1", "Forward", hidden_req(floats(20 * 32), "float32", [20, 32]), INV,
+                                 ["hidden_states: shape [20, 32], expected [20, 64]"]),
+    "hidden_states flat": ("s1", "Forward", hidden_req(floats(20 * HIDDEN), "float32", [20 * HIDDEN]), INV,
+                           ["hidden_states: shape"]),
+    "hidden_states int64": ("s1", "Forward", hidden_req(b"\0" * (20 * HIDDEN * 8), "int64", [20, HIDDEN]), INV,
+                            ["hidden_states: dtype int64"]),
+    "hidden_states NaN": ("s1", "Forward", hidden_req(floats(20 * HIDDEN, float("nan")), "float32", [20, HIDDEN]),
+                          INV, ["hidden_states: contains NaN"]),
+}
+
+
+@pytest.mark.parametrize("name", list(STEP_CASES))
+def test_bad_step_is_refused_and_changes_nothing(st, name):
+    stage, rpc, req, code, fragments = STEP_CASES[name]
+    if isinstance(req, StepInput):
+        req = step_to_pb(req)
+    expect(call(getattr(st.stubs[stage], rpc), req), code, *fragments)
+
+
+def test_step_must_name_the_length_its_row_holds(st):
+    st.forward(prefill([0]))
+    expect(call(st.s0.Forward, step_to_pb(StepInput(1, 2, "decode", [0], [25], [1], [7]))), PRE,
+           "seq_lens: row 0 holds 20 tokens, the decode says 25")
+    expect(call(st.s0.Forward, step_to_pb(prefill([0], seq=[19]))), PRE, "row 0 holds 20 tokens")
+    expect(call(st.s0.Forward, step_to_pb(prefill([0]))), PRE, "still in use")  # a new request on a used row
+    st.forward(StepInput(1, 2, "decode", [0], [20], [1], [7]))  # the right length still works
+    assert st.state() == [(1, 0, 0), (1, 2, 0)]
+    st.release([0])
+
+
+def setup_verify(st, rows=(0, 2), mb=5, rnd=9, drafts=3, prompt=PROMPT):
+    """Prefill ``rows`` with ``prompt`` and verify them as micro-batch ``mb`` round ``rnd``:
+    the rows are pending on both stages. Returns the accept lengths."""
+    rows, B = list(rows), len(rows)
+    r = st.forward(prefill(rows, ids=prompt * B))
+    ids = sum(([o[0]] + d[:drafts] + [0] * (STEPS - drafts) for o, d in zip(r.output_ids, r.drafts)), [])
+    v = result_from_pb(st.s0.Verify(step_to_pb(StepInput(mb, rnd, "verify", rows, [20] * B, [D] * B, ids,
+                                                         num_drafts=[drafts] * B)), timeout=TIMEOUT))
+    assert [p for *_, p in st.state()] == [B, B]
+    return [len(o) for o in v.output_ids]
+
+
+BAD_COMMITS = {
+    # name: (rows, accept lengths, code, fragments); the stage keeps the rows pending
+    "accept length 0": ([0, 2], [0, 1], INV, ["accept_lengths must be in [1, 4]"]),
+    "accept length above D": ([0, 2], [5, 1], INV, ["accept_lengths must be in [1, 4]"]),
+    "fewer accept lengths than rows": ([0, 2], [1], INV, ["2 req_pool_indices but 1 accept_lengths"]),
+    "repeated rows": ([0, 0, 2], [1, 1, 1], INV, ["repeat rows"]),
+    "a row of no verify": ([0, 3], [1, 1], PRE, ["not pending on it", "3: None"]),
+    "a row outside the pool": ([0, MAX_ROWS], [1, 1], PRE, ["not pending on it"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_COMMITS))
+def test_bad_commit_is_refused_and_the_valid_one_still_applies(st, name):
+    rows, acc, code, fragments = BAD_COMMITS[name]
+    good = setup_verify(st)
+    for res in st.commit(5, 9, rows, acc):
+        expect(res, code, *fragments)
+    assert st.state() == [(2, 0, 2), (2, 4, 2)]  # nothing dropped, nothing committed
+    assert [c for c, _ in st.commit(5, 9, [0, 2], good)] == ["OK", "OK"]
+    assert st.state() == [(2, 0, 0), (2, 4, 0)]
+    st.release([0, 2])
+
+
+def test_commit_of_another_micro_batch_or_round_is_refused(st):
+    good = setup_verify(st)
+    for mb, rnd in ((6, 9), (5, 8)):
+        for res in st.commit(mb, rnd, [0, 2], good):
+            expect(res, PRE, f"commit of micro-batch {mb} round {rnd} names rows not pending on it")
+    assert [c for c, _ in st.commit(5, 9, [0, 2], good)] == ["OK", "OK"]
+    for res in st.commit(5, 9, [0, 2], good):  # twice: nothing pending any more
+        expect(res, PRE, "not pending")
+    st.release([0, 2])
+
+
+def test_a_commit_sent_twice_at_once_applies_once(st):
+    """Two copies of one commit reach each stage while it computes something else: one
+    applies, the other is refused. (The replay design flips a slot per commit: applied
+    twice, the row replays stale steps and decodes wrongly, silently.) The row then
+    decodes exactly as after a single commit."""
+    prompt = list(range(40, 60))  # no other test verifies it: stale replay steps would differ
+
+    def verify_commit_decode(row, copies):
+        acc = setup_verify(st, rows=[row], prompt=prompt)
+        busy = st.s0.Forward.future(step_to_pb(prefill([3], ext=[150], ids=list(range(1, 151)))), timeout=TIMEOUT)
+        req = pb.CommitRequest(micro_batch_id=5, round=9, req_pool_indices=[row], accept_lengths=acc)
+        futs = [s.CommitAccept.future(req, timeout=TIMEOUT) for s in (st.s0, st.s1) for _ in range(copies)]
+        codes = []
+        for f in futs:
+            try:
+                f.result()
+                codes.append("OK")
+            except grpc.RpcError as e:
+                codes.append(e.code())
+        busy.result()
+        out = st.forward(StepInput(5, 10, "decode", [row], [20 + acc[0]], [1], [7],
+                                   sampling=[SamplingSpec(logprobs=3)]))
+        st.release([row, 3])
+        return codes, (out.output_ids, out.drafts, out.logprobs)
+
+    once = verify_commit_decode(0, 1)
+    assert once[0] == ["OK", "OK"]
+    twice = verify_commit_decode(2, 2)
+    assert sorted(map(str, twice[0])) == sorted(map(str, ["OK", PRE, "OK", PRE])), twice[0]
+    assert twice[1] == once[1]
+
+
+def test_commit_cannot_accept_more_than_the_verified_drafts(st):
+    setup_verify(st, rows=[2], drafts=1)  # one real draft: at most 2 tokens
+    for res in st.commit(5, 9, [2], [3]):
+        expect(res, INV, "row 2 was verified with 1 drafts", "at most 2")
+    assert st.state() == [(1, 0, 1), (1, 2, 1)]
+    assert [c for c, _ in st.commit(5, 9, [2], [2])] == ["OK", "OK"]
+    # the row now holds 22 tokens
+    st.forward(StepInput(1, 2, "decode", [2], [22], [1], [7]))
+    st.release([2])
+
+
+def test_bad_release_is_refused_before_abandoning_anything(st):
+    setup_verify(st)
+    for rows in ([0, 2, 9], [-1]):
+        for res in st.release(rows, abandon=True):
+            expect(res, INV, "release: req_pool_indices", "outside [0, 4)")
+    assert st.state() == [(2, 0, 2), (2, 4, 2)]
+    assert [c for c, _ in st.release([0, 2], abandon=True)] == ["OK", "OK"]
+    for res in st.commit(5, 9, [0, 2], [1, 1]):  # abandoned: its commit is refused
+        expect(res, PRE, "not pending")
+    for rows in ([3], [3], [0, 1, 2, 3]):  # never used, twice, all: releasing is idempotent
+        assert [c for c, _ in st.release(rows)] == ["OK", "OK"]
+
+
+def test_prefills_beyond_the_kv_pool_are_refused_with_every_pool_unchanged(st):
+    big = list(range(1, 101))
+    # stage 0 (no attention layer) runs it, stage 1 runs out of pages: stage 0 undoes it
+    expect(call(st.s0.Forward, step_to_pb(prefill([0, 1, 2, 3], ext=[100] * 4, ids=big * 4))), EXH,
+           "stage 1: KV pool: need 28 pages, 16 free")
+    assert st.state() == [(0, 0, 0), (0, 0, 0)]
+    st.forward(prefill([0, 2], ext=[100] * 2, ids=big * 2))
+    assert st.state() == [(2, 0, 0), (2, 14, 0)]
+    expect(call(st.s0.Forward, step_to_pb(prefill([3], ext=[100], ids=big))), EXH, "need 7 pages, 2 free")
+    assert st.state() == [(2, 0, 0), (2, 14, 0)]
+    st.forward(prefill([3]))  # the same row takes a request that fits
+    assert st.state() == [(3, 0, 0), (3, 16, 0)]
+    st.release([0, 2, 3])
+
+
+def test_steps_a_later_stage_refuses_are_undone_or_fenced(st):
+    """Stage 1 runs out of KV pages for a verify, then for a decode, that stage 0 already
+    ran: stage 0 drops the verify's pending marks (its committed state is unchanged), and
+    refuses further steps on the decoded row (its state went one token ahead) until the
+    row is released."""
+    big = list(range(1, 101))
+    st.forward(prefill([0, 2], ext=[100] * 2, ids=big * 2))
+    r = st.forward(prefill([3], ext=[30], ids=big[:30]))  # the pools are full: 32 tokens of row 3 fit
+    assert st.state() == [(3, 0, 0), (3, 16, 0)]
+    ids = [r.output_ids[0][0]] + r.drafts[0]
+    expect(call(st.s0.Verify, step_to_pb(StepInput(4, 1, "verify", [3], [30], [D], ids, num_drafts=[3]))), EXH,
+           "stage 1", "need 1 pages, 0 free")
+    assert st.state() == [(3, 0, 0), (3, 16, 0)]  # no commit pending anywhere
+    expect(call(st.s0.Forward, step_to_pb(StepInput(4, 2, "decode", [3], [30], [1], ids[:1]))), EXH, "stage 1")
+    expect(call(st.s0.Forward, step_to_pb(StepInput(4, 3, "decode", [3], [30], [1], ids[:1]))), PRE,
+           "row 3: a failed step left its state undefined; release the row")
+    st.release([0, 2, 3])
+
+
+def test_verify_and_commit_on_a_stage_without_speculation(st):
+    stub = st.nospec
+    out = st.forward(prefill([0]), stub)
+    expect(call(stub.Verify, step_to_pb(StepInput(1, 2, "verify", [0], [20], [1], out.output_ids[0]))), PRE,
+           "started without speculative decoding")
+    expect(call(stub.CommitAccept, pb.CommitRequest(micro_batch_id=1, round=2, req_pool_indices=[0],
+                                                    accept_lengths=[1])), PRE, "not pending")
+    i = stub.Info(pb.InfoRequest(), timeout=10)
+    assert (i.rows_in_use, i.pending_commits) == (1, 0)
+    again = st.forward(StepInput(1, 3, "decode", [0], [20], [1], out.output_ids[0]), stub)
+    assert call(stub.Release, pb.ReleaseRequest(req_pool_indices=[0]))[0] == "OK"
+    # the decode saw the state of the prefill alone: a fresh request gives the same token
+    out2 = st.forward(prefill([1]), stub)
+    again2 = st.forward(StepInput(1, 3, "decode", [1], [20], [1], out2.output_ids[0]), stub)
+    assert again.output_ids == again2.output_ids
+    assert call(stub.Release, pb.ReleaseRequest(req_pool_indices=[1]))[0] == "OK"

@@ -16,7 +16,7 @@ import time
 from typing import AsyncIterator
 
 from .metrics import RouterMetrics
-from .scheduler import Scheduler, Update
+from .scheduler import Scheduler, Update, kv_budget
 from .types import EngineError, RequestOutput, SamplingParams, StageDownError
 
 log = logging.getLogger("ppspec.router")
@@ -78,8 +78,9 @@ class Engine:
         self.spec = spec
         self.max_model_len = min(i["max_context"] for i in infos)
         lanes = self.num_micro_batches or len(infos)
+        kv_tokens, page_size = kv_budget(infos)
         self.scheduler = Scheduler(
-            max_rows=min(i["max_rows"] for i in infos), kv_tokens=min(i["kv_tokens"] for i in infos),
+            max_rows=min(i["max_rows"] for i in infos), kv_tokens=kv_tokens, page_size=page_size,
             max_context=self.max_model_len, num_lanes=lanes, max_batch_size=self.max_batch_size,
             chunk_size=self.chunk_size, speculative_algorithm=spec, num_steps=steps,
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
@@ -194,6 +195,12 @@ class Engine:
                 self.outstanding.pop(lane, None)
                 self._set_in_flight()
                 self._fail(f"{e}")
+                continue
+            except Exception as e:  # noqa: BLE001  (anything else must not end this lane's task silently)
+                log.exception("micro-batch of lane %d failed", lane)
+                self.outstanding.pop(lane, None)
+                self._set_in_flight()
+                self._fail(f"{type(e).__name__}: {e}")
                 continue
             started = self.outstanding.pop(lane, None)
             self._set_in_flight()

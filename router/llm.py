@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ppspec.argtypes import positive_int
 
 from .pipeline import InProcessPipeline
-from .scheduler import Scheduler
+from .scheduler import Scheduler, kv_budget
 from .types import RequestOutput, SamplingParams
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "qwen35-demo")
@@ -87,8 +87,9 @@ class LLM:
         infos = self.pipeline.info_sync()
         self.eos_token_ids = infos[-1]["eos_token_ids"]
         self.max_context = min(i["max_context"] for i in infos)
+        kv_tokens, page_size = kv_budget(infos)
         self.scheduler = Scheduler(
-            max_rows=max_rows, kv_tokens=min(i["kv_tokens"] for i in infos), max_context=self.max_context,
+            max_rows=max_rows, kv_tokens=kv_tokens, page_size=page_size, max_context=self.max_context,
             num_lanes=num_micro_batches or pp_size, max_batch_size=max_batch_size, chunk_size=chunk_size,
             speculative_algorithm=speculative_algorithm, num_steps=num_speculative_steps,
             eos_token_ids=self.eos_token_ids, drafter=drafter,

@@ -128,7 +128,10 @@ class Scheduler:
     Args:
         max_rows: request rows every stage holds (``req_pool_index`` range).
         kv_tokens: KV budget (tokens) of the smallest stage pool; admission reserves
-            ``prompt + max_tokens + D`` tokens per request so a running request never runs out.
+            ``prompt + max_tokens + D + num_steps`` tokens per request (verify writes D - 1
+            past the committed length, the MTP chain num_steps - 1 more), rounded up to whole
+            pages, so a running request never runs out.
+        page_size: tokens per KV page of the stages (their pools hand out whole pages).
         max_context: longest sequence in tokens (prompt + completion).
         num_lanes: micro-batches in flight.
         max_batch_size: requests per micro-batch.
@@ -144,6 +147,7 @@ class Scheduler:
         max_rows: int,
         kv_tokens: int,
         max_context: int,
+        page_size: int = 1,
         num_lanes: int = 1,
         max_batch_size: int = 64,
         chunk_size: int = 512,
@@ -161,6 +165,7 @@ class Scheduler:
         self.num_steps = num_steps if speculative_algorithm != "none" else 0
         self.D = self.num_steps + 1
         self.max_rows, self.kv_tokens, self.max_context = max_rows, kv_tokens, max_context
+        self.page_size = max(1, page_size)
         self.num_lanes, self.max_batch_size, self.chunk_size = num_lanes, max_batch_size, chunk_size
         self.eos = list(eos_token_ids or [])
         self.max_waiting = max_waiting
@@ -191,7 +196,8 @@ class Scheduler:
             raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_context)
         if len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"the queue is full ({self.max_waiting} waiting requests)")
-        need = len(prompt_ids) + params.max_tokens + self.D
+        need = len(prompt_ids) + params.max_tokens + self.D + self.num_steps
+        need = -(-need // self.page_size) * self.page_size
         if need > self.kv_tokens:
             raise InvalidRequestError(
                 f"the request needs {need} KV tokens but the pool holds {self.kv_tokens}", param="max_tokens"
@@ -398,3 +404,11 @@ class Scheduler:
     def has_work(self, lane: int | None = None) -> bool:
         lanes = range(self.num_lanes) if lane is None else [lane]
         return bool(self.waiting) or any(self.lanes[i] for i in lanes)
+
+
+def kv_budget(infos: list[dict]) -> tuple[int, int]:
+    """``(kv_tokens, page_size)`` for the scheduler from the stages' ``Info``: the smallest
+    pool, and the largest page (a stage without attention layers has no KV pool)."""
+    pages = [i["kv_tokens"] // i["kv_pages_total"] for i in infos if i.get("kv_pages_total")]
+    return min(i["kv_tokens"] for i in infos), max(pages, default=1)
+

@@ -180,3 +180,18 @@ def test_stage_cli_exits_with_one_clear_line(make_ckpt, tmp_path):
         p = subprocess.run([sys.executable, "-m", "ppspec.cli", "stage", "--model", path, "--port", str(free_port())] + extra,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_admission_reserves_whole_kv_pages(make_ckpt, spec):
+    """Three 80-token prompts with 4 new tokens need 85 tokens each (255 of a 256-token
+    pool) but 6 pages of 16 each (18 of 16): admission must count pages, so the requests
+    wait their turn instead of exhausting a stage's pool mid-step."""
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio1")
+    prompts = [[5 + i] * 80 for i in range(3)]
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = LLM(path, max_rows=4, kv_tokens=256, speculative_algorithm=spec).generate(prompts, p)
+    ref = LLM(path, max_rows=4).generate(prompts, p)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert all(len(o.token_ids) == 4 for o in outs)

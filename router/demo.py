@@ -10,6 +10,8 @@ import time
 
 import httpx
 
+from ppspec.argtypes import port, positive_int
+
 from .llm import DEMO_MODEL
 from .serve import wait_healthy
 
@@ -36,14 +38,16 @@ def accept_stats(url: str) -> tuple[float | None, list[float]]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="ppspec demo", description=__doc__)
     ap.add_argument("--model", default=DEMO_MODEL)
-    ap.add_argument("--pp-size", type=int, default=2)
+    ap.add_argument("--pp-size", type=positive_int, default=2)
     ap.add_argument("--speculative-algorithm", default="mtp", choices=["none", "ngram", "mtp"])
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--port", type=port, default=8000)
+    ap.add_argument("--num-prompts", type=positive_int, default=4)
+    ap.add_argument("--max-tokens", type=positive_int, default=96)
     ap.add_argument("--no-keep-serving", action="store_true", help="exit after the demo prompts")
     a = ap.parse_args(argv)
     url = f"http://127.0.0.1:{a.port}"
+    # SIGTERM (a supervisor, `kill`) ends the demo like Ctrl-C: the server below is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", a.model, "--pp-size",
                               str(a.pp_size), "--speculative-algorithm", a.speculative_algorithm, "--port", str(a.port)])
     try:

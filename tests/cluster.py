@@ -20,6 +20,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGKILL when the test process dies, even by SIGKILL (a test
+    run stopped by a timeout must not leave servers behind)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Cluster:
     """``pp`` stage processes plus a router, each a ``python -m ppspec.cli`` child."""
 
@@ -38,7 +47,8 @@ class Cluster:
     def _spawn(self, name, argv, env=None):
         out = open(os.path.join(self.log_dir, f"{name}.log"), "w") if self.log_dir else subprocess.DEVNULL
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "ppspec.cli"] + argv, env=env,
-                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
 
     def start_stage(self, k):
         env = dict(os.environ, PPSPEC_INJECT_DELAY_MS=str(self.delay_ms), OMP_NUM_THREADS="1")

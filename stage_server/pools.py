@@ -51,12 +51,7 @@ class KVPool:
             PoolExhaustedError: not enough free pages (no page is taken).
             ValueError: a length beyond the context the page table covers.
         """
-        need = []
-        for row, n in zip(rows, lengths):
-            pages = -(-n // self.page_size)
-            if pages > self.max_pages_per_row:
-                raise ValueError(f"row {row}: {n} tokens exceed the context limit")
-            need.append(max(0, pages - len(self.row_pages.get(row, ()))))
+        need = self.pages_needed(rows, lengths)
         if sum(need) > len(self.free_pages):
             raise PoolExhaustedError(f"KV pool: need {sum(need)} pages, {len(self.free_pages)} free")
         for row, k in zip(rows, need):
@@ -65,6 +60,20 @@ class KVPool:
                 page = self.free_pages.pop()
                 self.page_table[row, len(have)] = page
                 have.append(page)
+
+    def pages_needed(self, rows: list[int], lengths: list[int]) -> list[int]:
+        """New pages each row needs to hold ``length`` tokens (pages it has count).
+
+        Raises:
+            ValueError: a length beyond the context the page table covers.
+        """
+        need = []
+        for row, n in zip(rows, lengths):
+            pages = -(-n // self.page_size)
+            if pages > self.max_pages_per_row:
+                raise ValueError(f"row {row}: {n} tokens exceed the context limit")
+            need.append(max(0, pages - len(self.row_pages.get(row, ()))))
+        return need
 
     def release(self, row: int) -> None:
         self.free_pages.extend(reversed(self.row_pages.pop(row, [])))
@@ -83,33 +92,6 @@ COMMIT_DESIGNS = ("copy", "replay")
 def _replay_data(b: ReplayBuffers) -> list[torch.Tensor]:
     """The per-step data tensors of a layer's buffers (not the shared pending/slot views)."""
     return [t for name, t in zip(b._fields, b) if name not in ("pending", "slot")]
-
-
-def state_pool_nbytes(
-    num_layers, max_rows, hk, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, commit_design="copy"
-) -> dict[str, int]:
-    """Bytes :class:`StatePool` allocates for these arguments, before allocating anything
-    (the stage's memory-budget check); equal to ``StatePool(...).nbytes``.
-
-    Returns ``{"state": committed state + conv window, "verify_scratch": copy design's
-    per-step state and conv windows, or the replay design's conv windows, per-step replay
-    buffers and pending/slot counters}``, in bytes.
-    """
-    rows, d = max_rows + 1, num_verify_tokens
-    esize = torch.empty((), dtype=dtype).element_size()
-    ssm = hv * dk * dv * 4
-    conv = conv_dim * (conv_width - 1) * esize
-    state = num_layers * rows * (ssm + conv)
-    if d <= 1:
-        return {"state": state, "verify_scratch": 0}
-    scratch = num_layers * rows * d * conv
-    if commit_design == "copy":
-        scratch += num_layers * rows * d * ssm
-    else:  # replay: one layer's buffers laid out on the meta device (no memory), pending + slot int32
-        one = alloc_replay_buffers(rows, d, hk, hv, dk, dv, device="meta")
-        scratch += num_layers * sum(t.numel() * t.element_size() for t in _replay_data(one))
-        scratch += 2 * num_layers * rows * 4
-    return {"state": state, "verify_scratch": scratch}
 
 
 class StatePool:
@@ -198,3 +180,13 @@ class StatePool:
             commit_accept(self.ssm, self.ssm_scratch, rows, accept_lengths)
         else:
             commit_accept_replay(self.replay_pending, self.replay_slot, rows, accept_lengths, self.num_verify_tokens)
+
+
+def state_pool_nbytes(
+    num_layers, max_rows, hk, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, commit_design="copy"
+) -> dict[str, int]:
+    """Bytes :class:`StatePool` allocates for these arguments, before allocating anything
+    (the stage's memory-budget check): the pool laid out on the meta device, which takes no
+    memory, so the count cannot drift from the allocation. Keys as :attr:`StatePool.nbytes`."""
+    return StatePool(num_layers, max_rows, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, "meta",
+                     num_k_heads=hk, commit_design=commit_design).nbytes

@@ -411,7 +411,7 @@ class StageRunner:
         if self.mtp_kv:
             plan.append((self.mtp_kv, [n + max(self.num_steps - 1, 0) for n in lens], "MTP KV pool"))
         for pool, want, name in plan:
-            need = sum(max(0, -(-n // pool.page_size) - len(pool.row_pages.get(r, ()))) for r, n in zip(rows, want))
+            need = sum(pool.pages_needed(rows, want))
             if need > len(pool.free_pages):
                 raise PoolExhaustedError(f"{name}: need {need} pages, {len(pool.free_pages)} free")
         for pool, want, _ in plan:

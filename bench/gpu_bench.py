@@ -81,11 +81,12 @@ def make_1b(torch, path):
     return sum(p.numel() for p in m.parameters())
 
 
-def decode_step(torch, path, batch, ctx, bw):
+def decode_step(torch, path, batch, ctx, bw, graphs=True):
     from ppspec.proto.messages import StepInput
     from ppspec.stage_server.runner import StageRunner
 
-    r = StageRunner(path, max_rows=batch, kv_tokens=batch * (ctx + 64), dtype=torch.bfloat16, device="cuda")
+    r = StageRunner(path, max_rows=batch, kv_tokens=batch * (ctx + 64), dtype=torch.bfloat16, device="cuda",
+                    cuda_graph_max_bs=None if graphs else 0)
     rows = list(range(batch))
     r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
     seq = ctx
@@ -142,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         n = make_1b(torch, path)
         torch.cuda.empty_cache()
         print(f"\nrandom Qwen3.5-shaped checkpoint: {n / 1e9:.2f} B parameters, bf16, context 1024\n")
-        print("| batch | decode step (ms) | roofline (ms) | step / roofline | weight MB | KV MB | state MB |")
-        print("|---|---|---|---|---|---|---|")
+        print("| batch | decode step, CUDA graphs (ms) | eager (ms) | roofline (ms) | graphs / roofline | weight MB | KV MB | state MB |")
+        print("|---|---|---|---|---|---|---|---|")
         for b in (1, 16, 64):
+            eager = decode_step(torch, path, b, 1024, bw, graphs=False)[0]
+            torch.cuda.empty_cache()
             dt, floor, w, kv, st = decode_step(torch, path, b, 1024, bw)
-            print(f"| {b} | {dt * 1e3:.2f} | {floor * 1e3:.3f} | {dt / floor:.1f} | {w / 1e6:.0f} | {kv / 1e6:.0f} | {st / 1e6:.0f} |", flush=True)
+            torch.cuda.empty_cache()
+            print(f"| {b} | {dt * 1e3:.2f} | {eager * 1e3:.2f} | {floor * 1e3:.3f} | {dt / floor:.1f} | {w / 1e6:.0f} | "
+                  f"{kv / 1e6:.0f} | {st / 1e6:.0f} |", flush=True)
     return 0
 
 

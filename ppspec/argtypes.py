@@ -83,3 +83,23 @@ def device_list(s: str) -> str:
     for d in s.split(","):
         device(d.strip())
     return s
+
+
+def add_cuda_graph_args(ap: argparse.ArgumentParser) -> None:
+    """``--cuda-graph-max-bs N`` and ``--disable-cuda-graph`` (SGLang's names), read back
+    by :func:`cuda_graph_max_bs`."""
+    ap.add_argument("--cuda-graph-max-bs", type=nonneg_int, default=None,
+                    help="decode/verify batches up to N requests replay CUDA graphs "
+                         "(default: min(max rows, 256) on CUDA; 0: off)")
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
+
+
+def cuda_graph_max_bs(args: argparse.Namespace) -> int | None:
+    """The ``StageRunner(cuda_graph_max_bs=)`` the options of :func:`add_cuda_graph_args` ask for."""
+    return 0 if args.disable_cuda_graph else args.cuda_graph_max_bs
+
+
+def cuda_graph_argv(args: argparse.Namespace) -> list[str]:
+    """The same options, for a child process's command line."""
+    n = cuda_graph_max_bs(args)
+    return [] if n is None else ["--cuda-graph-max-bs", str(n)]

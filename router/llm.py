@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from ppspec.argtypes import positive_int
+from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device, positive_int
 
 from .pipeline import InProcessPipeline
 from .scheduler import Scheduler, kv_budget
@@ -54,6 +54,8 @@ class LLM:
             every stage commits accepted GDN state (``StageRunner``).
         fault: fault injection for tests (``stage_server.runner.FAULTS``).
         drafter: ``f(request, k) -> drafts`` replacing the n-gram lookup (tests, custom drafters).
+        cuda_graph_max_bs: decode / verify batches up to this size replay CUDA graphs; 0
+            runs eagerly; None: ``min(max_rows, 256)`` on CUDA, off on CPU (``StageRunner``).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class LLM:
         commit_design: str | None = None,
         pipeline: InProcessPipeline | None = None,
         drafter=None,
+        cuda_graph_max_bs: int | None = None,
     ):
         import torch
 
@@ -83,6 +86,7 @@ class LLM:
             model, pp_size, max_rows=max_rows, kv_tokens=kv_tokens, num_speculative_steps=steps,
             use_mtp=speculative_algorithm == "mtp", max_context=max_context,
             dtype=getattr(torch, dtype), device=device, fault=fault, commit_design=commit_design,
+            cuda_graph_max_bs=cuda_graph_max_bs,
         )
         infos = self.pipeline.info_sync()
         self.eos_token_ids = infos[-1]["eos_token_ids"]
@@ -185,6 +189,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit (default: replay on CUDA, copy on CPU)")
+    ap.add_argument("--device", type=device, default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_cuda_graph_args(ap)
     a = ap.parse_args(argv)
     from ppspec.stage_server.config import CheckpointError
 
@@ -192,7 +199,8 @@ def main(argv: list[str]) -> int:
 
     try:
         llm = LLM(a.model, pp_size=a.pp_size, speculative_algorithm=a.speculative_algorithm,
-                  num_speculative_steps=a.speculative_num_steps, commit_design=a.commit_design)
+                  num_speculative_steps=a.speculative_num_steps, commit_design=a.commit_design,
+                  device=a.device, dtype=a.dtype, cuda_graph_max_bs=cuda_graph_max_bs(a))
         outs = llm.generate(a.prompt, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens))
     except (CheckpointError, EngineError, ValueError, OSError) as e:
         print(f"ppspec generate: {e}", file=sys.stderr)

@@ -16,7 +16,9 @@ import time
 import urllib.error
 import urllib.request
 
-from ppspec.argtypes import device_list, nonneg_int, port, port_list, positive_float, positive_int
+from ppspec.argtypes import (
+    add_cuda_graph_args, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_float, positive_int,
+)
 
 from .llm import DEMO_MODEL
 
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-budget-gb", type=positive_float, default=None, help="GiB per stage (weights + pools)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
+    add_cuda_graph_args(ap)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch threads per stage (0: cores / stages)")
@@ -174,6 +177,7 @@ def main(argv: list[str]) -> int:
                 argv_k += ["--memory-budget-gb", str(a.memory_budget_gb)]
             if a.commit_design:
                 argv_k += ["--commit-design", a.commit_design]
+            argv_k += cuda_graph_argv(a)
             if a.inject_fault:
                 argv_k += ["--inject-fault", a.inject_fault]
             kids.start(f"stage {k}", argv_k)

@@ -20,19 +20,23 @@ class PoolExhaustedError(RuntimeError):
 class KVPool:
     """Paged KV cache of ``num_layers`` attention layers.
 
-    k, v: ``[num_layers, num_pages, page_size, Hkv, hd]``; page_table: ``[rows + 1,
-    max_pages_per_row]`` int64 (unused entries point at page 0, never read: attention
-    only reads positions below each row's KV length).
+    k, v: ``[num_layers, num_pages + 1, page_size, Hkv, hd]``; page ``num_pages`` is the
+    padding page, never handed out: padded batches (CUDA graphs, ``stage_server.graphs``)
+    write their padding tokens' KV there. page_table: ``[rows + 1, max_pages_per_row]``
+    int64; the padding row points at the padding page, unused entries of other rows at
+    page 0 (never read: attention only reads positions below each row's KV length).
     """
 
     def __init__(self, num_layers, max_rows, token_budget, page_size, nkv, hd, max_context, dtype, device):
         self.page_size = page_size
         self.num_pages = max(1, -(-token_budget // page_size))
+        self.pad_page = self.num_pages
         self.max_pages_per_row = -(-max_context // page_size)
-        shape = (num_layers, self.num_pages, page_size, nkv, hd)
+        shape = (num_layers, self.num_pages + 1, page_size, nkv, hd)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_table = torch.zeros(max_rows + 1, self.max_pages_per_row, dtype=torch.long, device=device)
+        self.page_table[max_rows] = self.pad_page
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.row_pages: dict[int, list[int]] = {}
 
@@ -77,6 +81,21 @@ class KVPool:
 
     def release(self, row: int) -> None:
         self.free_pages.extend(reversed(self.row_pages.pop(row, [])))
+
+    def slot_list(self, rows: list[int], positions: list[int]) -> list[int]:
+        """Flat slot of each token on the host: ``rows`` has one entry per request, and
+        ``positions`` ``len(positions) // len(rows)`` consecutive entries per request.
+        Rows must hold pages for these positions (:meth:`ensure`)."""
+        n, ps = len(positions) // max(len(rows), 1), self.page_size
+        out = []
+        for b, row in enumerate(rows):
+            pages = self.row_pages[row]
+            out += [pages[p // ps] * ps + p % ps for p in positions[b * n:(b + 1) * n]]
+        return out
+
+    def pad_slot(self, i: int) -> int:
+        """The ``i``-th padding token's slot (in the padding page; tokens past a page wrap)."""
+        return self.pad_page * self.page_size + i % self.page_size
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot of each token: ``[T]`` from per-token rows and positions."""

@@ -20,6 +20,7 @@ import torch
 from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
+from .graphs import StepGraphs
 from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
 from ppspec.kernels.checks import known
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
@@ -90,6 +91,11 @@ class StageRunner:
             holds (prefill and decode add their tokens, a commit adds the accepted ones).
             The gRPC stage turns it on; off, a caller may re-run a step at one length
             (benchmarks do).
+        cuda_graph_max_bs: decode and verify steps of up to this many requests replay CUDA
+            graphs (``stage_server.graphs``), one per padded batch size, captured at start;
+            0 runs every step eagerly. None: ``min(max_rows, 256)`` on CUDA, 0 on CPU. On a
+            CPU stage a positive value runs the graphs' padded path eagerly (tests). Stages
+            with MoE layers always run eagerly (the expert grouping is read on the host).
 
     Every step is validated before any pool is touched (:meth:`check_input`, the rows'
     state, then KV pages for the whole step, MTP head included, all or nothing). A step
@@ -120,6 +126,7 @@ class StageRunner:
         memory_budget: int | None = None,
         commit_design: str | None = None,
         strict_lengths: bool = False,
+        cuda_graph_max_bs: int | None = None,
     ):
         from .config import load_config
 
@@ -181,11 +188,37 @@ class StageRunner:
         self._last_verify_rows: list[int] = []      # FAULT_STALE_ROWS
         self.busy_seconds = 0.0
         log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
+        self.graphs: dict[str, StepGraphs] = {}
+        on_cuda = self.device.type == "cuda"
+        if cuda_graph_max_bs is None:
+            cuda_graph_max_bs = min(max_rows, 256) if on_cuda else 0
+        if cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
+        if cuda_graph_max_bs and any(c.is_moe_layer(i) for i in range(start, end)):
+            log.info("stage %d: CUDA graphs off (MoE layers group tokens by expert on the host)", pp_rank)
+        elif cuda_graph_max_bs:
+            self._capture_graphs(min(cuda_graph_max_bs, max_rows), capture=on_cuda)
+
+    def _capture_graphs(self, max_bs: int, capture: bool) -> None:
+        def forward(meta: BatchMeta, x: torch.Tensor) -> torch.Tensor:
+            h = self.model.embed_tokens(x) if self.is_first else x
+            return self.model(meta, h, self._layer_states())
+
+        pool = None
+        for mode, d in ((DECODE, 1), (VERIFY, self.num_steps + 1)):
+            if mode == VERIFY and self.num_steps == 0:
+                continue
+            g = StepGraphs(
+                forward, mode=mode, tokens_per_request=d, max_bs=max_bs, pad_row=self.max_rows, kv=self.kv,
+                first=self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype, device=self.device,
+                max_context=self.max_context + self.num_steps + 1, capture=capture, pool=pool,
+            )
+            self.graphs[mode], pool = g, g.pool
 
     def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> None:
         c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        pages = -(-kv_tokens // page_size)
+        pages = -(-kv_tokens // page_size) + 1  # + the padding page
         kv = (n_att + (1 if self.use_mtp else 0)) * 2 * pages * page_size * c.num_key_value_heads * c.head_dim * esize
         # recurrent state, conv window and the commit design's verify scratch / replay buffers
         state = sum(state_pool_nbytes(
@@ -493,6 +526,13 @@ class StageRunner:
 
     def _run_layers(self, inp: StepInput) -> tuple[BatchMeta, torch.Tensor]:
         rows = inp.req_pool_indices
+        graphs = self.graphs.get(inp.mode)
+        if graphs is not None and graphs.bucket(len(rows)) is not None:
+            self._touched = True
+            meta, hidden = graphs.run(rows, inp.seq_lens, inp.input_ids, inp.hidden_states)
+            if inp.mode == VERIFY:
+                self._after_verify_fault_hooks(meta)
+            return meta, hidden
         meta = self._meta(inp.mode, rows, inp.seq_lens, inp.extend_lens, self.kv)
         if inp.mode == PREFILL:
             self.rows_in_use.update(rows)

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ppspec.argtypes import device, nonneg_int, port, positive_float, positive_int
+from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device, nonneg_int, port, positive_float, positive_int
 from ppspec.proto.codec import GRPC_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
 from ppspec.proto.messages import PREFILL, VERIFY
 from ppspec.proto.stubs import pb, pb_grpc
@@ -306,7 +306,7 @@ async def serve_stage(args) -> int:
             num_speculative_steps=steps, use_mtp=spec == "mtp", max_context=args.max_context,
             dtype=getattr(torch, args.dtype), device=args.device, fault=args.inject_fault,
             memory_budget=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
-            commit_design=args.commit_design, strict_lengths=True,
+            commit_design=args.commit_design, strict_lengths=True, cuda_graph_max_bs=cuda_graph_max_bs(args),
         )
     except (CheckpointError, ValueError) as e:
         print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
@@ -372,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit: copy (per-step state scratch) or replay (step inputs, replayed "
                          "by the next verify); default replay on CUDA, copy on CPU")
+    add_cuda_graph_args(ap)
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap

@@ -189,3 +189,36 @@ def test_invariance_catches_the_commit_bugs(setup, fault, design):
     out = drive(llm, reqs)
     wrong = sum(o != r for o, r in zip(out, ref))
     assert wrong > 0, f"fault {fault} went unnoticed"
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("spec,pp,lanes", [("none", 1, 1), ("oracle", 1, 1), ("mtp", 2, 2), ("oracle", 3, 2)])
+def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
+    """Decode and verify through the CUDA graphs' padded static path (run eagerly on CPU,
+    ``cuda_graph_max_bs``): batches padded to 1, 2, 4 or 8 rows with the padding row and
+    the KV padding page, larger batches eager; tokens equal PP1 without speculation. Padding
+    that wrote into a real row's state or a real KV page (page 0 is the first request's)
+    would change them."""
+    from ppspec.stage_server.graphs import StepGraphs
+
+    path, reqs, ref = setup
+    kw = dict(speculative_algorithm="ngram", num_speculative_steps=3, drafter=Oracle(ref, seed=5)) if spec == "oracle" \
+        else dict(speculative_algorithm=spec, num_speculative_steps=3)
+    llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, commit_design=design, cuda_graph_max_bs=8, **kw)
+    runs = []
+    for r in llm.pipeline.runners:
+        assert r.graphs and all(g.sizes == [1, 2, 4, 8] for g in r.graphs.values())
+        for g in r.graphs.values():
+            orig = g.run
+
+            def run(rows, *a, _orig=orig, _mode=g.mode):
+                runs.append((_mode, len(rows)))
+                return _orig(rows, *a)
+
+            g.run = run
+    assert drive(llm, reqs) == ref
+    sizes = {n for _, n in runs}
+    assert sizes - {1, 2, 4, 8}, "no batch was padded"
+    if spec != "none":
+        assert any(m == "verify" for m, _ in runs)
+    assert all(u == 0 for u in llm.rows_in_use())

@@ -1,7 +1,10 @@
 """End to end on CUDA, stages sharing one GPU (in one process, micro-batches interleaved):
 fp32 greedy tokens identical to PP1 without speculation (divergence only at near-ties of
 the reference, DESIGN.md section 6); bf16 at least 99% of tokens identical. On CUDA the
-stages commit with the replay design by default; the copy design is checked too."""
+stages commit with the replay design by default; the copy design is checked too.
+
+The references run eagerly (``cuda_graph_max_bs=0``); every pipeline under test replays
+CUDA graphs for decode and verify (the CUDA default), batches padded to 1, 2, 4, 8, 16."""
 import os
 
 import pytest
@@ -35,7 +38,8 @@ def reference(prompts):
     from ppspec.router.llm import LLM
     from ppspec.router.types import SamplingParams
 
-    llm = LLM(DEMO, device="cuda", max_rows=N)
+    llm = LLM(DEMO, device="cuda", max_rows=N, cuda_graph_max_bs=0)
+    assert not any(r.graphs for r in llm.pipeline.runners)
     outs = llm.generate([_ids(p) for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2))
     return [o.token_ids for o in outs], [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
@@ -50,6 +54,7 @@ def test_fp32_identical_to_pp1(prompts, reference, pp, spec):
     ref, gaps = reference
     llm = LLM(DEMO, device="cuda", pp_size=pp, speculative_algorithm=spec, max_rows=N)
     assert all(i["commit_design"] == "replay" for i in llm.pipeline.info_sync())  # the CUDA default
+    assert all(r.graphs["decode"].graphs for r in llm.pipeline.runners)  # captured
     outs = llm.generate([_ids(p) for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     _check_near_ties(outs, ref, gaps)
 
@@ -111,7 +116,7 @@ def bf16_reference(prompts):
     from ppspec.router.llm import LLM
     from ppspec.router.types import SamplingParams
 
-    llm = LLM(DEMO, device="cuda", dtype="bfloat16", max_rows=N)
+    llm = LLM(DEMO, device="cuda", dtype="bfloat16", max_rows=N, cuda_graph_max_bs=0)
     outs = llm.generate([_ids(p) for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return [o.token_ids for o in outs]
 

@@ -46,14 +46,18 @@ class StepGraphs:
     every padded batch size up to ``max_bs``.
 
     Args:
-        forward: ``forward(meta, x) -> [b * D, hidden]`` the stage's layers; ``x`` is
-            ``[b * D]`` int64 token ids on the first stage, else ``[b * D, hidden]`` in
-            ``dtype``. Called with static buffers while capturing.
+        forward: ``forward(meta, ids, hidden, aux) -> Tensor`` with ``b * n`` leading
+            entries for a batch of ``b`` (``n`` per request, e.g. ``D`` hidden rows, or
+            one row of drafts); called with the static buffers while capturing:
+            ``ids`` ``[b * D]`` int64 token ids, ``hidden`` ``[b * D, hidden]`` in
+            ``dtype`` (None unless ``takes_hidden``), ``aux`` ``[b]`` int64 (a per-request
+            count, e.g. accepted tokens; padding entries hold 1).
         mode: ``"decode"`` or ``"verify"``; tokens_per_request: ``D``.
         pad_row: the pools' padding row (``max_rows``).
-        kv: the stage's ``KVPool`` (None without attention layers); its padding page takes
-            the padding tokens' KV and its page table's padding row points there.
-        max_context: longest KV length (tokens) a step may reach, a bound the kernels'
+        kv: the ``KVPool`` whose slots the layout addresses (None without attention
+            layers); its padding page takes the padding tokens' KV and its page table's
+            padding row points there.
+        max_kv_len: longest KV length (tokens) a step may reach, a bound the kernels'
             checks read while capturing.
         capture: record CUDA graphs (False: run the padded path eagerly).
         pool: CUDA graph memory pool shared with other ``StepGraphs`` (captures run from
@@ -61,29 +65,28 @@ class StepGraphs:
     """
 
     def __init__(self, forward: Callable, *, mode: str, tokens_per_request: int, max_bs: int, pad_row: int,
-                 kv, first: bool, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_context: int, capture: bool, pool=None):
+                 kv, takes_hidden: bool, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 max_kv_len: int, capture: bool, pool=None):
         self.forward, self.mode, self.D = forward, mode, tokens_per_request
         self.sizes = capture_sizes(max_bs)
-        self.max_bs, self.pad_row, self.kv, self.first = max_bs, pad_row, kv, first
+        self.max_bs, self.pad_row, self.kv = max_bs, pad_row, kv
         D, n = tokens_per_request, max_bs
-        self.max_context, self.capture, self.pool = max_context, capture, pool
+        self.max_kv_len, self.capture, self.pool = max_kv_len, capture, pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         t0 = time.perf_counter()
         # inference tensors: no version counter, so the facts stated about them (below)
         # survive the copies that fill them
         with torch.inference_mode():
-            # one int64 buffer, so a step's indices cross to the device in one copy; a bucket
-            # of b requests uses [rows b | seq_lens b | kv_lens b | positions bD | slots bD | ids bD]
-            self.ints = torch.zeros(3 * n + 3 * n * D, dtype=torch.long, device=device)
-            self.hidden = None if first else torch.zeros(n * D, hidden_size, dtype=dtype, device=device)
+            # one int64 buffer, so a step's indices cross to the device in one copy
+            self.ints = torch.zeros(4 * n + 3 * n * D, dtype=torch.long, device=device)
+            self.hidden = torch.zeros(n * D, hidden_size, dtype=dtype, device=device) if takes_hidden else None
             self.ext = torch.full((n,), D, dtype=torch.long, device=device)
             self.cu = torch.arange(n + 1, dtype=torch.long, device=device) * D
             self.views = {b: self._views(b) for b in self.sizes}
             self.metas = {b: self._meta(b) for b in self.sizes}
             for b in reversed(self.sizes):
-                self._fill(b, [], [])
+                self._fill(b, [], [], [], [])
                 if capture:
                     self._capture(b)
         if capture:
@@ -91,25 +94,31 @@ class StepGraphs:
                      len(self.sizes), mode, self.sizes, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ buffers
-    def _views(self, b: int):
-        D, x = self.D, self.ints
-        o = [0, b, 2 * b, 3 * b, 3 * b + b * D, 3 * b + 2 * b * D, 3 * b + 3 * b * D]
-        return [x[o[i]:o[i + 1]] for i in range(6)]
+    def _views(self, b: int) -> dict[str, torch.Tensor]:
+        """Bucket ``b``'s slices of the int64 buffer."""
+        D, x, out, o = self.D, self.ints, {}, 0
+        for name, n in (("rows", b), ("seq_lens", b), ("kv_lens", b), ("aux", b),
+                        ("positions", b * D), ("slots", b * D), ("ids", b * D)):
+            out[name], o = x[o:o + n], o + n
+        return out
+
+    def _inputs(self, b: int):
+        v = self.views[b]
+        return v["ids"], None if self.hidden is None else self.hidden[: b * self.D], v["aux"]
 
     def _meta(self, b: int) -> BatchMeta:
-        rows, seq, kv_lens, positions, slots, _ = self.views[b]
-        D, kv = self.D, self.kv
+        v, D, kv = self.views[b], self.D, self.kv
         # bounds the kernels' checks read while capturing (kernels.checks); they hold for
         # every step the stage admits, which is what a replay runs
-        known(rows, min=0, max=self.pad_row)
+        known(v["rows"], min=0, max=self.pad_row)
         cu = known(self.cu[: b + 1], total=b * D, max_len=D, queries_fit=True)
-        known(kv_lens, min=D, max=self.max_context)
+        known(v["kv_lens"], min=D, max=self.max_kv_len)
         if kv is not None:
-            known(slots, min=0, max=kv.k.shape[1] * kv.page_size - 1)
-        return BatchMeta(self.mode, rows, seq, self.ext[:b], cu, positions, slots,
-                         None if kv is None else kv.page_table, kv_lens, D)
+            known(v["slots"], min=0, max=kv.k.shape[1] * kv.page_size - 1)
+        return BatchMeta(self.mode, v["rows"], v["seq_lens"], self.ext[:b], cu, v["positions"], v["slots"],
+                         None if kv is None else kv.page_table, v["kv_lens"], D)
 
-    def _fill(self, b: int, rows: list[int], seq_lens: list[int], ids: list[int] | None = None) -> None:
+    def _fill(self, b: int, rows: list[int], seq_lens: list[int], ids: list[int], aux: list[int]) -> None:
         """Write a step of ``len(rows) <= b`` requests and its padding into bucket ``b``."""
         D, B = self.D, len(rows)
         pad = b - B
@@ -121,24 +130,24 @@ class StepGraphs:
             slots = [0] * (b * D)
         else:
             slots = kv.slot_list(rows[:B], positions[: B * D]) + [kv.pad_slot(j) for _ in range(pad) for j in range(D)]
-        ids = list(ids or ()) + [0] * (b * D - len(ids or ()))
-        host = torch.tensor(rows + seq_lens + [s + D for s in seq_lens] + positions + slots + ids, dtype=torch.long)
+        ids = list(ids) + [0] * (b * D - len(ids))
+        aux = list(aux) + [1] * (b - len(aux))
+        host = torch.tensor(rows + seq_lens + [s + D for s in seq_lens] + aux + positions + slots + ids, dtype=torch.long)
         self.ints[: host.numel()].copy_(host)
 
     def _capture(self, b: int) -> None:
-        meta = self.metas[b]
+        meta, inputs = self.metas[b], self._inputs(b)
         if self.kv is not None:
             known(self.kv.page_table, pages_in_pool=True)  # the pool hands out its own pages only
-        x = self.views[b][5] if self.first else self.hidden[: b * self.D]
         # warm up outside the graph: Triton compiles and cuBLAS picks its kernels here
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            self.forward(meta, x)
+            self.forward(meta, *inputs)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            self.outputs[b] = self.forward(meta, x)
+            self.outputs[b] = self.forward(meta, *inputs)
         self.pool = g.pool()
         self.graphs[b] = g
 
@@ -150,25 +159,25 @@ class StepGraphs:
                 return b
         return None
 
-    def run(self, rows: list[int], seq_lens: list[int], ids: list[int] | None,
-            hidden: torch.Tensor | None) -> tuple[BatchMeta, torch.Tensor]:
+    def run(self, rows: list[int], seq_lens: list[int], ids: list[int], hidden: torch.Tensor | None = None,
+            aux: list[int] = ()) -> tuple[BatchMeta, torch.Tensor]:
         """Run one step of ``B = len(rows)`` requests (at most ``max_bs``).
 
-        ids: ``B * D`` token ids (first stage); hidden: ``[B * D, hidden]`` (later stages).
-        Returns the step's layout (views of the static buffers, valid until the next run)
-        and ``[B * D, hidden]`` output hidden states (a fresh tensor)."""
+        ids: ``B * D`` token ids; hidden: ``[B * D, hidden]`` (when the forward takes
+        hidden states); aux: ``B`` counts. Returns the step's layout (views of the static
+        buffers, valid until the next run) and the forward's output for the ``B`` requests
+        (a fresh tensor)."""
         B, D = len(rows), self.D
         b = self.bucket(B)
-        self._fill(b, rows, seq_lens, ids if self.first else None)
-        if not self.first:
+        self._fill(b, rows, seq_lens, ids, aux)
+        if self.hidden is not None:
             self.hidden[: B * D].copy_(hidden)
         if self.capture:
             self.graphs[b].replay()
             out = self.outputs[b]
         else:
-            x = self.views[b][5] if self.first else self.hidden[: b * D]
-            out = self.forward(self.metas[b], x)
-        rows_t, seq, kv_lens, positions, slots, _ = self.views[b]
-        meta = BatchMeta(self.mode, rows_t[:B], seq[:B], self.ext[:B], self.cu[: B + 1], positions[: B * D],
-                         slots[: B * D], self.metas[b].page_table, kv_lens[:B], D)
-        return meta, out[: B * D].clone()
+            out = self.forward(self.metas[b], *self._inputs(b))
+        v = self.views[b]
+        meta = BatchMeta(self.mode, v["rows"][:B], v["seq_lens"][:B], self.ext[:B], self.cu[: B + 1],
+                         v["positions"][: B * D], v["slots"][: B * D], self.metas[b].page_table, v["kv_lens"][:B], D)
+        return meta, out[: B * (out.shape[0] // b)].clone()

@@ -10,6 +10,7 @@ in-process pipeline (``ppspec.router.pipeline``) call it the same way.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -189,6 +190,7 @@ class StageRunner:
         self.busy_seconds = 0.0
         log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
         self.graphs: dict[str, StepGraphs] = {}
+        self.mtp_graphs: dict[str, StepGraphs] = {}
         on_cuda = self.device.type == "cuda"
         if cuda_graph_max_bs is None:
             cuda_graph_max_bs = min(max_rows, 256) if on_cuda else 0
@@ -200,20 +202,25 @@ class StageRunner:
             self._capture_graphs(min(cuda_graph_max_bs, max_rows), capture=on_cuda)
 
     def _capture_graphs(self, max_bs: int, capture: bool) -> None:
-        def forward(meta: BatchMeta, x: torch.Tensor) -> torch.Tensor:
-            h = self.model.embed_tokens(x) if self.is_first else x
+        """Graphs of the layers' decode and verify forward and, on an MTP stage, of the
+        head's drafting after them (``self.mtp_graphs``)."""
+        def layers(meta: BatchMeta, ids, hidden, aux) -> torch.Tensor:
+            h = self.model.embed_tokens(ids) if self.is_first else hidden
             return self.model(meta, h, self._layer_states())
 
         pool = None
         for mode, d in ((DECODE, 1), (VERIFY, self.num_steps + 1)):
             if mode == VERIFY and self.num_steps == 0:
                 continue
-            g = StepGraphs(
-                forward, mode=mode, tokens_per_request=d, max_bs=max_bs, pad_row=self.max_rows, kv=self.kv,
-                first=self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype, device=self.device,
-                max_context=self.max_context + self.num_steps + 1, capture=capture, pool=pool,
-            )
+            common = dict(mode=mode, tokens_per_request=d, max_bs=max_bs, pad_row=self.max_rows,
+                          hidden_size=self.cfg.hidden_size, dtype=self.dtype, device=self.device, capture=capture)
+            g = StepGraphs(layers, kv=self.kv, takes_hidden=not self.is_first,
+                           max_kv_len=self.max_context + self.num_steps + 1, pool=pool, **common)
             self.graphs[mode], pool = g, g.pool
+            if self.use_mtp and self.num_steps:
+                g = StepGraphs(self._mtp_chain, kv=self.mtp_kv, takes_hidden=True,
+                               max_kv_len=self.mtp_kv.max_pages_per_row * self.mtp_kv.page_size, pool=pool, **common)
+                self.mtp_graphs[mode], pool = g, g.pool
 
     def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> None:
         c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
@@ -548,7 +555,7 @@ class StageRunner:
 
     def _last_stage(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, out: StepOutput) -> None:
         B = meta.batch_size
-        cu = meta.cu_seqlens.tolist()
+        cu = [0, *itertools.accumulate(inp.extend_lens)]  # from the host (a device read would wait)
         sample = inp.sample or [True] * B
         if inp.mode == PREFILL:
             # one logit row per request: its last token (only requests that sample are judged)
@@ -568,7 +575,16 @@ class StageRunner:
         if any(s.logprobs is not None for s in specs):
             out.logprobs = [r.logprobs if sample[b] else None for b, r in enumerate(results)]
         if self.use_mtp:
-            out.drafts = self._mtp_draft(inp, meta, hidden, out.output_ids)
+            graphs = self.mtp_graphs.get(inp.mode)
+            if graphs is not None and graphs.bucket(B) is not None:
+                # decode / verify: the head runs over all D positions of each request (the
+                # KV past the accepted ones is rewritten by the chain and the next round)
+                d = meta.tokens_per_request
+                ids = [t for e in out.output_ids for t in e + [0] * (d - len(e))]
+                acc = [len(e) for e in out.output_ids]
+                out.drafts = graphs.run(inp.req_pool_indices, inp.seq_lens, ids, hidden, acc)[1].tolist()
+            else:
+                out.drafts = self._mtp_draft(inp, meta, hidden, out.output_ids)
 
     # ------------------------------------------------------------------ MTP drafting
     def _mtp_draft(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, emitted: list[list[int]]) -> list[list[int]]:
@@ -580,7 +596,7 @@ class StageRunner:
         The head's KV at positions past the accepted ones is overwritten next round.
         """
         B = meta.batch_size
-        cu = meta.cu_seqlens.tolist()
+        cu = [0, *itertools.accumulate(inp.extend_lens)]
         ids = inp.input_ids
         tok, sel, ext = [], [], []
         for b in range(B):
@@ -617,6 +633,37 @@ class StageRunner:
             cmeta = self._meta(DECODE, rows, [p + step for p in pos], [1] * B, self.mtp_kv)
             u = mtp(self.model.embed(d), u, cmeta, kv)
         return [dr if w else [] for dr, w in zip(drafts, wants)]
+
+    def _mtp_chain(self, meta: BatchMeta, ids: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        """MTP drafting after a decode or verify, on the device alone (CUDA-graph capturable).
+
+        The head runs over all ``D`` positions of each request, position ``seq + j``
+        conditioned on emitted token ``ids[b * D + j]`` and the target's ``hidden``;
+        ``accepted`` ``[B]`` says how many are real (1..D). Positions past them write MTP
+        KV that the chain below and the next round overwrite before anything reads it
+        (attention is causal). Then ``num_steps`` greedy drafts chain from the last real
+        position. Returns ``[B, num_steps]`` int64 drafts. Same tokens as :meth:`_mtp_draft`.
+        """
+        mtp, kv, pool = self.model.mtp, self.mtp_kv.layer(0), self.mtp_kv
+        B, D, dev = meta.batch_size, meta.tokens_per_request, self.device
+        u = mtp(self.model.embed(ids), hidden, meta, kv)
+        u = u[torch.arange(B, device=dev) * D + accepted - 1]
+        nxt = meta.seq_lens + accepted  # the position after each request's last emitted token
+        ones = torch.ones(B, dtype=torch.long, device=dev)
+        cu = known(torch.arange(B + 1, device=dev), total=B, max_len=1, queries_fit=True)
+        drafts = []
+        for step in range(self.num_steps):
+            d = self.model.mtp_logits(u).argmax(-1)
+            drafts.append(d)
+            if step == self.num_steps - 1:
+                break
+            p = nxt + step
+            # bounds hold for every admitted step: pages for these positions were reserved
+            slots = known(pool.slots(meta.rows, p), min=0, max=pool.k.shape[1] * pool.page_size - 1)
+            kv_lens = known(p + 1, min=1, max=pool.max_pages_per_row * pool.page_size)
+            cmeta = BatchMeta(DECODE, meta.rows, p, ones, cu, p, slots, pool.page_table, kv_lens, 1)
+            u = mtp(self.model.embed(d), u, cmeta, kv)
+        return torch.stack(drafts, 1)
 
     # ------------------------------------------------------------------ commit and release
     def commit_accept(self, micro_batch_id: int, round: int, req_pool_indices: list[int], accept_lengths: list[int]) -> None:

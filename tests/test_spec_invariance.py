@@ -196,9 +196,9 @@ def test_invariance_catches_the_commit_bugs(setup, fault, design):
 def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
     """Decode and verify through the CUDA graphs' padded static path (run eagerly on CPU,
     ``cuda_graph_max_bs``): batches padded to 1, 2, 4 or 8 rows with the padding row and
-    the KV padding page, larger batches eager; tokens equal PP1 without speculation. Padding
-    that wrote into a real row's state or a real KV page (page 0 is the first request's)
-    would change them."""
+    the KV padding page, larger batches eager; MTP drafts from the graphed chain (the head
+    over all D positions); tokens equal PP1 without speculation. Padding that wrote into a
+    real row's state or a real KV page (page 0 is the first request's) would change them."""
     from ppspec.stage_server.graphs import StepGraphs
 
     path, reqs, ref = setup
@@ -208,17 +208,28 @@ def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
     runs = []
     for r in llm.pipeline.runners:
         assert r.graphs and all(g.sizes == [1, 2, 4, 8] for g in r.graphs.values())
-        for g in r.graphs.values():
-            orig = g.run
+        assert bool(r.mtp_graphs) == (spec == "mtp" and r.is_last)
+        for kind, graphs in (("layers", r.graphs), ("mtp", r.mtp_graphs)):
+            for g in graphs.values():
+                orig = g.run
 
-            def run(rows, *a, _orig=orig, _mode=g.mode):
-                runs.append((_mode, len(rows)))
-                return _orig(rows, *a)
+                def run(rows, *a, _orig=orig, _key=(kind, g.mode)):
+                    runs.append((*_key, len(rows)))
+                    return _orig(rows, *a)
 
-            g.run = run
+                g.run = run
     assert drive(llm, reqs) == ref
-    sizes = {n for _, n in runs}
+    sizes = {n for *_, n in runs}
     assert sizes - {1, 2, 4, 8}, "no batch was padded"
     if spec != "none":
-        assert any(m == "verify" for m, _ in runs)
+        assert ("layers", "verify") in {k[:2] for k in runs}
+    if spec == "mtp":
+        assert ("mtp", "verify") in {k[:2] for k in runs}, "MTP drafts never came from the graphed chain"
+        # same drafts as the eager head: every round accepts as many tokens
+        eager = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, commit_design=design, **kw)
+        assert not eager.pipeline.runners[-1].mtp_graphs
+        drive(eager, reqs)
+        accepts = lambda e: [e.completions[f"r{i}"].accept_lengths for i in range(N_REQ)]  # noqa: E731
+        assert accepts(llm) == accepts(eager)
+        assert max(a for acc in accepts(llm) for a in acc) > 1
     assert all(u == 0 for u in llm.rows_in_use())

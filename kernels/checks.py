@@ -70,7 +70,8 @@ def check_commit(req_pool_indices: torch.Tensor, accept_lengths: torch.Tensor, n
     if req_pool_indices.numel() == 0:
         return False
     check_rows(req_pool_indices, num_rows)
-    if torch.unique(req_pool_indices).numel() != req_pool_indices.numel():
+    n = req_pool_indices.numel()
+    if not fact(req_pool_indices, "unique", lambda: torch.unique(req_pool_indices).numel() == n):
         raise IndexError(f"commit rows repeat: {req_pool_indices.tolist()}")
     lo, hi = min_max(accept_lengths)
     if lo < 1 or (d_max is not None and hi > d_max):

@@ -726,6 +726,13 @@ class StageRunner:
             rows = self._last_verify_rows[: len(rows)]
             accept_lengths = accept_lengths[: len(rows)]
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        if self.fault is None:
+            # _check_commit validated both lists on the host: state it, so the commit's
+            # kernels check without reading the device (kernels.checks)
+            rows_t = known(t(rows), min=min(rows), max=max(rows), unique=True)
+            acc_t = known(t(accept_lengths), min=min(accept_lengths), max=max(accept_lengths))
+            self.state.commit(rows_t, acc_t)
+            return
         if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last and self.state.commit_design == "replay":
             # the commit lands on the verify's batch positions 0..B-1 instead of the rows
             pos = [self._positional_rows.get(r, i) for i, r in enumerate(rows)]

@@ -39,3 +39,30 @@ def test_stage_states_true_facts(tmp_path):
     assert fact(cu, "total", lambda: None) == int(cu[-1]) == sum(ext)
     assert fact(cu, "max_len", lambda: None) == int((cu[1:] - cu[:-1]).max()) == 6
     assert meta.tokens_per_request == 4
+
+
+def test_commit_checks_read_facts_not_the_device(tmp_path, monkeypatch):
+    """A valid commit is checked from the host lists the stage validated (rows in range and
+    distinct, accept lengths in [1, D]); a repeated row is still refused, nothing written."""
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint("qwen3_5_ratio1", str(tmp_path))
+    for design in ("copy", "replay"):
+        r = StageRunner(path, max_rows=8, kv_tokens=512, page_size=4, num_speculative_steps=2, commit_design=design)
+        r.step(StepInput(0, 0, "prefill", [5, 2], [0, 0], [3, 3], [1, 2, 3, 4, 5, 6]))
+        r.step(StepInput(0, 1, "verify", [5, 2], [3, 3], [3, 3], [1, 2, 3, 4, 5, 6], num_drafts=[2, 2]))
+        reads = []
+        for name in ("unique", "aminmax"):
+            orig = getattr(torch, name)
+            monkeypatch.setattr(torch, name, lambda *a, _o=orig, _n=name, **k: reads.append(_n) or _o(*a, **k))
+        before = r.state.conv.clone()
+        with pytest.raises(IndexError):
+            r.commit_accept(0, 1, [5, 5], [1, 2])
+        assert torch.equal(r.state.conv, before)
+        reads.clear()
+        r.commit_accept(0, 1, [5, 2], [3, 1])
+        assert reads == [], f"{design}: the commit read the device: {reads}"
+        assert not torch.equal(r.state.conv[:, 5], before[:, 5])  # the commit did write
+        monkeypatch.undo()

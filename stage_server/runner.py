@@ -296,7 +296,8 @@ class StageRunner:
             known(page_table, pages_in_pool=True)
         if B:
             known(rows_t, min=min(rows), max=max(rows))
-            known(cu, total=total, max_len=max(extend_lens), queries_fit=all(e >= 0 for e in extend_lens))
+            known(cu, total=total, max_len=max(extend_lens), queries_fit=all(e >= 0 for e in extend_lens),
+                  values=[0, *itertools.accumulate(extend_lens)])
         kv_t = known(seq_t + ext_t, min=min(kv_lens, default=0), max=max(kv_lens, default=0))
         meta = BatchMeta(mode, rows_t, seq_t, ext_t, cu, positions, slots, page_table, kv_t,
                          extend_lens[0] if B else 0)

@@ -10,6 +10,12 @@ __all__ = ["causal_conv1d_prefill", "causal_conv1d_update"]
 def causal_conv1d_prefill(x, weight, bias, conv_state, req_pool_indices, cu_seqlens, has_initial_state, activation="silu"):
     """Shapes as :func:`naive.causal_conv1d_prefill_ref`; raises IndexError on rows outside the pool."""
     _check_rows(req_pool_indices, conv_state.shape[0])
+    if x.is_cuda:  # the reference's per-sequence loop launches ~8 kernels per prompt
+        from .packed import causal_conv1d_prefill_packed
+
+        return causal_conv1d_prefill_packed(
+            x, weight, bias, conv_state, req_pool_indices, cu_seqlens, has_initial_state, activation
+        )
     return causal_conv1d_prefill_ref(x, weight, bias, conv_state, req_pool_indices, cu_seqlens, has_initial_state, activation)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+from ..checks import fact
+
 
 def chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, initial_state, scale=None):
     """Returns ``(o [T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``."""
@@ -25,7 +27,7 @@ def chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, initial_state, scal
     if scale is None:
         scale = K ** -0.5
     cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    cu_list = cu.tolist()
+    cu_list = fact(cu_seqlens, "values", cu.tolist)  # stated by the stage: no device read
     if cu_list[0] != 0 or cu_list[-1] != T or any(b < a for a, b in zip(cu_list, cu_list[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T = {T}: {cu_list}")
     cu_host = torch.tensor(cu_list, dtype=torch.int64)

@@ -112,7 +112,7 @@ def decode_step(torch, path, batch, ctx, bw, graphs=True):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ppspec.bench.gpu_bench", description=__doc__)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-1b", action="store_true")
     a = ap.parse_args(argv)
     import torch

@@ -1,0 +1,205 @@
+"""Triton RMSNorms, one launch each: the GPU path of ``naive.rms_norm_ref`` (with the
+residual add fused, vLLM's ``fused_add_rms_norm`` idea) and ``naive.gated_rms_norm_ref``.
+
+One program per row of ``N`` elements, fp32 math inside. A row of up to ``max_block``
+(8192) elements is held in registers (``BLOCK = next_power_of_2(N)``); a longer row is
+walked twice in blocks of ``max_block`` (sum of squares, then normalise). The dtype steps
+follow the references (see their docstrings), so a result differs from the reference only
+by fp32 rounding (reduction order, ``rsqrt``, ``exp``), which can move a bf16 output by
+one ulp. The residual sum ``x + residual`` is rounded as torch rounds it: exact.
+
+Launches take no host sync: capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+import triton
+import triton.language as tl
+
+MAX_BLOCK = 8192
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x, res, w, out, xsum,
+    N, sx, sr, so, ss, eps,
+    BLOCK: tl.constexpr, NBLK: tl.constexpr, LOOP: tl.constexpr, ZERO_CENTRED: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x += row * sx
+    out += row * so
+    if HAS_RES:
+        res += row * sr
+        xsum += row * ss
+    if not LOOP:
+        o = tl.arange(0, BLOCK)
+        m = o < N
+        v = tl.load(x + o, mask=m, other=0.0)
+        if HAS_RES:
+            # x + residual rounded to x's dtype, as torch's add rounds
+            v = (v.to(tl.float32) + tl.load(res + o, mask=m, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
+            tl.store(xsum + o, v, mask=m)
+        vf = v.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(vf * vf, axis=0) / N + eps)
+        wf = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+        if ZERO_CENTRED:
+            wf = 1.0 + wf
+        tl.store(out + o, ((vf * rstd) * wf).to(out.dtype.element_ty), mask=m)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(NBLK):
+            o = i * BLOCK + tl.arange(0, BLOCK)
+            m = o < N
+            v = tl.load(x + o, mask=m, other=0.0)
+            if HAS_RES:
+                v = (v.to(tl.float32) + tl.load(res + o, mask=m, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
+            vf = v.to(tl.float32)
+            acc += vf * vf
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        for i in range(NBLK):
+            o = i * BLOCK + tl.arange(0, BLOCK)
+            m = o < N
+            v = tl.load(x + o, mask=m, other=0.0)
+            if HAS_RES:
+                v = (v.to(tl.float32) + tl.load(res + o, mask=m, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
+                tl.store(xsum + o, v, mask=m)
+            vf = v.to(tl.float32)
+            wf = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+            if ZERO_CENTRED:
+                wf = 1.0 + wf
+            tl.store(out + o, ((vf * rstd) * wf).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_block(x, z, w, out, o, m, rstd, ROUND_WN: tl.constexpr):
+    # (w * (x * rstd).to(dtype)) * silu(z.float()), cast to x's dtype
+    xv = tl.load(x + o, mask=m, other=0.0)
+    n = (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)
+    p = tl.load(w + o, mask=m, other=0.0).to(tl.float32) * n
+    if ROUND_WN:
+        # weight and x share a half dtype: torch's product is rounded to it
+        p = p.to(xv.dtype).to(tl.float32)
+    zf = tl.load(z + o, mask=m, other=0.0).to(tl.float32)
+    s = zf / (1.0 + tl.exp(-zf))
+    tl.store(out + o, (p * s).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x, z, w, out,
+    N, sx, sz, so, eps,
+    BLOCK: tl.constexpr, NBLK: tl.constexpr, LOOP: tl.constexpr, ROUND_WN: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x += row * sx
+    z += row * sz
+    out += row * so
+    if not LOOP:
+        o = tl.arange(0, BLOCK)
+        m = o < N
+        vf = tl.load(x + o, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(vf * vf, axis=0) / N + eps)
+        _gated_block(x, z, w, out, o, m, rstd, ROUND_WN)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(NBLK):
+            o = i * BLOCK + tl.arange(0, BLOCK)
+            vf = tl.load(x + o, mask=o < N, other=0.0).to(tl.float32)
+            acc += vf * vf
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        for i in range(NBLK):
+            o = i * BLOCK + tl.arange(0, BLOCK)
+            _gated_block(x, z, w, out, o, o < N, rstd, ROUND_WN)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[M, N]`` rows with unit column stride: a view where the leading dims
+    collapse (a contiguous tensor, or a ``chunk`` / slice of its last dim), else a copy."""
+    N = t.shape[-1]
+    if t.dim() != 2 or t.stride(-1) != 1:
+        try:
+            t = t.view(-1, N)
+        except RuntimeError:
+            t = t.reshape(-1, N)
+    if t.stride(-1) != 1 and N > 1:
+        t = t.contiguous()
+    return t
+
+
+def _launch_cfg(N: int, max_block: int) -> tuple[int, bool, int]:
+    block = triton.next_power_of_2(N)
+    loop = block > max_block
+    if loop:
+        block = triton.next_power_of_2(max_block)
+    num_warps = 1 if block <= 256 else 2 if block <= 512 else 4 if block <= 2048 else 8
+    return block, loop, num_warps
+
+
+def _check(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, not {t.dtype}")
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}: expected [{x.shape[-1]}]")
+    if weight.device != x.device:
+        raise ValueError(f"weight on {weight.device}, x on {x.device}")
+    _check("x", x)
+    _check("weight", weight)
+
+
+def rms_norm_triton(x, weight, eps, residual=None, zero_centred=True, max_block=MAX_BLOCK):
+    """Same shapes and semantics as :func:`naive.rms_norm_ref`; ``max_block`` caps the
+    register block (longer rows loop; tests lower it to cover the loop)."""
+    _check_weight(x, weight)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+            )
+    N = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    xsum = torch.empty_like(out) if residual is not None else None
+    M = out.numel() // N
+    if M == 0:
+        return out if residual is None else (out, xsum)
+    x2, weight = as_rows(x), weight.contiguous()
+    r2 = as_rows(residual) if residual is not None else x2
+    o2, s2 = out.view(M, N), (xsum.view(M, N) if xsum is not None else out.view(M, N))
+    block, loop, num_warps = _launch_cfg(N, max_block)
+    _rms_norm_kernel[(M,)](
+        x2, r2, weight, o2, s2,
+        N, x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0), float(eps),
+        BLOCK=block, NBLK=triton.cdiv(N, block), LOOP=loop, ZERO_CENTRED=bool(zero_centred), HAS_RES=residual is not None,
+        num_warps=num_warps,
+    )
+    return out if residual is None else (out, xsum)
+
+
+def gated_rms_norm_triton(x, z, weight, eps, max_block=MAX_BLOCK):
+    """Same shapes and semantics as :func:`naive.gated_rms_norm_ref`."""
+    _check_weight(x, weight)
+    if z.shape != x.shape or z.device != x.device:
+        raise ValueError(f"gate z {tuple(z.shape)} must have x's shape {tuple(x.shape)}")
+    _check("z", z)
+    N = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    M = out.numel() // N
+    if M == 0:
+        return out
+    x2, z2, o2, weight = as_rows(x), as_rows(z), out.view(M, N), weight.contiguous()
+    # the reference's weight * x_normed is rounded when both are of x's (half) dtype;
+    # otherwise torch promotes it to fp32
+    round_wn = x.dtype != torch.float32 and torch.promote_types(weight.dtype, x.dtype) == x.dtype
+    block, loop, num_warps = _launch_cfg(N, max_block)
+    _gated_rms_norm_kernel[(M,)](
+        x2, z2, weight, o2,
+        N, x2.stride(0), z2.stride(0), o2.stride(0), float(eps),
+        BLOCK=block, NBLK=triton.cdiv(N, block), LOOP=loop, ROUND_WN=round_wn, num_warps=num_warps,
+    )
+    return out

@@ -362,5 +362,227 @@ def test_dispatchers_take_gpu_paths(dev):
     import importlib
 
     for mod in ("gdn.triton_recurrent", "gdn.triton_replay", "commit.triton_commit",
-                "conv1d.triton_update", "attention.gpu"):
+                "conv1d.triton_update", "attention.gpu", "norm.triton_norm", "activation.triton_activation"):
         importlib.import_module(f"ppspec.kernels.{mod}")
+
+
+# ---------------------------------------------------------------- norms and activations
+
+# hidden sizes: powers of two and not, up to Qwen3.5's 5120; rows: 1 (decode at batch 1)
+# to 300 (a prefill chunk)
+NORM_N = [64, 100, 256, 1000, 2048, 5120]
+NORM_M = [1, 7, 300]
+
+
+def _bf16_cast_rounds(dev) -> bool:
+    """Whether Triton's fp32 -> bf16 cast rounds to nearest even here, as on the GPU.
+    Triton 3.6's interpreter truncates, so under it a bf16 result of the kernels may sit
+    one ulp (per rounding step) off the reference's, and sums of bf16 are not exact."""
+    global _BF16_ROUNDS
+    if dev.type == "cuda":
+        return True
+    if _BF16_ROUNDS is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _cast(x, y):
+            tl.store(y, tl.load(x).to(tl.bfloat16))
+
+        x = torch.tensor([1 + 3 * 2 ** -9])  # 3/4 of a bf16 ulp above 1: rounds up, truncates down
+        y = torch.zeros(1, dtype=BF16)
+        _cast[(1,)](x, y)
+        _BF16_ROUNDS = y.item() != 1.0
+    return _BF16_ROUNDS
+
+
+_BF16_ROUNDS = None
+
+
+def _ulp_close(out, ref, dtype, dev, ulps=1, frac=0.01):
+    """fp32: within 1e-5 (relative). bf16: every element within ``ulps`` ulps of the
+    reference (fp32 rounding inside, e.g. of ``rsqrt``, may move a result across a bf16
+    rounding boundary; a rounding step after it can double that) and at most ``frac`` of
+    them off at all; ``ulps=0``: bit-identical."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    o, r = out.double(), ref.double()
+    assert not torch.isnan(o).any(), "NaN in the output"
+    if dtype == F32:
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
+        return
+    if not _bf16_cast_rounds(dev):
+        ulps, frac = ulps + 1, 1.0  # the interpreter truncates: one more ulp, anywhere
+    if ulps == 0:
+        assert torch.equal(out, ref)
+        return
+    ulp = torch.finfo(dtype).eps * r.abs().clamp_min(torch.finfo(dtype).tiny)  # one ulp above |r| or finer
+    diff = (o - r).abs()
+    assert (diff <= ulp * ulps * 1.01 + 1e-30).all(), f"max diff {float(diff.max())} beyond {ulps} ulp"
+    off = float((diff > 0).double().mean())
+    assert off <= frac, f"{off:.4f} of the elements differ"
+
+
+def _norm_shape(M, N, small):
+    if small and M * N > 300 * 1024:
+        M = 61  # the interpreter runs programs one by one
+    return M, N
+
+
+@pytest.mark.parametrize("M", NORM_M)
+@pytest.mark.parametrize("N", NORM_N)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(dev, residual, dtype, N, M):
+    from ppspec.kernels.norm import rms_norm
+    from ppspec.kernels.norm.naive import rms_norm_ref
+    from ppspec.kernels.norm.triton_norm import rms_norm_triton
+
+    M, N = _norm_shape(M, N, _small(dev))
+    gen = torch.Generator().manual_seed(N + M + residual * 3 + (dtype == BF16))
+    x = (torch.randn(M, N, generator=gen) * 3 + 0.5).to(dev, dtype)
+    w = (torch.randn(N, generator=gen) * 0.2).to(dev, dtype)
+    res = (torch.randn(M, N, generator=gen) * 3).to(dev, dtype) if residual else None
+    eps = 1e-6
+    out = rms_norm_triton(x, w, eps, res)
+    ref = rms_norm_ref(x, w, eps, res)
+    if residual:
+        (out, s), (ref, s_ref) = out, ref
+        _ulp_close(s, s_ref, dtype, dev, ulps=0)  # the sum is rounded as torch's add rounds: exact
+    _ulp_close(out, ref, dtype, dev)
+    # rows longer than the register block loop over blocks
+    if N > 256:
+        out2 = rms_norm_triton(x, w, eps, res, max_block=256)
+        if residual:
+            out2, s2 = out2
+            _ulp_close(s2, s_ref, dtype, dev, ulps=0)
+        _ulp_close(out2, ref, dtype, dev)
+    # the plain (not zero-centred) form
+    out3 = rms_norm_triton(x, w + 1, eps, zero_centred=False)
+    _ulp_close(out3, rms_norm_ref(x, w + 1, eps, zero_centred=False), dtype, dev)
+    if dev.type == "cuda":
+        got = rms_norm(x, w, eps, res)  # the dispatcher takes the GPU path
+        if residual:
+            assert torch.equal(got[0], out) and torch.equal(got[1], s)
+        else:
+            assert torch.equal(got, out)
+
+
+def test_rms_norm_strided_and_errors(dev):
+    """q/k norms read a ``chunk`` of the q projection per head: strided rows, no copy."""
+    from ppspec.kernels.norm import rms_norm
+    from ppspec.kernels.norm.naive import rms_norm_ref
+    from ppspec.kernels.norm.triton_norm import rms_norm_triton
+
+    gen = torch.Generator().manual_seed(5)
+    T, nh, hd = 9, 4, 64
+    for dtype in (F32, BF16):
+        proj = torch.randn(T, nh * 2 * hd, generator=gen).to(dev, dtype)
+        q, gate = proj.view(T, nh, 2 * hd).chunk(2, dim=-1)
+        w = (torch.randn(hd, generator=gen) * 0.1).to(dev, dtype)
+        out = rms_norm_triton(q, w, 1e-6)
+        assert out.shape == q.shape and out.is_contiguous()
+        _ulp_close(out, rms_norm_ref(q, w, 1e-6), dtype, dev)
+        # a transposed view (no common row stride) is copied first
+        xt = torch.randn(hd, T, generator=gen).to(dev, dtype).t()
+        _ulp_close(rms_norm_triton(xt, w, 1e-6), rms_norm_ref(xt, w, 1e-6), dtype, dev)
+        # empty input
+        assert rms_norm_triton(q[:0], w, 1e-6).shape == (0, nh, hd)
+    x = torch.randn(3, 64, device=dev)
+    for fn in (rms_norm, rms_norm_triton):
+        with pytest.raises(ValueError):
+            fn(x, torch.zeros(65, device=dev), 1e-6)
+        with pytest.raises(ValueError):
+            fn(x, torch.zeros(64, device=dev), 1e-6, residual=torch.zeros(3, 63, device=dev))
+        with pytest.raises(ValueError):
+            fn(x, torch.zeros(64, device=dev), 1e-6, residual=torch.zeros(3, 64, device=dev, dtype=BF16))
+
+
+@pytest.mark.parametrize("M", NORM_M)
+@pytest.mark.parametrize("N", [64, 100, 128, 256, 1000, 5120])
+@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16), (BF16, F32)])  # (x and z, weight)
+def test_gated_rms_norm(dev, dtypes, N, M):
+    from ppspec.kernels.norm import gated_rms_norm
+    from ppspec.kernels.norm.naive import gated_rms_norm_ref
+    from ppspec.kernels.norm.triton_norm import gated_rms_norm_triton
+
+    dtype, wdtype = dtypes
+    M, N = _norm_shape(M, N, _small(dev))
+    gen = torch.Generator().manual_seed(7 * N + M + (dtype == BF16) + 2 * (wdtype == BF16))
+    x = (torch.randn(M, N, generator=gen) * 2).to(dev, dtype)
+    z = (torch.randn(M, N, generator=gen) * 4).to(dev, dtype)
+    w = (1 + torch.randn(N, generator=gen) * 0.2).to(dev, wdtype)
+    ref = gated_rms_norm_ref(x, z, w, 1e-6)
+    # x / rms(x) is rounded to bf16 before two more rounded products: a one-ulp move of
+    # it (fp32 rsqrt) can grow to three ulps of the output
+    _ulp_close(gated_rms_norm_triton(x, z, w, 1e-6), ref, dtype, dev, ulps=3)
+    if N > 128:
+        _ulp_close(gated_rms_norm_triton(x, z, w, 1e-6, max_block=128), ref, dtype, dev, ulps=3)
+    # [T, HV, V] as the GDN layer calls it
+    x3, z3 = x.view(M, 1, N), z.view(M, 1, N)
+    _ulp_close(gated_rms_norm_triton(x3, z3, w, 1e-6), gated_rms_norm_ref(x3, z3, w, 1e-6), dtype, dev, ulps=3)
+    if dev.type == "cuda":
+        assert torch.equal(gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_triton(x, z, w, 1e-6))
+    for fn in (gated_rms_norm, gated_rms_norm_triton):
+        with pytest.raises(ValueError):
+            fn(x, z[:, :-1], w, 1e-6)
+        with pytest.raises(ValueError):
+            fn(x, z, w[:-1], 1e-6)
+
+
+@pytest.mark.parametrize("M", NORM_M)
+@pytest.mark.parametrize("N", [64, 100, 1000, 3000, 5120])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_silu_mul(dev, dtype, N, M):
+    from ppspec.kernels.activation import silu_mul
+    from ppspec.kernels.activation.naive import silu_mul_ref
+    from ppspec.kernels.activation.triton_activation import silu_mul_triton
+
+    M, N = _norm_shape(M, N, _small(dev))
+    gen = torch.Generator().manual_seed(11 * N + M + (dtype == BF16))
+    gate = (torch.randn(M, N, generator=gen) * 4).to(dev, dtype)
+    up = torch.randn(M, N, generator=gen).to(dev, dtype)
+    ref = silu_mul_ref(gate, up)
+    out = silu_mul_triton(gate, up)
+    _ulp_close(out, ref, dtype, dev)
+    # the two halves of a concatenated gate_up projection (MoE experts), read in place
+    gu = torch.cat([gate, up], dim=-1)
+    g2, u2 = gu.chunk(2, dim=-1)
+    assert torch.equal(silu_mul_triton(g2, u2), out)
+    if dev.type == "cuda":
+        assert torch.equal(silu_mul(gate, up), out)
+    assert silu_mul_triton(gate[:0], up[:0]).shape == (0, N)
+    for fn in (silu_mul, silu_mul_triton):
+        with pytest.raises(ValueError):
+            fn(gate, up[:, :-1])
+
+
+@pytest.mark.parametrize("M", NORM_M)
+@pytest.mark.parametrize("HV", [1, 8, 32, 48, 64])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_gdn_gates(dev, dtype, HV, M):
+    from ppspec.kernels.activation import gdn_gates
+    from ppspec.kernels.activation.naive import gdn_gates_ref
+    from ppspec.kernels.activation.triton_activation import gdn_gates_triton
+
+    gen = torch.Generator().manual_seed(13 * HV + M + (dtype == BF16))
+    # a + dt_bias spans softplus's regimes: tiny (log1p), ordinary, past its threshold 20
+    a = (torch.randn(M, HV, generator=gen) * 12).to(dev, dtype)
+    b = (torch.randn(M, HV, generator=gen) * 3).to(dev, dtype)
+    A_log = (torch.rand(HV, generator=gen) * 4 - 2).to(dev, dtype)
+    dt_bias = (torch.randn(HV, generator=gen)).to(dev, dtype)
+    g, beta = gdn_gates_triton(a, b, A_log, dt_bias)
+    g_ref, beta_ref = gdn_gates_ref(a, b, A_log, dt_bias)
+    assert g.dtype == F32 and beta.dtype == dtype and g.shape == a.shape
+    torch.testing.assert_close(g, g_ref, rtol=2e-6, atol=1e-30)
+    _ulp_close(beta, beta_ref, dtype, dev)
+    # [B, D, HV] (verify) reads the same
+    g3, beta3 = gdn_gates_triton(a.view(M, 1, HV), b.view(M, 1, HV), A_log, dt_bias)
+    assert torch.equal(g3.view(M, HV), g) and torch.equal(beta3.view(M, HV), beta)
+    if dev.type == "cuda":
+        g4, beta4 = gdn_gates(a, b, A_log, dt_bias)
+        assert torch.equal(g4, g) and torch.equal(beta4, beta)
+    for fn in (gdn_gates, gdn_gates_triton):
+        with pytest.raises(ValueError):
+            fn(a, b[:, :-1] if HV > 1 else b[:0], A_log, dt_bias)
+        with pytest.raises(ValueError):
+            fn(a, b, A_log[:0], dt_bias)

@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppspec.kernels.activation import gdn_gates, silu_mul
 from ppspec.kernels.attention import paged_attention, store_kv
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from ppspec.kernels.gdn import ReplayBuffers, gdn_prefill, gdn_recurrent, gdn_recurrent_replay, replay_flush, replay_reset
+from ppspec.kernels.norm import gated_rms_norm, rms_norm
 
 from .config import HybridConfig
 
@@ -76,17 +78,19 @@ class LinearLayerState:
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)`` in fp32 (Qwen3-Next / Qwen3.5)."""
+    """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)`` in fp32 (Qwen3-Next / Qwen3.5).
+
+    With ``residual`` it returns ``(norm(x + residual), x + residual)``, the sum in x's
+    dtype: a decoder layer's residual add fused into its norm (one kernel on CUDA).
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm: one call instead of five (every eager call costs host time on a GPU)
-        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
@@ -98,9 +102,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return ((self.weight * xf.to(dtype)) * F.silu(z.float())).to(dtype)
+        return gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -128,9 +130,9 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(T, self.hv, self.dv)
-        beta = self.in_proj_b(x).sigmoid()
-        # g = -exp(A_log) * softplus(a + dt_bias): the log decay, in fp32 (Mamba2 discretisation)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        # beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias): the log decay, in fp32
+        # (Mamba2 discretisation)
+        g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
         if meta.mode == PREFILL:
             mixed = causal_conv1d_prefill(
@@ -231,7 +233,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -278,7 +280,7 @@ class SparseMoE(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 gate, up = F.linear(xs[start:start + n], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-                ys.append(F.linear(F.silu(gate) * up, self.experts.down_proj[e]))
+                ys.append(F.linear(silu_mul(gate, up), self.experts.down_proj[e]))
                 start += n
         out = torch.zeros_like(x).index_add_(0, tok, torch.cat(ys) * ws) if ys else torch.zeros_like(x)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -304,8 +306,9 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, meta, state)
         else:
             h = self.self_attn(h, meta, state)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x = x + h and its norm, one kernel on CUDA
+        h, x = self.post_attention_layernorm(h, residual=x)
+        return x + self.mlp(h)
 
 
 class MTPHead(nn.Module):

@@ -46,17 +46,19 @@ class StepGraphs:
     every padded batch size up to ``max_bs``.
 
     Args:
-        forward: ``forward(meta, ids, hidden, aux) -> Tensor`` with ``b * n`` leading
+        forward: ``forward(metas, ids, hidden, aux) -> Tensor`` with ``b * n`` leading
             entries for a batch of ``b`` (``n`` per request, e.g. ``D`` hidden rows, or
             one row of drafts); called with the static buffers while capturing:
+            ``metas`` one :class:`BatchMeta` per pool of ``kvs`` (same rows and positions,
+            each pool's slots and page table),
             ``ids`` ``[b * D]`` int64 token ids, ``hidden`` ``[b * D, hidden]`` in
             ``dtype`` (None unless ``takes_hidden``), ``aux`` ``[b]`` int64 (a per-request
             count, e.g. accepted tokens; padding entries hold 1).
         mode: ``"decode"`` or ``"verify"``; tokens_per_request: ``D``.
         pad_row: the pools' padding row (``max_rows``).
-        kv: the ``KVPool`` whose slots the layout addresses (None without attention
-            layers); its padding page takes the padding tokens' KV and its page table's
-            padding row points there.
+        kvs: the ``KVPool`` s the layouts address (``(None,)`` without attention layers);
+            their padding pages take the padding tokens' KV, their page tables' padding
+            rows point there.
         max_kv_len: longest KV length (tokens) a step may reach, a bound the kernels'
             checks read while capturing.
         capture: record CUDA graphs (False: run the padded path eagerly).
@@ -65,11 +67,11 @@ class StepGraphs:
     """
 
     def __init__(self, forward: Callable, *, mode: str, tokens_per_request: int, max_bs: int, pad_row: int,
-                 kv, takes_hidden: bool, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 kvs: tuple, takes_hidden: bool, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  max_kv_len: int, capture: bool, pool=None):
         self.forward, self.mode, self.D = forward, mode, tokens_per_request
         self.sizes = capture_sizes(max_bs)
-        self.max_bs, self.pad_row, self.kv = max_bs, pad_row, kv
+        self.max_bs, self.pad_row, self.kvs = max_bs, pad_row, kvs
         D, n = tokens_per_request, max_bs
         self.max_kv_len, self.capture, self.pool = max_kv_len, capture, pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -79,7 +81,7 @@ class StepGraphs:
         # survive the copies that fill them
         with torch.inference_mode():
             # one int64 buffer, so a step's indices cross to the device in one copy
-            self.ints = torch.zeros(4 * n + 3 * n * D, dtype=torch.long, device=device)
+            self.ints = torch.zeros(4 * n + (2 + len(kvs)) * n * D, dtype=torch.long, device=device)
             self.hidden = torch.zeros(n * D, hidden_size, dtype=dtype, device=device) if takes_hidden else None
             self.ext = torch.full((n,), D, dtype=torch.long, device=device)
             self.cu = torch.arange(n + 1, dtype=torch.long, device=device) * D
@@ -97,8 +99,8 @@ class StepGraphs:
     def _views(self, b: int) -> dict[str, torch.Tensor]:
         """Bucket ``b``'s slices of the int64 buffer."""
         D, x, out, o = self.D, self.ints, {}, 0
-        for name, n in (("rows", b), ("seq_lens", b), ("kv_lens", b), ("aux", b),
-                        ("positions", b * D), ("slots", b * D), ("ids", b * D)):
+        segments = [("rows", b), ("seq_lens", b), ("kv_lens", b), ("aux", b), ("positions", b * D), ("ids", b * D)]
+        for name, n in segments + [(("slots", i), b * D) for i in range(len(self.kvs))]:
             out[name], o = x[o:o + n], o + n
         return out
 
@@ -106,17 +108,21 @@ class StepGraphs:
         v = self.views[b]
         return v["ids"], None if self.hidden is None else self.hidden[: b * self.D], v["aux"]
 
-    def _meta(self, b: int) -> BatchMeta:
-        v, D, kv = self.views[b], self.D, self.kv
+    def _meta(self, b: int) -> tuple[BatchMeta, ...]:
+        v, D = self.views[b], self.D
         # bounds the kernels' checks read while capturing (kernels.checks); they hold for
         # every step the stage admits, which is what a replay runs
         known(v["rows"], min=0, max=self.pad_row)
         cu = known(self.cu[: b + 1], total=b * D, max_len=D, queries_fit=True)
         known(v["kv_lens"], min=D, max=self.max_kv_len)
-        if kv is not None:
-            known(v["slots"], min=0, max=kv.k.shape[1] * kv.page_size - 1)
-        return BatchMeta(self.mode, v["rows"], v["seq_lens"], self.ext[:b], cu, v["positions"], v["slots"],
-                         None if kv is None else kv.page_table, v["kv_lens"], D)
+        metas = []
+        for i, kv in enumerate(self.kvs):
+            slots = v["slots", i]
+            if kv is not None:
+                known(slots, min=0, max=kv.k.shape[1] * kv.page_size - 1)
+            metas.append(BatchMeta(self.mode, v["rows"], v["seq_lens"], self.ext[:b], cu, v["positions"], slots,
+                                   None if kv is None else kv.page_table, v["kv_lens"], D))
+        return tuple(metas)
 
     def _fill(self, b: int, rows: list[int], seq_lens: list[int], ids: list[int], aux: list[int]) -> None:
         """Write a step of ``len(rows) <= b`` requests and its padding into bucket ``b``."""
@@ -125,20 +131,22 @@ class StepGraphs:
         rows = list(rows) + [self.pad_row] * pad
         seq_lens = list(seq_lens) + [0] * pad
         positions = [s + j for s in seq_lens for j in range(D)]
-        kv = self.kv
-        if kv is None:
-            slots = [0] * (b * D)
-        else:
-            slots = kv.slot_list(rows[:B], positions[: B * D]) + [kv.pad_slot(j) for _ in range(pad) for j in range(D)]
+        slots = []
+        for kv in self.kvs:
+            if kv is None:
+                slots += [0] * (b * D)
+            else:
+                slots += kv.slot_list(rows[:B], positions[: B * D]) + [kv.pad_slot(j) for _ in range(pad) for j in range(D)]
         ids = list(ids) + [0] * (b * D - len(ids))
         aux = list(aux) + [1] * (b - len(aux))
-        host = torch.tensor(rows + seq_lens + [s + D for s in seq_lens] + aux + positions + slots + ids, dtype=torch.long)
+        host = torch.tensor(rows + seq_lens + [s + D for s in seq_lens] + aux + positions + ids + slots, dtype=torch.long)
         self.ints[: host.numel()].copy_(host)
 
     def _capture(self, b: int) -> None:
         meta, inputs = self.metas[b], self._inputs(b)
-        if self.kv is not None:
-            known(self.kv.page_table, pages_in_pool=True)  # the pool hands out its own pages only
+        for kv in self.kvs:
+            if kv is not None:
+                known(kv.page_table, pages_in_pool=True)  # the pool hands out its own pages only
         # warm up outside the graph: Triton compiles and cuBLAS picks its kernels here
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -164,8 +172,8 @@ class StepGraphs:
         """Run one step of ``B = len(rows)`` requests (at most ``max_bs``).
 
         ids: ``B * D`` token ids; hidden: ``[B * D, hidden]`` (when the forward takes
-        hidden states); aux: ``B`` counts. Returns the step's layout (views of the static
-        buffers, valid until the next run) and the forward's output for the ``B`` requests
+        hidden states); aux: ``B`` counts. Returns the step's layout in the first pool (views
+        of the static buffers, valid until the next run) and the forward's output for the ``B`` requests
         (a fresh tensor)."""
         B, D = len(rows), self.D
         b = self.bucket(B)
@@ -179,5 +187,6 @@ class StepGraphs:
             out = self.forward(self.metas[b], *self._inputs(b))
         v = self.views[b]
         meta = BatchMeta(self.mode, v["rows"][:B], v["seq_lens"][:B], self.ext[:B], self.cu[: B + 1],
-                         v["positions"][: B * D], v["slots"][: B * D], self.metas[b].page_table, v["kv_lens"][:B], D)
+                         v["positions"][: B * D], v["slots", 0][: B * D], self.metas[b][0].page_table,
+                         v["kv_lens"][:B], D)
         return meta, out[: B * (out.shape[0] // b)].clone()

@@ -191,6 +191,7 @@ class StageRunner:
         log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
         self.graphs: dict[str, StepGraphs] = {}
         self.mtp_graphs: dict[str, StepGraphs] = {}
+        self.round_graphs: dict[str, StepGraphs] = {}  # last stage, MTP, every request greedy
         on_cuda = self.device.type == "cuda"
         if cuda_graph_max_bs is None:
             cuda_graph_max_bs = min(max_rows, 256) if on_cuda else 0
@@ -204,9 +205,9 @@ class StageRunner:
     def _capture_graphs(self, max_bs: int, capture: bool) -> None:
         """Graphs of the layers' decode and verify forward and, on an MTP stage, of the
         head's drafting after them (``self.mtp_graphs``)."""
-        def layers(meta: BatchMeta, ids, hidden, aux) -> torch.Tensor:
+        def layers(metas, ids, hidden, aux) -> torch.Tensor:
             h = self.model.embed_tokens(ids) if self.is_first else hidden
-            return self.model(meta, h, self._layer_states())
+            return self.model(metas[0], h, self._layer_states())
 
         pool = None
         for mode, d in ((DECODE, 1), (VERIFY, self.num_steps + 1)):
@@ -214,13 +215,17 @@ class StageRunner:
                 continue
             common = dict(mode=mode, tokens_per_request=d, max_bs=max_bs, pad_row=self.max_rows,
                           hidden_size=self.cfg.hidden_size, dtype=self.dtype, device=self.device, capture=capture)
-            g = StepGraphs(layers, kv=self.kv, takes_hidden=not self.is_first,
+            g = StepGraphs(layers, kvs=(self.kv,), takes_hidden=not self.is_first,
                            max_kv_len=self.max_context + self.num_steps + 1, pool=pool, **common)
             self.graphs[mode], pool = g, g.pool
             if self.use_mtp and self.num_steps:
-                g = StepGraphs(self._mtp_chain, kv=self.mtp_kv, takes_hidden=True,
-                               max_kv_len=self.mtp_kv.max_pages_per_row * self.mtp_kv.page_size, pool=pool, **common)
+                mtp_len = self.mtp_kv.max_pages_per_row * self.mtp_kv.page_size
+                g = StepGraphs(lambda metas, *a: self._mtp_chain(metas[0], *a), kvs=(self.mtp_kv,), takes_hidden=True,
+                               max_kv_len=mtp_len, pool=pool, **common)
                 self.mtp_graphs[mode], pool = g, g.pool
+                g = StepGraphs(self._greedy_round, kvs=(self.kv, self.mtp_kv), takes_hidden=not self.is_first,
+                               max_kv_len=mtp_len, pool=pool, **common)
+                self.round_graphs[mode], pool = g, g.pool
 
     def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> None:
         c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
@@ -515,11 +520,15 @@ class StageRunner:
         self.check_input(inp)
         out = StepOutput(inp.micro_batch_id, inp.round)
         with self._applying(inp):
-            meta, hidden = self._run_layers(inp)
-            if not self.is_last:
-                out.hidden_states = hidden
+            graphs = self._greedy_round_graphs(inp)
+            if graphs is not None:
+                self._run_greedy_round(graphs, inp, out)
             else:
-                self._last_stage(inp, meta, hidden, out)
+                meta, hidden = self._run_layers(inp)
+                if not self.is_last:
+                    out.hidden_states = hidden
+                else:
+                    self._last_stage(inp, meta, hidden, out)
         out.compute_seconds = time.perf_counter() - t0
         self.busy_seconds += out.compute_seconds
         return out
@@ -586,6 +595,53 @@ class StageRunner:
                 out.drafts = graphs.run(inp.req_pool_indices, inp.seq_lens, ids, hidden, acc)[1].tolist()
             else:
                 out.drafts = self._mtp_draft(inp, meta, hidden, out.output_ids)
+
+    # ------------------------------------------------------------------ greedy MTP rounds in one graph
+    def _greedy_round_graphs(self, inp: StepInput) -> StepGraphs | None:
+        """The fused round's graphs when this step may take them: last stage with MTP, a
+        decode or verify small enough, and every request greedy with no logprobs and no
+        min_tokens ban in force (those need the host sampler)."""
+        graphs = self.round_graphs.get(inp.mode)
+        if graphs is None or graphs.bucket(len(inp.req_pool_indices)) is None:
+            return None
+        out_lens = inp.output_lens or [0] * len(inp.req_pool_indices)
+        for spec, n in zip(inp.sampling, out_lens):
+            if spec.temperature != 0.0 or spec.logprobs is not None or (spec.banned_until_min and n < spec.min_tokens):
+                return None
+        return graphs
+
+    def _run_greedy_round(self, graphs: StepGraphs, inp: StepInput, out: StepOutput) -> None:
+        self._touched = True
+        B = len(inp.req_pool_indices)
+        meta, res = graphs.run(inp.req_pool_indices, inp.seq_lens, inp.input_ids, inp.hidden_states,
+                               inp.num_drafts or [0] * B)
+        D = meta.tokens_per_request
+        res = res.tolist()  # the round's one host read: [B, D + 1 + num_steps]
+        out.output_ids = [r[: r[D]] for r in res]
+        out.drafts = [r[D + 1:] for r in res]
+        if inp.mode == VERIFY:
+            self._after_verify_fault_hooks(meta)
+
+    def _greedy_round(self, metas, ids: torch.Tensor, hidden: torch.Tensor | None, num_drafts: torch.Tensor) -> torch.Tensor:
+        """A decode or verify round of the last stage with MTP, on the device alone
+        (CUDA-graph capturable): the layers, greedy acceptance and the MTP chain.
+
+        ``metas``: the layout in the KV pool and in the MTP KV pool. ``ids`` ``[B * D]``:
+        the step's tokens (the last emitted token, then the drafts); ``num_drafts`` ``[B]``.
+        Acceptance is :func:`sampler.verify_and_sample`'s greedy rule: drafts are accepted
+        while each equals the target argmax at its position, then the target's token.
+        Returns ``[B, D + 1 + num_steps]`` int64: the ``D`` target tokens, the accept
+        length ``a`` (the first ``a`` targets are emitted), the next round's drafts.
+        """
+        meta, mtp_meta = metas
+        h = self.model(meta, self.model.embed_tokens(ids) if self.is_first else hidden, self._layer_states())
+        B, D = meta.batch_size, meta.tokens_per_request
+        targets = self.model.logits(h).view(B, D, -1).argmax(-1)  # [B, D]
+        j = torch.arange(D - 1, device=self.device)
+        match = (ids.view(B, D)[:, 1:] == targets[:, :-1]) & (j < num_drafts[:, None])
+        accepted = 1 + match.long().cumprod(1).sum(1)
+        drafts = self._mtp_chain(mtp_meta, targets.flatten(), h, accepted)
+        return torch.cat([targets, accepted[:, None], drafts], 1)
 
     # ------------------------------------------------------------------ MTP drafting
     def _mtp_draft(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, emitted: list[list[int]]) -> list[list[int]]:

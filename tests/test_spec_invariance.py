@@ -43,14 +43,14 @@ def workload(seed=0):
     return reqs
 
 
-def drive(llm, reqs):
+def drive(llm, reqs, logprobs=None):
     """Add requests at their join step, step until all finish; returns token lists."""
     ids, step = {}, 0
     pending = sorted(range(len(reqs)), key=lambda i: reqs[i]["join_step"])
     while pending or llm.has_unfinished():
         while pending and reqs[pending[0]]["join_step"] <= step:
             i = pending.pop(0)
-            p = SamplingParams(temperature=0.0, max_tokens=reqs[i]["max_tokens"], ignore_eos=True)
+            p = SamplingParams(temperature=0.0, max_tokens=reqs[i]["max_tokens"], ignore_eos=True, logprobs=logprobs)
             ids[i] = llm.add_request(reqs[i]["prompt"], p, request_id=f"r{i}")
         llm.step()
         step += 1
@@ -208,8 +208,8 @@ def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
     runs = []
     for r in llm.pipeline.runners:
         assert r.graphs and all(g.sizes == [1, 2, 4, 8] for g in r.graphs.values())
-        assert bool(r.mtp_graphs) == (spec == "mtp" and r.is_last)
-        for kind, graphs in (("layers", r.graphs), ("mtp", r.mtp_graphs)):
+        assert bool(r.mtp_graphs) == bool(r.round_graphs) == (spec == "mtp" and r.is_last)
+        for kind, graphs in (("layers", r.graphs), ("mtp", r.mtp_graphs), ("round", r.round_graphs)):
             for g in graphs.values():
                 orig = g.run
 
@@ -224,7 +224,8 @@ def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
     if spec != "none":
         assert ("layers", "verify") in {k[:2] for k in runs}
     if spec == "mtp":
-        assert ("mtp", "verify") in {k[:2] for k in runs}, "MTP drafts never came from the graphed chain"
+        # greedy rounds: layers, acceptance and MTP chain in one graph on the last stage
+        assert ("round", "verify") in {k[:2] for k in runs}, "no round took the fused greedy graph"
         # same drafts as the eager head: every round accepts as many tokens
         eager = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, commit_design=design, **kw)
         assert not eager.pipeline.runners[-1].mtp_graphs
@@ -232,4 +233,13 @@ def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
         accepts = lambda e: [e.completions[f"r{i}"].accept_lengths for i in range(N_REQ)]  # noqa: E731
         assert accepts(llm) == accepts(eager)
         assert max(a for acc in accepts(llm) for a in acc) > 1
+        # requests that want logprobs take the host sampler, then the graphed MTP chain
+        runs.clear()
+        again = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, commit_design=design,
+                    cuda_graph_max_bs=8, **kw)
+        for g in again.pipeline.runners[-1].mtp_graphs.values():
+            orig = g.run
+            g.run = lambda rows, *a, _o=orig: runs.append(len(rows)) or _o(rows, *a)
+        assert drive(again, reqs, logprobs=1) == ref
+        assert runs and accepts(again) == accepts(eager)
     assert all(u == 0 for u in llm.rows_in_use())

@@ -1,0 +1,32 @@
+"""A graphed step (``stage_server.graphs``, its padded static path run eagerly on the CPU)
+returns what the eager step returns: the fused greedy MTP round on the last stage
+(layers, acceptance, MTP chain) against the host sampler and eager MTP head, with drafts
+that are all right, drafts beyond ``num_drafts`` that would be right, and no drafts."""
+import torch
+
+from ppspec.proto.messages import StepInput
+from ppspec.router.llm import LLM
+from ppspec.router.types import SamplingParams
+from ppspec.stage_server.runner import StageRunner
+
+
+def test_fused_greedy_round_equals_eager_step(make_ckpt):
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    prompts = [[5, 9, 2, 7, 7, 1], [3] * 9, [11, 4, 8]]
+    ref = LLM(path, max_rows=4).generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    cont = [r.token_ids for r in ref]  # the greedy continuation: right drafts
+    runners = {n: StageRunner(path, max_rows=4, num_speculative_steps=3, use_mtp=True, cuda_graph_max_bs=n)
+               for n in (0, 4)}
+    assert not runners[0].round_graphs and set(runners[4].round_graphs) == {"decode", "verify"}
+    outs = {}
+    for n, r in runners.items():
+        rows, lens = [2, 0, 3], [len(p) for p in prompts]
+        pre = r.step(StepInput(0, 0, "prefill", rows, [0] * 3, lens, sum(prompts, [])))
+        assert [o[0] for o in pre.output_ids] == [c[0] for c in cont]
+        ids = sum(([c[0], c[1], c[2], c[3]] for c in cont), [])
+        ver = r.step(StepInput(0, 1, "verify", rows, lens, [4] * 3, ids, num_drafts=[3, 1, 0]))
+        outs[n] = (ver.output_ids, ver.drafts)
+    assert outs[4] == outs[0]
+    assert [len(o) for o in outs[0][0]] == [4, 2, 1]  # drafts past num_drafts are never accepted
+    assert all(len(d) == 3 for d in outs[0][1])

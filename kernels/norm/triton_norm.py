@@ -6,7 +6,9 @@ One program per row of ``N`` elements, fp32 math inside. A row of up to ``max_bl
 walked twice in blocks of ``max_block`` (sum of squares, then normalise). The dtype steps
 follow the references (see their docstrings), so a result differs from the reference only
 by fp32 rounding (reduction order, ``rsqrt``, ``exp``), which can move a bf16 output by
-one ulp. The residual sum ``x + residual`` is rounded as torch rounds it: exact.
+one ulp (the gated norm's by up to three: it rounds ``x / rms(x)`` to bf16 before two
+more rounded products). The residual sum ``x + residual`` is rounded as torch rounds it:
+exact.
 
 Launches take no host sync: capturable in a CUDA graph.
 """
@@ -175,8 +177,8 @@ def rms_norm_triton(x, weight, eps, residual=None, zero_centred=True, max_block=
     _rms_norm_kernel[(M,)](
         x2, r2, weight, o2, s2,
         N, x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0), float(eps),
-        BLOCK=block, NBLK=triton.cdiv(N, block), LOOP=loop, ZERO_CENTRED=bool(zero_centred), HAS_RES=residual is not None,
-        num_warps=num_warps,
+        BLOCK=block, NBLK=triton.cdiv(N, block), LOOP=loop, ZERO_CENTRED=bool(zero_centred),
+        HAS_RES=residual is not None, num_warps=num_warps,
     )
     return out if residual is None else (out, xsum)
 

@@ -24,6 +24,23 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _load_sum(x, res, o, m, HAS_RES: tl.constexpr):
+    # x (+ residual, rounded to x's dtype as torch's add rounds)
+    v = tl.load(x + o, mask=m, other=0.0)
+    if HAS_RES:
+        v = (v.to(tl.float32) + tl.load(res + o, mask=m, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
+    return v
+
+
+@triton.jit
+def _norm_store(w, out, o, m, vf, rstd, ZERO_CENTRED: tl.constexpr):
+    wf = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        wf = 1.0 + wf
+    tl.store(out + o, ((vf * rstd) * wf).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x, res, w, out, xsum,
     N, sx, sr, so, ss, eps,
@@ -38,40 +55,26 @@ def _rms_norm_kernel(
     if not LOOP:
         o = tl.arange(0, BLOCK)
         m = o < N
-        v = tl.load(x + o, mask=m, other=0.0)
+        v = _load_sum(x, res, o, m, HAS_RES)
         if HAS_RES:
-            # x + residual rounded to x's dtype, as torch's add rounds
-            v = (v.to(tl.float32) + tl.load(res + o, mask=m, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
             tl.store(xsum + o, v, mask=m)
         vf = v.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(vf * vf, axis=0) / N + eps)
-        wf = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
-        if ZERO_CENTRED:
-            wf = 1.0 + wf
-        tl.store(out + o, ((vf * rstd) * wf).to(out.dtype.element_ty), mask=m)
+        _norm_store(w, out, o, m, vf, rstd, ZERO_CENTRED)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for i in range(NBLK):
             o = i * BLOCK + tl.arange(0, BLOCK)
-            m = o < N
-            v = tl.load(x + o, mask=m, other=0.0)
-            if HAS_RES:
-                v = (v.to(tl.float32) + tl.load(res + o, mask=m, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
-            vf = v.to(tl.float32)
+            vf = _load_sum(x, res, o, o < N, HAS_RES).to(tl.float32)
             acc += vf * vf
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
         for i in range(NBLK):
             o = i * BLOCK + tl.arange(0, BLOCK)
             m = o < N
-            v = tl.load(x + o, mask=m, other=0.0)
+            v = _load_sum(x, res, o, m, HAS_RES)
             if HAS_RES:
-                v = (v.to(tl.float32) + tl.load(res + o, mask=m, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
                 tl.store(xsum + o, v, mask=m)
-            vf = v.to(tl.float32)
-            wf = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
-            if ZERO_CENTRED:
-                wf = 1.0 + wf
-            tl.store(out + o, ((vf * rstd) * wf).to(out.dtype.element_ty), mask=m)
+            _norm_store(w, out, o, m, v.to(tl.float32), rstd, ZERO_CENTRED)
 
 
 @triton.jit

@@ -71,7 +71,7 @@ class StepGraphs:
                  max_kv_len: int, capture: bool, pool=None):
         self.forward, self.mode, self.D = forward, mode, tokens_per_request
         self.sizes = capture_sizes(max_bs)
-        self.max_bs, self.pad_row, self.kvs = max_bs, pad_row, kvs
+        self.pad_row, self.kvs = pad_row, kvs
         D, n = tokens_per_request, max_bs
         self.max_kv_len, self.capture, self.pool = max_kv_len, capture, pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

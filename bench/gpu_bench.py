@@ -67,18 +67,58 @@ def hf_throughput(torch, model, prompts, batch, max_tokens):
     return batch * max_tokens / (time.perf_counter() - t0)
 
 
-def make_1b(torch, path):
+QWEN35_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=20,
+                 num_attention_heads=16, num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
+                 linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                 max_position_embeddings=8192)
+
+
+def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int:
+    """Save a randomly initialised Qwen3.5-shaped checkpoint (bf16) at ``path``: transformers'
+    ``Qwen3_5ForCausalLM`` with ``shape`` (default :data:`QWEN35_1B`, 1.46B parameters),
+    the demo checkpoint's tokenizer files (its 8192 ids fit any vocab here), and with ``mtp``
+    a random one-layer MTP head (``mtp.*`` in ``mtp.safetensors``, ``mtp_num_hidden_layers``
+    = 1; transformers' model has no MTP module). Returns the base model's parameter count."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
     from transformers import Qwen3_5ForCausalLM
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    cfg = Qwen3_5TextConfig(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=20,
-                            num_attention_heads=16, num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
-                            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                            max_position_embeddings=8192, tie_word_embeddings=False)
-    with torch.device("cuda"):
+    from ppspec.router.llm import DEMO_MODEL
+    from ppspec.stage_server.config import load_config
+    from ppspec.stage_server.model import MTPHead, Rotary
+
+    cfg = Qwen3_5TextConfig(**{**QWEN35_1B, **shape}, tie_word_embeddings=False)
+    with torch.device(device):
         m = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
     m.save_pretrained(path)
-    return sum(p.numel() for p in m.parameters())
+    n = sum(p.numel() for p in m.parameters())
+    del m
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(DEMO_MODEL, name), path)
+    if mtp:
+        conf_path = os.path.join(path, "config.json")
+        conf = json.loads(open(conf_path).read())
+        conf["mtp_num_hidden_layers"] = 1
+        with open(conf_path, "w") as f:
+            json.dump(conf, f, indent=2)
+        hc = load_config(path)
+        torch.manual_seed(0)
+        head = MTPHead(hc, Rotary(hc))
+        for name, p in head.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("fc.weight"):
+                torch.nn.init.normal_(p, std=cfg.initializer_range)
+        tensors = {"mtp." + k: v.to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
+        save_file(tensors, os.path.join(path, "mtp.safetensors"))
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            idx = json.loads(open(index).read())
+            idx["weight_map"].update({k: "mtp.safetensors" for k in tensors})
+            with open(index, "w") as f:
+                json.dump(idx, f, indent=2)
+    return n
 
 
 def decode_step(torch, path, batch, ctx, bw, graphs=True):
@@ -102,7 +142,9 @@ def decode_step(torch, path, batch, ctx, bw, graphs=True):
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / n
     c = r.cfg
-    weights = sum(p.numel() * p.element_size() for p in r.model.parameters()) - r.model.embed_tokens.weight.numel() * 2
+    # a decode step reads every weight but the embedding table (one row per token) and the MTP head
+    weights = sum(p.numel() * p.element_size() for n, p in r.model.named_parameters()
+                  if not n.startswith(("mtp.", "embed_tokens.")))
     kv = len(c.attention_layers) * batch * seq * 2 * c.num_key_value_heads * c.head_dim * 2
     state = len(c.linear_layers) * batch * 2 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     floor = (weights + kv + state) / (bw * 1e9)
@@ -114,8 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--make-1b", metavar="PATH", default=None,
+                    help="only save the random 1B checkpoint (with a random MTP head) at PATH and exit")
     a = ap.parse_args(argv)
     import torch
+
+    if a.make_1b:
+        n = make_random_checkpoint(torch, a.make_1b, "cuda" if torch.cuda.is_available() else "cpu")
+        print(f"saved {a.make_1b}: {n / 1e9:.2f} B parameters + MTP head")
+        return 0
     from transformers import AutoTokenizer
 
     from ppspec.router.llm import DEMO_MODEL
@@ -140,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {b} | {none:.0f} | {mtp:.0f} | {mtp / none:.2f} | {acc:.2f} | {hf:.0f} | {max(none, mtp) / hf:.2f} |", flush=True)
     if not a.skip_1b:
         path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
-        n = make_1b(torch, path)
+        n = make_random_checkpoint(torch, path)
         torch.cuda.empty_cache()
         print(f"\nrandom Qwen3.5-shaped checkpoint: {n / 1e9:.2f} B parameters, bf16, context 1024\n")
         print("| batch | decode step, CUDA graphs (ms) | eager (ms) | roofline (ms) | graphs / roofline | weight MB | KV MB | state MB |")

@@ -10,6 +10,14 @@ pipeline step time, stage busy fraction), and writes one result JSON per run plu
 ((step wall time - sum of stage compute) / stages, i.e. one gRPC round trip per stage)
 and each stage's busy fraction (stage compute seconds / run seconds).
 
+Greedy agreement: before the benchmark, each server also answers ``--agreement-prompts``
+fixed ShareGPT prompts at once (greedy, ``ignore_eos``, ``--agreement-tokens`` tokens,
+``return_token_ids``); the first (pp, spec) of the grid is the reference (list PP 1 and
+``none`` first), and every configuration reports the fraction of its tokens that equal the
+reference's up to each request's first divergence (after it the contexts differ).
+
+On GPUs: ``--serve-args "--device cuda --dtype bfloat16"`` puts stage k on ``cuda:k``.
+
 Does not import torch: the servers are child processes.
 """
 from __future__ import annotations
@@ -68,6 +76,44 @@ def pipeline_figures(before: dict, after: dict, pp: int, seconds: float) -> dict
             "per_hop_ms": hop_ms, "stage_busy_fraction": busy}
 
 
+def prefix_agreement(outs: list[list[int]], ref: list[list[int]]) -> float:
+    """Fraction of the reference's tokens matched before each request's first divergence."""
+    if len(outs) != len(ref):
+        raise ValueError(f"{len(outs)} outputs against {len(ref)} reference outputs")
+    same = sum(next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+               for o, r in zip(outs, ref))
+    total = sum(len(r) for r in ref)
+    return same / total if total else 1.0
+
+
+def greedy_token_ids(url: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """All ``prompts`` sent at once to ``/v1/completions`` (greedy, ``ignore_eos``); the
+    generated token ids of each. Raises ``RuntimeError`` on a failed request."""
+    import asyncio
+
+    async def run() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+            model = (await c.get("/v1/models")).json()["data"][0]["id"]
+
+            async def one(prompt: str) -> list[int]:
+                r = await c.post("/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True})
+                if r.status_code != 200:
+                    raise RuntimeError(f"agreement request failed: HTTP {r.status_code} {r.text[:200]}")
+                return list(r.json()["choices"][0]["token_ids"])
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(run())
+
+
+def agreement_prompts(model: str, n: int, max_input_len: int) -> list[str]:
+    from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
+
+    return [s.prompt for s in sample_sharegpt(load_sharegpt(), n, 1, TokenCounter(model), max_input_len=max_input_len)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ppspec.bench.matrix", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,12 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-output-len", type=int, default=64)
     ap.add_argument("--max-input-len", type=int, default=256)
     ap.add_argument("--serve-args", default="", help="extra arguments for ppspec serve")
+    ap.add_argument("--agreement-prompts", type=int, default=16, help="0 turns the agreement check off")
+    ap.add_argument("--agreement-tokens", type=int, default=64)
     ap.add_argument("--out", required=True)
     ap.add_argument("--label-prefix", default="")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    agree_prompts = agreement_prompts(a.model, a.agreement_prompts, a.max_input_len) if a.agreement_prompts else []
+    reference: list[list[int]] | None = None
+    ref_name = ""
     py = [sys.executable, "-m", "ppspec.cli"]
     for pp in [int(x) for x in a.pp.split(",")]:
         for spec in a.spec.split(","):
@@ -97,6 +148,15 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if not wait_healthy(url, serve, timeout=600):
                     raise SystemExit(f"serve PP{pp} {spec} did not start")
+                agreement = None
+                if agree_prompts:
+                    ids = greedy_token_ids(url, agree_prompts, a.agreement_tokens)
+                    if reference is None:
+                        reference, ref_name = ids, f"PP{pp} {spec}"
+                        (out / "agreement-reference.json").write_text(json.dumps(
+                            {"pp": pp, "spec": spec, "prompts": agree_prompts, "token_ids": ids}))
+                    agreement = prefix_agreement(ids, reference)
+                    print(f"PP{pp} {spec:5s} greedy agreement with {ref_name}: {agreement:.4f}", flush=True)
                 for conc in [int(x) for x in a.concurrency.split(",")]:
                     label = f"{a.label_prefix}pp{pp}-{spec}"
                     res_path = out / f"{label}-c{conc}.json"
@@ -114,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                     after = scrape(url)
                     res = json.loads(res_path.read_text())
                     res["pipeline"] = pipeline_figures(before, after, pp, seconds)
+                    res["greedy_agreement"] = agreement
                     res["serve_command"] = " ".join(serve_cmd[2:]).replace("ppspec.cli", "ppspec")
                     res_path.write_text(json.dumps(res, indent=2))
                     sd = res.get("spec_decode") or {}
                     rows.append(dict(pp=pp, spec=spec, conc=conc, tok_s=res["output_throughput"],
                                      tpot=res["tpot_ms"]["mean"], ttft=res["ttft_ms"]["p50"],
-                                     accept=sd.get("mean_accept_length"), **res["pipeline"]))
+                                     accept=sd.get("mean_accept_length"), agree=agreement, **res["pipeline"]))
                     print(f"PP{pp} {spec:5s} c={conc:<3d} {res['output_throughput']:8.1f} tok/s "
                           f"accept {sd.get('mean_accept_length')}", flush=True)
             finally:
@@ -129,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     os.killpg(serve.pid, signal.SIGKILL)
     lines = ["| PP | spec | concurrency | output tok/s | TPOT mean (ms) | TTFT p50 (ms) | mean accept length "
-             "| per-hop (ms) | stage busy fraction |", "|---|---|---|---|---|---|---|---|---|"]
+             "| per-hop (ms) | stage busy fraction | greedy agreement |", "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         busy = ", ".join(fmt(b) for b in r["stage_busy_fraction"])
         lines.append(f"| {r['pp']} | {r['spec']} | {r['conc']} | {fmt(r['tok_s'], '{:.1f}')} | {fmt(r['tpot'], '{:.1f}')} "
-                     f"| {fmt(r['ttft'], '{:.0f}')} | {fmt(r['accept'])} | {fmt(r['per_hop_ms'])} | {busy} |")
+                     f"| {fmt(r['ttft'], '{:.0f}')} | {fmt(r['accept'])} | {fmt(r['per_hop_ms'])} | {busy} "
+                     f"| {fmt(r['agree'], '{:.4f}')} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

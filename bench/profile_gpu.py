@@ -1,0 +1,104 @@
+"""Where the device time of a GPU step goes: ``python -m ppspec.bench.profile_gpu``.
+
+Runs steps under ``torch.profiler`` (CUPTI records each kernel, those replayed from CUDA
+graphs included) and prints, per step: wall time, summed kernel time, kernel count, and
+the kernels ranked by time (microseconds and launches per step). Cases:
+
+- ``1b``: plain decode of a random 1.46B Qwen3.5-shaped checkpoint (``--model`` or made
+  with ``gpu_bench.make_random_checkpoint``) through ``StageRunner.step`` at ``--batch``
+  (context ``--context`` tokens); graphs as the stage runs them.
+- ``demo``: ``LLM.generate`` on the demo checkpoint at batch 1, without speculation and
+  with MTP (per round: wall, kernel time, kernels).
+
+Wall time much above kernel time means the host (or launch gaps) bounds the step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+
+def _table(prof, steps: int, wall_s: float, top: int, title: str) -> None:
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    total_us = sum(e.self_device_time_total for e in kernels)
+    count = sum(e.count for e in kernels)
+    print(f"\n### {title}\n")
+    print(f"wall {wall_s / steps * 1e3:.3f} ms/step, kernels {total_us / steps / 1e3:.3f} ms/step, "
+          f"{count / steps:.1f} kernels/step\n")
+    print("| kernel | us/step | launches/step | share |")
+    print("|---|---:|---:|---:|")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"| `{e.key[:90]}` | {e.self_device_time_total / steps:.1f} | {e.count / steps:.2f} | "
+              f"{e.self_device_time_total / total_us:.1%} |")
+
+
+def _profile(torch, fn, steps: int):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return prof, wall
+
+
+def main(argv=None) -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(prog="python -m ppspec.bench.profile_gpu", description=__doc__)
+    ap.add_argument("--case", default="1b,demo")
+    ap.add_argument("--model", default=None, help="checkpoint for the 1b case (default: a random 1.46B one)")
+    ap.add_argument("--batch", default="1,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args(argv)
+    cases = a.case.split(",")
+
+    if "1b" in cases:
+        from ppspec.bench.gpu_bench import make_random_checkpoint
+        from ppspec.proto.messages import StepInput
+        from ppspec.stage_server.runner import StageRunner
+
+        path = a.model
+        if path is None:
+            path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
+            make_random_checkpoint(torch, path, mtp=False)
+            torch.cuda.empty_cache()
+        for B in [int(b) for b in a.batch.split(",")]:
+            r = StageRunner(path, max_rows=B, kv_tokens=B * (a.context + 128), dtype=torch.bfloat16, device="cuda")
+            rows = list(range(B))
+            r.step(StepInput(0, 0, "prefill", rows, [0] * B, [a.context] * B, [1] * (a.context * B)))
+            seq = [a.context]
+
+            def decode():
+                r.step(StepInput(0, 1, "decode", rows, [seq[0]] * B, [1] * B, [1] * B))
+                seq[0] += 1
+
+            prof, wall = _profile(torch, decode, a.steps)
+            _table(prof, a.steps, wall, a.top, f"1B decode step, batch {B}, context {a.context}")
+            del r
+            torch.cuda.empty_cache()
+
+    if "demo" in cases:
+        from ppspec.router.llm import DEMO_MODEL, LLM
+        from ppspec.router.types import SamplingParams
+
+        p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        prompt = [[1 + j % 300 for j in range(24)]]
+        for spec in ("none", "mtp"):
+            llm = LLM(DEMO_MODEL, device="cuda", dtype="bfloat16", speculative_algorithm=spec, max_rows=4)
+            outs = []
+            prof, wall = _profile(torch, lambda: outs.append(llm.generate(prompt, p)), 3)
+            rounds = 3 * (max(len(o.accept_lengths) for o in outs[-1]) or 63)
+            _table(prof, rounds, wall, a.top, f"demo, batch 1, {spec}: per round (prefill included)")
+
+
+if __name__ == "__main__":
+    main()

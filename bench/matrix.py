@@ -145,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             url = f"http://127.0.0.1:{port}"
             serve_cmd = py + ["serve", "--model", a.model, "--pp-size", str(pp), "--speculative-algorithm", spec,
                               "--port", str(port)] + a.serve_args.split()
-            serve = subprocess.Popen(serve_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+            log = open(out / f"serve-pp{pp}-{spec}.log", "wb")
+            serve = subprocess.Popen(serve_cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 if not wait_healthy(url, serve, timeout=600):
-                    raise SystemExit(f"serve PP{pp} {spec} did not start")
+                    raise SystemExit(f"serve PP{pp} {spec} did not start (log: {log.name})")
                 agreement = None
                 if agree_prompts:
                     ids = greedy_token_ids(url, agree_prompts, a.agreement_tokens)
@@ -186,11 +186,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"PP{pp} {spec:5s} c={conc:<3d} {res['output_throughput']:8.1f} tok/s "
                           f"accept {sd.get('mean_accept_length')}", flush=True)
             finally:
-                os.killpg(serve.pid, signal.SIGINT)
                 try:
+                    os.killpg(serve.pid, signal.SIGINT)
                     serve.wait(30)
+                except ProcessLookupError:  # it exited already (a failed start)
+                    pass
                 except subprocess.TimeoutExpired:
                     os.killpg(serve.pid, signal.SIGKILL)
+                log.close()
     lines = ["| PP | spec | concurrency | output tok/s | TPOT mean (ms) | TTFT p50 (ms) | mean accept length "
              "| per-hop (ms) | stage busy fraction | greedy agreement |", "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731

@@ -6,7 +6,8 @@ and the D new inputs form ``full = [window | x]``; output ``t`` is
 ``act(sum_j w[:, j] * full[:, t + j] + bias)``. Verify writes the window after each step
 to ``conv_scratch[row, t]``; decode writes the final window back to ``conv_state[row]``.
 As in the reference, inputs and window pass through the weight's dtype before the sum
-(accumulated in fp32 here).
+(accumulated in fp32 here). ``x`` is read through its strides (unit channel stride), so a
+column slice of a larger projection output takes no copy.
 """
 from __future__ import annotations
 
@@ -21,19 +22,20 @@ _ACT = {None: 0, "silu": 1, "swish": 1}
 
 
 @triton.jit
-def _full_col(x, conv_state, row, i_b, o_c, m_c, C, i: tl.constexpr, D: tl.constexpr, W: tl.constexpr, wdt: tl.constexpr):
+def _full_col(x, sxb, sxd, conv_state, row, i_b, o_c, m_c, C,
+              i: tl.constexpr, D: tl.constexpr, W: tl.constexpr, wdt: tl.constexpr):
     # column i of full = [window (W-1 columns) | x (D columns)], rounded to the weight dtype
     if i < W - 1:
         val = tl.load(conv_state + (row * C + o_c) * (W - 1) + i, mask=m_c, other=0.0)
     else:
-        val = tl.load(x + (i_b * D + (i - (W - 1))) * C + o_c, mask=m_c, other=0.0)
+        val = tl.load(x + i_b * sxb + (i - (W - 1)) * sxd + o_c, mask=m_c, other=0.0)
     return val.to(wdt)
 
 
 @triton.jit
 def _conv_update_kernel(
     x, weight, bias, conv_state, conv_scratch, rows, out,
-    C, D_MAX,
+    C, D_MAX, sxb, sxd,
     D: tl.constexpr, W: tl.constexpr, BC: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_SCRATCH: tl.constexpr,
 ):
@@ -49,7 +51,7 @@ def _conv_update_kernel(
         acc = tl.zeros([BC], dtype=tl.float32)
         for j in tl.static_range(W):
             w_j = tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
-            col = _full_col(x, conv_state, row, i_b, o_c, m_c, C, t + j, D, W, wdt)
+            col = _full_col(x, sxb, sxd, conv_state, row, i_b, o_c, m_c, C, t + j, D, W, wdt)
             acc += w_j * col.to(tl.float32)
         if HAS_BIAS:
             acc += b_bias
@@ -60,14 +62,14 @@ def _conv_update_kernel(
         tl.store(out + (i_b * D + t) * C + o_c, acc.to(wdt).to(out.dtype.element_ty), mask=m_c)
         if STORE_SCRATCH:
             for j in tl.static_range(W - 1):
-                col = _full_col(x, conv_state, row, i_b, o_c, m_c, C, t + 1 + j, D, W, wdt)
+                col = _full_col(x, sxb, sxd, conv_state, row, i_b, o_c, m_c, C, t + 1 + j, D, W, wdt)
                 p = conv_scratch + ((row * D_MAX + t) * C + o_c) * (W - 1) + j
                 tl.store(p, col.to(conv_scratch.dtype.element_ty), mask=m_c)
     if not STORE_SCRATCH:
         # column j of the new window is full[:, D + j]: it reads window column D + j > j,
         # never one this loop has already overwritten
         for j in tl.static_range(W - 1):
-            col = _full_col(x, conv_state, row, i_b, o_c, m_c, C, D + j, D, W, wdt)
+            col = _full_col(x, sxb, sxd, conv_state, row, i_b, o_c, m_c, C, D + j, D, W, wdt)
             tl.store(conv_state + (row * C + o_c) * (W - 1) + j, col.to(conv_state.dtype.element_ty), mask=m_c)
 
 
@@ -84,7 +86,7 @@ def causal_conv1d_update_triton(x, weight, bias, conv_state, req_pool_indices, c
     if req_pool_indices.numel() != B:
         raise ValueError(f"{req_pool_indices.numel()} rows for a batch of {B}")
     check_rows(req_pool_indices, R)
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as the kernel writes it
     if B == 0 or D == 0:
         return out
     if not conv_state.is_contiguous():
@@ -94,14 +96,15 @@ def causal_conv1d_update_triton(x, weight, bias, conv_state, req_pool_indices, c
         d_max = conv_scratch.shape[1]
         if tuple(conv_scratch.shape) != (R, d_max, C, W - 1) or d_max < D or not conv_scratch.is_contiguous():
             raise ValueError(f"conv_scratch {tuple(conv_scratch.shape)} does not fit {(R, D, C, W - 1)}")
-    x = x.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # else read in place: x may be a column slice of a fused projection
     weight = weight.contiguous()
     rows = req_pool_indices.to(x.device, torch.int64).contiguous()
     BC = min(256, triton.next_power_of_2(C))
     grid = (B, triton.cdiv(C, BC))
     _conv_update_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_state,
-        conv_scratch if conv_scratch is not None else conv_state, rows, out, C, d_max,
+        conv_scratch if conv_scratch is not None else conv_state, rows, out, C, d_max, x.stride(0), x.stride(1),
         D=D, W=W, BC=BC, HAS_BIAS=bias is not None, ACT=_ACT[activation],
         STORE_SCRATCH=conv_scratch is not None, num_warps=4,
     )

@@ -3,12 +3,14 @@ residual add fused, vLLM's ``fused_add_rms_norm`` idea) and ``naive.gated_rms_no
 
 One program per row of ``N`` elements, fp32 math inside. A row of up to ``max_block``
 (8192) elements is held in registers (``BLOCK = next_power_of_2(N)``); a longer row is
-walked twice in blocks of ``max_block`` (sum of squares, then normalise). The dtype steps
-follow the references (see their docstrings), so a result differs from the reference only
-by fp32 rounding (reduction order, ``rsqrt``, ``exp``), which can move a bf16 output by
-one ulp (the gated norm's by up to three: it rounds ``x / rms(x)`` to bf16 before two
-more rounded products). The residual sum ``x + residual`` is rounded as torch rounds it:
-exact.
+walked twice in blocks of ``max_block`` (sum of squares, then normalise). Inputs are read
+where they lie: row ``i * H + h`` of a ``[..., H, N]`` input at ``i * s0 + h * s1``
+(:func:`as_head_rows`), so the per-head q / k / z views of a fused projection's output
+take no copy. The dtype steps follow the references (see their docstrings), so a result
+differs from the reference only by fp32 rounding (reduction order, ``rsqrt``, ``exp``),
+which can move a bf16 output by one ulp (the gated norm's by up to three: it rounds
+``x / rms(x)`` to bf16 before two more rounded products). The residual sum
+``x + residual`` is rounded as torch rounds it: exact.
 
 Launches take no host sync: capturable in a CUDA graph.
 """
@@ -43,14 +45,15 @@ def _norm_store(w, out, o, m, vf, rstd, ZERO_CENTRED: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     x, res, w, out, xsum,
-    N, sx, sr, so, ss, eps,
+    N, H, sx0, sx1, sr0, sr1, so, ss, eps,
     BLOCK: tl.constexpr, NBLK: tl.constexpr, LOOP: tl.constexpr, ZERO_CENTRED: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    x += row * sx
+    i, h = row // H, row % H
+    x += i * sx0 + h * sx1
     out += row * so
     if HAS_RES:
-        res += row * sr
+        res += i * sr0 + h * sr1
         xsum += row * ss
     if not LOOP:
         o = tl.arange(0, BLOCK)
@@ -94,12 +97,13 @@ def _gated_block(x, z, w, out, o, m, rstd, ROUND_WN: tl.constexpr):
 @triton.jit
 def _gated_rms_norm_kernel(
     x, z, w, out,
-    N, sx, sz, so, eps,
+    N, H, sx0, sx1, sz0, sz1, so, eps,
     BLOCK: tl.constexpr, NBLK: tl.constexpr, LOOP: tl.constexpr, ROUND_WN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    x += row * sx
-    z += row * sz
+    i, h = row // H, row % H
+    x += i * sx0 + h * sx1
+    z += i * sz0 + h * sz1
     out += row * so
     if not LOOP:
         o = tl.arange(0, BLOCK)
@@ -131,6 +135,29 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     if t.stride(-1) != 1 and N > 1:
         t = t.contiguous()
     return t
+
+
+def as_head_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``t`` ``[..., N]`` as ``[M / H, H, N]`` rows with unit column stride, ``H`` its
+    second-last dim (1 for a 2-D ``t``): row ``i * H + h`` starts at ``i * s0 + h * s1``.
+    A view where the dims before the second-last collapse (a ``split`` / ``chunk`` of a
+    projection's last dim viewed per head, ``[T, H, N]`` with row stride > ``H * N``),
+    else a contiguous copy.
+
+    Returns:
+        ``(t3, H, s0, s1)``.
+    """
+    N = t.shape[-1]
+    H = t.shape[-2] if t.dim() >= 3 else 1
+    if t.stride(-1) == 1 or N == 1:
+        try:
+            t3 = t.view(-1, H, N)
+        except RuntimeError:
+            pass
+        else:
+            return t3, H, t3.stride(0), t3.stride(1)
+    t3 = t.contiguous().view(-1, H, N)
+    return t3, H, H * N, N
 
 
 def _launch_cfg(N: int, max_block: int) -> tuple[int, bool, int]:
@@ -173,13 +200,13 @@ def rms_norm_triton(x, weight, eps, residual=None, zero_centred=True, max_block=
     M = out.numel() // N
     if M == 0:
         return out if residual is None else (out, xsum)
-    x2, weight = as_rows(x), weight.contiguous()
-    r2 = as_rows(residual) if residual is not None else x2
+    (x3, H, sx0, sx1), weight = as_head_rows(x), weight.contiguous()
+    r3, _, sr0, sr1 = as_head_rows(residual) if residual is not None else (x3, H, sx0, sx1)
     o2, s2 = out.view(M, N), (xsum.view(M, N) if xsum is not None else out.view(M, N))
     block, loop, num_warps = _launch_cfg(N, max_block)
     _rms_norm_kernel[(M,)](
-        x2, r2, weight, o2, s2,
-        N, x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0), float(eps),
+        x3, r3, weight, o2, s2,
+        N, H, sx0, sx1, sr0, sr1, o2.stride(0), s2.stride(0), float(eps),
         BLOCK=block, NBLK=triton.cdiv(N, block), LOOP=loop, ZERO_CENTRED=bool(zero_centred),
         HAS_RES=residual is not None, num_warps=num_warps,
     )
@@ -197,14 +224,15 @@ def gated_rms_norm_triton(x, z, weight, eps, max_block=MAX_BLOCK):
     M = out.numel() // N
     if M == 0:
         return out
-    x2, z2, o2, weight = as_rows(x), as_rows(z), out.view(M, N), weight.contiguous()
+    (x3, H, sx0, sx1), (z3, _, sz0, sz1) = as_head_rows(x), as_head_rows(z)
+    o2, weight = out.view(M, N), weight.contiguous()
     # the reference's weight * x_normed is rounded when both are of x's (half) dtype;
     # otherwise torch promotes it to fp32
     round_wn = x.dtype != torch.float32 and torch.promote_types(weight.dtype, x.dtype) == x.dtype
     block, loop, num_warps = _launch_cfg(N, max_block)
     _gated_rms_norm_kernel[(M,)](
-        x2, z2, weight, o2,
-        N, x2.stride(0), z2.stride(0), o2.stride(0), float(eps),
+        x3, z3, weight, o2,
+        N, H, sx0, sx1, sz0, sz1, o2.stride(0), float(eps),
         BLOCK=block, NBLK=triton.cdiv(N, block), LOOP=loop, ROUND_WN=round_wn, num_warps=num_warps,
     )
     return out

@@ -265,6 +265,16 @@ def test_conv1d_update(dev, dtype, D, mode):
     else:
         assert torch.equal(st[real], st_ref[real])
         assert torch.equal(st[untouched], state0[untouched])
+    # x as the GDN layer passes it: the conv columns of its fused input projection
+    # ([B * D, C + more] rows), read in place; same results bit for bit (the padding row,
+    # written by several programs, aside)
+    wide = torch.cat([x, torch.randn(B, D, 9, generator=gen).to(dev, dtype)], dim=-1).view(B * D, C + 9)
+    xs = wide[:, :C].view(B, D, C)
+    st2, sc2 = state0.clone(), (torch.full_like(sc, float("nan")) if sc is not None else None)
+    assert torch.equal(causal_conv1d_update_triton(xs, weight, bias, st2, rows, sc2), y)
+    assert torch.equal(st2[:rows_n], st[:rows_n])
+    if sc is not None:
+        torch.testing.assert_close(sc2[:rows_n], sc[:rows_n], rtol=0, atol=0, equal_nan=True)
     with pytest.raises(IndexError):
         causal_conv1d_update_triton(x, weight, bias, st, torch.full((B,), R, device=dev), sc)
 
@@ -495,6 +505,52 @@ def test_rms_norm_strided_and_errors(dev):
             fn(x, torch.zeros(64, device=dev), 1e-6, residual=torch.zeros(3, 63, device=dev))
         with pytest.raises(ValueError):
             fn(x, torch.zeros(64, device=dev), 1e-6, residual=torch.zeros(3, 64, device=dev, dtype=BF16))
+
+
+@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_kernels_read_fused_projection_views_in_place(dev, dtype, T):
+    """The layers split one GEMM's output ``[T, width]`` by columns (GDN qkv | z | b | a,
+    attention q+gate | k | v, MLP gate | up) and view the parts per head: each kernel
+    reads them where they lie (no copy) with the results of contiguous inputs, bit for bit."""
+    from ppspec.kernels.activation.triton_activation import gdn_gates_triton, silu_mul_triton
+    from ppspec.kernels.norm.triton_norm import as_head_rows, gated_rms_norm_triton, rms_norm_triton
+
+    T = min(T, 37) if _small(dev) else T
+    gen = torch.Generator().manual_seed(T + (dtype == BF16))
+    rnd = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s).to(dev, dtype)  # noqa: E731
+    eps = 1e-6
+
+    def same(got, want):
+        for g, w in zip(got, want) if isinstance(got, tuple) else ((got, want),):
+            assert torch.equal(g, w)
+
+    # gated attention: q and gate interleaved per head, then k, then v
+    nh, nkv, hd = 4, 2, 64
+    y = rnd(T, 2 * nh * hd + 2 * nkv * hd, s=2.0)
+    qg, k, v = torch.split(y, [2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q, _ = qg.view(T, nh, 2 * hd).chunk(2, dim=-1)
+    k = k.view(T, nkv, hd)
+    w = rnd(hd, s=0.1)
+    for t in (q, k):
+        assert as_head_rows(t)[0].data_ptr() == t.data_ptr()  # a view, not a copy
+        same(rms_norm_triton(t, w, eps), rms_norm_triton(t.contiguous(), w, eps))
+        res = rnd(*t.shape)
+        same(rms_norm_triton(t, w, eps, res), rms_norm_triton(t.contiguous(), w, eps, res))
+        same(rms_norm_triton(res, w, eps, t), rms_norm_triton(res, w, eps, t.contiguous()))
+    # GDN: conv channels | z | b | a; z per value head into the gated norm, b / a into the gates
+    hv, dv, conv = 4, 64, 2 * 2 * 64 + 4 * 64
+    y = rnd(T, conv + hv * dv + 2 * hv, s=2.0)
+    _, z, b, a = torch.split(y, [conv, hv * dv, hv, hv], dim=-1)
+    z = z.view(T, hv, dv)
+    o, wg = rnd(T, hv, dv), (1 + rnd(dv, s=0.2)).float()
+    assert as_head_rows(z)[0].data_ptr() == z.data_ptr()
+    same(gated_rms_norm_triton(o, z, wg, eps), gated_rms_norm_triton(o, z.contiguous(), wg, eps))
+    A_log, dt_bias = torch.randn(hv, generator=gen).to(dev), torch.randn(hv, generator=gen).to(dev)
+    same(gdn_gates_triton(a, b, A_log, dt_bias), gdn_gates_triton(a.contiguous(), b.contiguous(), A_log, dt_bias))
+    # MLP: gate | up
+    gate, up = rnd(T, 2 * 96, s=3.0).chunk(2, dim=-1)
+    same(silu_mul_triton(gate, up), silu_mul_triton(gate.contiguous(), up.contiguous()))
 
 
 @pytest.mark.parametrize("M", NORM_M)

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--pp", default="1,2,4")
     ap.add_argument("--spec", default="none,ngram,mtp")
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--concurrency", default="1,8,32", help="empty: only the greedy agreement")
     ap.add_argument("--prompts-per-concurrency", type=int, default=2, help="num prompts = max(8, this x C)")
     ap.add_argument("--max-output-len", type=int, default=64)
     ap.add_argument("--max-input-len", type=int, default=256)
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     agree_prompts = agreement_prompts(a.model, a.agreement_prompts, a.max_input_len, a.dataset_path) if a.agreement_prompts else []
     reference: list[list[int]] | None = None
     ref_name = ""
+    agree_rows: list[tuple[int, str, float]] = []
     py = [sys.executable, "-m", "ppspec.cli"]
     for pp in [int(x) for x in a.pp.split(",")]:
         for spec in a.spec.split(","):
@@ -159,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                             {"pp": pp, "spec": spec, "prompts": agree_prompts, "token_ids": ids}))
                     agreement = prefix_agreement(ids, reference)
                     print(f"PP{pp} {spec:5s} greedy agreement with {ref_name}: {agreement:.4f}", flush=True)
-                for conc in [int(x) for x in a.concurrency.split(",")]:
+                if agreement is not None:
+                    agree_rows.append((pp, spec, agreement))
+                for conc in [int(x) for x in a.concurrency.split(",") if x]:
                     label = f"{a.label_prefix}pp{pp}-{spec}"
                     res_path = out / f"{label}-c{conc}.json"
                     bench_cmd = py + [
@@ -202,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['pp']} | {r['spec']} | {r['conc']} | {fmt(r['tok_s'], '{:.1f}')} | {fmt(r['tpot'], '{:.1f}')} "
                      f"| {fmt(r['ttft'], '{:.0f}')} | {fmt(r['accept'])} | {fmt(r['per_hop_ms'])} | {busy} "
                      f"| {fmt(r['agree'], '{:.4f}')} |")
+    if agree_rows:
+        lines += ["", f"Greedy agreement with {ref_name} ({len(agree_prompts)} prompts x {a.agreement_tokens} tokens):", "",
+                  "| PP | spec | greedy agreement |", "|---|---|---|"]
+        lines += [f"| {pp} | {spec} | {x:.4f} |" for pp, spec, x in agree_rows]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -10,6 +10,7 @@ in-process pipeline (``ppspec.router.pipeline``) call it the same way.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -27,6 +28,21 @@ from ppspec.kernels.checks import known
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
 
 from .sampler import verify_and_sample
+
+
+def on_stage_device(method):
+    """Run a :class:`StageRunner` method with the stage's CUDA device current. Kernels
+    (Triton's), graph replays and host-to-device copies go to the *current* device, which in a
+    process holding stages on several GPUs (an in-process pipeline) is not this stage's."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 log = logging.getLogger("ppspec.stage")
 
@@ -145,6 +161,9 @@ class StageRunner:
             idx = torch.device(device).index or 0
             if idx >= torch.cuda.device_count():
                 raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA devices")
+            # loading, the pools and graph capture below launch on the current device; a
+            # stage's methods make it current again (on_stage_device) for later calls
+            torch.cuda.set_device(idx)
         cfg = load_config(model_dir)
         start, end = layer_range or split_layers(cfg.num_hidden_layers, pp_size)[pp_rank]
         self.cfg: HybridConfig
@@ -506,6 +525,7 @@ class StageRunner:
         self.broken_rows.update(r for r in req_pool_indices if r in self.rows_in_use)
 
     # ------------------------------------------------------------------ the path of a micro-batch
+    @on_stage_device
     @torch.inference_mode()
     def step(self, inp: StepInput) -> StepOutput:
         """Run one micro-batch through this stage (see :class:`StepInput`).
@@ -723,6 +743,7 @@ class StageRunner:
         return torch.stack(drafts, 1)
 
     # ------------------------------------------------------------------ commit and release
+    @on_stage_device
     def commit_accept(self, micro_batch_id: int, round: int, req_pool_indices: list[int], accept_lengths: list[int]) -> None:
         """Commit the accepted verify state of one micro-batch in every linear layer
         (``StatePool.commit``): copy design ``state[row] = scratch[row, accept_length - 1]``
@@ -821,6 +842,7 @@ class StageRunner:
             self._pos_ssm[:, :B] = self.state.ssm_scratch[:, meta.rows]
             self._pos_conv[:, :B] = self.state.conv_scratch[:, meta.rows]
 
+    @on_stage_device
     def release(self, req_pool_indices: list[int]) -> None:
         """Free the rows of finished or aborted requests (their KV pages too). A row not in
         use is no error (releasing is idempotent). Raises IndexError (nothing freed) for a

@@ -50,7 +50,8 @@ def test_matrix_reports_agreement_hops_and_busy_fractions(tmp_path):
     assert ref["pp"] == 1 and ref["spec"] == "none"
     assert len(ref["token_ids"]) == 4 and all(len(t) == 12 for t in ref["token_ids"])
     table = (out / "summary.md").read_text().splitlines()
-    assert len(table) == 2 + 4 and table[0].endswith("greedy agreement |")
+    assert len(table) == 2 + 4 + 5 + 4 and table[0].endswith("greedy agreement |")
+    assert table[-4:] == [f"| {pp} | {s} | 1.0000 |" for pp in (1, 2) for s in ("none", "mtp")]
 
 
 def test_random_checkpoint_carries_an_mtp_head_the_stage_loads(tmp_path):

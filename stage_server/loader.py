@@ -139,7 +139,8 @@ def load_stage_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> tuple[HybridConfig, StageModel]:
-    """Build the stage model for layers ``[start, end)`` and load its weights.
+    """Build the stage model for layers ``[start, end)``, load its weights and fuse its
+    projections (:meth:`StageModel.fuse_projections`): the one way a StageModel is made.
 
     Args:
         model_dir: checkpoint folder (config.json + safetensors).
@@ -182,4 +183,10 @@ def load_stage_model(
     )
     model.rotary.inv_freq = inv.to(device)
     model.eval().requires_grad_(False)
+    # one GEMM per set of projections reading the same input; on the final device and dtype
+    model.fuse_projections()
+    if torch.device(device).type == "cuda":
+        # hand back the blocks of the per-projection weights the fused ones replaced (the
+        # caching allocator would keep them reserved, outside the stage's memory budget)
+        torch.cuda.empty_cache()
     return cfg, model

@@ -4,7 +4,8 @@ Layers follow the reference models of Hugging Face transformers (``modeling_qwen
 ``modeling_qwen3_5``, ``modeling_qwen3_5_moe``): Gated DeltaNet token mixers, gated full
 attention every few layers, zero-centred RMSNorm ``x * (1 + w)``, dense SwiGLU or a sparse
 MoE with a sigmoid-gated shared expert. Module and parameter names equal the checkpoint's
-so that loading is a name lookup.
+so that loading is a name lookup; after loading, projections that read the same input
+become views of one weight each (:meth:`StageModel.fuse_projections`), one GEMM per set.
 
 Tokens of a micro-batch are packed without padding (``[T, hidden]``); the per-request
 layout is in :class:`BatchMeta`. Recurrent state, conv windows and KV live in pools
@@ -105,16 +106,50 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(x, z, self.weight, self.eps)
 
 
+@torch.no_grad()
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for linears that read the same input, so that they run as one
+    GEMM: ``[sum of out_features, in_features]`` (``[sum of out_features]``), the
+    linears' rows in argument order.
+
+    Each linear's parameters are re-pointed at their rows of the fused tensors (views,
+    contiguous): parameter names, ``named_parameters()`` and the values any reader of
+    ``linear.weight`` sees are unchanged, and every byte is held once. The linears keep
+    their device and dtype; a later ``.to()`` copies each view on its own (values stay
+    right, the sharing is lost), so fuse after the model has its final device and dtype.
+
+    Returns:
+        ``(weight, bias)``, bias None when the linears have none.
+    """
+    fused = []
+    for name in ("weight", "bias"):
+        parts = [getattr(lin, name) for lin in linears]
+        if parts[0] is None:
+            fused.append(None)
+            continue
+        cat, off = torch.cat(parts), 0
+        for lin, p in zip(linears, parts):
+            setattr(lin, name, nn.Parameter(cat[off:off + p.shape[0]], requires_grad=p.requires_grad))
+            off += p.shape[0]
+        fused.append(cat)
+    return fused[0], fused[1]
+
+
 class GatedDeltaNet(nn.Module):
     """GDN token mixer (Qwen3.5 parameter layout; Qwen3-Next's fused ``in_proj_qkvz`` /
-    ``in_proj_ba`` are split into this layout at load time)."""
+    ``in_proj_ba`` are split into this layout at load time).
+
+    The four input projections run as one GEMM against ``in_proj_weight``
+    ``[conv_dim + value_dim + 2 HV, hidden]`` (qkv | z | b | a rows), built by
+    :meth:`fuse_projections` once the weights are loaded.
+    """
 
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
-        conv_dim = cfg.conv_dim
+        self.conv_dim = conv_dim = cfg.conv_dim
         h = cfg.hidden_size
         self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
@@ -125,14 +160,22 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.register_buffer("in_proj_weight", None, persistent=False)
+
+    def fuse_projections(self) -> None:
+        self.in_proj_weight, _ = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def forward(self, x: torch.Tensor, meta: BatchMeta, st: LinearLayerState) -> torch.Tensor:
+        """x: ``[T, hidden]`` (normed). Returns ``[T, hidden]`` in x's dtype."""
         T = x.shape[0]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(T, self.hv, self.dv)
+        # column slices of one GEMM's output: the kernels below read them in place (row strides)
+        mixed, z, b, a = torch.split(
+            F.linear(x, self.in_proj_weight), [self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1
+        )
+        z = z.view(T, self.hv, self.dv)
         # beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias): the log decay, in fp32
         # (Mamba2 discretisation)
-        g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
         if meta.mode == PREFILL:
             mixed = causal_conv1d_prefill(
@@ -194,7 +237,11 @@ class Rotary(nn.Module):
 
 class GatedAttention(nn.Module):
     """Full attention with an output gate: ``q_proj`` yields query and gate per head,
-    per-head q/k RMSNorm, partial RoPE, output ``o_proj(attn * sigmoid(gate))``."""
+    per-head q/k RMSNorm, partial RoPE, output ``o_proj(attn * sigmoid(gate))``.
+
+    q/k/v run as one GEMM against ``qkv_weight`` ``[2 Hq hd + 2 Hkv hd, hidden]`` (and
+    ``qkv_bias`` with ``attention_bias``), built by :meth:`fuse_projections`.
+    """
 
     def __init__(self, cfg: HybridConfig, rotary: Rotary):
         super().__init__()
@@ -207,13 +254,23 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.rotary = [rotary]  # shared, not a submodule (keeps parameter names checkpoint-exact)
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse_projections(self) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, meta: BatchMeta, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: ``[T, hidden]`` (normed). Returns ``[T, hidden]`` in x's dtype."""
         T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
+        qg, k, v = torch.split(
+            F.linear(x, self.qkv_weight, self.qkv_bias),
+            [2 * self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1,
+        )
+        q, gate = qg.view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(T, self.nkv, self.hd))
-        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        k = self.k_norm(k.view(T, self.nkv, self.hd))
+        v = v.view(T, self.nkv, self.hd)
         rope = self.rotary[0]
         q, k = rope(q, meta.positions), rope(k, meta.positions)
         k_cache, v_cache = kv
@@ -221,19 +278,28 @@ class GatedAttention(nn.Module):
         o = paged_attention(
             q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, meta.cu_seqlens, self.hd ** -0.5
         )
-        o = o.reshape(T, self.nh * self.hd) * torch.sigmoid(gate.reshape(T, -1))
-        return self.o_proj(o)
+        # gated per head on the strided gate view: no copy of it; the product is contiguous
+        return self.o_proj((o * torch.sigmoid(gate)).reshape(T, self.nh * self.hd))
 
 
 class MLP(nn.Module):
+    """SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))``; gate and up run as one GEMM
+    against ``gate_up_weight`` ``[2 I, hidden]``, built by :meth:`fuse_projections`."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)
+
+    def fuse_projections(self) -> None:
+        self.gate_up_weight, _ = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        """x: ``[T, hidden]``. Returns ``[T, hidden]`` in x's dtype."""
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # silu_mul reads the halves in place
+        return self.down_proj(silu_mul(gate, up))
 
 
 class Router(nn.Module):
@@ -337,7 +403,11 @@ class MTPHead(nn.Module):
 class StageModel(nn.Module):
     """Decoder layers ``[start, end)`` plus the embedding (first stage) and the final norm,
     ``lm_head`` and MTP head (last stage). Parameter names equal the checkpoint's, without
-    its decoder prefix (``model.`` or ``model.language_model.``)."""
+    its decoder prefix (``model.`` or ``model.language_model.``).
+
+    The forward needs :meth:`fuse_projections`, called once the weights are loaded
+    (``loader.load_stage_model`` does).
+    """
 
     def __init__(self, cfg: HybridConfig, start: int, end: int, with_mtp: bool):
         super().__init__()
@@ -369,6 +439,15 @@ class StageModel(nn.Module):
     @property
     def attention_layers(self) -> list[int]:
         return [i for i in range(self.start, self.end) if self.cfg.layer_types[i] == "full_attention"]
+
+    def fuse_projections(self) -> None:
+        """Concatenate the projections that read the same input (GDN qkv/z/b/a, attention
+        q/k/v, MLP and shared-expert gate/up, the MTP head's layer included) into one
+        weight each, so each set is one GEMM; parameters become views of it
+        (:func:`fuse_linears`). Call after loading, on the final device and dtype."""
+        for m in self.modules():
+            if isinstance(m, (GatedDeltaNet, GatedAttention, MLP)):
+                m.fuse_projections()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if self.is_first else self.mtp_embed_tokens

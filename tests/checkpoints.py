@@ -33,6 +33,9 @@ KINDS = {
     # qwen3_5_text with value/key head ratio 1, and ratio 2 with 7 layers (not a multiple of 4)
     "qwen3_5_ratio1": ("qwen3_5_text", dict(num_hidden_layers=4, linear_num_value_heads=2, intermediate_size=96)),
     "qwen3_5_ratio2_7l": ("qwen3_5_text", dict(num_hidden_layers=7, linear_num_value_heads=4, intermediate_size=96)),
+    # q/k/v/o biases (attention_bias): the fused q|k|v GEMM carries a bias
+    "qwen3_5_bias": ("qwen3_5_text", dict(num_hidden_layers=4, linear_num_value_heads=4, intermediate_size=96,
+                                          attention_bias=True)),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(num_hidden_layers=4, linear_num_value_heads=4, num_experts=4,
                                             num_experts_per_tok=2, moe_intermediate_size=32,
                                             shared_expert_intermediate_size=48)),
@@ -109,6 +112,12 @@ def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> st
     torch.manual_seed(seed)
     cfg = cfg_cls(**{**BASE, **over})
     model = model_cls(cfg).eval()
+    if getattr(cfg, "attention_bias", False):
+        # transformers initialises biases to zero: random ones, so that a misplaced one shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     if mtp:
         add_random_mtp(path, seed)

@@ -8,7 +8,7 @@ from ppspec.router.llm import LLM
 from ppspec.router.types import SamplingParams
 from ppspec.stage_server.runner import StageRunner, split_layers
 
-KINDS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5_ratio1", "qwen3_5_ratio2_7l", "qwen3_5_moe"]
+KINDS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5_ratio1", "qwen3_5_ratio2_7l", "qwen3_5_moe", "qwen3_5_bias"]
 TOL = 1e-4
 
 
@@ -110,3 +110,65 @@ def test_bf16_stage_matches_transformers_in_bf16(make_ckpt):
     rounding = (h16 - f32).abs().max()
     assert (ours - h16).abs().max() < 0.25 * rounding
     assert (ours - h16).abs().max() < 0.05 * f32.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_bias", "qwen3_5_moe"])
+def test_fused_projections_are_views_of_the_checkpoint_weights(make_ckpt, kind):
+    """After loading, each set of projections that reads one input (GDN qkv/z/b/a,
+    attention q/k/v with their biases, MLP / shared-expert gate/up, the MTP layer's too)
+    is one weight whose rows are the checkpoint's tensors, in order; the parameters are
+    views of it (names and values as the checkpoint's, every byte held once)."""
+    import os
+
+    from safetensors import safe_open
+
+    from ppspec.stage_server.loader import _checkpoint_key, load_stage_model
+    from ppspec.stage_server.model import MLP, GatedAttention, GatedDeltaNet
+
+    path = make_ckpt(kind)
+    cfg, model = load_stage_model(path)
+    assert hasattr(model, "mtp")
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        checked = set()
+        for name, p in model.named_parameters():
+            key = _checkpoint_key(cfg, name)
+            if key in keys:
+                assert torch.equal(p, f.get_tensor(key)), name
+                checked.add(name)
+            else:
+                assert ".experts." in name, name  # stacked from per-expert tensors at load time
+    fused = {
+        GatedDeltaNet: lambda m: ([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], m.in_proj_weight, None),
+        GatedAttention: lambda m: ([m.q_proj, m.k_proj, m.v_proj], m.qkv_weight, m.qkv_bias),
+        MLP: lambda m: ([m.gate_proj, m.up_proj], m.gate_up_weight, None),
+    }
+    seen = {cls: 0 for cls in fused}
+    prefixes = {m: n for n, m in model.named_modules()}
+    for m in model.modules():
+        if type(m) not in fused:
+            continue
+        seen[type(m)] += 1
+        linears, weight, bias = fused[type(m)](m)
+        assert (bias is not None) == (kind == "qwen3_5_bias" and isinstance(m, GatedAttention))
+        for whole, leaf in ((weight, "weight"), (bias, "bias")):
+            if whole is None:
+                continue
+            row = 0
+            for lin in linears:
+                part = getattr(lin, leaf)
+                assert f"{prefixes[lin]}.{leaf}" in checked  # compared with the checkpoint above
+                assert part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                assert part.storage_offset() == whole.storage_offset() + row * whole[0].numel()
+                assert torch.equal(whole[row:row + part.shape[0]], part)
+                row += part.shape[0]
+            assert row == whole.shape[0]
+    # every decoder layer (and the MTP layer) has one MLP: its own or the MoE's shared expert
+    n_layers = cfg.num_hidden_layers
+    assert seen == {GatedDeltaNet: len(model.linear_layers), GatedAttention: len(model.attention_layers) + 1,
+                    MLP: n_layers + 1}
+    # every byte once: the parameters' distinct storages hold exactly the parameters
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(storages.values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+    # the fused tensors are no checkpoint entries: the state dict is the parameters
+    assert list(model.state_dict()) == [n for n, _ in model.named_parameters()]

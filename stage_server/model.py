@@ -353,7 +353,12 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: token mixer (GDN or gated attention), then MLP / MoE."""
+    """Pre-norm residual block: token mixer (GDN or gated attention), then MLP / MoE.
+
+    The residual stream travels as a pair ``(h, residual)`` whose sum it is: a layer's
+    closing add is left to the next layer's ``input_layernorm``, which fuses it (one
+    kernel on CUDA); the caller adds the last layer's pair.
+    """
 
     def __init__(self, cfg: HybridConfig, layer_type: str, moe: bool, rotary: Rotary):
         super().__init__()
@@ -366,15 +371,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, meta: BatchMeta, state) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, meta: BatchMeta, state, residual: torch.Tensor | None = None):
+        """x, residual: ``[T, hidden]``, the stream ``x + residual`` entering the layer
+        (``residual`` None: x is the stream itself).
+
+        Returns ``(h, residual)``, ``[T, hidden]`` each: the stream after the layer is
+        ``h + residual``.
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            # the previous layer's closing add and this norm, one kernel on CUDA
+            h, residual = self.input_layernorm(x, residual=residual)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, meta, state)
         else:
             h = self.self_attn(h, meta, state)
-        # x = x + h and its norm, one kernel on CUDA
-        h, x = self.post_attention_layernorm(h, residual=x)
-        return x + self.mlp(h)
+        h, residual = self.post_attention_layernorm(h, residual=residual)
+        return self.mlp(h), residual
 
 
 class MTPHead(nn.Module):
@@ -397,7 +411,8 @@ class MTPHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, meta: BatchMeta, kv) -> torch.Tensor:
         u = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.layers[0](u, meta, kv)
+        h, residual = self.layers[0](u, meta, kv)
+        return h + residual
 
 
 class StageModel(nn.Module):
@@ -459,9 +474,10 @@ class StageModel(nn.Module):
         layer_states: global layer index -> :class:`LinearLayerState` or ``(k_cache, v_cache)``.
         Returns ``[T, hidden]``: the residual stream after layer ``end - 1`` (pre final norm).
         """
+        residual = None
         for i, layer in self.layers.items():
-            hidden = layer(hidden, meta, layer_states[int(i)])
-        return hidden
+            hidden, residual = layer(hidden, meta, layer_states[int(i)], residual)
+        return hidden + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(hidden))`` in fp32: ``[N, vocab]``."""

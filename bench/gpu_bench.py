@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--skip-eager", action="store_true", help="1B decode with CUDA graphs only")
     ap.add_argument("--make-1b", metavar="PATH", default=None,
                     help="only save the random 1B checkpoint (with a random MTP head) at PATH and exit")
     a = ap.parse_args(argv)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print("| batch | decode step, CUDA graphs (ms) | eager (ms) | roofline (ms) | graphs / roofline | weight MB | KV MB | state MB |")
         print("|---|---|---|---|---|---|---|---|")
         for b in (1, 16, 64):
-            eager = decode_step(torch, path, b, 1024, bw, graphs=False)[0]
+            eager = float("nan") if a.skip_eager else decode_step(torch, path, b, 1024, bw, graphs=False)[0]
             torch.cuda.empty_cache()
             dt, floor, w, kv, st = decode_step(torch, path, b, 1024, bw)
             torch.cuda.empty_cache()

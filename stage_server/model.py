@@ -24,6 +24,7 @@ from ppspec.kernels.attention import paged_attention, store_kv
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from ppspec.kernels.gdn import ReplayBuffers, gdn_prefill, gdn_recurrent, gdn_recurrent_replay, replay_flush, replay_reset
 from ppspec.kernels.norm import gated_rms_norm, rms_norm
+from ppspec.kernels.rotary import apply_rotary
 
 from .config import HybridConfig
 
@@ -217,7 +218,9 @@ class GatedDeltaNet(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Partial rotary embedding on the first ``rotary_dim`` dims of each head, rotate-half form."""
+    """Partial rotary embedding on the first ``rotary_dim`` dims of each head, rotate-half
+    form: holds ``inv_freq`` (fp32, kept so after the model's dtype cast by the loader) for
+    ``kernels.rotary.apply_rotary``, which rotates q and k together."""
 
     def __init__(self, cfg: HybridConfig):
         super().__init__()
@@ -225,14 +228,8 @@ class Rotary(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(x.dtype).unsqueeze(1), emb.sin().to(x.dtype).unsqueeze(1)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        return apply_rotary(q, k, positions, self.inv_freq)
 
 
 class GatedAttention(nn.Module):
@@ -271,8 +268,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.view(T, self.nkv, self.hd))
         v = v.view(T, self.nkv, self.hd)
-        rope = self.rotary[0]
-        q, k = rope(q, meta.positions), rope(k, meta.positions)
+        q, k = self.rotary[0](q, k, meta.positions)
         k_cache, v_cache = kv
         store_kv(k_cache, v_cache, meta.slots, k, v)
         o = paged_attention(

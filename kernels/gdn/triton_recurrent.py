@@ -41,7 +41,7 @@ def _gdn_recurrent_kernel(
     q, k, v, g, beta, o,
     state, scratch, rows,
     buf_k, buf_delta, buf_g, pending, slot,
-    scale,
+    scale, s_q, s_k, s_v,
     D: tl.constexpr, D_MAX: tl.constexpr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -98,9 +98,9 @@ def _gdn_recurrent_kernel(
         tok = (i_b * D + o_t).to(tl.int64)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_Q = tl.load(q + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_K = tl.load(k + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_V = tl.load(v + (tok * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_Q = tl.load(q + (tok * s_q + i_h * K)[:, None] + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_K = tl.load(k + (tok * s_k + i_h * K)[:, None] + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_V = tl.load(v + (tok * s_v + i_hv * V)[:, None] + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_g = tl.load(g + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
         b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
         b_Q = b_Q * (tl.math.rsqrt(tl.sum(b_Q * b_Q, 1) + 1e-6) * scale)[:, None]
@@ -138,10 +138,10 @@ def _gdn_recurrent_kernel(
         tl.store(buf_g + st * HV + i_hv, b_g, mask=m_t & (i_vb == 0))
     else:
         for t in range(D):
-            tok = i_b * D + t
-            b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_kr = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            b_vr = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
+            tok = (i_b * D + t).to(tl.int64)
+            b_q = tl.load(q + tok * s_q + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_kr = tl.load(k + tok * s_k + i_h * K + o_k, mask=m_k, other=0.0)
+            b_vr = tl.load(v + tok * s_v + i_hv * V + o_v, mask=m_v, other=0.0)
             g_r = tl.load(g + tok * HV + i_hv)
             beta_r = tl.load(beta + tok * HV + i_hv)
             b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
@@ -190,6 +190,20 @@ def _check_gdn_args(q, k, v, g, beta, state):
     return B, D, H, HV, K, V
 
 
+def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` ``[B, D, H, N]`` and the stride (elements) between its tokens, heads packed
+    within a token: in place when its layout allows (the ``split`` of a projection's
+    columns viewed per head), else a contiguous copy."""
+    B, D, H, N = x.shape
+    if (x.stride(3) == 1 or N == 1) and (x.stride(2) == N or H == 1):
+        # token b * D + t sits at b * stride(0) + t * stride(1): one stride when they agree
+        if D == 1:
+            return x, x.stride(0)
+        if B == 1 or x.stride(0) == D * x.stride(1):
+            return x, x.stride(1)
+    return x.contiguous(), H * N
+
+
 def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scratch=None, bufs=None, verify=None,
                          block_v=None, num_warps=None):
     """Shared launcher: checks shapes, not rows, and never syncs the host (CUDA-graph
@@ -205,7 +219,9 @@ def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scrat
         return o
     if scale is None:
         scale = K ** -0.5
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    # q, k, v are per-head views of the conv output's columns: read in place, token by token
+    (q, s_q), (k, s_k), (v, s_v) = (_token_rows(x) for x in (q, k, v))
+    g, beta = g.contiguous(), beta.contiguous()
     replay = bufs is not None
     if replay:
         d_max = bufs.k.shape[2]
@@ -233,7 +249,7 @@ def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scrat
     BV = block_v or _block_v(V, B, HV, replay)
     grid = (B * HV, triton.cdiv(V, BV))
     _gdn_recurrent_kernel[grid](
-        q, k, v, g, beta, o, state, scratch_arg, rows, *buf_args, float(scale),
+        q, k, v, g, beta, o, state, scratch_arg, rows, *buf_args, float(scale), s_q, s_k, s_v,
         D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BT=max(2, triton.next_power_of_2(D)),
         STORE_SCRATCH=store_scratch, STORE_FINAL=store_final, REPLAY=replay, STORE_BUF=store_buf,
         num_warps=num_warps or _num_warps(BV, replay),

@@ -74,7 +74,7 @@ def replay_flush_triton(state, bufs: ReplayBuffers, req_pool_indices) -> None:
     # a zero-step "decode" whose only work is the replay and the final store (the input and
     # output pointers are never touched at D = 0)
     _gdn_recurrent_kernel[(B * HV, triton.cdiv(V, BV))](
-        state, state, state, state, state, state, state, state, rows, *bufs[:3], bufs.pending, bufs.slot, 1.0,
+        state, state, state, state, state, state, state, state, rows, *bufs[:3], bufs.pending, bufs.slot, 1.0, 0, 0, 0,
         D=0, D_MAX=bufs.k.shape[2], H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, BT=2,
         STORE_SCRATCH=False, STORE_FINAL=True, REPLAY=True, STORE_BUF=False,
         num_warps=_num_warps(BV, True),

@@ -114,6 +114,44 @@ def test_gdn_rows_outside_pool_raise(dev):
 # ---------------------------------------------------------------- replay commit
 
 
+@pytest.mark.parametrize("D", [1, 4])
+@pytest.mark.parametrize("B", [1, 5])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_gdn_reads_conv_output_views_in_place(dev, dtype, B, D):
+    """q, k, v as the GDN layer passes them: column splits of the conv output ``[B D, 2 H K +
+    HV V]`` viewed per head. The kernels read them in place (no copy) with the results of
+    contiguous inputs, bit for bit: plain decode / copy verify, and the replay design."""
+    from ppspec.kernels.gdn.naive_replay import alloc_replay_buffers, alloc_replay_meta
+    from ppspec.kernels.gdn.triton_recurrent import _token_rows, recurrent_gated_delta_rule_triton
+    from ppspec.kernels.gdn.triton_replay import recurrent_gated_delta_rule_replay_triton
+
+    gen = torch.Generator().manual_seed(31 * B + D + (dtype == BF16))
+    H, HV, K, V = (2, 4, 16, 16) if _small(dev) else (4, 8, 128, 128)
+    R = B + 3
+    mixed = torch.randn(B * D, 2 * H * K + HV * V, generator=gen).to(dev, dtype)
+    q, k, v = torch.split(mixed, [H * K, H * K, HV * V], dim=-1)
+    q, k, v = q.view(B, D, H, K), k.view(B, D, H, K), v.view(B, D, HV, V)
+    for x in (q, k, v):
+        assert _token_rows(x)[0].data_ptr() == x.data_ptr()  # a view, not a copy
+    g = (-torch.rand(B, D, HV, generator=gen) * 0.5).to(dev)
+    beta = torch.rand(B, D, HV, generator=gen).to(dev, dtype)
+    rows = torch.randperm(R, generator=gen)[:B].to(dev)
+    state0 = (torch.randn(R, HV, K, V, generator=gen) * 0.1).to(dev)
+    contiguous = [x.contiguous() for x in (q, k, v)]
+    outs = []
+    for qkv in ((q, k, v), contiguous):
+        st = state0.clone()
+        scratch = torch.zeros(R, D, HV, K, V, device=dev) if D > 1 else None
+        o = recurrent_gated_delta_rule_triton(*qkv, g, beta, st, rows, scratch)
+        st_rep = state0.clone()
+        pend, slot = alloc_replay_meta(1, R, dev)
+        bufs = alloc_replay_buffers(R, D, H, HV, K, V, device=dev, meta=(pend[0], slot[0]))
+        o_rep = recurrent_gated_delta_rule_replay_triton(*qkv, g, beta, st_rep, rows, bufs, verify=D > 1)
+        outs.append((o, st, scratch, o_rep, st_rep, bufs.k, bufs.delta))
+    for a, b in zip(*outs):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("G", [1, 2])
 def test_gdn_replay_matches_copy_commit(dev, G, dtype):
@@ -642,3 +680,47 @@ def test_gdn_gates(dev, dtype, HV, M):
             fn(a, b[:, :-1] if HV > 1 else b[:0], A_log, dt_bias)
         with pytest.raises(ValueError):
             fn(a, b, A_log[:0], dt_bias)
+
+
+@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("hd,rd,hq,hk", [(64, 16, 4, 2), (128, 32, 16, 2), (256, 64, 8, 8), (64, 64, 4, 4)])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_rotary(dev, dtype, T, hd, rd, hq, hk):
+    from ppspec.kernels.rotary import apply_rotary
+    from ppspec.kernels.rotary.naive import rotary_ref
+    from ppspec.kernels.rotary.triton_rotary import rotary_triton
+
+    if _small(dev) and T > 7:
+        T = 9
+    gen = torch.Generator().manual_seed(T * hd + hq + (dtype == BF16))
+    # q as GatedAttention has it: per-head halves of a [T, hq, 2 hd] projection (read in place)
+    qg = torch.randn(T, hq, 2 * hd, generator=gen).to(dev, dtype)
+    q = qg.chunk(2, dim=-1)[0]
+    k = torch.randn(T, hk, hd, generator=gen).to(dev, dtype)
+    # positions up to 8k tokens: angles of thousands of radians
+    positions = torch.randint(0, 8192, (T,), generator=gen).to(dev)
+    inv_freq = (1.0 / (1e7 ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))).to(dev)
+    q_ref, k_ref = rotary_ref(q, k, positions, inv_freq)
+    q_out, k_out = rotary_triton(q, k, positions, inv_freq)
+    for out, ref in ((q_out, q_ref), (k_out, k_ref)):
+        assert out.is_contiguous()
+        if dtype == F32 or _bf16_cast_rounds(dev):
+            # fp32: the products and the sum may contract into an FMA; bf16: rounded as torch rounds
+            _ulp_close(out, ref, dtype, dev, ulps=0)
+        else:
+            # the interpreter truncates at each of the three bf16 roundings; a difference of
+            # two truncated products can cancel to far more than one ulp of the result
+            torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.05)
+        # the dims past rotary_dim pass through untouched
+        assert torch.equal(out[..., rd:], (q if out is q_out else k)[..., rd:])
+    if dev.type == "cuda":
+        q2, k2 = apply_rotary(q, k, positions, inv_freq)
+        assert torch.equal(q2, q_out) and torch.equal(k2, k_out)
+    q0, k0 = rotary_triton(q[:0], k[:0], positions[:0], inv_freq)
+    assert q0.shape == (0, hq, hd) and k0.shape == (0, hk, hd)
+    with pytest.raises(ValueError):
+        apply_rotary(q, k[:, :, :-1], positions, inv_freq)
+    with pytest.raises(ValueError):
+        apply_rotary(q, k, positions[:-1] if T > 1 else positions[:0], inv_freq)
+    with pytest.raises(ValueError):
+        apply_rotary(q, k, positions, torch.cat([inv_freq] * (hd // rd + 1)))

@@ -84,7 +84,10 @@ def step_from_pb(m: "pb.StepRequest") -> StepInput:
         next_token_ids=list(m.next_token_ids), output_lens=list(m.output_lens),
         sampling=[
             SamplingSpec(
-                x.temperature, x.top_p, x.top_k, x.min_p, x.seed, None if x.logprobs < 0 else x.logprobs,
+                # an unset field is the default, not proto3's zero (top_p 0 would be refused,
+                # logprobs 0 would ask for the sampled token's logprob)
+                x.temperature, x.top_p if x.HasField("top_p") else 1.0, x.top_k, x.min_p, x.seed,
+                x.logprobs if x.HasField("logprobs") and x.logprobs >= 0 else None,
                 x.min_tokens, list(x.banned_until_min),
             )
             for x in m.sampling

@@ -401,3 +401,17 @@ def test_verify_and_commit_on_a_stage_without_speculation(st):
     again2 = st.forward(StepInput(1, 3, "decode", [1], [20], [1], out2.output_ids[0]), stub)
     assert again.output_ids == again2.output_ids
     assert call(stub.Release, pb.ReleaseRequest(req_pool_indices=[1]))[0] == "OK"
+
+
+def test_a_hand_built_sampling_spec_means_the_defaults_not_proto_zeros():
+    """proto3 reads an unset float as 0: top_p 0 would be refused and logprobs 0 would ask
+    for logprobs. The fields carry presence, so an unset one decodes to the default."""
+    from ppspec.proto.codec import step_from_pb
+
+    s = step_from_pb(pb.StepRequest(mode="prefill", sampling=[pb.SamplingSpec(temperature=0.7)])).sampling[0]
+    assert (s.temperature, s.top_p, s.logprobs) == (pytest.approx(0.7), 1.0, None)
+    # set explicitly, the values travel as they are (the stage refuses top_p 0 itself)
+    s = step_from_pb(pb.StepRequest(sampling=[pb.SamplingSpec(top_p=0.0, logprobs=0)])).sampling[0]
+    assert (s.top_p, s.logprobs) == (0.0, 0)
+    for spec in (SamplingSpec(0.5, top_p=0.25, logprobs=None), SamplingSpec(1.0, top_p=1.0, logprobs=3)):
+        assert step_from_pb(step_to_pb(prefill([0], sampling=[spec]))).sampling[0] == spec

@@ -191,7 +191,12 @@ class Engine:
             self._set_in_flight()
             try:
                 res = await self.pipeline.step(batch.step_input(self.eos))
-            except (StageDownError, ValueError, OSError) as e:
+            except ValueError as e:  # a stage refused this micro-batch; the others go on
+                self.outstanding.pop(lane, None)
+                self._set_in_flight()
+                self._fail_batch(batch, str(e))
+                continue
+            except (StageDownError, OSError) as e:
                 self.outstanding.pop(lane, None)
                 self._set_in_flight()
                 self._fail(f"{e}")
@@ -263,6 +268,36 @@ class Engine:
                 except (KeyError, ValueError):
                     pass
         self.outstanding.clear()
+
+    def _fail_batch(self, batch, reason: str) -> None:
+        """A stage refused one micro-batch (INVALID_ARGUMENT / RESOURCE_EXHAUSTED): end its
+        requests with an internal error (HTTP 500) and release their rows everywhere,
+        abandoning the commit the stages before the refusing one wait for. Requests of
+        other micro-batches are not touched."""
+        log.error("micro-batch %d round %d refused, failing its %d requests: %s",
+                  batch.micro_batch_id, batch.round, len(batch.requests), reason)
+        dropped, rows = self.scheduler.fail_requests(batch.requests)
+        for r in dropped:
+            q = self.queues.get(r.request_id)
+            if q is not None:
+                q.put_nowait(EngineError(f"request {r.request_id} failed: a pipeline stage refused its step: {reason}"))
+            if self.metrics:
+                try:
+                    self.metrics.on_request_finished(r.request_id, "abort")
+                except (KeyError, ValueError):
+                    pass
+        if rows:
+            self._spawn(self._release_abandoned(rows, batch.micro_batch_id, batch.round))
+
+    async def _release_abandoned(self, rows: list[int], micro_batch_id: int, round: int) -> None:
+        try:
+            await self.pipeline.release(rows, micro_batch_id, round, abandon=True)
+        except (StageDownError, OSError, EngineError, ValueError) as e:
+            self._stale_rows = self._stale_rows + rows  # the full recovery releases them
+            self._fail(f"release after a refused micro-batch: {e}")
+            return
+        self.scheduler.free(rows)
+        self._wake.set()
 
     def shutdown(self, reason: str = "the server is shutting down") -> None:
         """End every request now with StageDownError(reason) (HTTP 503; a stream gets the

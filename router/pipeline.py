@@ -29,6 +29,11 @@ class InProcessPipeline:
             raise ValueError("a pipeline needs at least one stage")
         self.runners = runners
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ppspec-inproc")
+        # async API: rows whose verify awaits its commit -> (micro_batch_id, round). The
+        # driver sends a commit in the background and may step the lane again first; as a
+        # stage server does, a step or release of such a row waits for the commit.
+        self._pending: dict[int, tuple[int, int]] = {}
+        self._committed: asyncio.Condition | None = None
 
     @classmethod
     def build(cls, model_dir: str, pp_size: int = 1, **runner_kwargs) -> "InProcessPipeline":
@@ -67,15 +72,42 @@ class InProcessPipeline:
     async def info(self) -> list[dict]:
         return await self._run(self.info_sync)
 
+    async def _wait_committed(self, rows: list[int]) -> None:
+        if self._committed is None:
+            self._committed = asyncio.Condition()
+        async with self._committed:
+            await self._committed.wait_for(lambda: not any(r in self._pending for r in rows))
+
     async def step(self, inp: StepInput) -> StepOutput:
-        return await self._run(self.step_sync, inp)
+        await self._wait_committed(inp.req_pool_indices)
+        out = await self._run(self.step_sync, inp)
+        if inp.mode == "verify":
+            self._pending.update((r, (inp.micro_batch_id, inp.round)) for r in inp.req_pool_indices)
+        return out
 
     async def commit_accept(self, c: Commit) -> None:
-        await self._run(self.commit_accept_sync, c)
+        try:
+            await self._run(self.commit_accept_sync, c)
+        finally:
+            await self._done(c.req_pool_indices, (c.micro_batch_id, c.round))
 
     async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False) -> None:
-        # in process, a commit is applied before the step that follows it: nothing is pending
+        """Free rows on every stage once their commits are applied; with ``abandon`` (no
+        commit will come: the round failed) without waiting for them."""
+        if abandon:
+            await self._done(rows, None)
+        await self._wait_committed(rows)
         await self._run(self.release_sync, rows)
+
+    async def _done(self, rows: list[int], key: tuple[int, int] | None) -> None:
+        """Rows' pending commit settled (``key`` None: whatever round it was)."""
+        if self._committed is None:
+            self._committed = asyncio.Condition()
+        async with self._committed:
+            for r in rows:
+                if r in self._pending and (key is None or self._pending[r] == key):
+                    del self._pending[r]
+            self._committed.notify_all()
 
     def health(self) -> tuple[bool, str]:
         return True, "in-process stages"

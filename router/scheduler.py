@@ -378,6 +378,23 @@ class Scheduler:
             return [self._finish(r, reason)]
         return []
 
+    def fail_requests(self, requests: list[Request]) -> tuple[list[Request], list[int]]:
+        """Drop ``requests`` (a stage refused their micro-batch; the pipeline serves on).
+        Returns those dropped, so the driver can tell their clients, and the rows they held,
+        to release on every stage (a stage before the refusing one ran the step)."""
+        dropped, rows = [], []
+        for r in requests:
+            if r.status == FINISHED:
+                continue
+            r.in_flight = False
+            if r.status == RUNNING:
+                rows.append(self._finish(r, "abort"))
+            else:
+                self.requests.pop(r.request_id, None)
+                r.status = FINISHED
+            dropped.append(r)
+        return dropped, rows
+
     def fail_all(self) -> tuple[list[Request], list[int]]:
         """Drop every request (a stage died). Returns the dropped requests, so the driver
         can tell their clients, and the rows they held, to release on every stage."""

@@ -1,0 +1,79 @@
+"""The async engine when a stage refuses one micro-batch: only that micro-batch's requests
+fail; the others finish with the tokens of PP1 without speculation, every row comes back on
+every stage, and the engine keeps serving (no full recovery)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from ppspec.router.engine import Engine
+from ppspec.router.llm import DEMO_MODEL, LLM
+from ppspec.router.pipeline import InProcessPipeline
+from ppspec.router.types import EngineError, SamplingParams, StageDownError
+
+PROMPTS = [[1 + (7 * i + j) % 200 for j in range(6 + i)] for i in range(6)]
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.set_num_threads(1)
+    outs = LLM(DEMO_MODEL, max_rows=8).generate(PROMPTS + [PROMPTS[0]], PARAMS)
+    return [o.token_ids for o in outs]
+
+
+async def _collect(engine, rid, prompt):
+    ids = []
+    try:
+        async for out in engine.generate(rid, prompt, PARAMS):
+            ids += out.new_token_ids
+    except EngineError as e:
+        return e
+    return ids
+
+
+def test_a_refused_micro_batch_fails_only_its_requests(reference):
+    torch.set_num_threads(1)
+    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    refused = []
+    step = pipe.runners[1].step
+
+    def refuse_first_verify(inp):
+        # stage 1 refuses after stage 0 has run the step: stage 0 holds state (and, over
+        # gRPC, a pending commit) for these rows that only a release can drop
+        if inp.mode == "verify" and not refused:
+            refused.append(list(inp.req_pool_indices))
+            raise ValueError("stage 1: refused for the test")
+        return step(inp)
+
+    pipe.runners[1].step = refuse_first_verify
+
+    async def run():
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=2)
+        await engine.start()
+        results = await asyncio.gather(*(_collect(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        for _ in range(50):  # the release of the failed rows runs in the background
+            if engine.scheduler.free_rows and len(engine.scheduler.free_rows) == 8:
+                break
+            await asyncio.sleep(0.05)
+        health = engine.health()
+        after = await _collect(engine, "late", PROMPTS[0])  # still serving
+        await asyncio.sleep(0.2)
+        infos = await pipe.info()
+        for t in engine._tasks:
+            t.cancel()
+        return results, health, after, infos
+
+    results, health, after, infos = asyncio.run(run())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert refused and len(failed) == len(refused[0]) >= 1
+    assert all(not isinstance(e, StageDownError) and "refused for the test" in str(e) for e in failed)
+    survivors = [(i, r) for i, r in enumerate(results) if not isinstance(r, BaseException)]
+    assert survivors, "the other micro-batch's requests must finish"
+    for i, ids in survivors:
+        assert ids == reference[i], f"request {i}"
+    assert health[0], health
+    assert after == reference[-1]
+    assert all(i["rows_in_use"] == 0 and i["kv_pages_used"] == 0 for i in infos), infos

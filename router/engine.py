@@ -258,16 +258,20 @@ class Engine:
             self.failure = reason
         dropped, rows = self.scheduler.fail_all()
         self._stale_rows = self._stale_rows + rows
+        self._end_dropped(dropped, lambda rid: StageDownError(f"request {rid} failed: {reason}"))
+        self.outstanding.clear()
+
+    def _end_dropped(self, dropped, error) -> None:
+        """Hand each dropped request's stream its error (``error(request_id)``); count it aborted."""
         for r in dropped:
             q = self.queues.get(r.request_id)
             if q is not None:
-                q.put_nowait(StageDownError(f"request {r.request_id} failed: {reason}"))
+                q.put_nowait(error(r.request_id))
             if self.metrics:
                 try:
                     self.metrics.on_request_finished(r.request_id, "abort")
                 except (KeyError, ValueError):
                     pass
-        self.outstanding.clear()
 
     def _fail_batch(self, batch, reason: str) -> None:
         """A stage refused one micro-batch (INVALID_ARGUMENT / RESOURCE_EXHAUSTED): end its
@@ -277,15 +281,7 @@ class Engine:
         log.error("micro-batch %d round %d refused, failing its %d requests: %s",
                   batch.micro_batch_id, batch.round, len(batch.requests), reason)
         dropped, rows = self.scheduler.fail_requests(batch.requests)
-        for r in dropped:
-            q = self.queues.get(r.request_id)
-            if q is not None:
-                q.put_nowait(EngineError(f"request {r.request_id} failed: a pipeline stage refused its step: {reason}"))
-            if self.metrics:
-                try:
-                    self.metrics.on_request_finished(r.request_id, "abort")
-                except (KeyError, ValueError):
-                    pass
+        self._end_dropped(dropped, lambda rid: EngineError(f"request {rid} failed: a pipeline stage refused its step: {reason}"))
         if rows:
             self._spawn(self._release_abandoned(rows, batch.micro_batch_id, batch.round))
 

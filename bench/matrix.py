@@ -6,8 +6,8 @@
 For each (pp, spec) it starts ``ppspec serve``, runs ``ppspec bench`` at each concurrency,
 reads the router's ``/metrics`` before and after (per-stage compute, the router's
 pipeline step time, stage busy fraction), and writes one result JSON per run plus
-``summary.md``: output tokens/s, TPOT, mean accept length, per-hop latency
-((step wall time - sum of stage compute) / stages, i.e. one gRPC round trip per stage)
+``summary.md`` and ``summary.json`` (every figure of the grid in one file): output tokens/s,
+TPOT, mean accept length, per-hop latency ((step wall time - sum of stage compute) / stages, i.e. one gRPC round trip per stage)
 and each stage's busy fraction (stage compute seconds / run seconds).
 
 Greedy agreement: before the benchmark, each server also answers ``--agreement-prompts``
@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                   "| PP | spec | greedy agreement |", "|---|---|---|"]
         lines += [f"| {pp} | {spec} | {x:.4f} |" for pp, spec, x in agree_rows]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+    # every figure of the grid in one file (a machine that returns few files keeps them all)
+    (out / "summary.json").write_text(json.dumps({"rows": rows, "agreement": [
+        {"pp": pp, "spec": spec, "greedy_agreement": x} for pp, spec, x in agree_rows], "reference": ref_name}, indent=1))
     print("\n".join(lines))
     return 0
 

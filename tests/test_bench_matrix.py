@@ -49,6 +49,9 @@ def test_matrix_reports_agreement_hops_and_busy_fractions(tmp_path):
     ref = json.loads((out / "agreement-reference.json").read_text())
     assert ref["pp"] == 1 and ref["spec"] == "none"
     assert len(ref["token_ids"]) == 4 and all(len(t) == 12 for t in ref["token_ids"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["rows"]) == 4 and summary["reference"] == "PP1 none"
+    assert [a["greedy_agreement"] for a in summary["agreement"]] == [1.0] * 4
     table = (out / "summary.md").read_text().splitlines()
     assert len(table) == 2 + 4 + 5 + 4 and table[0].endswith("greedy agreement |")
     assert table[-4:] == [f"| {pp} | {s} | 1.0000 |" for pp in (1, 2) for s in ("none", "mtp")]

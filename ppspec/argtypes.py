@@ -85,6 +85,24 @@ def device_list(s: str) -> str:
     return s
 
 
+def stage_devices(device: str, n: int, spread_cuda: bool = True) -> list[str]:
+    """The device of each of ``n`` stages: a comma-separated list gives one per stage; a
+    bare ``cuda`` puts stage k on ``cuda:k`` with ``spread_cuda`` (``ppspec serve``), else
+    every stage on the current CUDA device; any other single device is shared.
+
+    Raises:
+        ValueError: a list of another length than ``n``.
+    """
+    if "," in device:
+        devs = [d.strip() for d in device.split(",")]
+        if len(devs) != n:
+            raise ValueError(f"--device lists {len(devs)} devices for {n} stages")
+        return devs
+    if device == "cuda" and spread_cuda:
+        return [f"cuda:{k}" for k in range(n)]
+    return [device] * n
+
+
 def add_cuda_graph_args(ap: argparse.ArgumentParser) -> None:
     """``--cuda-graph-max-bs N`` and ``--disable-cuda-graph`` (SGLang's names), read back
     by :func:`cuda_graph_max_bs`."""

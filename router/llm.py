@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device, positive_int
+from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device_list, positive_int
 
 from .pipeline import InProcessPipeline
 from .scheduler import Scheduler, kv_budget
@@ -56,6 +56,8 @@ class LLM:
         drafter: ``f(request, k) -> drafts`` replacing the n-gram lookup (tests, custom drafters).
         cuda_graph_max_bs: decode / verify batches up to this size replay CUDA graphs; 0
             runs eagerly; None: ``min(max_rows, 256)`` on CUDA, off on CPU (``StageRunner``).
+        device: one device for every stage (``"cuda"``: the current GPU), or a
+            comma-separated device per stage (``"cuda:0,cuda:1"``).
     """
 
     def __init__(
@@ -189,7 +191,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit (default: replay on CUDA, copy on CPU)")
-    ap.add_argument("--device", type=device, default="cpu")
+    ap.add_argument("--device", type=device_list, default="cpu", help="cpu, cuda, or a comma-separated device per stage")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_cuda_graph_args(ap)
     a = ap.parse_args(argv)

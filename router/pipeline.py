@@ -36,10 +36,15 @@ class InProcessPipeline:
         self._committed: asyncio.Condition | None = None
 
     @classmethod
-    def build(cls, model_dir: str, pp_size: int = 1, **runner_kwargs) -> "InProcessPipeline":
+    def build(cls, model_dir: str, pp_size: int = 1, device: str = "cpu", **runner_kwargs) -> "InProcessPipeline":
+        """One ``StageRunner`` per PP rank. ``device``: one device for every stage, or a
+        comma-separated device per stage (``"cuda:0,cuda:1"``: each stage on its GPU, the
+        hidden states copied between them). Raises ValueError for a list of another length."""
+        from ppspec.argtypes import stage_devices
         from ppspec.stage_server.runner import StageRunner
 
-        return cls([StageRunner(model_dir, k, pp_size, **runner_kwargs) for k in range(pp_size)])
+        devices = stage_devices(device, pp_size, spread_cuda=False)
+        return cls([StageRunner(model_dir, k, pp_size, device=devices[k], **runner_kwargs) for k in range(pp_size)])
 
     # ---- synchronous API (single-process driver)
     def info_sync(self) -> list[dict]:

@@ -18,6 +18,7 @@ import urllib.request
 
 from ppspec.argtypes import (
     add_cuda_graph_args, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_float, positive_int,
+    stage_devices,
 )
 
 from .llm import DEMO_MODEL
@@ -69,18 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--wedge-timeout", type=positive_float, default=60.0)
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap
-
-
-def stage_devices(device: str, n: int) -> list[str]:
-    """Device of each stage: ``cuda`` puts stage k on ``cuda:k``; a list gives one per stage."""
-    if "," in device:
-        devs = [d.strip() for d in device.split(",")]
-        if len(devs) != n:
-            raise ValueError(f"--device lists {len(devs)} devices for {n} stages")
-        return devs
-    if device == "cuda":
-        return [f"cuda:{k}" for k in range(n)]
-    return [device] * n
 
 
 class Children:

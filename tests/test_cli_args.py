@@ -51,3 +51,31 @@ def test_port_free_ignores_time_wait_sockets():
     cli.close()
     srv.close()
     assert port_free("127.0.0.1", port)
+
+
+def test_stage_devices():
+    from ppspec.argtypes import stage_devices
+
+    assert stage_devices("cuda", 3) == ["cuda:0", "cuda:1", "cuda:2"]  # ppspec serve: one GPU each
+    assert stage_devices("cuda", 2, spread_cuda=False) == ["cuda", "cuda"]  # LLM: the current GPU
+    assert stage_devices("cuda:1", 2) == ["cuda:1", "cuda:1"]
+    assert stage_devices("cuda:0, cuda:1", 2, spread_cuda=False) == ["cuda:0", "cuda:1"]
+    with pytest.raises(ValueError, match="lists 3 devices for 2 stages"):
+        stage_devices("cpu,cpu,cpu", 2)
+
+
+def test_llm_takes_a_device_per_stage():
+    import torch
+
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    torch.set_num_threads(1)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    ref = [o.token_ids for o in LLM(max_rows=4).generate(prompts, p)]
+    llm = LLM(pp_size=2, device="cpu,cpu", speculative_algorithm="mtp", max_rows=4)
+    assert [str(r.device) for r in llm.pipeline.runners] == ["cpu", "cpu"]
+    assert [o.token_ids for o in llm.generate(prompts, p)] == ref
+    with pytest.raises(ValueError, match="lists 3 devices for 2 stages"):
+        LLM(pp_size=2, device="cpu,cpu,cpu")

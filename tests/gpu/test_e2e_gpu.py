@@ -59,6 +59,23 @@ def test_fp32_identical_to_pp1(prompts, reference, pp, spec):
     _check_near_ties(outs, ref, gaps)
 
 
+def test_fp32_stages_on_their_own_gpus_identical_to_pp1(prompts, reference):
+    """PP2 + MTP with a device per stage: on a machine with two GPUs each stage on its
+    own (hidden states copied between them, each stage's kernels and graphs on its device);
+    on one GPU the same list names it twice."""
+    import torch
+
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    ref, gaps = reference
+    last = torch.cuda.device_count() - 1
+    llm = LLM(DEMO, device=f"cuda:0,cuda:{min(1, last)}", pp_size=2, speculative_algorithm="mtp", max_rows=N)
+    assert [str(r.device) for r in llm.pipeline.runners] == ["cuda:0", f"cuda:{min(1, last)}"]
+    outs = llm.generate([_ids(p) for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    _check_near_ties(outs, ref, gaps)
+
+
 def _check_near_ties(outs, ref, gaps):
     for i, (o, r) in enumerate(zip(outs, ref)):
         if o.token_ids != r:

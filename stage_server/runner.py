@@ -158,12 +158,15 @@ class StageRunner:
         if str(device).startswith("cuda"):
             if not torch.cuda.is_available():
                 raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
-            idx = torch.device(device).index or 0
+            idx = torch.device(device).index
+            if idx is None:  # "cuda": the current device
+                idx = torch.cuda.current_device()
             if idx >= torch.cuda.device_count():
                 raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA devices")
             # loading, the pools and graph capture below launch on the current device; a
             # stage's methods make it current again (on_stage_device) for later calls
             torch.cuda.set_device(idx)
+            device = f"cuda:{idx}"
         cfg = load_config(model_dir)
         start, end = layer_range or split_layers(cfg.num_hidden_layers, pp_size)[pp_rank]
         self.cfg: HybridConfig

@@ -203,7 +203,9 @@ class Scheduler:
                 f"the request needs {need} KV tokens but the pool holds {self.kv_tokens}", param="max_tokens"
             )
         req = Request(request_id, list(prompt_ids), params)
-        req.seed = params.seed if params.seed is not None else random.getrandbits(62)
+        # the API takes any int64 (and n > 1 adds the choice index); stages take a uint64:
+        # the same bits, two's complement
+        req.seed = params.seed % (1 << 64) if params.seed is not None else random.getrandbits(62)
         req.reserved_tokens = need
         self.requests[request_id] = req
         self.waiting.append(req)

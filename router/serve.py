@@ -7,6 +7,7 @@ others and exits non-zero, so that a supervisor restarts the whole set.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -21,6 +22,8 @@ from ppspec.argtypes import (
     stage_devices,
 )
 
+from ppspec.stage_server.config import CheckpointError, load_config
+
 from .llm import DEMO_MODEL
 
 
@@ -32,12 +35,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def port_free(host: str, port: int) -> bool:
     """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as the servers set it:
-    sockets of a stopped server left in TIME_WAIT do not count as in use."""
+    sockets of a stopped server left in TIME_WAIT do not count as in use.
+
+    Raises:
+        ValueError: ``host`` does not resolve, or is no address of this machine.
+    """
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
+        except socket.gaierror as e:
+            raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host {host} is not an address of this machine") from None
             return False
     return True
 
@@ -126,7 +137,12 @@ def main(argv: list[str]) -> int:
         print(f"ppspec serve: --stage-ports lists {len(a.stage_ports)} ports for {n} stages", file=sys.stderr)
         return 2
     for p in [a.port] + (a.stage_ports or []):
-        if not port_free(a.host, p):
+        try:
+            free = port_free(a.host, p)
+        except ValueError as e:
+            print(f"ppspec serve: {e}", file=sys.stderr)
+            return 2
+        if not free:
             print(f"ppspec serve: {a.host}:{p} is already in use (another server?); pick another --port",
                   file=sys.stderr)
             return 2
@@ -137,6 +153,14 @@ def main(argv: list[str]) -> int:
         return 2
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         print(f"ppspec serve: {a.model}: no config.json (is this a checkpoint folder?)", file=sys.stderr)
+        return 2
+    try:
+        layers = load_config(a.model).num_hidden_layers
+    except CheckpointError as e:
+        print(f"ppspec serve: {e}", file=sys.stderr)
+        return 2
+    if n > layers:  # before any stage starts (each would refuse its empty layer slice)
+        print(f"ppspec serve: --pp-size {n} is more than the checkpoint's {layers} layers", file=sys.stderr)
         return 2
     ports = a.stage_ports or [free_port(a.host) for _ in range(n)]
     threads = a.num_threads or max(1, (os.cpu_count() or 1) // n)

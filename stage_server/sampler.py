@@ -20,12 +20,15 @@ import torch
 
 from ppspec.proto.messages import SamplingSpec
 
-_MASK64 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 
 
 def _generator(seed: int, position: int, kind: int) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed((seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + kind) & _MASK64)
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + kind) & _MASK64
+    # the CPU generator (mt19937) keeps the low 32 bits of its seed: fold the high half in,
+    # or seeds 2^32 apart would sample alike
+    g.manual_seed(x ^ (x >> 32))
     return g
 
 

@@ -18,6 +18,9 @@ CASES = [
     (["serve", "--max-context", "0"], "--max-context: must be >= 1"),
     (["serve", "--num-micro-batches", "0"], "--num-micro-batches: must be >= 1"),
     (["serve", "--startup-timeout", "-1"], "--startup-timeout: must be > 0"),
+    (["serve", "--pp-size", "9"], "--pp-size 9 is more than the checkpoint's 8 layers"),  # the demo: 8
+    (["serve", "--host", "999.1.1.1"], "--host 999.1.1.1: cannot resolve it"),
+    (["serve", "--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine"),  # TEST-NET-1
     (["router", "--stages", "garbage"], "--stages: expected host:port"),
     (["router", "--stages", "127.0.0.1:70000"], "a TCP port is in [1, 65535]"),
     (["stage", "--pp-rank", "5", "--pp-size", "2"], "--pp-rank 5 is not below --pp-size 2"),

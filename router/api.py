@@ -713,6 +713,8 @@ class _Server:
             top: dict[str, float] = {}
             for tid, lp in r.logprob.top[:k]:
                 top.setdefault(self.pieces(int(tid))[0], _finite(lp))
+            # OpenAI: the sampled token's logprob is always there (up to logprobs + 1 entries)
+            top.setdefault(text, _finite(r.logprob.logprob))
             out.top_logprobs.append(top)
         return out
 

@@ -96,6 +96,7 @@ class FakeEngine:
         self.queue_full = False
         self.stage_down_after: int | None = None  # tokens yielded before StageDownError
         self.healthy = (True, "3 of 3 stages up")
+        self.sampled_outside_top = False  # logprobs: the sampled token ranks below the top k
         self.calls: dict[str, tuple[list[int], SamplingParams]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[TokenLogprob]] = {}
@@ -118,6 +119,8 @@ class FakeEngine:
     def _logprob(self, tid: int, k: int) -> TokenLogprob:
         lp = -0.05 - 0.1 * (tid % 13)
         top = [(tid, lp)] + [((tid + 7 * j) % self.vocab, lp - 0.25 * j) for j in range(1, k)]
+        if self.sampled_outside_top:  # a temperature draw of an unlikely token
+            top = [((tid + 7 * j) % self.vocab, lp + 0.25 * j) for j in range(k, 0, -1)]
         return TokenLogprob(tid, lp, top[:k])
 
     async def generate(self, request_id, prompt_token_ids, params: SamplingParams):
@@ -619,6 +622,19 @@ def test_stop_strings_earliest_wins_and_held_back_text_is_released(client, engin
 # --------------------------------------------------------------------------------------
 # Logprobs and token ids
 # --------------------------------------------------------------------------------------
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client, engine):
+    """OpenAI's legacy completions: "the API will always return the logprob of the sampled
+    token, so there may be up to logprobs+1 elements": also when it is not among the top k."""
+    engine.sampled_outside_top = True
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=8, seed=3, temperature=0.7, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    for tok, top, value in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs):
+        assert tok in top and len(top) <= 3 and max(top.values()) > value  # two likelier ones, then it
+        if "\ufffd" not in tok:  # byte pieces of different ids share the text "\ufffd"
+            assert top[tok] == pytest.approx(value)
 
 
 def test_completion_logprobs_shape(client, engine, tokenizer):

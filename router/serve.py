@@ -155,12 +155,17 @@ def main(argv: list[str]) -> int:
         print(f"ppspec serve: {a.model}: no config.json (is this a checkpoint folder?)", file=sys.stderr)
         return 2
     try:
-        layers = load_config(a.model).num_hidden_layers
+        cfg = load_config(a.model)
     except CheckpointError as e:
         print(f"ppspec serve: {e}", file=sys.stderr)
         return 2
-    if n > layers:  # before any stage starts (each would refuse its empty layer slice)
-        print(f"ppspec serve: --pp-size {n} is more than the checkpoint's {layers} layers", file=sys.stderr)
+    # checked before any stage starts (each would refuse at start, one by one)
+    if n > cfg.num_hidden_layers:
+        print(f"ppspec serve: --pp-size {n} is more than the checkpoint's {cfg.num_hidden_layers} layers", file=sys.stderr)
+        return 2
+    if a.max_context and a.max_context > cfg.max_position_embeddings:
+        print(f"ppspec serve: --max-context {a.max_context} is more than the checkpoint's "
+              f"max_position_embeddings {cfg.max_position_embeddings}", file=sys.stderr)
         return 2
     ports = a.stage_ports or [free_port(a.host) for _ in range(n)]
     threads = a.num_threads or max(1, (os.cpu_count() or 1) // n)

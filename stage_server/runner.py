@@ -179,7 +179,10 @@ class StageRunner:
         self.num_steps = num_speculative_steps
         self.max_rows = max_rows
         self.device, self.dtype = torch.device(device), dtype
-        self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_context is not None and max_context > cfg.max_position_embeddings:
+            raise ValueError(f"max_context {max_context} is more than the checkpoint's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        self.max_context = max_context or cfg.max_position_embeddings
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault = fault

@@ -19,6 +19,8 @@ CASES = [
     (["serve", "--num-micro-batches", "0"], "--num-micro-batches: must be >= 1"),
     (["serve", "--startup-timeout", "-1"], "--startup-timeout: must be > 0"),
     (["serve", "--pp-size", "9"], "--pp-size 9 is more than the checkpoint's 8 layers"),  # the demo: 8
+    (["stage", "--max-context", "100000"], "max_context 100000 is more than the checkpoint's max_position_embeddings"),
+    (["serve", "--max-context", "100000"], "--max-context 100000 is more than the checkpoint's max_position_embeddings 4096"),
     (["serve", "--host", "999.1.1.1"], "--host 999.1.1.1: cannot resolve it"),
     (["serve", "--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine"),  # TEST-NET-1
     (["router", "--stages", "garbage"], "--stages: expected host:port"),

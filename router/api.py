@@ -133,6 +133,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = loc[0] if loc else None  # the top-level field (union branch names dropped)
     msg = str(first.get("msg", "invalid value"))
     text = f"{'.'.join(loc)}: {msg}" if loc else msg
+    locs = [[str(x) for x in e.get("loc", ()) if x != "body"] for e in errors]
+    if param and len(errors) > 1 and all(len(l) >= 2 and l[0] == param for l in locs):
+        # a value matching no form of a union field: name the forms, not each branch's complaint
+        forms = list(dict.fromkeys(l[1] for l in locs))
+        if len(forms) > 1:
+            return f"{param}: expected {' or '.join(forms)}", param
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return text, param

@@ -976,3 +976,13 @@ def test_serve_http_runs_on_uvloop(engine):
         stop.set()
         thread.join(10)
     assert not thread.is_alive()  # serve_http returned once `shutdown` was set
+
+
+def test_a_value_of_no_union_form_names_the_forms(server):
+    """``prompt`` is a string, a list of strings, of token ids or of token-id lists: a number
+    matches none, and the message says what would (not only the first branch's complaint)."""
+    r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": 123})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and err["message"].startswith("prompt: expected "), err
+    assert "str" in err["message"] and "list[int]" in err["message"], err

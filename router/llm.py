@@ -83,6 +83,17 @@ class LLM:
     ):
         import torch
 
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        try:
+            device_list(str(device))
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"device: {e}") from None
+        if speculative_algorithm != "none" and num_speculative_steps < 1:
+            raise ValueError(f"speculative_algorithm {speculative_algorithm} needs num_speculative_steps >= 1")
+        for name, v in (("max_rows", max_rows), ("max_batch_size", max_batch_size), ("chunk_size", chunk_size)):
+            if v < 1:  # before any stage is built
+                raise ValueError(f"{name} must be >= 1, got {v}")
         steps = num_speculative_steps if speculative_algorithm != "none" else 0
         self.pipeline = pipeline or InProcessPipeline.build(
             model, pp_size, max_rows=max_rows, kv_tokens=kv_tokens, num_speculative_steps=steps,
@@ -91,6 +102,7 @@ class LLM:
             cuda_graph_max_bs=cuda_graph_max_bs,
         )
         infos = self.pipeline.info_sync()
+        self.vocab_size = infos[-1]["vocab_size"]
         self.eos_token_ids = infos[-1]["eos_token_ids"]
         self.max_context = min(i["max_context"] for i in infos)
         kv_tokens, page_size = kv_budget(infos)
@@ -106,6 +118,12 @@ class LLM:
 
     # ---- step-level API: requests join and leave between steps
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request. Raises ValueError / TypeError (nothing queued) for token ids that
+        are not ints in ``[0, vocab_size)`` and for parameters the scheduler refuses."""
+        for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids must be ints in [0, {self.vocab_size}), got {bad[:4]}")
         rid = request_id or f"req-{next(self._ids)}"
         self.scheduler.add(rid, prompt_ids, params)
         self.completions[rid] = Completion(rid, list(prompt_ids))
@@ -125,11 +143,25 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One round of every lane: all lanes' micro-batches run, then all commits."""
         sched, pipe = self.scheduler, self.pipeline
-        launched = []
+        launched, error = [], None
         for lane in range(sched.num_lanes):
             batch = sched.schedule(lane)
-            if batch is not None:
+            if batch is None:
+                continue
+            try:
                 launched.append((batch, pipe.step_sync(batch.step_input(self.eos_token_ids))))
+            except Exception as e:
+                # a stage refused the micro-batch: its requests end (aborted) and give their
+                # rows back everywhere; the lanes already stepped are processed below, so
+                # the engine stays consistent and usable; then the error goes to the caller
+                dropped, rows = sched.fail_requests(batch.requests)
+                pipe.release_sync(rows)
+                sched.free(rows)
+                for r in dropped:
+                    if r.request_id in self.completions:
+                        self.completions[r.request_id].finish_reason = "abort"
+                error = e
+                break
         outputs = []
         for batch, res in launched:
             up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
@@ -144,13 +176,19 @@ class LLM:
                 c.logprobs += o.logprobs or []
                 c.finish_reason = o.finish_reason
             outputs += up.outputs
+        if error is not None:
+            raise error
         return outputs
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Generate for a list of prompts (token id lists, or strings with a tokenizer next
         to the checkpoint); returns completions in prompt order."""
+        if isinstance(prompts, str):  # one prompt, as vLLM takes it
+            prompts = [prompts]
         params = params or SamplingParams(temperature=0.0)
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
         tok = None
         ids = []
         for p in prompts:
@@ -159,9 +197,18 @@ class LLM:
                 ids.append(tok.encode(p))
             else:
                 ids.append(list(p))
-        rids = [self.add_request(i, sp) for i, sp in zip(ids, plist)]
-        while self.has_unfinished():
-            self.step()
+        rids = []
+        try:
+            for i, sp in zip(ids, plist):
+                rids.append(self.add_request(i, sp))
+            while self.has_unfinished():
+                self.step()
+        except BaseException:
+            # this call's requests end with it (the object stays usable for the next call)
+            for r in rids:
+                self.abort(r)
+                self.completions.pop(r, None)
+            raise
         out = [self.completions.pop(r) for r in rids]
         if tok is not None:
             for c in out:

@@ -161,6 +161,12 @@ class Scheduler:
     ):
         if speculative_algorithm not in ("none", "ngram", "mtp"):
             raise ValueError(f"unknown speculative algorithm {speculative_algorithm!r}")
+        for name, v in (("max_rows", max_rows), ("num_lanes", num_lanes), ("max_batch_size", max_batch_size),
+                        ("chunk_size", chunk_size), ("max_context", max_context)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if speculative_algorithm != "none" and num_steps < 1:
+            raise ValueError(f"speculative algorithm {speculative_algorithm} needs num_steps >= 1, got {num_steps}")
         self.spec = speculative_algorithm
         self.num_steps = num_steps if speculative_algorithm != "none" else 0
         self.D = self.num_steps + 1

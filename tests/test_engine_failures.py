@@ -1,4 +1,4 @@
-"""The async engine when a stage refuses one micro-batch: only that micro-batch's requests
+"""The async engine and ``LLM`` when a stage refuses one micro-batch: only that micro-batch's requests
 fail; the others finish with the tokens of PP1 without speculation, every row comes back on
 every stage, and the engine keeps serving (no full recovery)."""
 from __future__ import annotations
@@ -77,3 +77,45 @@ def test_a_refused_micro_batch_fails_only_its_requests(reference):
     assert health[0], health
     assert after == reference[-1]
     assert all(i["rows_in_use"] == 0 and i["kv_pages_used"] == 0 for i in infos), infos
+
+
+def test_llm_stays_usable_after_a_refused_step_and_bad_requests(reference):
+    """``LLM.generate``: a stage refusing a step, or a request refused before it is queued,
+    raises to the caller and leaves nothing behind (no queued request, no held row): the
+    next call generates as a fresh engine would."""
+    torch.set_num_threads(1)
+    llm = LLM(DEMO_MODEL, pp_size=2, speculative_algorithm="mtp", max_rows=8)
+    step = llm.pipeline.runners[1].step
+    calls = []
+
+    def refuse_second_verify(inp):
+        if inp.mode == "verify":
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("stage 1: refused for the test")
+        return step(inp)
+
+    llm.pipeline.runners[1].step = refuse_second_verify
+    with pytest.raises(ValueError, match="refused for the test"):
+        llm.generate(PROMPTS[:3], PARAMS)
+    assert not llm.has_unfinished() and llm.rows_in_use() == [0, 0] and not llm.completions
+    for bad, err in (([[10**7]], "token ids must be ints"), ([[1.5, 2]], "token ids must be ints"),
+                     ([[1, 2], [3]], "1 SamplingParams for 2 prompts")):
+        with pytest.raises(ValueError, match=err):
+            llm.generate(bad, [PARAMS] if len(bad) == 2 else PARAMS)
+        assert not llm.has_unfinished() and llm.rows_in_use() == [0, 0]
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[-1]))
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == reference[:-1]
+    assert llm.rows_in_use() == [0, 0]
+
+
+@pytest.mark.parametrize("kw,err", [
+    (dict(max_rows=0), "max_rows must be >= 1"), (dict(chunk_size=0), "chunk_size must be >= 1"),
+    (dict(max_batch_size=0), "max_batch_size must be >= 1"), (dict(dtype="int8"), "dtype must be"),
+    (dict(device="tpu"), "expected cpu, cuda or cuda:N"),
+    (dict(speculative_algorithm="mtp", num_speculative_steps=0), "num_speculative_steps >= 1"),
+])
+def test_llm_refuses_bad_settings_at_construction(kw, err):
+    with pytest.raises(ValueError, match=err):
+        LLM(DEMO_MODEL, **kw)

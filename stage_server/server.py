@@ -319,7 +319,9 @@ async def serve_stage(args) -> int:
     delay = float(os.environ.get("PPSPEC_INJECT_DELAY_MS", "0") or 0)
     if delay > 0:
         interceptors.append(DelayInterceptor(delay, seed=args.pp_rank))
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    # no SO_REUSEPORT (gRPC's default on Linux): a second stage on a served port must fail,
+    # not share the port and take over the first one's traffic unnoticed
+    server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)], interceptors=interceptors)
     servicer = StageServicer(runner, None if last else args.next_stage)
     pb_grpc.add_StageServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

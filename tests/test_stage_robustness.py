@@ -34,7 +34,7 @@ INV, PRE, EXH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECON
 class Stages:
     def __init__(self, path, tmp):
         self.procs, self.stubs, self.channels = [], {}, []
-        ports = {name: free_port() for name in ("s0", "s1", "nospec")}
+        self.ports = ports = {name: free_port() for name in ("s0", "s1", "nospec")}
         common = ["--model", path, "--max-rows", str(MAX_ROWS), "--kv-tokens", str(KV_TOKENS),
                   "--max-context", str(MAX_CONTEXT), "--num-threads", "1"]
         # the replay commit design (the CUDA default): a commit applied twice would corrupt it
@@ -415,3 +415,13 @@ def test_a_hand_built_sampling_spec_means_the_defaults_not_proto_zeros():
     assert (s.top_p, s.logprobs) == (0.0, 0)
     for spec in (SamplingSpec(0.5, top_p=0.25, logprobs=None), SamplingSpec(1.0, top_p=1.0, logprobs=3)):
         assert step_from_pb(step_to_pb(prefill([0], sampling=[spec]))).sampling[0] == spec
+
+
+def test_a_second_stage_on_a_served_port_exits(st):
+    """gRPC sets SO_REUSEPORT by default: a second stage would share the port and silently
+    take over part of the first one's traffic. It must refuse to start instead."""
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", "stage", "--port", str(st.ports["nospec"]),
+                        "--max-rows", "2", "--kv-tokens", "256", "--num-threads", "1"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 2 and f"cannot listen on 127.0.0.1:{st.ports['nospec']}" in p.stderr, p.stderr
+    assert st.nospec.Info(pb.InfoRequest(), timeout=10).pp_size == 1  # the first one still serves

@@ -22,6 +22,23 @@ from .types import EngineError, RequestOutput, SamplingParams, StageDownError
 log = logging.getLogger("ppspec.router")
 
 
+# what the router scheduled by at start: a stage that comes back must still say the same
+_STAGE_SHAPE = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers", "num_speculative_steps", "has_mtp",
+                "vocab_size", "max_rows", "max_context", "kv_tokens", "eos_token_ids")
+
+
+def _changed_stages(before: list[dict], now: list[dict]) -> str:
+    """'' when every stage reports the settings it started with, else what changed."""
+    if len(before) != len(now):
+        return f"{len(now)} stages answer, {len(before)} at start"
+    diffs = []
+    for k, (a, b) in enumerate(zip(before, now)):
+        for key in _STAGE_SHAPE:
+            if a.get(key) != b.get(key):
+                diffs.append(f"stage {k} {key} is {b.get(key)!r}, was {a.get(key)!r}")
+    return "; ".join(diffs)
+
+
 class Engine:
     """Async engine over ``pipeline`` (``GrpcPipeline`` or ``InProcessPipeline``).
 
@@ -309,6 +326,16 @@ class Engine:
             return
         try:
             infos = await self.pipeline.info()
+            changed = _changed_stages(self.stage_infos, infos)
+            if changed:
+                # a stage restarted with other settings (no MTP, other layers, a smaller pool):
+                # serving on would silently change what the router schedules; stay down
+                msg = f"pipeline not resumed: {changed}; restart the stage with its original settings"
+                if msg != self._recover_error:
+                    self._recover_error = msg
+                    log.error("%s", msg)
+                self.failure = msg
+                return
             # the failed rounds' commits will never be sent: abandon them, or a stage that
             # survived would wait for them forever
             await self.pipeline.release(list(range(min(i["max_rows"] for i in infos))), abandon=True)

@@ -119,3 +119,39 @@ def test_llm_stays_usable_after_a_refused_step_and_bad_requests(reference):
 def test_llm_refuses_bad_settings_at_construction(kw, err):
     with pytest.raises(ValueError, match=err):
         LLM(DEMO_MODEL, **kw)
+
+
+def test_recovery_refuses_a_stage_back_with_other_settings(reference):
+    """After a failure the engine resumes only when every stage reports the settings it
+    started with: a stage restarted without MTP would otherwise turn speculation off
+    unnoticed (the router schedules drafts it no longer verifies)."""
+    torch.set_num_threads(1)
+    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    info = pipe.info
+
+    async def run():
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp")
+        await engine.start()
+        engine._fail("stage 1 died (test)")
+
+        async def without_mtp():
+            infos = await info()
+            infos[1] = dict(infos[1], has_mtp=False, num_speculative_steps=0)
+            return infos
+
+        pipe.info = without_mtp
+        await engine._recover()
+        refused = engine.health()
+        pipe.info = info  # the stage is restarted as it was
+        await engine._recover()
+        ok = engine.health()
+        out = await _collect(engine, "after", PROMPTS[0])
+        for t in engine._tasks:
+            t.cancel()
+        return refused, ok, out
+
+    refused, ok, out = asyncio.run(run())
+    assert not refused[0] and "stage 1 has_mtp is False, was True" in refused[1], refused
+    assert "num_speculative_steps is 0, was 3" in refused[1]
+    assert ok[0], ok
+    assert out == reference[0]

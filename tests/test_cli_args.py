@@ -64,6 +64,21 @@ def test_port_free_ignores_time_wait_sockets():
     assert port_free("127.0.0.1", port)
 
 
+def test_router_on_a_busy_port_says_so_before_anything_else():
+    import socket
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", "router", "--stages", "127.0.0.1:1", "--port", str(port)],
+                       capture_output=True, text=True, timeout=120)
+    srv.close()
+    assert p.returncode == 2 and not p.stdout, (p.stdout, p.stderr)
+    assert f"127.0.0.1:{port} is already in use" in p.stderr
+
+
 def test_stage_devices():
     from ppspec.argtypes import stage_devices
 

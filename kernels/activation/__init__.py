@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dispatch import pick
 from .naive import gdn_gates_ref, silu_mul_ref
 
 __all__ = ["silu_mul", "gdn_gates"]
@@ -25,14 +26,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
-    if gate.is_cuda:
-        try:
-            from .triton_activation import silu_mul_triton
-        except ImportError:
-            pass
-        else:
-            return silu_mul_triton(gate, up)
-    return silu_mul_ref(gate, up)
+    return pick(gate.is_cuda, "activation.triton_activation", "silu_mul_triton", silu_mul_ref)(gate, up)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -53,11 +47,5 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
             f"gdn gates: a {tuple(a.shape)}, b {tuple(b.shape)} must be [..., HV] with A_log "
             f"{tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} [HV]"
         )
-    if a.is_cuda:
-        try:
-            from .triton_activation import gdn_gates_triton
-        except ImportError:
-            pass
-        else:
-            return gdn_gates_triton(a, b, A_log, dt_bias)
-    return gdn_gates_ref(a, b, A_log, dt_bias)
+    fn = pick(a.is_cuda, "activation.triton_activation", "gdn_gates_triton", gdn_gates_ref)
+    return fn(a, b, A_log, dt_bias)

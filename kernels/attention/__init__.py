@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..checks import min_max
+from ..dispatch import pick
 from .naive import paged_attention_ref, store_kv_ref
 
 __all__ = ["paged_attention", "store_kv"]
@@ -19,11 +20,5 @@ def store_kv(k_cache, v_cache, slots, k, v):
 
 def paged_attention(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale):
     """Shapes as :func:`naive.paged_attention_ref`; a FlashInfer / Triton path may take CUDA tensors."""
-    if q.is_cuda:
-        try:
-            from .gpu import paged_attention_gpu
-        except ImportError:
-            pass
-        else:
-            return paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale)
-    return paged_attention_ref(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale)
+    fn = pick(q.is_cuda, "attention.gpu", "paged_attention_gpu", paged_attention_ref)
+    return fn(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_commit
+from ..dispatch import pick
 from .naive import commit_accept_ref
 
 __all__ = ["commit_accept"]
@@ -19,11 +20,5 @@ def commit_accept(state: torch.Tensor, scratch: torch.Tensor, req_pool_indices: 
     """
     if not check_commit(req_pool_indices, accept_lengths, state.shape[1], scratch.shape[2]):
         return
-    if state.is_cuda:
-        try:
-            from .triton_commit import commit_accept_triton
-        except ImportError:
-            pass
-        else:
-            return commit_accept_triton(state, scratch, req_pool_indices, accept_lengths)
-    commit_accept_ref(state, scratch, req_pool_indices, accept_lengths)
+    fn = pick(state.is_cuda, "commit.triton_commit", "commit_accept_triton", commit_accept_ref)
+    fn(state, scratch, req_pool_indices, accept_lengths)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..checks import check_rows as _check_rows
+from ..dispatch import pick
 from .naive import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 
 __all__ = ["causal_conv1d_prefill", "causal_conv1d_update"]
@@ -22,11 +23,5 @@ def causal_conv1d_prefill(x, weight, bias, conv_state, req_pool_indices, cu_seql
 def causal_conv1d_update(x, weight, bias, conv_state, req_pool_indices, conv_scratch=None, activation="silu"):
     """Shapes as :func:`naive.causal_conv1d_update_ref`; raises IndexError on rows outside the pool."""
     _check_rows(req_pool_indices, conv_state.shape[0])
-    if x.is_cuda:
-        try:
-            from .triton_update import causal_conv1d_update_triton
-        except ImportError:
-            pass
-        else:
-            return causal_conv1d_update_triton(x, weight, bias, conv_state, req_pool_indices, conv_scratch, activation)
-    return causal_conv1d_update_ref(x, weight, bias, conv_state, req_pool_indices, conv_scratch, activation)
+    fn = pick(x.is_cuda, "conv1d.triton_update", "causal_conv1d_update_triton", causal_conv1d_update_ref)
+    return fn(x, weight, bias, conv_state, req_pool_indices, conv_scratch, activation)

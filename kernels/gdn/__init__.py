@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 from ..checks import check_commit, check_rows as _check_rows
+from ..dispatch import pick
 from .naive import chunk_gated_delta_rule_ref, l2norm, recurrent_gated_delta_rule_ref
 
 __all__ = ["gdn_prefill", "gdn_recurrent", "l2norm"]
@@ -15,14 +16,8 @@ __all__ = ["gdn_prefill", "gdn_recurrent", "l2norm"]
 
 def gdn_prefill(q, k, v, g, beta, cu_seqlens, initial_state, scale=None):
     """Chunked GDN prefill; shapes as :func:`naive.chunk_gated_delta_rule_ref`."""
-    if q.is_cuda:
-        try:
-            from .fla_prefill import chunk_gated_delta_rule_fla
-        except ImportError:
-            pass
-        else:
-            return chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, initial_state, scale)
-    return chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+    fn = pick(q.is_cuda, "gdn.fla_prefill", "chunk_gated_delta_rule_fla", chunk_gated_delta_rule_ref)
+    return fn(q, k, v, g, beta, cu_seqlens, initial_state, scale)
 
 
 def gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scratch=None, scale=None):
@@ -32,14 +27,8 @@ def gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scratch=None, scale
     any write when a row is outside the pool (the padding row included).
     """
     _check_rows(req_pool_indices, state.shape[0])
-    if q.is_cuda:
-        try:
-            from .triton_recurrent import recurrent_gated_delta_rule_triton
-        except ImportError:
-            pass
-        else:
-            return recurrent_gated_delta_rule_triton(q, k, v, g, beta, state, req_pool_indices, scratch, scale)
-    return recurrent_gated_delta_rule_ref(q, k, v, g, beta, state, req_pool_indices, scratch, scale)
+    fn = pick(q.is_cuda, "gdn.triton_recurrent", "recurrent_gated_delta_rule_triton", recurrent_gated_delta_rule_ref)
+    return fn(q, k, v, g, beta, state, req_pool_indices, scratch, scale)
 
 
 # ---- replay commit (DESIGN.md section 7): step inputs at stable rows, replayed in the next verify
@@ -66,14 +55,8 @@ def gdn_recurrent_replay(q, k, v, g, beta, state, req_pool_indices, bufs, scale=
     Raises ``IndexError`` before any write when a row is outside the pool.
     """
     _check_rows(req_pool_indices, state.shape[0])
-    if q.is_cuda:
-        try:
-            from .triton_replay import recurrent_gated_delta_rule_replay_triton
-        except ImportError:
-            pass
-        else:
-            return recurrent_gated_delta_rule_replay_triton(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
-    return recurrent_gated_delta_rule_replay_ref(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
+    fn = pick(q.is_cuda, "gdn.triton_replay", "recurrent_gated_delta_rule_replay_triton", recurrent_gated_delta_rule_replay_ref)
+    return fn(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
 
 
 def commit_accept_replay(pending, slot, req_pool_indices, accept_lengths, d_max=None) -> None:
@@ -84,28 +67,16 @@ def commit_accept_replay(pending, slot, req_pool_indices, accept_lengths, d_max=
     """
     if not check_commit(req_pool_indices, accept_lengths, pending.shape[-1], d_max):
         return
-    if pending.is_cuda:
-        try:
-            from .triton_replay import commit_accept_replay_triton
-        except ImportError:
-            pass
-        else:
-            return commit_accept_replay_triton(pending, slot, req_pool_indices, accept_lengths)
-    commit_accept_replay_ref(pending, slot, req_pool_indices, accept_lengths)
+    fn = pick(pending.is_cuda, "gdn.triton_replay", "commit_accept_replay_triton", commit_accept_replay_ref)
+    fn(pending, slot, req_pool_indices, accept_lengths)
 
 
 def replay_flush(state, bufs, req_pool_indices) -> None:
     """Apply the rows' pending accepted steps to ``state[row]`` now (before a prefill
     continues a row or a state is read out)."""
     _check_rows(req_pool_indices, state.shape[0])
-    if state.is_cuda:
-        try:
-            from .triton_replay import replay_flush_triton
-        except ImportError:
-            pass
-        else:
-            return replay_flush_triton(state, bufs, req_pool_indices)
-    replay_flush_ref(state, bufs, req_pool_indices)
+    fn = pick(state.is_cuda, "gdn.triton_replay", "replay_flush_triton", replay_flush_ref)
+    fn(state, bufs, req_pool_indices)
 
 
 def replay_reset(pending, req_pool_indices) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dispatch import pick
 from .naive import gated_rms_norm_ref, rms_norm_ref
 
 __all__ = ["rms_norm", "gated_rms_norm"]
@@ -41,14 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _check_shapes(x, weight, residual=residual)
     if residual is not None and residual.dtype != x.dtype:
         raise ValueError(f"residual is {residual.dtype}, x is {x.dtype}: the sum would change dtype")
-    if x.is_cuda:
-        try:
-            from .triton_norm import rms_norm_triton
-        except ImportError:
-            pass
-        else:
-            return rms_norm_triton(x, weight, eps, residual, zero_centred)
-    return rms_norm_ref(x, weight, eps, residual, zero_centred)
+    fn = pick(x.is_cuda, "norm.triton_norm", "rms_norm_triton", rms_norm_ref)
+    return fn(x, weight, eps, residual, zero_centred)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,11 +60,4 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         ValueError: z or weight do not fit x.
     """
     _check_shapes(x, weight, z=z)
-    if x.is_cuda:
-        try:
-            from .triton_norm import gated_rms_norm_triton
-        except ImportError:
-            pass
-        else:
-            return gated_rms_norm_triton(x, z, weight, eps)
-    return gated_rms_norm_ref(x, z, weight, eps)
+    return pick(x.is_cuda, "norm.triton_norm", "gated_rms_norm_triton", gated_rms_norm_ref)(x, z, weight, eps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dispatch import pick
 from .naive import rotary_ref
 
 __all__ = ["apply_rotary"]
@@ -31,11 +32,4 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     if positions.shape != (q.shape[0],) or inv_freq.dim() != 1 or 2 * inv_freq.shape[0] > q.shape[2]:
         raise ValueError(f"positions {tuple(positions.shape)} must be [T={q.shape[0]}] and inv_freq "
                          f"{tuple(inv_freq.shape)} [rotary_dim / 2] with rotary_dim <= head_dim {q.shape[2]}")
-    if q.is_cuda:
-        try:
-            from .triton_rotary import rotary_triton
-        except ImportError:
-            pass
-        else:
-            return rotary_triton(q, k, positions, inv_freq)
-    return rotary_ref(q, k, positions, inv_freq)
+    return pick(q.is_cuda, "rotary.triton_rotary", "rotary_triton", rotary_ref)(q, k, positions, inv_freq)

@@ -53,6 +53,16 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def listen_error(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` now (one line), or None."""
+    try:
+        if port_free(host, port):
+            return None
+    except ValueError as e:
+        return str(e)
+    return f"{host}:{port} is already in use (another server?); pick another --port"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ppspec serve", description="start N pipeline stages and the router")
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the bundled demo model)")
@@ -137,14 +147,9 @@ def main(argv: list[str]) -> int:
         print(f"ppspec serve: --stage-ports lists {len(a.stage_ports)} ports for {n} stages", file=sys.stderr)
         return 2
     for p in [a.port] + (a.stage_ports or []):
-        try:
-            free = port_free(a.host, p)
-        except ValueError as e:
-            print(f"ppspec serve: {e}", file=sys.stderr)
-            return 2
-        if not free:
-            print(f"ppspec serve: {a.host}:{p} is already in use (another server?); pick another --port",
-                  file=sys.stderr)
+        err = listen_error(a.host, p)
+        if err:
+            print(f"ppspec serve: {err}", file=sys.stderr)
             return 2
     try:
         devices = stage_devices(a.device, n)

@@ -43,16 +43,11 @@ async def run_router(args) -> int:
     from .types import StageDownError
 
     addresses = args.stages
-    from .serve import port_free
+    from .serve import listen_error
 
-    try:  # before anything starts or prints, so a busy port is one line and exit 2
-        free = port_free(args.host, args.port)
-    except ValueError as e:
-        print(f"ppspec router: {e}", file=sys.stderr)
-        return 2
-    if not free:
-        print(f"ppspec router: {args.host}:{args.port} is already in use (another server?); pick another --port",
-              file=sys.stderr)
+    err = listen_error(args.host, args.port)  # before anything starts or prints
+    if err:
+        print(f"ppspec router: {err}", file=sys.stderr)
         return 2
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)

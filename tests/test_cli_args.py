@@ -44,17 +44,24 @@ def test_bad_values_are_usage_errors(argv, msg):
     assert msg in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+def _listener():
+    """A listening loopback socket (as a server would hold it) and its port."""
+    import socket
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    return srv, srv.getsockname()[1]
+
+
 def test_port_free_ignores_time_wait_sockets():
     """A server that stopped leaves TIME_WAIT sockets; serve must still see the port free."""
     import socket
 
     from ppspec.router.serve import port_free
 
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    port = srv.getsockname()[1]
+    srv, port = _listener()
     assert not port_free("127.0.0.1", port)  # a listener: in use
     cli = socket.create_connection(("127.0.0.1", port))
     conn, _ = srv.accept()
@@ -65,13 +72,7 @@ def test_port_free_ignores_time_wait_sockets():
 
 
 def test_router_on_a_busy_port_says_so_before_anything_else():
-    import socket
-
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    port = srv.getsockname()[1]
+    srv, port = _listener()
     p = subprocess.run([sys.executable, "-m", "ppspec.cli", "router", "--stages", "127.0.0.1:1", "--port", str(port)],
                        capture_output=True, text=True, timeout=120)
     srv.close()

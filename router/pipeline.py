@@ -33,7 +33,7 @@ class InProcessPipeline:
         # driver sends a commit in the background and may step the lane again first; as a
         # stage server does, a step or release of such a row waits for the commit.
         self._pending: dict[int, tuple[int, int]] = {}
-        self._committed: asyncio.Condition | None = None
+        self._cond: asyncio.Condition | None = None  # made in the driver's event loop
 
     @classmethod
     def build(cls, model_dir: str, pp_size: int = 1, device: str = "cpu", **runner_kwargs) -> "InProcessPipeline":
@@ -77,9 +77,13 @@ class InProcessPipeline:
     async def info(self) -> list[dict]:
         return await self._run(self.info_sync)
 
+    @property
+    def _committed(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
     async def _wait_committed(self, rows: list[int]) -> None:
-        if self._committed is None:
-            self._committed = asyncio.Condition()
         async with self._committed:
             await self._committed.wait_for(lambda: not any(r in self._pending for r in rows))
 
@@ -106,8 +110,6 @@ class InProcessPipeline:
 
     async def _done(self, rows: list[int], key: tuple[int, int] | None) -> None:
         """Rows' pending commit settled (``key`` None: whatever round it was)."""
-        if self._committed is None:
-            self._committed = asyncio.Condition()
         async with self._committed:
             for r in rows:
                 if r in self._pending and (key is None or self._pending[r] == key):

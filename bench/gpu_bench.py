@@ -81,6 +81,7 @@ def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int
     = 1; transformers' model has no MTP module). Returns the base model's parameter count."""
     import json
     import shutil
+    from pathlib import Path
 
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForCausalLM
@@ -100,10 +101,9 @@ def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int
         shutil.copy(os.path.join(DEMO_MODEL, name), path)
     if mtp:
         conf_path = os.path.join(path, "config.json")
-        conf = json.loads(open(conf_path).read())
+        conf = json.loads(Path(conf_path).read_text())
         conf["mtp_num_hidden_layers"] = 1
-        with open(conf_path, "w") as f:
-            json.dump(conf, f, indent=2)
+        Path(conf_path).write_text(json.dumps(conf, indent=2))
         hc = load_config(path)
         torch.manual_seed(0)
         head = MTPHead(hc, Rotary(hc))
@@ -114,10 +114,9 @@ def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int
         save_file(tensors, os.path.join(path, "mtp.safetensors"))
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            idx = json.loads(open(index).read())
+            idx = json.loads(Path(index).read_text())
             idx["weight_map"].update({k: "mtp.safetensors" for k in tensors})
-            with open(index, "w") as f:
-                json.dump(idx, f, indent=2)
+            Path(index).write_text(json.dumps(idx, indent=2))
     return n
 
 

@@ -4,7 +4,8 @@
 2. Demo checkpoint, bf16: output tokens/s with MTP against no speculation at batch 1 and 32,
    and Hugging Face transformers' ``generate`` on the same prompts and GPU.
 3. A random 1B-parameter Qwen3.5-shaped checkpoint: decode-step time at batch 1, 16, 64
-   against its roofline ``(weight + KV + state bytes read) / measured bandwidth``.
+   against its roofline ``(weight + KV + state bytes read) / measured bandwidth``, and a
+   whole verify round (D = 4 tokens per request, logits, acceptance, commit) against it.
 Every ratio is measured within this one run.
 """
 from __future__ import annotations
@@ -121,6 +122,9 @@ def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int
 
 
 def decode_step(torch, path, batch, ctx, bw, graphs=True):
+    """Plain decode of ``batch`` requests at context ``ctx`` through ``StageRunner.step``
+    (graph replay, logits, host sampling): ``(seconds per step, roofline seconds, weight,
+    KV and state bytes read)``."""
     from ppspec.proto.messages import StepInput
     from ppspec.stage_server.runner import StageRunner
 
@@ -128,26 +132,59 @@ def decode_step(torch, path, batch, ctx, bw, graphs=True):
                     cuda_graph_max_bs=None if graphs else 0)
     rows = list(range(batch))
     r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
-    seq = ctx
-    for _ in range(3):
-        r.step(StepInput(0, 1, "decode", rows, [seq] * batch, [1] * batch, [1] * batch))
-        seq += 1
-    torch.cuda.synchronize()
-    n = 10
-    t0 = time.perf_counter()
-    for _ in range(n):
-        r.step(StepInput(0, 1, "decode", rows, [seq] * batch, [1] * batch, [1] * batch))
-        seq += 1
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / n
+    seq = [ctx]
+
+    def step():
+        r.step(StepInput(0, 1, "decode", rows, [seq[0]] * batch, [1] * batch, [1] * batch))
+        seq[0] += 1
+
+    dt = _time(torch, step)
     c = r.cfg
     # a decode step reads every weight but the embedding table (one row per token) and the MTP head
     weights = sum(p.numel() * p.element_size() for n, p in r.model.named_parameters()
                   if not n.startswith(("mtp.", "embed_tokens.")))
-    kv = len(c.attention_layers) * batch * seq * 2 * c.num_key_value_heads * c.head_dim * 2
+    kv = len(c.attention_layers) * batch * seq[0] * 2 * c.num_key_value_heads * c.head_dim * 2
     state = len(c.linear_layers) * batch * 2 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     floor = (weights + kv + state) / (bw * 1e9)
     return dt, floor, weights, kv, state
+
+
+def verify_round(torch, path, batch, ctx, steps=3):
+    """One whole verify round of ``batch`` requests with ``steps`` drafts each (D = steps +
+    1 tokens) at context ``ctx``: ``StageRunner.step`` in verify mode (graph replay, logits,
+    the host's acceptance) plus ``commit_accept`` of the accept lengths it returned (replay
+    design: the next verify applies them). Seconds per round."""
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    D = steps + 1
+    r = StageRunner(path, max_rows=batch, kv_tokens=batch * (ctx + 64 * D), dtype=torch.bfloat16, device="cuda",
+                    num_speculative_steps=steps)
+    rows = list(range(batch))
+    r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
+    seq, rnd = [ctx] * batch, [1]
+
+    def round_():
+        out = r.step(StepInput(0, rnd[0], "verify", rows, list(seq), [D] * batch, [1] * (D * batch),
+                               num_drafts=[steps] * batch))
+        acc = [len(t) for t in out.output_ids]
+        r.commit_accept(0, rnd[0], rows, acc)
+        for i, a in enumerate(acc):
+            seq[i] += a
+        rnd[0] += 1
+
+    return _time(torch, round_)
+
+
+def _time(torch, fn, warmup=3, n=10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--skip-demo", action="store_true", help="only the bandwidth and the 1B steps")
+    ap.add_argument("--batch", default="1,16,64", help="1B batch sizes (comma-separated)")
     ap.add_argument("--skip-eager", action="store_true", help="1B decode with CUDA graphs only")
     ap.add_argument("--make-1b", metavar="PATH", default=None,
                     help="only save the random 1B checkpoint (with a random MTP head) at PATH and exit")
@@ -180,28 +219,37 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(32):
         x = tok.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}], add_generation_prompt=True)
         prompts.append(x if isinstance(x, list) else list(x["input_ids"]))
-    print("| batch | ppspec none tok/s | ppspec mtp tok/s | mtp / none | mean accept length | HF generate tok/s | ppspec best / HF |")
-    print("|---|---|---|---|---|---|---|")
-    for b in (1, 32):
-        none, _ = demo_throughput(torch, model, prompts, b, "none", a.max_tokens)
-        mtp, acc = demo_throughput(torch, model, prompts, b, "mtp", a.max_tokens)
-        hf = hf_throughput(torch, model, prompts, b, a.max_tokens)
-        print(f"| {b} | {none:.0f} | {mtp:.0f} | {mtp / none:.2f} | {acc:.2f} | {hf:.0f} | {max(none, mtp) / hf:.2f} |", flush=True)
+    if not a.skip_demo:
+        print("| batch | ppspec none tok/s | ppspec mtp tok/s | mtp / none | mean accept length | HF generate tok/s | ppspec best / HF |")
+        print("|---|---|---|---|---|---|---|")
+    for b in () if a.skip_demo else (1, 32):
+        demo_row(torch, model, prompts, b, a.max_tokens)
     if not a.skip_1b:
         path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
         n = make_random_checkpoint(torch, path)
         torch.cuda.empty_cache()
-        print(f"\nrandom Qwen3.5-shaped checkpoint: {n / 1e9:.2f} B parameters, bf16, context 1024\n")
-        print("| batch | decode step, CUDA graphs (ms) | eager (ms) | roofline (ms) | graphs / roofline | weight MB | KV MB | state MB |")
-        print("|---|---|---|---|---|---|---|---|")
-        for b in (1, 16, 64):
+        print(f"\nrandom Qwen3.5-shaped checkpoint: {n / 1e9:.2f} B parameters, bf16, context 1024; a verify "
+              "round is D = 4 tokens per request plus its commit\n")
+        print("| batch | decode step, CUDA graphs (ms) | eager (ms) | roofline (ms) | graphs / roofline | "
+              "verify round (ms) | verify / decode | weight MB | KV MB | state MB |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for b in (int(x) for x in a.batch.split(",")):
             eager = float("nan") if a.skip_eager else decode_step(torch, path, b, 1024, bw, graphs=False)[0]
             torch.cuda.empty_cache()
             dt, floor, w, kv, st = decode_step(torch, path, b, 1024, bw)
             torch.cuda.empty_cache()
-            print(f"| {b} | {dt * 1e3:.2f} | {eager * 1e3:.2f} | {floor * 1e3:.3f} | {dt / floor:.1f} | {w / 1e6:.0f} | "
-                  f"{kv / 1e6:.0f} | {st / 1e6:.0f} |", flush=True)
+            vr = verify_round(torch, path, b, 1024)
+            torch.cuda.empty_cache()
+            print(f"| {b} | {dt * 1e3:.2f} | {eager * 1e3:.2f} | {floor * 1e3:.3f} | {dt / floor:.1f} | "
+                  f"{vr * 1e3:.2f} | {vr / dt:.2f} | {w / 1e6:.0f} | {kv / 1e6:.0f} | {st / 1e6:.0f} |", flush=True)
     return 0
+
+
+def demo_row(torch, model, prompts, b, max_tokens) -> None:
+    none, _ = demo_throughput(torch, model, prompts, b, "none", max_tokens)
+    mtp, acc = demo_throughput(torch, model, prompts, b, "mtp", max_tokens)
+    hf = hf_throughput(torch, model, prompts, b, max_tokens)
+    print(f"| {b} | {none:.0f} | {mtp:.0f} | {mtp / none:.2f} | {acc:.2f} | {hf:.0f} | {max(none, mtp) / hf:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

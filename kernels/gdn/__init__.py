@@ -7,16 +7,33 @@ module imports.
 from __future__ import annotations
 
 
-from ..checks import check_commit, check_rows as _check_rows
+from ..checks import check_commit, check_rows as _check_rows, fact
 from ..dispatch import pick
 from .naive import chunk_gated_delta_rule_ref, l2norm, recurrent_gated_delta_rule_ref
 
 __all__ = ["gdn_prefill", "gdn_recurrent", "l2norm"]
 
 
+# Longest sequence (tokens) of a prefill chunk that takes the recurrent kernel instead of
+# fla on CUDA: its steps run one after another, so its cost grows with the length while
+# fla's chunks stay parallel; below this, fla's fixed host cost per layer dominates.
+SHORT_PREFILL_TOKENS = 64
+
+
+def _longest(cu_seqlens) -> int:
+    if cu_seqlens.numel() < 2:
+        return 0
+    return fact(cu_seqlens, "max_len", lambda: int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+
 def gdn_prefill(q, k, v, g, beta, cu_seqlens, initial_state, scale=None):
-    """Chunked GDN prefill; shapes as :func:`naive.chunk_gated_delta_rule_ref`."""
-    fn = pick(q.is_cuda, "gdn.fla_prefill", "chunk_gated_delta_rule_fla", chunk_gated_delta_rule_ref)
+    """GDN prefill of packed sequences; shapes as :func:`naive.chunk_gated_delta_rule_ref`.
+    On CUDA, chunks of short sequences take the one-launch recurrent kernel
+    (``triton_prefill``), longer ones fla's chunked kernels."""
+    if q.is_cuda and _longest(cu_seqlens) <= SHORT_PREFILL_TOKENS:
+        fn = pick(True, "gdn.triton_prefill", "gdn_prefill_recurrent_triton", chunk_gated_delta_rule_ref)
+    else:
+        fn = pick(q.is_cuda, "gdn.fla_prefill", "chunk_gated_delta_rule_fla", chunk_gated_delta_rule_ref)
     return fn(q, k, v, g, beta, cu_seqlens, initial_state, scale)
 
 

@@ -37,6 +37,26 @@ def _gdn_step(b_s, b_k, b_v, g_t, beta_t):
 
 
 @triton.jit
+def _gdn_token(q, k, v, g, beta, o, b_s, tok, i_h, i_hv, o_k, o_v, m_k, m_v, scale, s_q, s_k, s_v,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Token ``tok`` of head ``i_hv`` on the [BK, BV] tile: L2-normalise its q and k (eps
+    1e-6, as ``naive.l2norm``), one gated delta step, its output stored in ``o``; returns the
+    new tile."""
+    b_q = tl.load(q + tok * s_q + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_kr = tl.load(k + tok * s_k + i_h * K + o_k, mask=m_k, other=0.0)
+    b_vr = tl.load(v + tok * s_v + i_hv * V + o_v, mask=m_v, other=0.0)
+    g_r = tl.load(g + tok * HV + i_hv)
+    beta_r = tl.load(beta + tok * HV + i_hv)
+    b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_kr.to(tl.float32)
+    b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_s, b_d = _gdn_step(b_s, b_k, b_vr.to(tl.float32), g_r.to(tl.float32), beta_r.to(tl.float32))
+    b_o = tl.sum(b_s * b_q[:, None], axis=0)
+    tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    return b_s
+
+
+@triton.jit
 def _gdn_recurrent_kernel(
     q, k, v, g, beta, o,
     state, scratch, rows,
@@ -139,17 +159,7 @@ def _gdn_recurrent_kernel(
     else:
         for t in range(D):
             tok = (i_b * D + t).to(tl.int64)
-            b_q = tl.load(q + tok * s_q + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_kr = tl.load(k + tok * s_k + i_h * K + o_k, mask=m_k, other=0.0)
-            b_vr = tl.load(v + tok * s_v + i_hv * V + o_v, mask=m_v, other=0.0)
-            g_r = tl.load(g + tok * HV + i_hv)
-            beta_r = tl.load(beta + tok * HV + i_hv)
-            b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-            b_k = b_kr.to(tl.float32)
-            b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-            b_s, b_d = _gdn_step(b_s, b_k, b_vr.to(tl.float32), g_r.to(tl.float32), beta_r.to(tl.float32))
-            b_o = tl.sum(b_s * b_q[:, None], axis=0)
-            tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+            b_s = _gdn_token(q, k, v, g, beta, o, b_s, tok, i_h, i_hv, o_k, o_v, m_k, m_v, scale, s_q, s_k, s_v, HV, K, V)
             if STORE_SCRATCH:
                 p_scr = scratch + ((row * D_MAX + t) * HV + i_hv) * (K * V) + kv_off
                 tl.store(p_scr, b_s.to(scratch.dtype.element_ty), mask=m_kv)

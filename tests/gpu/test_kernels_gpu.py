@@ -353,6 +353,81 @@ def test_gdn_prefill_fla(dev, G, dtype):
     assert torch.equal(o2, o)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("G", [1, 2])
+def test_gdn_prefill_recurrent(dev, G, dtype):
+    """The one-launch prefill of short sequences (``triton_prefill``) against the chunked
+    reference: empty, single-token and full 64-token sequences, a longer one (the kernel
+    takes any length; the dispatcher sends only short ones), q/k/v read in place from the
+    conv output's columns, and the dispatcher's pick for a short chunk on CUDA."""
+    from ppspec.kernels.gdn import SHORT_PREFILL_TOKENS, gdn_prefill
+    from ppspec.kernels.gdn.naive import chunk_gated_delta_rule_ref
+    from ppspec.kernels.gdn.triton_prefill import gdn_prefill_recurrent_triton
+
+    gen = torch.Generator().manual_seed(17 * G + (dtype == BF16))
+    H, K, V = (2, 16, 16) if _small(dev) else (4, 128, 128)
+    HV = G * H
+    for lens in ([1, 7, 0, SHORT_PREFILL_TOKENS, 3], [90]):
+        if _small(dev):
+            lens = [min(n, 9) for n in lens]
+        T = sum(lens)
+        cu = torch.tensor([0] + lens).cumsum(0).to(dev)
+        mixed = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(dev, dtype)
+        q, k, v = torch.split(mixed, [H * K, H * K, HV * V], dim=-1)
+        q, k, v = q.view(T, H, K), k.view(T, H, K), v.view(T, HV, V)
+        g = (-torch.rand(T, HV, generator=gen) * 0.3).to(dev)
+        beta = torch.rand(T, HV, generator=gen).to(dev, dtype)
+        h0 = (torch.randn(len(lens), HV, K, V, generator=gen) * 0.1).to(dev)
+        o, ht = gdn_prefill_recurrent_triton(q, k, v, g, beta, cu, h0)
+        o_ref, ht_ref = chunk_gated_delta_rule_ref(q, k, v, g, beta, cu, h0)
+        assert o.dtype == v.dtype and ht.dtype == F32 and ht.shape == h0.shape
+        tol = 1e-5 if dtype == F32 else 1e-2
+        assert _rel_err(o, o_ref) < tol and _rel_err(ht, ht_ref) < tol
+        for b, n in enumerate(lens):
+            if n == 0:
+                assert torch.equal(ht[b], h0[b])  # an empty sequence keeps its state
+        o_c, ht_c = gdn_prefill_recurrent_triton(*(x.contiguous() for x in (q, k, v)), g, beta, cu, h0)
+        assert torch.equal(o_c, o) and torch.equal(ht_c, ht)
+        if dev.type == "cuda" and max(lens) <= SHORT_PREFILL_TOKENS:
+            o2, _ = gdn_prefill(q, k, v, g, beta, cu, h0)
+            assert torch.equal(o2, o)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_conv1d_prefill(dev, dtype, bias):
+    """The one-launch conv prefill (``triton_prefill``) against the reference over packed
+    sequences shorter and longer than the window and than a token block, new and continuing
+    rows, x a column slice of a wider projection: outputs close, windows exact, other rows
+    untouched; rows outside the pool raise before the launch."""
+    from ppspec.kernels.conv1d.naive import causal_conv1d_prefill_ref
+    from ppspec.kernels.conv1d.triton_prefill import causal_conv1d_prefill_triton
+
+    gen = torch.Generator().manual_seed(5 + bias + 2 * (dtype == BF16))
+    C, W = (40, 4) if _small(dev) else (1000, 4)
+    lens = [1, 2, 5, 16, 17, 40, 3]
+    init = torch.tensor([True, True, False, False, True, True, False], device=dev)
+    B = len(lens)
+    rows_n = B + 4
+    rows = torch.randperm(rows_n, generator=gen)[:B].to(dev)
+    T = sum(lens)
+    cu = torch.tensor([0] + lens).cumsum(0).to(dev)
+    wide = torch.randn(T, C + 7, generator=gen).to(dev, dtype)
+    x = wide[:, 3:3 + C]  # strided rows: read in place
+    weight = torch.randn(C, W, generator=gen).to(dev, dtype)
+    b = torch.randn(C, generator=gen).to(dev, dtype) if bias else None
+    state0 = torch.randn(rows_n + 1, C, W - 1, generator=gen).to(dev, dtype)
+    st, st_ref = state0.clone(), state0.clone()
+    y = causal_conv1d_prefill_triton(x, weight, b, st, rows, cu, init)
+    y_ref = causal_conv1d_prefill_ref(x, weight, b, st_ref, rows, cu, init)
+    tol = 1e-5 if dtype == F32 else 1e-2
+    assert y.dtype == x.dtype and _rel_err(y, y_ref) < tol
+    assert torch.equal(st, st_ref)  # windows are copies of inputs: exact; other rows untouched
+    with pytest.raises(IndexError):
+        causal_conv1d_prefill_triton(x, weight, b, st, torch.full((B,), rows_n + 1, device=dev), cu, init)
+    assert torch.equal(st, st_ref)
+
+
 # ---------------------------------------------------------------- paged attention
 
 
@@ -409,8 +484,8 @@ def test_dispatchers_take_gpu_paths(dev):
         pytest.skip("dispatch to the GPU paths needs CUDA tensors")
     import importlib
 
-    for mod in ("gdn.triton_recurrent", "gdn.triton_replay", "commit.triton_commit",
-                "conv1d.triton_update", "attention.gpu", "norm.triton_norm", "activation.triton_activation"):
+    for mod in ("gdn.triton_recurrent", "gdn.triton_replay", "gdn.triton_prefill", "commit.triton_commit",
+                "conv1d.triton_update", "conv1d.triton_prefill", "attention.gpu", "norm.triton_norm", "activation.triton_activation"):
         importlib.import_module(f"ppspec.kernels.{mod}")
 
 

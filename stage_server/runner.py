@@ -705,16 +705,16 @@ class StageRunner:
             return [[] for _ in range(B)]
         ends = mmeta.cu_seqlens[1:] - 1
         u = u[ends]  # [B, hidden]: the head's output at each request's last position
-        drafts = [[] for _ in range(B)]
         pos = [s + e for s, e in zip(seq_lens, ext)]
+        chain = []
         for step in range(self.num_steps):
             d = self.model.mtp_logits(u).argmax(-1)  # [B]
-            for b, tok in enumerate(d.tolist()):  # one device sync per step, not per request
-                drafts[b].append(tok)
+            chain.append(d)
             if step == self.num_steps - 1:
                 break
             cmeta = self._meta(DECODE, rows, [p + step for p in pos], [1] * B, self.mtp_kv)
             u = mtp(self.model.embed(d), u, cmeta, kv)
+        drafts = torch.stack(chain, 1).tolist()  # one device read for the whole chain
         return [dr if w else [] for dr, w in zip(drafts, wants)]
 
     def _mtp_chain(self, meta: BatchMeta, ids: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:

@@ -62,13 +62,12 @@ def _conv_prefill_kernel(
             # new window column j = input L - (W-1) + j; from the old window (column L + j,
             # never one already rewritten: L + j > j) when that is negative
             for j in tl.static_range(W - 1):
-                pos = L - (W - 1) + j
-                vx = tl.load(x + (bos + pos) * sx + o_c, mask=m_c & (pos >= 0), other=0.0)
-                vw = tl.load(conv_state + (row * C + o_c) * (W - 1) + (pos + (W - 1)), mask=m_c & (pos < 0) & init,
+                p_in = L - (W - 1) + j
+                wx = tl.load(x + (bos + p_in) * sx + o_c, mask=m_c & (p_in >= 0), other=0.0)
+                ww = tl.load(conv_state + (row * C + o_c) * (W - 1) + (p_in + (W - 1)), mask=m_c & (p_in < 0) & init,
                              other=0.0)
-                val = tl.where(pos >= 0, vx.to(wdt), vw.to(wdt))
-                tl.store(conv_state + (row * C + o_c) * (W - 1) + j, val.to(conv_state.dtype.element_ty), mask=m_c)
-
+                col = tl.where(p_in >= 0, wx.to(wdt), ww.to(wdt))
+                tl.store(conv_state + (row * C + o_c) * (W - 1) + j, col.to(conv_state.dtype.element_ty), mask=m_c)
 
 def causal_conv1d_prefill_triton(x, weight, bias, conv_state, req_pool_indices, cu_seqlens, has_initial_state,
                                  activation="silu"):

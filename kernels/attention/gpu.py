@@ -8,6 +8,9 @@ head are processed together, so decode (one query) still fills the matrix unit. 
 query i sees positions ``<= kv_lens[b] - L_b + i`` (causal). Softmax runs in fp32 with an
 online max; fp32 inputs use IEEE fp32 products (no tf32).
 
+The launch is the only kernel: the index tensors are read in the dtype the stage made them
+(int64, or int32) and q in place, so no cast or copy runs before it.
+
 FlashInfer is not wired in yet (its wheels are heavy to carry to the GPU machine): this
 Triton path is the GPU path whenever q is on CUDA.
 """
@@ -31,11 +34,12 @@ def _paged_attn_kernel(
     i_hk = tl.program_id(1)
     i_mb = tl.program_id(2)
     G: tl.constexpr = HQ // HKV
-    q0 = tl.load(cu_q + i_b)
-    L = tl.load(cu_q + i_b + 1) - q0
+    # the index tensors come as the stage made them (int64 or int32); int32 arithmetic here
+    q0 = tl.load(cu_q + i_b).to(tl.int32)
+    L = tl.load(cu_q + i_b + 1).to(tl.int32) - q0
     m_start = i_mb * BLOCK_M
     if m_start // G < L:
-        n = tl.load(kv_lens + i_b)
+        n = tl.load(kv_lens + i_b).to(tl.int32)
         row = tl.load(rows + i_b).to(tl.int64)
         o_m = m_start + tl.arange(0, BLOCK_M)
         i_q = o_m // G
@@ -123,19 +127,25 @@ def _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seq
 
 def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale):
     """Shapes as :func:`naive.paged_attention_ref`; raises before the launch on rows or pages
-    outside the pool."""
+    outside the pool.
+
+    Launches one kernel when the stage's usual inputs come: index tensors on q's device
+    (any integer dtype, int64 or int32 in practice) and contiguous q. Anything else is
+    copied first."""
     _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q)
     T, Hq, hd = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     B = req_pool_indices.numel()
-    o = torch.empty_like(q)
+    # the kernel writes o packed [T, Hq, hd], whatever q's layout (empty_like keeps a
+    # permuted q's strides)
+    o = torch.empty((T, Hq, hd), dtype=q.dtype, device=q.device)
     if B == 0 or T == 0:
         return o
     dev = q.device
     q = q.contiguous()
-    rows = req_pool_indices.to(dev, torch.int64).contiguous()
-    lens = kv_lens.to(dev, torch.int32).contiguous()
-    cu = cu_seqlens_q.to(dev, torch.int32).contiguous()
+    rows = req_pool_indices.to(dev).contiguous()
+    lens = kv_lens.to(dev).contiguous()
+    cu = cu_seqlens_q.to(dev).contiguous()
     pt = page_table.to(dev)
     if pt.stride(1) != 1:
         pt = pt.contiguous()

@@ -356,19 +356,12 @@ def test_gdn_prefill_fla(dev, G, dtype):
 # ---------------------------------------------------------------- paged attention
 
 
-@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])
-def test_paged_attention(dev, heads, dtype, mode):
-    from ppspec.kernels.attention import paged_attention
-    from ppspec.kernels.attention.gpu import paged_attention_gpu
-    from ppspec.kernels.attention.naive import paged_attention_ref
-
+def _attention_case(dev, heads, dtype, mode, kv_dtype=None):
+    """Random paged-attention inputs: ``(q, k_cache, v_cache, page_table, rows, kv_lens,
+    cu_seqlens_q, scale)`` with scattered rows and pages; interpreter-sized off CUDA."""
     Hq, Hkv, hd = heads
     gen = torch.Generator().manual_seed(Hq + hd + (dtype == BF16) * 3 + len(mode))
     small = _small(dev)
-    if small and dtype == BF16:
-        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (seen with triton 3.6, numpy 2)")
     if small:
         Hq, Hkv, hd = Hq // 4 or 1, max(Hkv // 4, 1), 16
     page = 16
@@ -385,20 +378,39 @@ def test_paged_attention(dev, heads, dtype, mode):
     num_pages = (rows_n + 1) * max_pages + 2
     page_table = torch.randperm(num_pages, generator=gen)[: (rows_n + 1) * max_pages].view(rows_n + 1, max_pages)
     rows = torch.randperm(rows_n, generator=gen)[:B]
-    k_cache = torch.randn(num_pages, page, Hkv, hd, generator=gen).to(dev, dtype)
-    v_cache = torch.randn(num_pages, page, Hkv, hd, generator=gen).to(dev, dtype)
+    kv_dtype = kv_dtype or dtype
+    k_cache = torch.randn(num_pages, page, Hkv, hd, generator=gen).to(dev, kv_dtype)
+    v_cache = torch.randn(num_pages, page, Hkv, hd, generator=gen).to(dev, kv_dtype)
     T = sum(Ls)
     q = torch.randn(T, Hq, hd, generator=gen).to(dev, dtype)
     cu = torch.tensor([0] + Ls).cumsum(0).to(dev)
-    args = (q, k_cache, v_cache, page_table.to(dev), rows.to(dev), torch.tensor(kv_lens, device=dev), cu, hd ** -0.5)
+    return q, k_cache, v_cache, page_table.to(dev), rows.to(dev), torch.tensor(kv_lens, device=dev), cu, hd ** -0.5
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])
+def test_paged_attention(dev, heads, dtype, mode):
+    from ppspec.kernels.attention import paged_attention
+    from ppspec.kernels.attention.gpu import paged_attention_gpu
+    from ppspec.kernels.attention.naive import paged_attention_ref
+
+    if _small(dev) and dtype == BF16:
+        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (seen with triton 3.6, numpy 2)")
+    args = _attention_case(dev, heads, dtype, mode)
     o = paged_attention_gpu(*args)
     o_ref = paged_attention_ref(*args)
     tol = 1e-5 if dtype == F32 else 1e-2
     assert _rel_err(o, o_ref) < tol
     if dev.type == "cuda":
         assert torch.equal(paged_attention(*args), o)
+    # the stage's index tensors are int64; int32 ones read the same
+    args32 = list(args)
+    for i in (4, 5, 6):
+        args32[i] = args[i].to(torch.int32)
+    assert torch.equal(paged_attention_gpu(*args32), o)
     bad = list(args)
-    bad[4] = torch.full((B,), rows_n + 1, device=dev)
+    bad[4] = torch.full((args[4].numel(),), args[3].shape[0], device=dev)
     with pytest.raises(IndexError):
         paged_attention_gpu(*bad)
 

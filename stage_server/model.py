@@ -271,11 +271,13 @@ class GatedAttention(nn.Module):
         q, k = self.rotary[0](q, k, meta.positions)
         k_cache, v_cache = kv
         store_kv(k_cache, v_cache, meta.slots, k, v)
+        # the output gate, read in place from its strided view, is applied in the attention
+        # kernel's epilogue on CUDA (no sigmoid or product kernel)
         o = paged_attention(
-            q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, meta.cu_seqlens, self.hd ** -0.5
+            q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, meta.cu_seqlens, self.hd ** -0.5,
+            gate=gate,
         )
-        # gated per head on the strided gate view: no copy of it; the product is contiguous
-        return self.o_proj((o * torch.sigmoid(gate)).reshape(T, self.nh * self.hd))
+        return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 
 class MLP(nn.Module):

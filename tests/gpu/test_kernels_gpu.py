@@ -415,6 +415,44 @@ def test_paged_attention(dev, heads, dtype, mode):
         paged_attention_gpu(*bad)
 
 
+@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
+@pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (BF16, BF16), (BF16, F32)])
+@pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])
+def test_paged_attention_output_gate(dev, heads, dtype, kv_dtype, mode):
+    """The gate fused into the kernel's epilogue, read in place from the strided view
+    GatedAttention passes (per head, the second half of the q projection's ``2 hd``
+    columns, in a row of the fused q|k|v GEMM), against the reference's
+    ``attn * sigmoid(gate)``; one rounding instead of three (fp32 KV isolates it)."""
+    from ppspec.kernels.attention import paged_attention
+    from ppspec.kernels.attention.gpu import paged_attention_gpu
+    from ppspec.kernels.attention.naive import paged_attention_ref
+
+    if _small(dev) and kv_dtype == BF16:
+        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (seen with triton 3.6, numpy 2)")
+    args = _attention_case(dev, heads, dtype, mode, kv_dtype)
+    q = args[0]
+    T, Hq, hd = q.shape
+    gen = torch.Generator().manual_seed(T + Hq)
+    qkv = (torch.randn(T, 2 * Hq * hd + 2 * hd, generator=gen) * 3).to(dev, dtype)  # sigmoid's whole range
+    gate = qkv[:, : 2 * Hq * hd].view(T, Hq, 2 * hd).chunk(2, dim=-1)[1]
+    assert not gate.is_contiguous() and gate.stride() == (qkv.shape[1], 2 * hd, 1)
+    o = paged_attention_gpu(*args, gate=gate)
+    o_ref = paged_attention_ref(*args, gate=gate)
+    assert o.dtype == dtype and o.shape == q.shape
+    assert _rel_err(o, o_ref) < (1e-5 if dtype == F32 else 1e-2)
+    if kv_dtype == F32:
+        # fp32 attention: the fused result is the fp32 product rounded once to q's dtype
+        exact = paged_attention_ref(q.float(), *args[1:]) * torch.sigmoid(gate.float())
+        _ulp_close(o, exact.to(dtype), dtype, dev)
+    if dev.type == "cuda":
+        assert torch.equal(paged_attention(*args, gate=gate), o)
+    for bad in (gate[..., :1], gate.float() if dtype != F32 else gate.to(BF16)):
+        with pytest.raises(ValueError):
+            paged_attention_gpu(*args, gate=bad)
+        with pytest.raises(ValueError):
+            paged_attention_ref(*args, gate=bad)
+
+
 def test_dispatchers_take_gpu_paths(dev):
     """On CUDA the dispatch functions import the GPU modules (no silent CPU fallback)."""
     if dev.type != "cuda":

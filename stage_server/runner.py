@@ -662,7 +662,7 @@ class StageRunner:
         meta, mtp_meta = metas
         h = self.model(meta, self.model.embed_tokens(ids) if self.is_first else hidden, self._layer_states())
         B, D = meta.batch_size, meta.tokens_per_request
-        targets = self.model.logits(h).view(B, D, -1).argmax(-1)  # [B, D]
+        targets = self.model.logits(h, upcast=False).view(B, D, -1).argmax(-1)  # [B, D]
         j = torch.arange(D - 1, device=self.device)
         match = (ids.view(B, D)[:, 1:] == targets[:, :-1]) & (j < num_drafts[:, None])
         accepted = 1 + match.long().cumprod(1).sum(1)
@@ -708,7 +708,7 @@ class StageRunner:
         drafts = [[] for _ in range(B)]
         pos = [s + e for s, e in zip(seq_lens, ext)]
         for step in range(self.num_steps):
-            d = self.model.mtp_logits(u).argmax(-1)  # [B]
+            d = self.model.mtp_logits(u, upcast=False).argmax(-1)  # [B]
             for b, tok in enumerate(d.tolist()):  # one device sync per step, not per request
                 drafts[b].append(tok)
             if step == self.num_steps - 1:
@@ -736,7 +736,7 @@ class StageRunner:
         cu = known(torch.arange(B + 1, device=dev), total=B, max_len=1, queries_fit=True)
         drafts = []
         for step in range(self.num_steps):
-            d = self.model.mtp_logits(u).argmax(-1)
+            d = self.model.mtp_logits(u, upcast=False).argmax(-1)
             drafts.append(d)
             if step == self.num_steps - 1:
                 break

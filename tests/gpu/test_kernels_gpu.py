@@ -782,3 +782,22 @@ def test_rotary(dev, dtype, T, hd, rd, hq, hk):
         apply_rotary(q, k, positions[:-1] if T > 1 else positions[:0], inv_freq)
     with pytest.raises(ValueError):
         apply_rotary(q, k, positions, torch.cat([inv_freq] * (hd // rd + 1)))
+
+
+# ---------------------------------------------------------------- greedy argmax on model-dtype logits
+
+
+@pytest.mark.parametrize("V", [1000, 151936])
+def test_argmax_of_bf16_logits_is_argmax_of_their_upcast(dev, V):
+    """The fused greedy round takes argmax over bf16 logits without the fp32 copy
+    (``StageModel.logits(upcast=False)``): the same index as over the exact upcast,
+    ties (common in bf16) going to the first index in both."""
+    gen = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V, generator=gen).to(BF16)
+    top = x.max(-1, keepdim=True).values
+    x.scatter_(1, torch.randint(0, V, (6, 4), generator=gen), top.expand(6, 4))  # ties at random places
+    first = torch.stack([(row == row.max()).nonzero()[0, 0] for row in x])
+    x = x.to(dev)
+    assert torch.equal(x.argmax(-1).cpu(), first)
+    assert torch.equal(x.float().argmax(-1).cpu(), first)
+    assert torch.equal(x.view(2, 3, V).argmax(-1).flatten().cpu(), first)  # as the round views [B, D, V]

@@ -271,11 +271,13 @@ class GatedAttention(nn.Module):
         q, k = self.rotary[0](q, k, meta.positions)
         k_cache, v_cache = kv
         store_kv(k_cache, v_cache, meta.slots, k, v)
+        # the output gate, read in place from its strided view, is applied in the attention
+        # kernel's epilogue on CUDA (no sigmoid or product kernel)
         o = paged_attention(
-            q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, meta.cu_seqlens, self.hd ** -0.5
+            q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, meta.cu_seqlens, self.hd ** -0.5,
+            gate=gate,
         )
-        # gated per head on the strided gate view: no copy of it; the product is contiguous
-        return self.o_proj((o * torch.sigmoid(gate)).reshape(T, self.nh * self.hd))
+        return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 
 class MLP(nn.Module):
@@ -475,9 +477,15 @@ class StageModel(nn.Module):
             hidden, residual = layer(hidden, meta, layer_states[int(i)], residual)
         return hidden + residual
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``lm_head(norm(hidden))`` in fp32: ``[N, vocab]``."""
-        return self.lm_head(self.norm(hidden)).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``lm_head(norm(hidden))``: ``[N, vocab]`` in fp32, or with ``upcast=False`` in the
+        model's dtype, for a caller that only takes the argmax: upcasting is exact, so the
+        argmax (first index among ties, for every dtype) is the same, and a bf16 stage
+        saves a copy kernel of ``[N, vocab]``."""
+        logits = self.lm_head(self.norm(hidden))
+        return logits.float() if upcast else logits
 
-    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.mtp.norm(mtp_hidden)).float()
+    def mtp_logits(self, mtp_hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """The MTP head's logits from its output ``[N, hidden]``; ``upcast`` as in :meth:`logits`."""
+        logits = self.lm_head(self.mtp.norm(mtp_hidden))
+        return logits.float() if upcast else logits

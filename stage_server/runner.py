@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +71,18 @@ def brief(xs, n: int = 16) -> str:
         return str(xs) if len(xs) <= n else f"{str(dict(list(xs.items())[:n]))[:-1]}, ... ({len(xs)} in all)}}"
     xs = list(xs)
     return str(xs) if len(xs) <= n else f"{str(xs[:n])[:-1]}, ... ({len(xs)} in all)]"
+
+
+class ChainIndex(NamedTuple):
+    """Index constants of :meth:`StageRunner._mtp_chain`, made once before the graphs are
+    captured: inside a graph every ``torch.arange`` / ``torch.ones`` is a kernel launched
+    at each replay. ``iota`` ``[n]`` = 0..n-1 and ``ones`` ``[n]`` int64, with ``n`` above
+    any batch size and chain length; ``last_before[D]`` ``[n]`` = ``b * D - 1``, so request
+    b's token ``a`` (1-based) of D sits at row ``last_before[D][b] + a``."""
+
+    iota: torch.Tensor
+    ones: torch.Tensor
+    last_before: dict[int, torch.Tensor]
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -235,6 +248,10 @@ class StageRunner:
             return self.model(metas[0], h, self._layer_states())
 
         pool = None
+        if self.use_mtp and self.num_steps:
+            iota = torch.arange(max(max_bs, self.num_steps) + 1, device=self.device)
+            self._chain_index = ChainIndex(iota, torch.ones_like(iota),
+                                           {d: iota * d - 1 for d in (1, self.num_steps + 1)})
         for mode, d in ((DECODE, 1), (VERIFY, self.num_steps + 1)):
             if mode == VERIFY and self.num_steps == 0:
                 continue
@@ -662,7 +679,7 @@ class StageRunner:
         meta, mtp_meta = metas
         h = self.model(meta, self.model.embed_tokens(ids) if self.is_first else hidden, self._layer_states())
         B, D = meta.batch_size, meta.tokens_per_request
-        targets = self.model.logits(h).view(B, D, -1).argmax(-1)  # [B, D]
+        targets = self.model.logits(h, upcast=False).view(B, D, -1).argmax(-1)  # [B, D]
         j = torch.arange(D - 1, device=self.device)
         match = (ids.view(B, D)[:, 1:] == targets[:, :-1]) & (j < num_drafts[:, None])
         accepted = 1 + match.long().cumprod(1).sum(1)
@@ -708,7 +725,7 @@ class StageRunner:
         pos = [s + e for s, e in zip(seq_lens, ext)]
         chain = []
         for step in range(self.num_steps):
-            d = self.model.mtp_logits(u).argmax(-1)  # [B]
+            d = self.model.mtp_logits(u, upcast=False).argmax(-1)  # [B]
             chain.append(d)
             if step == self.num_steps - 1:
                 break
@@ -726,26 +743,30 @@ class StageRunner:
         KV that the chain below and the next round overwrite before anything reads it
         (attention is causal). Then ``num_steps`` greedy drafts chain from the last real
         position. Returns ``[B, num_steps]`` int64 drafts. Same tokens as :meth:`_mtp_draft`.
+
+        The index work of every chain step is done up front, in a fixed number of ops
+        (``self._chain_index`` holds the constants, made by :meth:`_capture_graphs`).
         """
-        mtp, kv, pool = self.model.mtp, self.mtp_kv.layer(0), self.mtp_kv
-        B, D, dev = meta.batch_size, meta.tokens_per_request, self.device
+        mtp, kv, pool, c = self.model.mtp, self.mtp_kv.layer(0), self.mtp_kv, self._chain_index
+        B, D, S = meta.batch_size, meta.tokens_per_request, self.num_steps - 1
         u = mtp(self.model.embed(ids), hidden, meta, kv)
-        u = u[torch.arange(B, device=dev) * D + accepted - 1]
-        nxt = meta.seq_lens + accepted  # the position after each request's last emitted token
-        ones = torch.ones(B, dtype=torch.long, device=dev)
-        cu = known(torch.arange(B + 1, device=dev), total=B, max_len=1, queries_fit=True)
-        drafts = []
-        for step in range(self.num_steps):
-            d = self.model.mtp_logits(u).argmax(-1)
-            drafts.append(d)
-            if step == self.num_steps - 1:
-                break
-            p = nxt + step
+        u = u[c.last_before[D][:B] + accepted]  # each request's last emitted token
+        drafts = [self.model.mtp_logits(u, upcast=False).argmax(-1)]
+        if S:
+            # chain step s writes position seq + accepted + s: [S, B], so that each step's
+            # positions and kv_lens are a contiguous row, as the kernels read them
+            pos = (meta.seq_lens + accepted) + c.iota[:S, None]
+            slots = pool.slots(meta.rows, pos)  # the rows broadcast over the steps
+            kv_lens = pos + 1
+            ones = c.ones[:B]
+            cu = known(c.iota[: B + 1], total=B, max_len=1, queries_fit=True)
             # bounds hold for every admitted step: pages for these positions were reserved
-            slots = known(pool.slots(meta.rows, p), min=0, max=pool.k.shape[1] * pool.page_size - 1)
-            kv_lens = known(p + 1, min=1, max=pool.max_pages_per_row * pool.page_size)
-            cmeta = BatchMeta(DECODE, meta.rows, p, ones, cu, p, slots, pool.page_table, kv_lens, 1)
-            u = mtp(self.model.embed(d), u, cmeta, kv)
+            max_slot, max_len = pool.k.shape[1] * pool.page_size - 1, pool.max_pages_per_row * pool.page_size
+            for s in range(S):
+                cmeta = BatchMeta(DECODE, meta.rows, pos[s], ones, cu, pos[s], known(slots[s], min=0, max=max_slot),
+                                  pool.page_table, known(kv_lens[s], min=1, max=max_len), 1)
+                u = mtp(self.model.embed(drafts[-1]), u, cmeta, kv)
+                drafts.append(self.model.mtp_logits(u, upcast=False).argmax(-1))
         return torch.stack(drafts, 1)
 
     # ------------------------------------------------------------------ commit and release

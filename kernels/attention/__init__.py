@@ -18,7 +18,8 @@ def store_kv(k_cache, v_cache, slots, k, v):
     store_kv_ref(k_cache, v_cache, slots, k, v)
 
 
-def paged_attention(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale):
-    """Shapes as :func:`naive.paged_attention_ref`; a FlashInfer / Triton path may take CUDA tensors."""
+def paged_attention(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate=None):
+    """Shapes as :func:`naive.paged_attention_ref` (``gate``: the optional output gate,
+    fused into the GPU kernel's epilogue); the Triton path takes CUDA tensors."""
     fn = pick(q.is_cuda, "attention.gpu", "paged_attention_gpu", paged_attention_ref)
-    return fn(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale)
+    return fn(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate)

@@ -8,6 +8,15 @@ head are processed together, so decode (one query) still fills the matrix unit. 
 query i sees positions ``<= kv_lens[b] - L_b + i`` (causal). Softmax runs in fp32 with an
 online max; fp32 inputs use IEEE fp32 products (no tf32).
 
+The launch is the only kernel: the index tensors are read in the dtype the stage made them
+(int64, or int32) and q and the output gate in place, so no cast or copy runs before it.
+
+With ``gate`` the epilogue multiplies the fp32 attention output by ``sigmoid(gate)`` (in
+fp32) and rounds once to q's dtype. The reference (and the unfused model before it) rounds
+the attention output, ``sigmoid(gate)`` and their product each to q's dtype: in bf16 the
+two may differ by up to about two ulps per element (three roundings against one); in
+fp32 only by fp32 rounding.
+
 FlashInfer is not wired in yet (its wheels are heavy to carry to the GPU machine): this
 Triton path is the GPU path whenever q is on CUDA.
 """
@@ -18,24 +27,28 @@ import triton
 import triton.language as tl
 
 from ..checks import check_rows, fact, min_max
+from ..norm.triton_norm import as_head_rows
+from .naive import check_gate
 
 
 @triton.jit
 def _paged_attn_kernel(
-    q, k_cache, v_cache, page_table, rows, kv_lens, cu_q, o,
-    scale, pt_stride,
+    q, k_cache, v_cache, page_table, rows, kv_lens, cu_q, o, gate,
+    scale, pt_stride, sg0, sg1,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+    HAS_GATE: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_hk = tl.program_id(1)
     i_mb = tl.program_id(2)
     G: tl.constexpr = HQ // HKV
-    q0 = tl.load(cu_q + i_b)
-    L = tl.load(cu_q + i_b + 1) - q0
+    # the index tensors come as the stage made them (int64 or int32); int32 arithmetic here
+    q0 = tl.load(cu_q + i_b).to(tl.int32)
+    L = tl.load(cu_q + i_b + 1).to(tl.int32) - q0
     m_start = i_mb * BLOCK_M
     if m_start // G < L:
-        n = tl.load(kv_lens + i_b)
+        n = tl.load(kv_lens + i_b).to(tl.int32)
         row = tl.load(rows + i_b).to(tl.int64)
         o_m = m_start + tl.arange(0, BLOCK_M)
         i_q = o_m // G
@@ -81,11 +94,16 @@ def _paged_attn_kernel(
             m_i = m_new
             start += BLOCK_N
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        m_o = m_q[:, None] & m_d[None, :]
+        if HAS_GATE:
+            p_g = gate + tok[:, None] * sg0 + i_hq[:, None] * sg1 + o_d[None, :]
+            out = out * tl.sigmoid(tl.load(p_g, mask=m_o, other=0.0).to(tl.float32))
         p_o = o + (tok[:, None] * HQ + i_hq[:, None]) * HD + o_d[None, :]
-        tl.store(p_o, out.to(o.dtype.element_ty), mask=m_q[:, None] & m_d[None, :])
+        tl.store(p_o, out.to(o.dtype.element_ty), mask=m_o)
 
 
-def _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q):
+def _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, gate):
+    check_gate(q, gate)
     T, Hq, hd = q.shape
     num_pages, page_size, Hkv, hd_k = k_cache.shape
     if v_cache.shape != k_cache.shape or hd_k != hd or Hq % Hkv:
@@ -121,24 +139,34 @@ def _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seq
         raise IndexError(f"page table names pages outside [0, {num_pages})")
 
 
-def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale):
+def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate=None):
     """Shapes as :func:`naive.paged_attention_ref`; raises before the launch on rows or pages
-    outside the pool."""
-    _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q)
+    outside the pool.
+
+    Launches one kernel when the stage's usual inputs come: index tensors on q's device
+    (any integer dtype, int64 or int32 in practice), contiguous q, a gate view with unit
+    last stride. Anything else is copied first."""
+    _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, gate)
     T, Hq, hd = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     B = req_pool_indices.numel()
-    o = torch.empty_like(q)
+    # the kernel writes o packed [T, Hq, hd], whatever q's layout (empty_like keeps a
+    # permuted q's strides)
+    o = torch.empty((T, Hq, hd), dtype=q.dtype, device=q.device)
     if B == 0 or T == 0:
         return o
     dev = q.device
     q = q.contiguous()
-    rows = req_pool_indices.to(dev, torch.int64).contiguous()
-    lens = kv_lens.to(dev, torch.int32).contiguous()
-    cu = cu_seqlens_q.to(dev, torch.int32).contiguous()
+    rows = req_pool_indices.to(dev).contiguous()
+    lens = kv_lens.to(dev).contiguous()
+    cu = cu_seqlens_q.to(dev).contiguous()
     pt = page_table.to(dev)
     if pt.stride(1) != 1:
         pt = pt.contiguous()
+    if gate is None:
+        g3, sg0, sg1 = q, 0, 0  # not read (HAS_GATE off)
+    else:
+        g3, _, sg0, sg1 = as_head_rows(gate)
     G = Hq // Hkv
     max_l = fact(cu_seqlens_q, "max_len", lambda: int((cu[1:] - cu[:-1]).max()))
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
@@ -147,8 +175,9 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
     BLOCK_N = 32 if (ieee or BD > 128) else 64
     grid = (B, Hkv, triton.cdiv(max_l * G, BLOCK_M))
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, pt, rows, lens, cu, o, float(scale), pt.stride(0),
+        q, k_cache, v_cache, pt, rows, lens, cu, o, g3, float(scale), pt.stride(0), sg0, sg1,
         HQ=Hq, HKV=Hkv, HD=hd, PAGE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BD=BD, IEEE=ieee,
+        HAS_GATE=gate is not None,
         num_warps=4 if BLOCK_M <= 32 else 8,
     )
     return o

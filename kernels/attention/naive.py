@@ -17,6 +17,14 @@ def store_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tens
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
 
 
+def check_gate(q: torch.Tensor, gate: torch.Tensor | None) -> None:
+    """Raise ValueError unless ``gate`` is None or has q's shape, dtype and device (a
+    broadcast or a promoted dtype would pass the reference silently)."""
+    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.device != q.device):
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} on {gate.device} must match q "
+                         f"{tuple(q.shape)} {q.dtype} on {q.device}")
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -26,8 +34,10 @@ def paged_attention_ref(
     kv_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries over each request's paged KV.
+    """Causal attention of packed queries over each request's paged KV, optionally with
+    an output gate.
 
     Args:
         q: ``[T, Hq, hd]``; the ``L_b`` queries of request b sit at the last ``L_b``
@@ -36,10 +46,17 @@ def paged_attention_ref(
         page_table: ``[rows + 1, max_pages]`` int64. req_pool_indices: ``[B]``.
         kv_lens: ``[B]`` tokens in the cache per request, new ones included.
         cu_seqlens_q: ``[B + 1]``. scale: softmax scale (``hd ** -0.5``).
+        gate: None, or ``[T, Hq, hd]`` in q's dtype (a strided view is fine): the output
+            becomes ``attn * sigmoid(gate)`` (Qwen3-Next's gated attention), the attention
+            output, the sigmoid and the product each rounded to q's dtype (torch's ops).
 
     Returns:
         ``[T, Hq, hd]`` in q's dtype; softmax in fp32.
+
+    Raises:
+        ValueError: a gate that does not match q.
     """
+    check_gate(q, gate)
     page_size = k_cache.shape[1]
     out = torch.empty_like(q)
     kflat = k_cache.view(-1, *k_cache.shape[2:])
@@ -59,4 +76,5 @@ def paged_attention_ref(
             qq.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask, scale=scale
         )
         out[bounds[b] : bounds[b + 1]] = o.transpose(0, 1).to(q.dtype)
-    return out
+    # the model's ops before the gate moved in here: CPU results stay bit for bit
+    return out if gate is None else out * torch.sigmoid(gate)

@@ -1,26 +1,43 @@
-"""Triton rotary embedding: every head of q and k in one launch (the GPU path of
-``naive.rotary_ref``).
+"""Triton rotary embedding: every head of q and k in one launch, and nothing else on the
+device but the outputs' allocation (the GPU path of ``naive.rotary_ref``).
 
-cos / sin of ``positions x inv_freq`` come from torch's own fp32 ops (four small kernels;
-their accuracy at angles of thousands of radians is torch's, not a fast approximation's);
-one program rotates one head of one token, in fp32 with the reference's rounding steps
-(cos / sin, each product and the sum rounded to x's dtype). No host sync: capturable in
-a CUDA graph.
+One program rotates one head of one token. It forms the angle ``float(position) *
+inv_freq`` in fp32 as the reference does, takes cos / sin with libdevice's accurate
+``cosf`` / ``sinf``, then follows the reference's rounding steps in fp32 (cos / sin, each
+product and the sum rounded to x's dtype). No host sync: capturable in a CUDA graph.
+
+libdevice is named rather than left to ``tl.cos`` / ``tl.sin``: positions in the thousands
+give angles of thousands of radians, where the approximate PTX ``cos.approx`` /
+``sin.approx`` lose all accuracy. (Triton 3.6 happens to lower fp32 ``tl.cos`` / ``tl.sin``
+to the same libdevice calls, PTX for sm_90 checked; naming them keeps that whatever a
+version or backend picks.)
+
+Triton's interpreter (``TRITON_INTERPRET=1``, triton 3.6) has no libdevice: its stubs
+return None. There the kernel takes ``tl.cos`` / ``tl.sin``, which the interpreter runs as
+numpy's fp32 ``cos`` / ``sin`` (accurate too, not bit-equal to libdevice's).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..norm.triton_norm import as_head_rows
 
 
+def _interpreted() -> bool:
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @triton.jit
-def _rotary_kernel(q, k, qo, ko, cos, sin,
+def _rotary_kernel(q, k, qo, ko, positions, inv_freq,
                    sq0, sq1, sk0, sk1, HQ, HALF, HD,
-                   BH: tl.constexpr, BR: tl.constexpr, HAS_REST: tl.constexpr):
+                   BH: tl.constexpr, BR: tl.constexpr, HAS_REST: tl.constexpr, LIBDEVICE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     is_q = h < HQ
@@ -35,8 +52,16 @@ def _rotary_kernel(q, k, qo, ko, cos, sin,
     dt = qo.dtype.element_ty
     j = tl.arange(0, BH)
     m = j < HALF
-    c = tl.load(cos + t * HALF + j, mask=m, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin + t * HALF + j, mask=m, other=0.0).to(dt).to(tl.float32)
+    # the reference's fp32 angle: the position converted, times inv_freq, one rounding
+    ang = tl.load(positions + t).to(tl.float32) * tl.load(inv_freq + j, mask=m, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        c = libdevice.cos(ang)
+        s = libdevice.sin(ang)
+    else:
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    c = c.to(dt).to(tl.float32)
+    s = s.to(dt).to(tl.float32)
     x1 = tl.load(src + j, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + j, mask=m, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin: each product and the sum rounded as torch's ops round
@@ -52,7 +77,8 @@ def _rotary_kernel(q, k, qo, ko, cos, sin,
 
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
     """See ``kernels.rotary.apply_rotary``; q, k ``[T, H, head_dim]`` may be per-head views
-    of a wider projection (read in place); outputs are contiguous."""
+    of a wider projection (read in place); outputs are contiguous. positions (int32 or
+    int64) and inv_freq are read in their own dtype; a non-contiguous one is copied."""
     T, HQ, HD = q.shape
     HK = k.shape[1]
     half = inv_freq.shape[0]
@@ -63,10 +89,9 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv
     if T == 0:
         return qo, ko
     rest = HD - 2 * half
-    ang = positions.float().unsqueeze(-1) * inv_freq  # [T, half] fp32, as the reference forms it
     _rotary_kernel[(T, HQ + HK)](
-        q3, k3, qo, ko, ang.cos(), ang.sin(), sq0, sq1, sk0, sk1, HQ, half, HD,
+        q3, k3, qo, ko, positions.contiguous(), inv_freq.contiguous(), sq0, sq1, sk0, sk1, HQ, half, HD,
         BH=triton.next_power_of_2(half), BR=triton.next_power_of_2(max(rest, 1)), HAS_REST=rest > 0,
-        num_warps=1,
+        LIBDEVICE=not _interpreted(), num_warps=1,
     )
     return qo, ko

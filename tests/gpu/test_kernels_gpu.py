@@ -431,19 +431,12 @@ def test_conv1d_prefill(dev, dtype, bias):
 # ---------------------------------------------------------------- paged attention
 
 
-@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])
-def test_paged_attention(dev, heads, dtype, mode):
-    from ppspec.kernels.attention import paged_attention
-    from ppspec.kernels.attention.gpu import paged_attention_gpu
-    from ppspec.kernels.attention.naive import paged_attention_ref
-
+def _attention_case(dev, heads, dtype, mode, kv_dtype=None):
+    """Random paged-attention inputs: ``(q, k_cache, v_cache, page_table, rows, kv_lens,
+    cu_seqlens_q, scale)`` with scattered rows and pages; interpreter-sized off CUDA."""
     Hq, Hkv, hd = heads
     gen = torch.Generator().manual_seed(Hq + hd + (dtype == BF16) * 3 + len(mode))
     small = _small(dev)
-    if small and dtype == BF16:
-        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (seen with triton 3.6, numpy 2)")
     if small:
         Hq, Hkv, hd = Hq // 4 or 1, max(Hkv // 4, 1), 16
     page = 16
@@ -460,22 +453,79 @@ def test_paged_attention(dev, heads, dtype, mode):
     num_pages = (rows_n + 1) * max_pages + 2
     page_table = torch.randperm(num_pages, generator=gen)[: (rows_n + 1) * max_pages].view(rows_n + 1, max_pages)
     rows = torch.randperm(rows_n, generator=gen)[:B]
-    k_cache = torch.randn(num_pages, page, Hkv, hd, generator=gen).to(dev, dtype)
-    v_cache = torch.randn(num_pages, page, Hkv, hd, generator=gen).to(dev, dtype)
+    kv_dtype = kv_dtype or dtype
+    k_cache = torch.randn(num_pages, page, Hkv, hd, generator=gen).to(dev, kv_dtype)
+    v_cache = torch.randn(num_pages, page, Hkv, hd, generator=gen).to(dev, kv_dtype)
     T = sum(Ls)
     q = torch.randn(T, Hq, hd, generator=gen).to(dev, dtype)
     cu = torch.tensor([0] + Ls).cumsum(0).to(dev)
-    args = (q, k_cache, v_cache, page_table.to(dev), rows.to(dev), torch.tensor(kv_lens, device=dev), cu, hd ** -0.5)
+    return q, k_cache, v_cache, page_table.to(dev), rows.to(dev), torch.tensor(kv_lens, device=dev), cu, hd ** -0.5
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])
+def test_paged_attention(dev, heads, dtype, mode):
+    from ppspec.kernels.attention import paged_attention
+    from ppspec.kernels.attention.gpu import paged_attention_gpu
+    from ppspec.kernels.attention.naive import paged_attention_ref
+
+    if _small(dev) and dtype == BF16:
+        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (seen with triton 3.6, numpy 2)")
+    args = _attention_case(dev, heads, dtype, mode)
     o = paged_attention_gpu(*args)
     o_ref = paged_attention_ref(*args)
     tol = 1e-5 if dtype == F32 else 1e-2
     assert _rel_err(o, o_ref) < tol
     if dev.type == "cuda":
         assert torch.equal(paged_attention(*args), o)
+    # the stage's index tensors are int64; int32 ones read the same
+    args32 = list(args)
+    for i in (4, 5, 6):
+        args32[i] = args[i].to(torch.int32)
+    assert torch.equal(paged_attention_gpu(*args32), o)
     bad = list(args)
-    bad[4] = torch.full((B,), rows_n + 1, device=dev)
+    bad[4] = torch.full((args[4].numel(),), args[3].shape[0], device=dev)
     with pytest.raises(IndexError):
         paged_attention_gpu(*bad)
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
+@pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (BF16, BF16), (BF16, F32)])
+@pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])
+def test_paged_attention_output_gate(dev, heads, dtype, kv_dtype, mode):
+    """The gate fused into the kernel's epilogue, read in place from the strided view
+    GatedAttention passes (per head, the second half of the q projection's ``2 hd``
+    columns, in a row of the fused q|k|v GEMM), against the reference's
+    ``attn * sigmoid(gate)``; one rounding instead of three (fp32 KV isolates it)."""
+    from ppspec.kernels.attention import paged_attention
+    from ppspec.kernels.attention.gpu import paged_attention_gpu
+    from ppspec.kernels.attention.naive import paged_attention_ref
+
+    if _small(dev) and kv_dtype == BF16:
+        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (seen with triton 3.6, numpy 2)")
+    args = _attention_case(dev, heads, dtype, mode, kv_dtype)
+    q = args[0]
+    T, Hq, hd = q.shape
+    gen = torch.Generator().manual_seed(T + Hq)
+    qkv = (torch.randn(T, 2 * Hq * hd + 2 * hd, generator=gen) * 3).to(dev, dtype)  # sigmoid's whole range
+    gate = qkv[:, : 2 * Hq * hd].view(T, Hq, 2 * hd).chunk(2, dim=-1)[1]
+    assert not gate.is_contiguous() and gate.stride() == (qkv.shape[1], 2 * hd, 1)
+    o = paged_attention_gpu(*args, gate=gate)
+    o_ref = paged_attention_ref(*args, gate=gate)
+    assert o.dtype == dtype and o.shape == q.shape
+    assert _rel_err(o, o_ref) < (1e-5 if dtype == F32 else 1e-2)
+    if kv_dtype == F32:
+        # fp32 attention: the fused result is the fp32 product rounded once to q's dtype
+        exact = paged_attention_ref(q.float(), *args[1:]) * torch.sigmoid(gate.float())
+        _ulp_close(o, exact.to(dtype), dtype, dev)
+    if dev.type == "cuda":
+        assert torch.equal(paged_attention(*args, gate=gate), o)
+    for bad in (gate[..., :1], gate.float() if dtype != F32 else gate.to(BF16)):
+        with pytest.raises(ValueError):
+            paged_attention_gpu(*args, gate=bad)
+        with pytest.raises(ValueError):
+            paged_attention_ref(*args, gate=bad)
 
 
 def test_dispatchers_take_gpu_paths(dev):
@@ -807,3 +857,22 @@ def test_rotary(dev, dtype, T, hd, rd, hq, hk):
         apply_rotary(q, k, positions[:-1] if T > 1 else positions[:0], inv_freq)
     with pytest.raises(ValueError):
         apply_rotary(q, k, positions, torch.cat([inv_freq] * (hd // rd + 1)))
+
+
+# ---------------------------------------------------------------- greedy argmax on model-dtype logits
+
+
+@pytest.mark.parametrize("V", [1000, 151936])
+def test_argmax_of_bf16_logits_is_argmax_of_their_upcast(dev, V):
+    """The fused greedy round takes argmax over bf16 logits without the fp32 copy
+    (``StageModel.logits(upcast=False)``): the same index as over the exact upcast,
+    ties (common in bf16) going to the first index in both."""
+    gen = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V, generator=gen).to(BF16)
+    top = x.max(-1, keepdim=True).values
+    x.scatter_(1, torch.randint(0, V, (6, 4), generator=gen), top.expand(6, 4))  # ties at random places
+    first = torch.stack([(row == row.max()).nonzero()[0, 0] for row in x])
+    x = x.to(dev)
+    assert torch.equal(x.argmax(-1).cpu(), first)
+    assert torch.equal(x.float().argmax(-1).cpu(), first)
+    assert torch.equal(x.view(2, 3, V).argmax(-1).flatten().cpu(), first)  # as the round views [B, D, V]

@@ -77,3 +77,26 @@ def check_commit(req_pool_indices: torch.Tensor, accept_lengths: torch.Tensor, n
     if lo < 1 or (d_max is not None and hi > d_max):
         raise ValueError(f"accept lengths must be in [1, {d_max}]: {accept_lengths.tolist()}")
     return True
+
+
+def check_commit_conv_replay(conv: torch.Tensor, conv_scratch: torch.Tensor, pending: torch.Tensor, slot: torch.Tensor,
+                             req_pool_indices: torch.Tensor, accept_lengths: torch.Tensor) -> bool:
+    """Validate one micro-batch's replay-design commit (shapes of
+    :func:`kernels.commit.naive.commit_accept_conv_replay_ref`, then :func:`check_commit`
+    with ``num_rows = rows + 1`` and ``d_max = D``); returns False when there is nothing to
+    commit. Reads the device only for facts the caller did not state.
+
+    Raises:
+        ValueError: shapes that do not fit together, non-integer ``pending`` / ``slot``, an
+            accept length outside ``[1, D]`` or a length mismatch.
+        IndexError: a row outside ``[0, rows + 1)`` or a repeated row.
+    """
+    if conv.dim() < 2 or conv_scratch.shape[:2] != conv.shape[:2] or conv_scratch.shape[3:] != conv.shape[2:] \
+            or conv_scratch.dim() != conv.dim() + 1:
+        raise ValueError(f"conv_scratch {tuple(conv_scratch.shape)} does not match conv {tuple(conv.shape)}")
+    if pending.shape != conv.shape[:2] or slot.shape != conv.shape[:2]:
+        raise ValueError(f"pending {tuple(pending.shape)} and slot {tuple(slot.shape)} must be "
+                         f"[L, R] = {tuple(conv.shape[:2])}, the conv pool's layers and rows")
+    if pending.dtype.is_floating_point or slot.dtype.is_floating_point:
+        raise ValueError(f"pending and slot must be integer tensors, got {pending.dtype} and {slot.dtype}")
+    return check_commit(req_pool_indices, accept_lengths, conv.shape[1], conv_scratch.shape[2])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ppspec.kernels.commit import commit_accept
-from ppspec.kernels.gdn import ReplayBuffers, alloc_replay_buffers, alloc_replay_meta, commit_accept_replay
+from ppspec.kernels.commit import commit_accept, commit_accept_conv_replay
+from ppspec.kernels.gdn import ReplayBuffers, alloc_replay_buffers, alloc_replay_meta
 
 from .model import LinearLayerState
 
@@ -185,6 +185,11 @@ class StatePool:
         Copy design: ``ssm[row] = ssm_scratch[row, accept_length - 1]``. Replay design:
         ``pending[:, row] = accept_length`` and ``slot[:, row]`` flips, for all layers in one
         call; the next verify, decode or continuing prefill of the row applies the steps.
+        The replay design's whole commit (conv windows included) is
+        :func:`~ppspec.kernels.commit.commit_accept_conv_replay`: one validation, and on CUDA
+        one launch. Pass ``rows`` and ``accept_lengths`` on the pool's device, with their
+        host-known bounds stated (:func:`~ppspec.kernels.checks.known`) so the check does not
+        read the device.
 
         Raises:
             RuntimeError: the pool has no verify scratch (started with D = 1).
@@ -194,11 +199,13 @@ class StatePool:
         """
         if self.conv_scratch is None:
             raise RuntimeError("commit without a verify scratch (the stage was started with D = 1)")
-        commit_accept(self.conv, self.conv_scratch, rows, accept_lengths)  # validates first
         if self.commit_design == "copy":
+            commit_accept(self.conv, self.conv_scratch, rows, accept_lengths)  # validates first
             commit_accept(self.ssm, self.ssm_scratch, rows, accept_lengths)
         else:
-            commit_accept_replay(self.replay_pending, self.replay_slot, rows, accept_lengths, self.num_verify_tokens)
+            # validated once; on CUDA one launch for conv windows, pending and slot of every layer
+            commit_accept_conv_replay(self.conv, self.conv_scratch, self.replay_pending, self.replay_slot,
+                                      rows, accept_lengths)
 
 
 def state_pool_nbytes(

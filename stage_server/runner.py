@@ -830,12 +830,13 @@ class StageRunner:
         if self.fault == FAULT_STALE_ROWS and not self.is_last:
             rows = self._last_verify_rows[: len(rows)]
             accept_lengths = accept_lengths[: len(rows)]
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         if self.fault is None:
-            # _check_commit validated both lists on the host: state it, so the commit's
-            # kernels check without reading the device (kernels.checks)
-            rows_t = known(t(rows), min=min(rows), max=max(rows), unique=True)
-            acc_t = known(t(accept_lengths), min=min(accept_lengths), max=max(accept_lengths))
+            # one host->device copy for the whole commit; _check_commit validated both lists
+            # on the host: state it, so the commit checks without reading the device
+            # (kernels.checks)
+            rows_t, acc_t = self._to_device(rows, accept_lengths)
+            known(rows_t, min=min(rows), max=max(rows), unique=True)
+            known(acc_t, min=min(accept_lengths), max=max(accept_lengths))
             self.state.commit(rows_t, acc_t)
             return
         if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last and self.state.commit_design == "replay":
@@ -843,16 +844,20 @@ class StageRunner:
             pos = [self._positional_rows.get(r, i) for i, r in enumerate(rows)]
             if len(set(pos)) < len(pos):
                 pos = list(range(len(rows)))
-            self.state.commit(t(pos), t(accept_lengths))
+            self.state.commit(*self._to_device(pos, accept_lengths))
             return
         if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last:
-            pos = t([self._positional_rows.get(r, 0) for r in rows])
+            pos, rows_t, acc = self._to_device([self._positional_rows.get(r, 0) for r in rows], rows, accept_lengths)
             s = self.state
-            acc = t(accept_lengths)
-            s.ssm[:, t(rows)] = self._pos_ssm[:, pos, acc - 1]
-            s.conv[:, t(rows)] = self._pos_conv[:, pos, acc - 1]
+            s.ssm[:, rows_t] = self._pos_ssm[:, pos, acc - 1]
+            s.conv[:, rows_t] = self._pos_conv[:, pos, acc - 1]
             return
-        self.state.commit(t(rows), t(accept_lengths))
+        self.state.commit(*self._to_device(rows, accept_lengths))
+
+    def _to_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+        """Equal-length int lists as int64 tensors on the stage's device, in one
+        host->device copy (one ``[len(lists), n]`` tensor; each list is a contiguous row of it)."""
+        return torch.tensor(lists, dtype=torch.long, device=self.device).unbind(0)
 
     def _after_verify_fault_hooks(self, meta: BatchMeta) -> None:
         if self.fault == FAULT_STALE_ROWS:

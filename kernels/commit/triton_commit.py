@@ -1,9 +1,14 @@
 """Triton commit of accepted verify state, all layers in one launch: the GPU path of
-``naive.commit_accept_ref`` (``state[:, row] = scratch[:, row, accept_length - 1]``).
+``naive.commit_accept_ref`` (``state[:, row] = scratch[:, row, accept_length - 1]``) and of
+``naive.commit_accept_conv_replay_ref`` (the same copy of the conv windows plus, for the
+replay design, ``pending[:, row] = accept_length`` and ``slot[:, row]`` flipped, in the
+same launch).
 
-Grid: (chunks of one row's state, layers x requests). Each program copies one contiguous
-chunk of ``S`` elements from ``scratch[l, row, a - 1]`` to ``state[l, row]``; rows come from
-``req_pool_indices`` only.
+Grid: (layers x requests, chunks of one row's state). Each program copies one contiguous
+chunk of ``S`` elements from ``scratch[l, row, a - 1]`` to ``state[l, row]``; with ``MARK``
+the row's first chunk also writes ``pending[l, row]`` and flips ``slot[l, row]`` (one
+program per layer and row, and the rows are distinct, so no two programs touch one
+counter). Rows come from ``req_pool_indices`` only.
 """
 from __future__ import annotations
 
@@ -14,18 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_rows, min_max
+from ..checks import check_commit_conv_replay, check_rows, min_max
 
 
 @triton.jit
 def _commit_kernel(
-    state, scratch, rows, acc,
+    state, scratch, rows, acc, pending, slot,
     B, S,
-    st_l, st_r, sc_l, sc_r, sc_d,
-    BLOCK: tl.constexpr,
+    st_l, st_r, sc_l, sc_r, sc_d, pd_l, pd_r, sl_l, sl_r,
+    BLOCK: tl.constexpr, MARK: tl.constexpr,
 ):
-    i_c = tl.program_id(0)
-    i_lb = tl.program_id(1)
+    i_lb = tl.program_id(0)
+    i_c = tl.program_id(1)
     i_l = (i_lb // B).to(tl.int64)
     i_b = i_lb % B
     row = tl.load(rows + i_b).to(tl.int64)
@@ -35,6 +40,11 @@ def _commit_kernel(
     src = scratch + i_l * sc_l + row * sc_r + (a - 1) * sc_d + offs
     x = tl.load(src, mask=m)
     tl.store(state + i_l * st_l + row * st_r + offs, x.to(state.dtype.element_ty), mask=m)
+    if MARK:
+        if i_c == 0:
+            tl.store(pending + i_l * pd_l + row * pd_r, a.to(pending.dtype.element_ty))
+            p_s = slot + i_l * sl_l + row * sl_r
+            tl.store(p_s, 1 - tl.load(p_s))
 
 
 def _inner_contiguous(t: torch.Tensor, lead: int) -> bool:
@@ -72,13 +82,64 @@ def commit_accept_triton(state: torch.Tensor, scratch: torch.Tensor, req_pool_in
 def launch_commit(state, scratch, rows, acc) -> None:
     """The launch alone (no checks, no host sync: CUDA-graph capturable). ``rows`` and
     ``acc`` int64 on the device, already validated by the caller."""
+    _launch(state, scratch, rows, acc, None, None)
+
+
+def commit_accept_conv_replay_triton(conv: torch.Tensor, conv_scratch: torch.Tensor, pending: torch.Tensor,
+                                     slot: torch.Tensor, req_pool_indices: torch.Tensor,
+                                     accept_lengths: torch.Tensor) -> None:
+    """Same shapes and semantics as :func:`naive.commit_accept_conv_replay_ref`: the replay
+    design's whole commit (conv windows, ``pending``, ``slot`` of all L layers) in one
+    launch. Validates shapes, rows and lengths first (:func:`checks.check_commit_conv_replay`),
+    then :func:`launch_commit_conv_replay`; the dispatcher
+    :func:`kernels.commit.commit_accept_conv_replay` validates once and launches directly.
+
+    Raises:
+        ValueError / IndexError: as :func:`checks.check_commit_conv_replay` and
+            :func:`launch_commit_conv_replay`; nothing is written then.
+    """
+    if check_commit_conv_replay(conv, conv_scratch, pending, slot, req_pool_indices, accept_lengths):
+        launch_commit_conv_replay(conv, conv_scratch, pending, slot, req_pool_indices, accept_lengths)
+
+
+def launch_commit_conv_replay(conv, conv_scratch, pending, slot, rows, acc) -> None:
+    """The replay design's commit as one launch, nothing else (no value checks, no host
+    sync: CUDA-graph capturable). Shapes as :func:`naive.commit_accept_conv_replay_ref`;
+    ``rows`` and ``acc`` ``[B]`` integer, contiguous, on the pool's device, already
+    validated by the caller (rows in ``[0, R)`` and distinct, lengths in ``[1, D]``).
+
+    Raises:
+        ValueError: before the launch, from host metadata alone: ``rows`` / ``acc`` not
+            contiguous on the pool's device, or a row's conv window not contiguous in
+            ``conv`` / ``conv_scratch``.
+    """
+    dev = conv.device
+    for name, t in (("req_pool_indices", rows), ("accept_lengths", acc)):
+        if t.device != dev or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {dev}, got {t.device}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+    if not (_inner_contiguous(conv, 2) and _inner_contiguous(conv_scratch, 3)):
+        raise ValueError("commit needs each row's conv window contiguous")
+    _launch(conv, conv_scratch, rows, acc, pending, slot)
+
+
+def _launch(state, scratch, rows, acc, pending, slot) -> None:
     L = state.shape[0]
     B = rows.numel()
+    if L == 0 or B == 0:
+        return
     S = math.prod(state.shape[2:])
     BLOCK = min(4096, triton.next_power_of_2(max(S, 1)))
-    grid = (triton.cdiv(S, BLOCK), L * B)
+    mark = pending is not None
+    if not mark:
+        pending = slot = rows  # never touched (MARK is off)
+    # layers x requests on the first axis (up to 2^31 - 1 programs), chunks on the second;
+    # at least one chunk, so the counters are written even for an empty window
+    grid = (L * B, max(1, triton.cdiv(S, BLOCK)))
     _commit_kernel[grid](
-        state, scratch, rows, acc, B, S,
+        state, scratch, rows, acc, pending, slot, B, S,
         state.stride(0), state.stride(1), scratch.stride(0), scratch.stride(1), scratch.stride(2),
-        BLOCK=BLOCK, num_warps=8 if BLOCK >= 2048 else 4,
+        pending.stride(0) if mark else 0, pending.stride(1) if mark else 0,
+        slot.stride(0) if mark else 0, slot.stride(1) if mark else 0,
+        BLOCK=BLOCK, MARK=mark, num_warps=8 if BLOCK >= 2048 else 4,
     )

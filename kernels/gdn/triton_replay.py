@@ -45,7 +45,10 @@ def launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs: Replay
 def commit_accept_replay_triton(pending, slot, req_pool_indices, accept_lengths) -> None:
     """Replay commit for all layers at once (``pending``/``slot`` ``[L, R]`` or ``[R]``):
     ``pending[:, row] = accept_length``, ``slot[:, row]`` flips. Two tiny scatters; no state
-    moves. Rows are validated like :func:`kernels.commit.commit_accept` validates them."""
+    moves. Rows are validated like :func:`kernels.commit.commit_accept` validates them.
+    A stage does not call this: its commit (``StatePool.commit``) is
+    :func:`kernels.commit.commit_accept_conv_replay`, the same counters and the conv windows
+    in one launch."""
     if not check_commit(req_pool_indices, accept_lengths, pending.shape[-1], None):
         return
     launch_replay_commit(pending, slot, req_pool_indices.to(pending.device, torch.int64),

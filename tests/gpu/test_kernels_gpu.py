@@ -262,6 +262,156 @@ def test_commit_accept(dev, B):
         commit_accept_triton(st, scratch, torch.tensor([0], device=dev), torch.tensor([D + 1], device=dev))
 
 
+# ---------------------------------------------------------------- commit (replay design: one launch)
+
+
+def _replay_pool(gen, L, R, D, S, dt, dev):
+    """Conv windows, their verify scratch and replay counters of L layers, R rows: random
+    values everywhere (slot 0 or 1, pending in [0, D]), so that any stray write shows."""
+    conv = torch.randn(L, R, *S, generator=gen).to(dev, dt)
+    conv_scratch = torch.randn(L, R, D, *S, generator=gen).to(dev, dt)
+    pending = torch.randint(0, D + 1, (L, R), generator=gen, dtype=torch.int32).to(dev)
+    slot = torch.randint(0, 2, (L, R), generator=gen, dtype=torch.int32).to(dev)
+    return conv, conv_scratch, pending, slot
+
+
+@pytest.mark.parametrize("B", [1, 64, 256])
+def test_commit_conv_replay(dev, B):
+    """The replay design's one-launch commit (conv windows, pending, slot of every layer)
+    equals today's two reference calls composed, and today's two GPU calls, bit for bit:
+    rows scattered over a pool with rows nobody names (left untouched), several layers,
+    three micro-batches at disjoint rows committed over two rounds (slots flip twice)."""
+    from ppspec.kernels.commit import commit_accept_conv_replay
+    from ppspec.kernels.commit.naive import commit_accept_conv_replay_ref, commit_accept_ref
+    from ppspec.kernels.commit.triton_commit import (
+        commit_accept_conv_replay_triton, commit_accept_triton, launch_commit_conv_replay,
+    )
+    from ppspec.kernels.gdn.naive_replay import commit_accept_replay_ref
+    from ppspec.kernels.gdn.triton_replay import commit_accept_replay_triton
+
+    gen = torch.Generator().manual_seed(1000 + B)
+    L, D = 3, 4
+    S = (12, 3) if _small(dev) else (96, 3)  # [C, W - 1]
+    R = 3 * B + 7  # the last row pads; rows nobody names stay as they were
+    perm = torch.randperm(R, generator=gen)
+    sizes = [B, max(1, B // 2), 1]
+    mbs, at = [], 0
+    for n in sizes:
+        mbs.append(perm[at:at + n].to(dev))
+        at += n
+    named = torch.cat(mbs)
+    others = torch.ones(R, dtype=torch.bool, device=dev)
+    others[named] = False
+    # a window of one chunk in two dtypes, and one of two chunks (4098 elements: the
+    # counters are written by one program per layer and row, not by every chunk)
+    for S, dt in ((S, BF16), (S, F32), ((1366, 3), BF16)):
+        pool0 = _replay_pool(gen, L, R, D, S, dt, dev)
+        ref, two_gpu, fused, launched, dispatched = ([t.clone() for t in pool0] for _ in range(5))
+        for rnd in range(2):
+            for rows in (mbs if rnd == 0 else mbs[::-1]):
+                acc = torch.randint(1, D + 1, (rows.numel(),), generator=gen).to(dev)
+                # the reference: today's two reference calls composed
+                commit_accept_ref(ref[0], ref[1], rows, acc)
+                commit_accept_replay_ref(ref[2], ref[3], rows, acc)
+                # today's GPU path: two dispatches, seven launches
+                commit_accept_triton(two_gpu[0], two_gpu[1], rows, acc)
+                commit_accept_replay_triton(two_gpu[2], two_gpu[3], rows, acc)
+                commit_accept_conv_replay_triton(*fused, rows, acc)
+                launch_commit_conv_replay(*launched, rows, acc)
+                commit_accept_conv_replay(*dispatched, rows, acc)  # CUDA: validate once, one launch
+                for got in (two_gpu, fused, launched, dispatched):  # after every commit (a flip)
+                    for name, a, b in zip(("conv", "conv_scratch", "pending", "slot"), got, ref):
+                        assert a.dtype == b.dtype and torch.equal(a, b), f"{dt}: {name} differs from the reference"
+        for name, a, b in zip(("conv", "pending", "slot"), (fused[0], fused[2], fused[3]), (pool0[0], pool0[2], pool0[3])):
+            assert torch.equal(a[:, others], b[:, others]), f"{dt}: {name} of a row nobody named changed"
+        assert torch.equal(fused[1], pool0[1]), "the scratch is read only"
+        # every named row: last round's accept length in every layer, the slot flipped twice
+        assert torch.equal(fused[3][:, named], pool0[3][:, named])
+        # the composed reference function is the same two calls
+        composed = [t.clone() for t in pool0]
+        for rows in mbs:
+            acc = torch.randint(1, D + 1, (rows.numel(),), generator=gen).to(dev)
+            commit_accept_conv_replay_ref(*composed, rows, acc)
+            commit_accept_ref(pool0[0], pool0[1], rows, acc)
+            commit_accept_replay_ref(pool0[2], pool0[3], rows, acc)
+        assert all(torch.equal(a, b) for a, b in zip(composed, pool0))
+
+
+def test_commit_conv_replay_checks_before_writing(dev):
+    """Bad rows or accept lengths raise before anything is written (conv windows, pending,
+    slot all unchanged), through the dispatcher and the Triton entry point; host-known
+    facts (``checks.known``) are what the check reads, as the stage states them."""
+    from ppspec.kernels.checks import known
+    from ppspec.kernels.commit import commit_accept_conv_replay
+    from ppspec.kernels.commit.triton_commit import commit_accept_conv_replay_triton, launch_commit_conv_replay
+
+    gen = torch.Generator().manual_seed(5)
+    L, R, D, S = 2, 9, 3, (8, 3)
+    pool0 = _replay_pool(gen, L, R, D, S, BF16, dev)
+    pool = [t.clone() for t in pool0]
+    T = lambda x: torch.tensor(x, device=dev)  # noqa: E731
+    bad = [
+        ([1, R], [1, 1], IndexError),          # a row past the padding row
+        ([-1, 2], [1, 1], IndexError),         # a negative row
+        ([3, 3], [1, 2], IndexError),          # a repeated row
+        ([1, 2], [1, 0], ValueError),          # an accept length of 0
+        ([1, 2], [D + 1, 1], ValueError),      # an accept length past D
+        ([1, 2, 4], [1, 1], ValueError),       # a length mismatch
+    ]
+    for fn in (commit_accept_conv_replay, commit_accept_conv_replay_triton):
+        for rows, acc, err in bad:
+            with pytest.raises(err):
+                fn(*pool, T(rows), T(acc))
+            assert all(torch.equal(a, b) for a, b in zip(pool, pool0)), f"{fn.__name__} wrote before raising {rows} {acc}"
+        # facts the host states are what the check reads: a stated bound outside the pool
+        # refuses rows whose values are fine
+        with pytest.raises(IndexError):
+            fn(*pool, known(T([1, 2]), min=1, max=R, unique=True), known(T([1, 1]), min=1, max=1))
+        with pytest.raises(ValueError):
+            fn(*pool, known(T([1, 2]), min=1, max=2, unique=True), known(T([1, 1]), min=1, max=D + 1))
+        assert all(torch.equal(a, b) for a, b in zip(pool, pool0))
+    with pytest.raises(ValueError):  # pending / slot of another pool's layers or rows
+        commit_accept_conv_replay(pool[0], pool[1], pool[2][:1], pool[3][:1], T([1]), T([1]))
+    with pytest.raises(ValueError):
+        commit_accept_conv_replay(pool[0], pool[1], pool[2][:, :-1], pool[3][:, :-1], T([1]), T([1]))
+    with pytest.raises(ValueError):  # conv_scratch of another shape
+        commit_accept_conv_replay(pool[0], pool[1][:, :, :, :-1], pool[2], pool[3], T([1]), T([1]))
+    with pytest.raises(ValueError):  # the launch addresses rows by pointer: they must be contiguous
+        launch_commit_conv_replay(*pool, T([1, 0, 2, 0])[::2], T([1, 1]))
+    assert all(torch.equal(a, b) for a, b in zip(pool, pool0))
+    # nothing to commit is no error and writes nothing
+    commit_accept_conv_replay(*pool, T([]).long(), T([]).long())
+    assert all(torch.equal(a, b) for a, b in zip(pool, pool0))
+
+
+def test_commit_conv_replay_graph_capture(dev):
+    """The one-launch commit is CUDA-graph capturable: a captured commit replayed with new
+    rows and lengths in the same device tensors equals the reference."""
+    if dev.type != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    from ppspec.kernels.commit.naive import commit_accept_conv_replay_ref
+    from ppspec.kernels.commit.triton_commit import launch_commit_conv_replay
+
+    gen = torch.Generator().manual_seed(11)
+    L, R, D, B = 4, 300, 4, 64
+    pool0 = _replay_pool(gen, L, R, D, (96, 3), BF16, dev)
+    pool, ref = [t.clone() for t in pool0], [t.clone() for t in pool0]
+    rows = torch.randperm(R, generator=gen)[:B].to(dev)
+    acc = torch.randint(1, D + 1, (B,), generator=gen).to(dev)
+    launch_commit_conv_replay(*pool, rows, acc)  # compile outside the capture
+    commit_accept_conv_replay_ref(*ref, rows, acc)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch_commit_conv_replay(*pool, rows, acc)
+    for _ in range(3):
+        rows.copy_(torch.randperm(R, generator=gen)[:B].to(dev))
+        acc.copy_(torch.randint(1, D + 1, (B,), generator=gen).to(dev))
+        g.replay()
+        commit_accept_conv_replay_ref(*ref, rows, acc)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(pool, ref))
+
+
 # ---------------------------------------------------------------- conv1d update
 
 

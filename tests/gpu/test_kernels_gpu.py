@@ -666,9 +666,19 @@ def test_paged_attention_output_gate(dev, heads, dtype, kv_dtype, mode):
     assert o.dtype == dtype and o.shape == q.shape
     assert _rel_err(o, o_ref) < (1e-5 if dtype == F32 else 1e-2)
     if kv_dtype == F32:
-        # fp32 attention: the fused result is the fp32 product rounded once to q's dtype
+        # fp32 attention: the fused result is the fp32 product rounded once to q's dtype, so
+        # within one ulp of the exact product rounded, plus the two fp32 computations'
+        # difference. That difference is ~1e-6 of the output's scale, not of each element:
+        # an output that cancels to near zero carries it whole (seen on the H200: one
+        # element of 262144 off by 1.1e-6 absolute, 1e-4 relative, in fp32).
         exact = paged_attention_ref(q.float(), *args[1:]) * torch.sigmoid(gate.float())
-        _ulp_close(o, exact.to(dtype), dtype, dev)
+        r = exact.to(dtype).double()
+        noise = 1e-5 * float(exact.abs().max())
+        rounds = _bf16_cast_rounds(dev)  # the interpreter truncates: one more ulp, anywhere
+        ulp = 0.0 if dtype == F32 else torch.finfo(dtype).eps * r.abs() * (1.01 if rounds else 2.02)
+        diff = (o.double() - r).abs()
+        assert (diff <= ulp + noise).all(), f"{int((diff > ulp + noise).sum())} elements beyond an ulp + {noise:.1e}"
+        assert dtype == F32 or not rounds or float((diff > 0).double().mean()) <= 0.01
     if dev.type == "cuda":
         assert torch.equal(paged_attention(*args, gate=gate), o)
     for bad in (gate[..., :1], gate.float() if dtype != F32 else gate.to(BF16)):

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", type=device_list, default="cpu",
                     help="cpu, cuda (stage k on cuda:k), or a comma-separated device per stage")
-    ap.add_argument("--memory-budget-gb", type=positive_float, default=None, help="GiB per stage (weights + pools)")
+    ap.add_argument("--memory-budget-gb", type=positive_float, default=None, help="GiB per stage (weights, pools and CUDA graphs)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
     add_cuda_graph_args(ap)

@@ -64,6 +64,11 @@ class RowStateError(ValueError):
     server answers FAILED_PRECONDITION; other ValueErrors are INVALID_ARGUMENT."""
 
 
+def _reserved(device: torch.device) -> int:
+    """Bytes the caching allocator holds on ``device`` (0 off CUDA)."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
 def brief(xs, n: int = 16) -> str:
     """A list or dict for an error message, cut after ``n`` items (a status message must
     stay small)."""
@@ -110,8 +115,10 @@ class StageRunner:
         num_speculative_steps: drafts per round (verify D = steps + 1); 0 = no speculation.
         use_mtp: draft with the checkpoint's MTP head (last stage).
         max_context: longest sequence (tokens); default the model's max_position_embeddings.
-        memory_budget: bytes this stage may use for weights and pools (several stages can
-            share one GPU); a larger need raises ValueError at start, before allocating.
+        memory_budget: bytes this stage may use for weights, pools and CUDA graphs (several
+            stages can share one GPU); weights and pools beyond it raise ValueError at
+            start, before allocating, and the graphs (measured as captured: the allocator's
+            growth over the capture) right after capture.
         commit_design: how a verify's accepted GDN state is committed (``StatePool``):
             ``"copy"`` (the state after every verify step in a scratch, the commit copies
             one back; the reference) or ``"replay"`` (the verify keeps only the steps'
@@ -205,8 +212,9 @@ class StageRunner:
         self._slot = {layer: i for i, layer in enumerate(lin)} | {layer: i for i, layer in enumerate(att)}
         # Verify writes up to D - 1 tokens past the committed length: reserve them.
         ctx = self.max_context + d
+        pool_bytes = None
         if memory_budget is not None:
-            self._check_budget(memory_budget, len(lin), len(att), kv_tokens, page_size, d)
+            pool_bytes = self._check_budget(memory_budget, len(lin), len(att), kv_tokens, page_size, d)
         self.kv = KVPool(len(att), max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx, dtype, device) if att else None
         self.state = StatePool(
             len(lin), max_rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
@@ -226,6 +234,7 @@ class StageRunner:
         self._positional_rows: dict[int, int] = {}  # FAULT_POSITIONAL_SCRATCH: row -> batch position
         self._last_verify_rows: list[int] = []      # FAULT_STALE_ROWS
         self.busy_seconds = 0.0
+        self.graph_bytes = 0  # device memory the captured graphs took (bytes)
         log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
         self.graphs: dict[str, StepGraphs] = {}
         self.mtp_graphs: dict[str, StepGraphs] = {}
@@ -238,7 +247,19 @@ class StageRunner:
         if cuda_graph_max_bs and any(c.is_moe_layer(i) for i in range(start, end)):
             log.info("stage %d: CUDA graphs off (MoE layers group tokens by expert on the host)", pp_rank)
         elif cuda_graph_max_bs:
+            before = _reserved(self.device)
             self._capture_graphs(min(cuda_graph_max_bs, max_rows), capture=on_cuda)
+            # the graphs' private memory pool and their warm-up's activations, which the
+            # caching allocator keeps: known only once captured, so checked after
+            self.graph_bytes = max(0, _reserved(self.device) - before)
+            if pool_bytes is not None and pool_bytes + self.graph_bytes > memory_budget:
+                self.graphs = self.mtp_graphs = self.round_graphs = {}
+                raise ValueError(
+                    f"stage {pp_rank} needs {(pool_bytes + self.graph_bytes) / 2**30:.2f} GiB: weights and pools "
+                    f"{pool_bytes / 2**30:.2f}, CUDA graphs for batches up to {min(cuda_graph_max_bs, max_rows)} "
+                    f"{self.graph_bytes / 2**30:.2f}; its memory budget is {memory_budget / 2**30:.2f} GiB: lower "
+                    f"--cuda-graph-max-bs (or --max-rows / --kv-tokens) or raise the budget"
+                )
 
     def _capture_graphs(self, max_bs: int, capture: bool) -> None:
         """Graphs of the layers' decode and verify forward and, on an MTP stage, of the
@@ -269,7 +290,9 @@ class StageRunner:
                                max_kv_len=mtp_len, pool=pool, **common)
                 self.round_graphs[mode], pool = g, g.pool
 
-    def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> None:
+    def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> int:
+        """Raise ValueError when weights and pools exceed ``budget`` (bytes), before any pool
+        is allocated; else return their bytes."""
         c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         pages = -(-kv_tokens // page_size) + 1  # + the padding page
@@ -286,6 +309,7 @@ class StageRunner:
                 f"state + verify scratch {state / 2**30:.2f}) but its memory budget is {budget / 2**30:.2f} GiB: "
                 f"lower --max-rows / --kv-tokens or raise the budget"
             )
+        return need
 
     # ------------------------------------------------------------------ info
     def memory_report(self) -> dict[str, int]:
@@ -295,6 +319,7 @@ class StageRunner:
         rep["mtp_kv_cache"] = self.mtp_kv.nbytes if self.mtp_kv else 0
         if self.state:
             rep.update(self.state.nbytes)
+        rep["cuda_graphs"] = self.graph_bytes
         return rep
 
     def info(self) -> dict:

@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", type=device, default="cpu")
     ap.add_argument("--memory-budget-gb", type=positive_float, default=None,
-                    help="GiB this stage may use for weights and pools (stages sharing a GPU)")
+                    help="GiB this stage may use for weights, pools and CUDA graphs (stages sharing a GPU)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit: copy (per-step state scratch) or replay (step inputs, replayed "
                          "by the next verify); default replay on CUDA, copy on CPU")

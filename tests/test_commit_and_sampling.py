@@ -199,6 +199,26 @@ def test_stage_start_errors_are_clear(make_ckpt):
             StageRunner(path, device="cuda")
 
 
+def test_memory_budget_counts_cuda_graphs(make_ckpt, monkeypatch):
+    """The budget covers the graphs too: measured as the allocator's growth over the
+    capture (faked here: a CPU stage allocates nothing on CUDA), refused right after it
+    with the three parts named, and reported by ``memory_report``."""
+    import ppspec.stage_server.runner as runner_mod
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_ckpt("qwen3_5_ratio1")
+    fits = StageRunner(path, max_rows=2, memory_budget=1 << 30)
+    need = sum(v for k, v in fits.memory_report().items() if k != "cuda_graphs")
+    held = iter([0, (1 << 30) - need + 1])  # before and after the capture: one byte too many
+    monkeypatch.setattr(runner_mod, "_reserved", lambda device: next(held))
+    with pytest.raises(ValueError, match=r"pools 0\.\d+, CUDA graphs for batches up to 2 0\.98; its memory budget is 1\.00 GiB.*--cuda-graph-max-bs"):
+        StageRunner(path, max_rows=2, memory_budget=1 << 30, cuda_graph_max_bs=2)
+    held = iter([0, 4096])
+    monkeypatch.setattr(runner_mod, "_reserved", lambda device: next(held))
+    r = StageRunner(path, max_rows=2, memory_budget=1 << 30, cuda_graph_max_bs=2)
+    assert r.memory_report()["cuda_graphs"] == 4096
+
+
 def test_stage_cli_exits_with_one_clear_line(make_ckpt, tmp_path):
     import subprocess
     import sys

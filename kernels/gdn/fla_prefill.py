@@ -13,17 +13,12 @@ import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 from ..checks import fact
+from .naive import check_prefill_shapes
 
 
 def chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, initial_state, scale=None):
     """Returns ``(o [T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``."""
-    T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    B = cu_seqlens.numel() - 1
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV) or HV % H:
-        raise ValueError(f"GDN prefill shapes disagree: q {tuple(q.shape)} v {tuple(v.shape)} g {tuple(g.shape)}")
-    if tuple(initial_state.shape) != (B, HV, K, V):
-        raise ValueError(f"initial_state {tuple(initial_state.shape)} for {B} sequences of {(HV, K, V)}")
+    T, H, K, HV, V, B = check_prefill_shapes(q, k, v, g, beta, cu_seqlens, initial_state)
     if scale is None:
         scale = K ** -0.5
     cu = cu_seqlens.to(device=q.device, dtype=torch.int64)

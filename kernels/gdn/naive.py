@@ -32,6 +32,19 @@ def _prepare(q, k, v, g, beta, scale):
     return q, k, v.float(), g.float(), beta.float()
 
 
+def check_prefill_shapes(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int, int, int, int, int]:
+    """``(T, H, K, HV, V, B)`` of a packed prefill (shapes as :func:`chunk_gated_delta_rule_ref`);
+    raises ValueError when they disagree. Shared by the GPU paths."""
+    T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    B = cu_seqlens.numel() - 1
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV) or HV % H:
+        raise ValueError(f"GDN prefill shapes disagree: q {tuple(q.shape)} v {tuple(v.shape)} g {tuple(g.shape)}")
+    if tuple(initial_state.shape) != (B, HV, K, V):
+        raise ValueError(f"initial_state {tuple(initial_state.shape)} for {B} sequences of {(HV, K, V)}")
+    return T, H, K, HV, V, B
+
+
 def chunk_gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,

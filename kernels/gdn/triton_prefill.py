@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .triton_recurrent import _block_v, _gdn_token, _num_warps
+from .naive import check_prefill_shapes
 
 
 @triton.jit
@@ -63,13 +64,7 @@ def gdn_prefill_recurrent_triton(q, k, v, g, beta, cu_seqlens, initial_state, sc
     Raises:
         ValueError: shapes that disagree.
     """
-    T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    B = cu_seqlens.numel() - 1
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV) or HV % H:
-        raise ValueError(f"GDN prefill shapes disagree: q {tuple(q.shape)} v {tuple(v.shape)} g {tuple(g.shape)}")
-    if tuple(initial_state.shape) != (B, HV, K, V):
-        raise ValueError(f"initial_state {tuple(initial_state.shape)} for {B} sequences of {(HV, K, V)}")
+    T, H, K, HV, V, B = check_prefill_shapes(q, k, v, g, beta, cu_seqlens, initial_state)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     final = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
     if B == 0:

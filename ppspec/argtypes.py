@@ -34,6 +34,14 @@ def positive_float(s: str) -> float:
     return v
 
 
+def positive_finite_float(s: str) -> float:
+    """A number > 0 and finite (inf or 1e400 would overflow where it becomes bytes or ints)."""
+    v = positive_float(s)
+    if v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return v
+
+
 def port(s: str) -> int:
     try:
         v = int(s)

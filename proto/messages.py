@@ -12,10 +12,26 @@ from typing import Any
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 
 
+# Below this temperature a request samples greedily (vLLM's sampling epsilon): softmax(logits
+# / t) is then the argmax but for exact ties, and fp32 logits divided by so small a t
+# overflow to inf, whose softmax is NaN.
+GREEDY_BELOW = 1e-5
+_F32_MAX = 3.4028234663852886e38   # stage.proto carries temperature and top_p as float32
+_F32_TINY = 1.1754943508222875e-38
+_I32_MAX = 2**31 - 1               # and top_k as int32
+
+
 @dataclass
 class SamplingSpec:
     """What the last stage needs of a request's sampling parameters (see
-    ``router.types.SamplingParams``); ``seed`` is always set by the router."""
+    ``router.types.SamplingParams``); ``seed`` is always set by the router.
+
+    Built in canonical form, the same on both sides of the wire and meaning the same as
+    given: a temperature below :data:`GREEDY_BELOW` becomes 0 (greedy); a finite
+    temperature above float32's largest, a positive ``top_p`` below its smallest normal
+    and a ``top_k`` above int32's largest are clamped to them (the same distribution: uniform,
+    the top token alone, no top-k limit at any vocabulary that fits an int32). Values no
+    clamp can mean (NaN, inf, negative) are left for the stage to refuse."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -25,6 +41,16 @@ class SamplingSpec:
     logprobs: int | None = None
     min_tokens: int = 0
     banned_until_min: list[int] = field(default_factory=list)  # EOS / stop ids masked before min_tokens
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        elif _F32_MAX < self.temperature < float("inf"):
+            self.temperature = _F32_MAX
+        if 0.0 < self.top_p < _F32_TINY:
+            self.top_p = _F32_TINY
+        if self.top_k > _I32_MAX:
+            self.top_k = _I32_MAX
 
 
 @dataclass

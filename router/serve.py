@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 
 from ppspec.argtypes import (
-    add_cuda_graph_args, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_float, positive_int,
-    stage_devices,
+    add_cuda_graph_args, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_finite_float, positive_float,
+    positive_int, stage_devices,
 )
 
 from ppspec.stage_server.config import CheckpointError, load_config
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", type=device_list, default="cpu",
                     help="cpu, cuda (stage k on cuda:k), or a comma-separated device per stage")
-    ap.add_argument("--memory-budget-gb", type=positive_float, default=None, help="GiB per stage (weights, pools and CUDA graphs)")
+    ap.add_argument("--memory-budget-gb", type=positive_finite_float, default=None, help="GiB per stage (weights, pools and CUDA graphs)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
     add_cuda_graph_args(ap)
@@ -225,6 +225,8 @@ def main(argv: list[str]) -> int:
                 why = f"{dead[0]} exited with code {dead[1]}" if dead else (
                     "interrupted" if stop["sig"] else f"not healthy after {a.startup_timeout:.0f}s")
                 print(f"ppspec serve: startup failed: {why}", file=sys.stderr)
+                if dead and dead[1] == 2:
+                    return 2  # a child refused its settings (a usage error, its line above): so does serve
                 return 0 if stop["sig"] and not dead else 1
             time.sleep(0.25)
         print(f"ppspec serve: PP{n}, speculative {a.speculative_algorithm}, ready at {url}/v1", flush=True)

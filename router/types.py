@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ppspec.proto.messages import GREEDY_BELOW
+
 
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping parameters (OpenAI / vLLM semantics).
 
-    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature);
+    below ``proto.messages.GREEDY_BELOW`` (1e-5, as vLLM) it is greedy too.
     top_p: nucleus mass in (0, 1]; top_k: keep the k most likely tokens (0 or -1 = all);
     min_p: drop tokens whose probability is below ``min_p * max_prob`` (0 = off).
     seed: per-request seed; sampling is a pure function of (seed, output position), so the
@@ -37,8 +40,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the bad field."""
-        if not (self.temperature >= 0.0):
-            raise InvalidRequestError("temperature must be >= 0", param="temperature")
+        if not (0.0 <= self.temperature < float("inf")):
+            raise InvalidRequestError("temperature must be a finite number >= 0", param="temperature")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
         if self.top_k < -1:
@@ -54,7 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

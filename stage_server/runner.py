@@ -69,6 +69,12 @@ def _reserved(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
+def _gib(n: int) -> str:
+    """``n`` bytes for a budget message: GiB to two decimals, and the exact bytes, which
+    tell a need from a budget that round alike."""
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
+
+
 def brief(xs, n: int = 16) -> str:
     """A list or dict for an error message, cut after ``n`` items (a status message must
     stay small)."""
@@ -116,9 +122,9 @@ class StageRunner:
         use_mtp: draft with the checkpoint's MTP head (last stage).
         max_context: longest sequence (tokens); default the model's max_position_embeddings.
         memory_budget: bytes this stage may use for weights, pools and CUDA graphs (several
-            stages can share one GPU); weights and pools beyond it raise ValueError at
-            start, before allocating, and the graphs (measured as captured: the allocator's
-            growth over the capture) right after capture.
+            stages can share one GPU); weights and pools beyond it raise ValueError once
+            the weights are loaded, before any pool is allocated, and the graphs (measured
+            as captured: the allocator's growth over the capture) right after capture.
         commit_design: how a verify's accepted GDN state is committed (``StatePool``):
             ``"copy"`` (the state after every verify step in a scratch, the commit copies
             one back; the reference) or ``"replay"`` (the verify keeps only the steps'
@@ -255,9 +261,9 @@ class StageRunner:
             if pool_bytes is not None and pool_bytes + self.graph_bytes > memory_budget:
                 self.graphs = self.mtp_graphs = self.round_graphs = {}
                 raise ValueError(
-                    f"stage {pp_rank} needs {(pool_bytes + self.graph_bytes) / 2**30:.2f} GiB: weights and pools "
+                    f"stage {pp_rank} needs {_gib(pool_bytes + self.graph_bytes)}: weights and pools "
                     f"{pool_bytes / 2**30:.2f}, CUDA graphs for batches up to {min(cuda_graph_max_bs, max_rows)} "
-                    f"{self.graph_bytes / 2**30:.2f}; its memory budget is {memory_budget / 2**30:.2f} GiB: lower "
+                    f"{self.graph_bytes / 2**30:.2f}; its memory budget is {_gib(memory_budget)}: lower "
                     f"--cuda-graph-max-bs (or --max-rows / --kv-tokens) or raise the budget"
                 )
 
@@ -305,8 +311,8 @@ class StageRunner:
         need = weights + kv + state
         if need > budget:
             raise ValueError(
-                f"stage {self.pp_rank} needs {need / 2**30:.2f} GiB (weights {weights / 2**30:.2f}, KV {kv / 2**30:.2f}, "
-                f"state + verify scratch {state / 2**30:.2f}) but its memory budget is {budget / 2**30:.2f} GiB: "
+                f"stage {self.pp_rank} needs {_gib(need)} (weights {weights / 2**30:.2f}, KV {kv / 2**30:.2f}, "
+                f"state + verify scratch {state / 2**30:.2f}) but its memory budget is {_gib(budget)}: "
                 f"lower --max-rows / --kv-tokens or raise the budget"
             )
         return need

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device, nonneg_int, port, positive_float, positive_int
+from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.proto.codec import GRPC_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
 from ppspec.proto.messages import PREFILL, VERIFY
 from ppspec.proto.stubs import pb, pb_grpc
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", type=device, default="cpu")
-    ap.add_argument("--memory-budget-gb", type=positive_float, default=None,
+    ap.add_argument("--memory-budget-gb", type=positive_finite_float, default=None,
                     help="GiB this stage may use for weights, pools and CUDA graphs (stages sharing a GPU)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit: copy (per-step state scratch) or replay (step inputs, replayed "

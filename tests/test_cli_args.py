@@ -18,6 +18,8 @@ CASES = [
     (["serve", "--max-context", "0"], "--max-context: must be >= 1"),
     (["serve", "--num-micro-batches", "0"], "--num-micro-batches: must be >= 1"),
     (["serve", "--startup-timeout", "-1"], "--startup-timeout: must be > 0"),
+    (["serve", "--memory-budget-gb", "inf"], "--memory-budget-gb: must be a finite number > 0"),
+    (["stage", "--memory-budget-gb", "1e400"], "--memory-budget-gb: must be a finite number > 0"),
     (["serve", "--pp-size", "9"], "--pp-size 9 is more than the checkpoint's 8 layers"),  # the demo: 8
     (["stage", "--max-context", "100000"], "max_context 100000 is more than the checkpoint's max_position_embeddings"),
     (["serve", "--max-context", "100000"], "--max-context 100000 is more than the checkpoint's max_position_embeddings 4096"),
@@ -42,6 +44,18 @@ def test_bad_values_are_usage_errors(argv, msg):
     p = subprocess.run([sys.executable, "-m", "ppspec.cli", *argv], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_serve_exits_2_when_a_stage_refuses_its_budget():
+    """A stage over its --memory-budget-gb exits 2 with one line; serve says which stage
+    and exits 2 as well (a usage error, not a crash), leaving no process behind."""
+    from cluster import free_port
+
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", "serve", "--pp-size", "2", "--memory-budget-gb", "0.000001",
+                        "--port", str(free_port()), "--stage-ports", f"{free_port()},{free_port()}"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "memory budget" in p.stderr and "startup failed: stage" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def _listener():

@@ -187,6 +187,41 @@ def test_any_int64_seed_reaches_the_stages_as_its_uint64_bits():
     assert [x.seed for x in specs] == [(1 << 64) - 1, 1 << 63, (1 << 63) + 2]
 
 
+def test_sampling_values_the_api_accepts_reach_the_stage_meaning_the_same(make_ckpt):
+    """Values the API accepts once failed their whole micro-batch (HTTP 500 for innocent
+    requests too): stage.proto's float32 / int32 fields turned temperature 3.5e38 into
+    inf, top_p 1e-46 into 0 and top_k 2^31 into an encoding error. The spec is now
+    canonical on both sides of the wire: every value survives it, means what it meant,
+    and the stage accepts it; temperatures below 1e-5 are greedy (vLLM's rule), as a
+    tiny divisor overflows fp32 logits; a non-finite temperature is refused at the API."""
+    from ppspec.proto.codec import step_from_pb, step_to_pb
+    from ppspec.proto.messages import GREEDY_BELOW
+    from ppspec.stage_server.runner import StageRunner
+
+    s = Scheduler(max_rows=8, kv_tokens=1000, max_context=100)
+    odd = [dict(temperature=3.5e38), dict(temperature=1.0, top_p=1e-46), dict(temperature=1.0, top_k=2**31),
+           dict(temperature=1.0, top_k=3 * 10**30), dict(temperature=1e-38), dict(temperature=0.5, min_p=1e-46)]
+    for i, kw in enumerate(odd):
+        s.add(f"r{i}", [1, 2], SamplingParams(seed=i, **kw))
+    inp = step_from_pb(step_to_pb(s.schedule(0).step_input([2])))
+    specs = inp.sampling
+    assert specs[0].temperature == pytest.approx(3.4028234663852886e38) and specs[1].top_p > 0
+    assert specs[2].top_k == specs[3].top_k == 2**31 - 1 and specs[4].temperature == 0.0
+    runner = StageRunner(make_ckpt("qwen3_5_ratio1"), max_rows=8)
+    runner.check_input(inp, hidden=False)  # the stage accepts every one
+    # and samples from them: uniform at a huge temperature, the top token at a tiny top_p
+    logits = torch.randn(1, 1, 50)
+    logits[0, 0, 7] = 30.0
+    assert verify_and_sample(logits, torch.zeros(1, 0, dtype=torch.long), [0], [specs[1]], [0])[0].tokens == [7]
+    assert torch.allclose(filter_probs(logits[0, 0], specs[0]), torch.full((50,), 1 / 50))
+    assert verify_and_sample(logits, torch.zeros(1, 0, dtype=torch.long), [0], [specs[4]], [0])[0].tokens == [7]
+    assert SamplingSpec(temperature=GREEDY_BELOW).temperature == GREEDY_BELOW  # the rule's edge: still sampled
+    assert SamplingParams(temperature=9e-6).greedy and not SamplingParams(temperature=1e-5).greedy
+    for t in (float("inf"), float("nan")):
+        with pytest.raises(Exception, match="temperature must be a finite number >= 0"):
+            s.add("bad", [1, 2], SamplingParams(temperature=t))
+
+
 def test_stage_start_errors_are_clear(make_ckpt):
     from ppspec.stage_server.runner import StageRunner
 

@@ -124,7 +124,7 @@ class _GenerationRequest(_Request):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     """Same as ``max_tokens`` (OpenAI's newer name); give at most one of them."""
     temperature: Optional[float] = Field(None, ge=0.0)
-    """Softmax temperature; 0 is greedy. Default 1.0 (as OpenAI)."""
+    """Softmax temperature; 0 (or below 1e-5, as vLLM) is greedy. Default 1.0 (as OpenAI)."""
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=-1)
     """Keep the k most likely tokens; 0 or -1 keeps all."""

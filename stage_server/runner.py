@@ -711,7 +711,7 @@ class StageRunner:
         h = self.model(meta, self.model.embed_tokens(ids) if self.is_first else hidden, self._layer_states())
         B, D = meta.batch_size, meta.tokens_per_request
         targets = self.model.logits(h, upcast=False).view(B, D, -1).argmax(-1)  # [B, D]
-        j = torch.arange(D - 1, device=self.device)
+        j = self._chain_index.iota[: D - 1]  # made before capture: no arange kernel per replay
         match = (ids.view(B, D)[:, 1:] == targets[:, :-1]) & (j < num_drafts[:, None])
         accepted = 1 + match.long().cumprod(1).sum(1)
         drafts = self._mtp_chain(mtp_meta, targets.flatten(), h, accepted)

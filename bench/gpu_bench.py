@@ -126,12 +126,8 @@ def decode_step(torch, path, batch, ctx, bw, graphs=True):
     (graph replay, logits, host sampling): ``(seconds per step, roofline seconds, weight,
     KV and state bytes read)``."""
     from ppspec.proto.messages import StepInput
-    from ppspec.stage_server.runner import StageRunner
 
-    r = StageRunner(path, max_rows=batch, kv_tokens=batch * (ctx + 64), dtype=torch.bfloat16, device="cuda",
-                    cuda_graph_max_bs=None if graphs else 0)
-    rows = list(range(batch))
-    r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
+    r, rows = _prefilled(torch, path, batch, ctx, kv_tokens=batch * (ctx + 64), cuda_graph_max_bs=None if graphs else 0)
     seq = [ctx]
 
     def step():
@@ -155,13 +151,9 @@ def verify_round(torch, path, batch, ctx, steps=3):
     the host's acceptance) plus ``commit_accept`` of the accept lengths it returned (replay
     design: the next verify applies them). Seconds per round."""
     from ppspec.proto.messages import StepInput
-    from ppspec.stage_server.runner import StageRunner
 
     D = steps + 1
-    r = StageRunner(path, max_rows=batch, kv_tokens=batch * (ctx + 64 * D), dtype=torch.bfloat16, device="cuda",
-                    num_speculative_steps=steps)
-    rows = list(range(batch))
-    r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
+    r, rows = _prefilled(torch, path, batch, ctx, kv_tokens=batch * (ctx + 64 * D), num_speculative_steps=steps)
     seq, rnd = [ctx] * batch, [1]
 
     def round_():
@@ -174,6 +166,18 @@ def verify_round(torch, path, batch, ctx, steps=3):
         rnd[0] += 1
 
     return _time(torch, round_)
+
+
+def _prefilled(torch, path, batch, ctx, **runner_kwargs):
+    """A bf16 CUDA ``StageRunner`` with ``batch`` rows, each prefilled with ``ctx`` tokens:
+    ``(runner, rows)``."""
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    r = StageRunner(path, max_rows=batch, dtype=torch.bfloat16, device="cuda", **runner_kwargs)
+    rows = list(range(batch))
+    r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
+    return r, rows
 
 
 def _time(torch, fn, warmup=3, n=10) -> float:

@@ -190,3 +190,66 @@ class StepGraphs:
                          v["positions"][: B * D], v["slots", 0][: B * D], self.metas[b][0].page_table,
                          v["kv_lens"][:B], D)
         return meta, out[: B * (out.shape[0] // b)].clone()
+
+
+class CommitGraphs:
+    """A stage's commit of accepted verify state (``StatePool.launch_commit``) replayed
+    from one CUDA graph per padded batch size (:func:`capture_sizes`).
+
+    The commit's device work is a few microseconds, but launching its Triton kernel from
+    Python costs tens of microseconds of host time, once per verify round: at batch 1 on
+    the demo checkpoint the commit was ~12% of an MTP round (docs/PERFORMANCE.md). A commit
+    of ``B`` rows writes ``[rows, accept lengths]`` of bucket ``b >= B`` into a static int64
+    buffer in one host-to-device copy and replays graph ``b``. Padding entries hold the
+    padding row and accept length 0, which the commit writes nothing for.
+
+    Args:
+        commit: ``commit(rows [b] int64, accept_lengths [b] int64)``, device work only
+            (``StatePool.launch_commit``).
+        max_bs: the largest batch with a graph; pad_row: the pools' padding row.
+        capture: record CUDA graphs (False: run the padded path eagerly, as the CPU tests do).
+        pool: CUDA graph memory pool shared with the step graphs.
+    """
+
+    def __init__(self, commit: Callable, *, max_bs: int, pad_row: int, device: torch.device, capture: bool, pool=None):
+        self.commit, self.pad_row, self.capture, self.pool = commit, pad_row, capture, pool
+        self.sizes = capture_sizes(max_bs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # bucket b reads ints[:b] (rows) and ints[b:2b] (accept lengths): one contiguous fill
+        self.ints = torch.zeros(2 * max_bs, dtype=torch.long, device=device)
+        if not capture:
+            return
+        for b in reversed(self.sizes):
+            self._fill(b, [], [])  # all padding: the warm-up and the capture write nothing
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self.commit(*self._views(b))  # outside the graph: Triton compiles here
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.commit(*self._views(b))
+            self.pool = g.pool()
+            self.graphs[b] = g
+
+    def bucket(self, batch_size: int) -> int | None:
+        """The padded size a commit of ``batch_size`` rows runs in, or None when too large."""
+        return next((b for b in self.sizes if b >= batch_size), None)
+
+    def _views(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ints[:b], self.ints[b:2 * b]
+
+    def _fill(self, b: int, rows: list[int], accept_lengths: list[int]) -> None:
+        pad = b - len(rows)
+        host = torch.tensor(list(rows) + [self.pad_row] * pad + list(accept_lengths) + [0] * pad, dtype=torch.long)
+        self.ints[: 2 * b].copy_(host)
+
+    def run(self, rows: list[int], accept_lengths: list[int]) -> None:
+        """Commit ``rows`` with ``accept_lengths`` (host lists the stage has validated:
+        rows distinct and in use, lengths in ``[1, D]``); at most the largest bucket."""
+        b = self.bucket(len(rows))
+        self._fill(b, rows, accept_lengths)
+        if self.capture:
+            self.graphs[b].replay()
+        else:
+            self.commit(*self._views(b))

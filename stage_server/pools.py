@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ppspec.kernels.commit import commit_accept, commit_accept_conv_replay
+from ppspec.kernels.commit.naive import commit_accept_conv_replay_ref, commit_accept_ref
 from ppspec.kernels.gdn import ReplayBuffers, alloc_replay_buffers, alloc_replay_meta
 
 from .model import LinearLayerState
@@ -170,6 +171,31 @@ class StatePool:
             scratch += sum(size(t) for b in self.replay for t in _replay_data(b))
             scratch += size(self.replay_pending) + size(self.replay_slot)
         return {"state": size(self.ssm) + size(self.conv), "verify_scratch": scratch}
+
+    def launch_commit(self, rows: torch.Tensor, accept_lengths: torch.Tensor) -> None:
+        """:meth:`commit`'s writes alone: no checks and, on CUDA, no host sync, so a CUDA
+        graph can record it (``stage_server.graphs.CommitGraphs``). ``rows`` /
+        ``accept_lengths`` ``[B]`` int64, contiguous on the pool's device and validated by
+        the caller, except that an entry with accept length 0 writes nothing (a graph's
+        padding, whose row may repeat)."""
+        if not self.conv.is_cuda:  # the reference commits, on the entries that are not padding
+            real = accept_lengths > 0
+            rows, accept_lengths = rows[real], accept_lengths[real]
+            if self.commit_design == "copy":
+                commit_accept_ref(self.conv, self.conv_scratch, rows, accept_lengths)
+                commit_accept_ref(self.ssm, self.ssm_scratch, rows, accept_lengths)
+            else:
+                commit_accept_conv_replay_ref(self.conv, self.conv_scratch, self.replay_pending, self.replay_slot,
+                                              rows, accept_lengths)
+            return
+        from ppspec.kernels.commit.triton_commit import launch_commit, launch_commit_conv_replay
+
+        if self.commit_design == "copy":
+            launch_commit(self.conv, self.conv_scratch, rows, accept_lengths)
+            launch_commit(self.ssm, self.ssm_scratch, rows, accept_lengths)
+        else:
+            launch_commit_conv_replay(self.conv, self.conv_scratch, self.replay_pending, self.replay_slot,
+                                      rows, accept_lengths)
 
     def layer(self, i: int) -> LinearLayerState:
         pick = lambda t: None if t is None else t[i]  # noqa: E731

@@ -23,7 +23,7 @@ import torch
 from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
-from .graphs import StepGraphs
+from .graphs import CommitGraphs, StepGraphs
 from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
 from ppspec.kernels.checks import known
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
@@ -245,6 +245,7 @@ class StageRunner:
         self.graphs: dict[str, StepGraphs] = {}
         self.mtp_graphs: dict[str, StepGraphs] = {}
         self.round_graphs: dict[str, StepGraphs] = {}  # last stage, MTP, every request greedy
+        self.commit_graphs: CommitGraphs | None = None
         on_cuda = self.device.type == "cuda"
         if cuda_graph_max_bs is None:
             cuda_graph_max_bs = min(max_rows, 256) if on_cuda else 0
@@ -260,6 +261,7 @@ class StageRunner:
             self.graph_bytes = max(0, _reserved(self.device) - before)
             if pool_bytes is not None and pool_bytes + self.graph_bytes > memory_budget:
                 self.graphs = self.mtp_graphs = self.round_graphs = {}
+                self.commit_graphs = None
                 raise ValueError(
                     f"stage {pp_rank} needs {_gib(pool_bytes + self.graph_bytes)}: weights and pools "
                     f"{pool_bytes / 2**30:.2f}, CUDA graphs for batches up to {min(cuda_graph_max_bs, max_rows)} "
@@ -295,6 +297,9 @@ class StageRunner:
                 g = StepGraphs(self._greedy_round, kvs=(self.kv, self.mtp_kv), takes_hidden=not self.is_first,
                                max_kv_len=mtp_len, pool=pool, **common)
                 self.round_graphs[mode], pool = g, g.pool
+        if self.state is not None and self.state.conv_scratch is not None:
+            self.commit_graphs = CommitGraphs(self.state.launch_commit, max_bs=max_bs, pad_row=self.max_rows,
+                                              device=self.device, capture=capture, pool=pool)
 
     def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> int:
         """Raise ValueError when weights and pools exceed ``budget`` (bytes), before any pool
@@ -861,6 +866,9 @@ class StageRunner:
         if self.fault == FAULT_STALE_ROWS and not self.is_last:
             rows = self._last_verify_rows[: len(rows)]
             accept_lengths = accept_lengths[: len(rows)]
+        if self.fault is None and self.commit_graphs is not None and self.commit_graphs.bucket(len(rows)) is not None:
+            self.commit_graphs.run(rows, accept_lengths)  # _check_commit validated both lists
+            return
         if self.fault is None:
             # one host->device copy for the whole commit; _check_commit validated both lists
             # on the host: state it, so the commit checks without reading the device

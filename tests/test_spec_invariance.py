@@ -218,11 +218,16 @@ def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
                     return _orig(rows, *a)
 
                 g.run = run
+        assert (r.commit_graphs is not None) == (spec != "none")
+        if r.commit_graphs is not None:  # every stage's commit, from the padded static buffer
+            orig = r.commit_graphs.run
+            r.commit_graphs.run = lambda rows, acc, _o=orig: runs.append(("commit", "verify", len(rows))) or _o(rows, acc)
     assert drive(llm, reqs) == ref
     sizes = {n for *_, n in runs}
     assert sizes - {1, 2, 4, 8}, "no batch was padded"
     if spec != "none":
         assert ("layers", "verify") in {k[:2] for k in runs}
+        assert {n for k, _, n in runs if k == "commit"} - {1, 2, 4, 8}, "no commit was padded"
     if spec == "mtp":
         # greedy rounds: layers, acceptance and MTP chain in one graph on the last stage
         assert ("round", "verify") in {k[:2] for k in runs}, "no round took the fused greedy graph"

@@ -8,7 +8,9 @@ Grid: (layers x requests, chunks of one row's state). Each program copies one co
 chunk of ``S`` elements from ``scratch[l, row, a - 1]`` to ``state[l, row]``; with ``MARK``
 the row's first chunk also writes ``pending[l, row]`` and flips ``slot[l, row]`` (one
 program per layer and row, and the rows are distinct, so no two programs touch one
-counter). Rows come from ``req_pool_indices`` only.
+counter). Rows come from ``req_pool_indices`` only. The launch-only entry points skip an
+entry whose accept length is 0: a CUDA graph's padding (``stage_server.graphs.CommitGraphs``),
+which the checked entry points never let through.
 """
 from __future__ import annotations
 
@@ -36,12 +38,12 @@ def _commit_kernel(
     row = tl.load(rows + i_b).to(tl.int64)
     a = tl.load(acc + i_b).to(tl.int64)
     offs = i_c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < S
+    m = (offs < S) & (a > 0)  # accept length 0: a padding entry (CUDA graphs), skipped
     src = scratch + i_l * sc_l + row * sc_r + (a - 1) * sc_d + offs
     x = tl.load(src, mask=m)
     tl.store(state + i_l * st_l + row * st_r + offs, x.to(state.dtype.element_ty), mask=m)
     if MARK:
-        if i_c == 0:
+        if (i_c == 0) & (a > 0):
             tl.store(pending + i_l * pd_l + row * pd_r, a.to(pending.dtype.element_ty))
             p_s = slot + i_l * sl_l + row * sl_r
             tl.store(p_s, 1 - tl.load(p_s))
@@ -81,7 +83,8 @@ def commit_accept_triton(state: torch.Tensor, scratch: torch.Tensor, req_pool_in
 
 def launch_commit(state, scratch, rows, acc) -> None:
     """The launch alone (no checks, no host sync: CUDA-graph capturable). ``rows`` and
-    ``acc`` int64 on the device, already validated by the caller."""
+    ``acc`` int64 on the device, already validated by the caller; an entry with accept
+    length 0 writes nothing (padding)."""
     _launch(state, scratch, rows, acc, None, None)
 
 
@@ -106,7 +109,8 @@ def launch_commit_conv_replay(conv, conv_scratch, pending, slot, rows, acc) -> N
     """The replay design's commit as one launch, nothing else (no value checks, no host
     sync: CUDA-graph capturable). Shapes as :func:`naive.commit_accept_conv_replay_ref`;
     ``rows`` and ``acc`` ``[B]`` integer, contiguous, on the pool's device, already
-    validated by the caller (rows in ``[0, R)`` and distinct, lengths in ``[1, D]``).
+    validated by the caller (rows in ``[0, R)`` and distinct, lengths in ``[1, D]``), except
+    that an entry with accept length 0 writes nothing: padding, whose row may repeat.
 
     Raises:
         ValueError: before the launch, from host metadata alone: ``rows`` / ``acc`` not

@@ -337,6 +337,42 @@ def test_commit_conv_replay(dev, B):
         assert all(torch.equal(a, b) for a, b in zip(composed, pool0))
 
 
+@pytest.mark.parametrize("design", ["replay", "copy"])
+def test_commit_padding_entries_write_nothing(dev, design):
+    """A CUDA graph's padded commit (``StatePool.launch_commit``, the launches
+    ``CommitGraphs`` records): entries with accept length 0, all on the padding row, write
+    nothing (that row's conv window, state, pending and slot stay as they were); the real
+    entries equal the reference commit of those entries alone."""
+    from ppspec.kernels.commit.naive import commit_accept_conv_replay_ref, commit_accept_ref
+    from ppspec.stage_server.pools import StatePool
+
+    gen = torch.Generator().manual_seed(7)
+    rows_n, D = 9, 4
+    pool = StatePool(3, rows_n, 2, 8, 8, 12, 4, D, BF16, dev, num_k_heads=1, commit_design=design)
+    for t in (pool.conv, pool.conv_scratch, pool.ssm, pool.ssm_scratch):
+        if t is not None:
+            t.copy_(torch.randn(t.shape, generator=gen).to(dev, t.dtype))
+    if design == "replay":
+        pool.replay_pending.copy_(torch.randint(0, D + 1, pool.replay_pending.shape, generator=gen))
+        pool.replay_slot.copy_(torch.randint(0, 2, pool.replay_slot.shape, generator=gen))
+    names = ("conv", "ssm", "replay_pending", "replay_slot")
+    before = {n: getattr(pool, n).clone() for n in names if getattr(pool, n) is not None}
+    rows, acc = [5, 0, 7], [2, 4, 1]
+    pad = rows_n  # the padding row
+    pool.launch_commit(torch.tensor(rows + [pad] * 5, device=dev), torch.tensor(acc + [0] * 5, device=dev))
+    ref = {n: t.clone() for n, t in before.items()}
+    r, a = torch.tensor(rows, device=dev), torch.tensor(acc, device=dev)
+    if design == "replay":
+        commit_accept_conv_replay_ref(ref["conv"], pool.conv_scratch, ref["replay_pending"], ref["replay_slot"], r, a)
+    else:
+        commit_accept_ref(ref["conv"], pool.conv_scratch, r, a)
+        commit_accept_ref(ref["ssm"], pool.ssm_scratch, r, a)
+    for n, want in ref.items():
+        got = getattr(pool, n)
+        assert torch.equal(got, want), f"{design}: {n} differs from the reference commit of the real entries"
+        assert torch.equal(got[:, pad], before[n][:, pad]), f"{design}: padding wrote {n} of the padding row"
+
+
 def test_commit_conv_replay_checks_before_writing(dev):
     """Bad rows or accept lengths raise before anything is written (conv windows, pending,
     slot all unchanged), through the dispatcher and the Triton entry point; host-known

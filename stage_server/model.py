@@ -22,7 +22,7 @@ from torch import nn
 from ppspec.kernels.activation import gdn_gates, silu_mul
 from ppspec.kernels.attention import paged_attention, store_kv
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
-from ppspec.kernels.gdn import ReplayBuffers, gdn_prefill, gdn_recurrent, gdn_recurrent_replay, replay_flush, replay_reset
+from ppspec.kernels.gdn import ReplayBuffers, gdn_prefill_rows, gdn_recurrent, gdn_recurrent_replay, replay_flush, replay_reset
 from ppspec.kernels.norm import gated_rms_norm, rms_norm
 from ppspec.kernels.rotary import apply_rotary
 
@@ -56,9 +56,11 @@ class BatchMeta:
     kv_lens: torch.Tensor  # [B] seq_lens + extend_lens
     tokens_per_request: int  # D for decode/verify (every request has the same count), host-known
     # prefill only: the rows of requests that start here (seq_lens == 0) and of those that
-    # continue a chunked prefill, split on the host (a boolean index would sync per layer)
+    # continue a chunked prefill, split on the host (a boolean index would sync per layer),
+    # and ``has_init`` ``[B]`` bool (seq_lens > 0), made once per step rather than per layer
     rows_new: torch.Tensor | None = None
     rows_cont: torch.Tensor | None = None
+    has_init: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -179,9 +181,7 @@ class GatedDeltaNet(nn.Module):
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
         if meta.mode == PREFILL:
-            mixed = causal_conv1d_prefill(
-                mixed, weight, None, st.conv, meta.rows, meta.cu_seqlens, meta.seq_lens > 0
-            )
+            mixed = causal_conv1d_prefill(mixed, weight, None, st.conv, meta.rows, meta.cu_seqlens, meta.has_init)
         else:
             B, D = meta.batch_size, meta.tokens_per_request
             scratch = st.conv_scratch if meta.mode == VERIFY else None
@@ -189,17 +189,15 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk), v.view(T, self.hv, self.dv)
         if meta.mode == PREFILL:
-            has_init = meta.seq_lens > 0
             if st.replay is not None:
                 # replay design: a new request drops the row's pending steps (a previous
                 # request's); a continuing prefill applies them before reading the state
-                replay_reset(st.replay.pending, meta.rows_new)
-                replay_flush(st.ssm, st.replay, meta.rows_cont)
-            init = torch.where(
-                has_init.view(-1, 1, 1, 1), st.ssm[meta.rows], torch.zeros((), dtype=st.ssm.dtype, device=x.device)
-            )
-            o, final = gdn_prefill(q, k, v, g, beta, meta.cu_seqlens, init)
-            st.ssm[meta.rows] = final.to(st.ssm.dtype)
+                # (both host-known to be empty in most chunks: no launch then)
+                if meta.rows_new.numel():
+                    replay_reset(st.replay.pending, meta.rows_new)
+                if meta.rows_cont.numel():
+                    replay_flush(st.ssm, st.replay, meta.rows_cont)
+            o = gdn_prefill_rows(q, k, v, g, beta, meta.cu_seqlens, st.ssm, meta.rows, meta.has_init)
         else:
             B, D = meta.batch_size, meta.tokens_per_request
             args = (

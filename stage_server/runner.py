@@ -390,6 +390,7 @@ class StageRunner:
                 known(torch.tensor(x, dtype=torch.long, device=dev), min=min(x, default=0), max=max(x, default=0))
                 for x in split
             )
+            meta.has_init = seq_t > 0
         return meta
 
     def _layer_states(self) -> dict:

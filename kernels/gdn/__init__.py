@@ -6,12 +6,13 @@ module imports.
 """
 from __future__ import annotations
 
+import torch
 
 from ..checks import check_commit, check_rows as _check_rows, fact
 from ..dispatch import pick
 from .naive import chunk_gated_delta_rule_ref, l2norm, recurrent_gated_delta_rule_ref
 
-__all__ = ["gdn_prefill", "gdn_recurrent", "l2norm"]
+__all__ = ["gdn_prefill", "gdn_prefill_rows", "gdn_recurrent", "l2norm"]
 
 
 # Longest sequence (tokens) of a prefill chunk that takes the recurrent kernel instead of
@@ -35,6 +36,36 @@ def gdn_prefill(q, k, v, g, beta, cu_seqlens, initial_state, scale=None):
     else:
         fn = pick(q.is_cuda, "gdn.fla_prefill", "chunk_gated_delta_rule_fla", chunk_gated_delta_rule_ref)
     return fn(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+
+def gdn_prefill_rows(q, k, v, g, beta, cu_seqlens, state, req_pool_indices, has_init, scale=None):
+    """GDN prefill of packed sequences at stable rows of the state pool, in place: sequence
+    ``b`` starts from ``state[req_pool_indices[b]]`` where ``has_init[b]`` (a continuing
+    chunked prefill), else from zeros, and its final state is written back there.
+
+    q, k ``[T, H, K]``, v ``[T, HV, V]``, g, beta ``[T, HV]``, ``cu_seqlens`` ``[B + 1]``
+    int64, ``state`` ``[R, HV, K, V]`` fp32, ``req_pool_indices`` ``[B]`` int64 (distinct),
+    ``has_init`` ``[B]`` bool. Returns ``o [T, HV, V]`` in v's dtype. On CUDA, short
+    sequences run :func:`triton_prefill.gdn_prefill_rows_triton` (one launch, the rows read
+    and written inside it); otherwise :func:`gdn_prefill` between a gather and a scatter.
+
+    Raises:
+        IndexError: a row outside the pool, before anything is written.
+        ValueError: shapes that disagree.
+    """
+    _check_rows(req_pool_indices, state.shape[0])
+    if q.is_cuda and _longest(cu_seqlens) <= SHORT_PREFILL_TOKENS:
+        fn = pick(True, "gdn.triton_prefill", "gdn_prefill_rows_triton", _prefill_rows_gathered)
+    else:
+        fn = _prefill_rows_gathered
+    return fn(q, k, v, g, beta, cu_seqlens, state, req_pool_indices, has_init, scale)
+
+
+def _prefill_rows_gathered(q, k, v, g, beta, cu_seqlens, state, rows, has_init, scale=None):
+    init = torch.where(has_init.view(-1, 1, 1, 1), state[rows], torch.zeros((), dtype=state.dtype, device=state.device))
+    o, final = gdn_prefill(q, k, v, g, beta, cu_seqlens, init, scale)
+    state[rows] = final.to(state.dtype)
+    return o
 
 
 def gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scratch=None, scale=None):

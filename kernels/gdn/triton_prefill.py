@@ -22,8 +22,9 @@ from .naive import check_prefill_shapes
 
 @triton.jit
 def _gdn_prefill_kernel(
-    q, k, v, g, beta, o, h0, ht, cu, scale, s_q, s_k, s_v,
+    q, k, v, g, beta, o, h0, ht, cu, rows, has_init, scale, s_q, s_k, s_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    AT_ROWS: tl.constexpr,
 ):
     i_bh = tl.program_id(0)
     i_vb = tl.program_id(1)
@@ -37,13 +38,20 @@ def _gdn_prefill_kernel(
     m_k = o_k < K
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
-    off = (i_b * HV + i_hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(h0 + off, mask=m_kv, other=0.0).to(tl.float32)
+    if AT_ROWS:
+        # the state pool itself: start from state[row] where the row has one (else zeros),
+        # end by writing state[row]
+        row = tl.load(rows + i_b).to(tl.int64)
+        off = (row * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        b_s = tl.load(h0 + off, mask=m_kv & (tl.load(has_init + i_b) != 0), other=0.0).to(tl.float32)
+    else:
+        off = (i_b * HV + i_hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        b_s = tl.load(h0 + off, mask=m_kv, other=0.0).to(tl.float32)
     tok = bos
     while tok < eos:  # (while: Triton's interpreter cannot range() over loaded bounds)
         b_s = _gdn_token(q, k, v, g, beta, o, b_s, tok, i_h, i_hv, o_k, o_v, m_k, m_v, scale, s_q, s_k, s_v, HV, K, V)
         tok += 1
-    tl.store(ht + off, b_s, mask=m_kv)
+    tl.store(ht + off, b_s.to(ht.dtype.element_ty), mask=m_kv)
 
 
 def _token_stride(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -69,12 +77,41 @@ def gdn_prefill_recurrent_triton(q, k, v, g, beta, cu_seqlens, initial_state, sc
     final = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
     if B == 0:
         return o, final
+    _launch(q, k, v, g, beta, o, initial_state.contiguous(), final, cu_seqlens, None, None, scale, B, H, K, HV, V)
+    return o, final
+
+
+def gdn_prefill_rows_triton(q, k, v, g, beta, cu_seqlens, state, req_pool_indices, has_init, scale=None):
+    """Prefill at stable rows (:func:`kernels.gdn.gdn_prefill_rows`, same shapes and
+    semantics): sequence ``b`` starts from ``state[req_pool_indices[b]]`` where
+    ``has_init[b]`` (else zeros) and its final state is written there, inside the same
+    launch, so no gather, select or scatter kernel runs around it. Returns ``o [T, HV, V]``.
+    Rows are not checked here (the dispatcher checks them).
+
+    Raises:
+        ValueError: shapes that disagree, or a state pool that is not contiguous.
+    """
+    B = cu_seqlens.numel() - 1
+    T, H, K, HV, V, _ = check_prefill_shapes(q, k, v, g, beta, cu_seqlens, state[:1].expand(B, -1, -1, -1))
+    if req_pool_indices.shape != (B,) or has_init.shape != (B,):
+        raise ValueError(f"{B} sequences, {tuple(req_pool_indices.shape)} rows and {tuple(has_init.shape)} has_init")
+    if not state.is_contiguous():
+        raise ValueError("the state pool must be contiguous")
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if B:
+        _launch(q, k, v, g, beta, o, state, state, cu_seqlens, req_pool_indices.contiguous(), has_init.contiguous(),
+                scale, B, H, K, HV, V)
+    return o
+
+
+def _launch(q, k, v, g, beta, o, h0, ht, cu_seqlens, rows, has_init, scale, B, H, K, HV, V) -> None:
     (q, s_q), (k, s_k), (v, s_v) = (_token_stride(x) for x in (q, k, v))
     BV = _block_v(V, B, HV)
+    at_rows = rows is not None
     _gdn_prefill_kernel[(B * HV, triton.cdiv(V, BV))](
-        q, k, v, g.contiguous(), beta.contiguous(), o, initial_state.contiguous(), final, cu_seqlens,
+        q, k, v, g.contiguous(), beta.contiguous(), o, h0, ht, cu_seqlens,
+        rows if at_rows else cu_seqlens, has_init if at_rows else cu_seqlens,  # unused unless AT_ROWS
         float(K ** -0.5 if scale is None else scale), s_q, s_k, s_v,
-        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, num_warps=_num_warps(BV, False),
+        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, AT_ROWS=at_rows, num_warps=_num_warps(BV, False),
     )
-    return o, final
 

@@ -579,6 +579,48 @@ def test_gdn_prefill_recurrent(dev, G, dtype):
             assert torch.equal(o2, o)
 
 
+@pytest.mark.parametrize("G", [1, 2])
+def test_gdn_prefill_rows(dev, G):
+    """Prefill at stable rows (``gdn_prefill_rows``: on CUDA one launch that reads and
+    writes the pool rows itself) against the reference between a gather and a scatter:
+    rows scattered over the pool, new (zero state) and continuing rows, an empty sequence;
+    rows nobody names are untouched; a row outside the pool raises before any write."""
+    from ppspec.kernels.gdn import gdn_prefill_rows
+    from ppspec.kernels.gdn.naive import chunk_gated_delta_rule_ref
+    from ppspec.kernels.gdn.triton_prefill import gdn_prefill_rows_triton
+
+    gen = torch.Generator().manual_seed(31 + G)
+    H, K, V = (2, 16, 16) if _small(dev) else (4, 128, 128)
+    HV = G * H
+    lens = [5, 1, 0, 9, 3]
+    B, T, R = len(lens), sum(lens), len(lens) + 4
+    cu = torch.tensor([0] + lens).cumsum(0).to(dev)
+    rows = torch.randperm(R, generator=gen)[:B].to(dev)
+    has_init = torch.tensor([True, False, True, True, False], device=dev)
+    q, k = (torch.randn(T, H, K, generator=gen).to(dev, BF16) for _ in range(2))
+    v = torch.randn(T, HV, V, generator=gen).to(dev, BF16)
+    g = (-torch.rand(T, HV, generator=gen) * 0.3).to(dev)
+    beta = torch.rand(T, HV, generator=gen).to(dev, BF16)
+    state = (torch.randn(R, HV, K, V, generator=gen) * 0.1).to(dev)
+    before = state.clone()
+    init = torch.where(has_init.view(-1, 1, 1, 1), before[rows], 0.0)
+    o_ref, ht_ref = chunk_gated_delta_rule_ref(q, k, v, g, beta, cu, init)
+    others = torch.ones(R, dtype=torch.bool, device=dev)
+    others[rows] = False
+    direct = state.clone()
+    for fn, st in ((gdn_prefill_rows, state), (gdn_prefill_rows_triton, direct)):
+        o = fn(q, k, v, g, beta, cu, st, rows, has_init)
+        assert o.dtype == v.dtype and _rel_err(o, o_ref) < 1e-2
+        assert _rel_err(st[rows], ht_ref) < 1e-5
+        assert torch.equal(st[others], before[others]), "a row nobody named changed"
+    bad = rows.clone()
+    bad[0] = R
+    snapshot = state.clone()
+    with pytest.raises(IndexError):
+        gdn_prefill_rows(q, k, v, g, beta, cu, state, bad, has_init)
+    assert torch.equal(state, snapshot)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_conv1d_prefill(dev, dtype, bias):

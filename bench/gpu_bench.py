@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -32,16 +33,26 @@ def bandwidth_gbs(torch) -> float:
     return 2 * x.numel() * x.element_size() / dt / 1e9  # read + write
 
 
-def demo_throughput(torch, model, prompts, batch, spec, max_tokens):
+def demo_llm(torch, model, batch, spec, prompts, max_tokens):
+    """The demo checkpoint in bf16 on CUDA with speculation ``spec``, warmed up with the
+    very call it will be timed on: every kernel specialisation the timed runs meet (Triton
+    compiles one per tile choice, and the batch shrinks as requests finish) is compiled
+    before any clock starts."""
     from ppspec.router.llm import LLM
     from ppspec.router.types import SamplingParams
 
     llm = LLM(model, device="cuda", dtype="bfloat16", speculative_algorithm=spec, max_rows=max(batch, 4))
+    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    torch.cuda.synchronize()
+    return llm
+
+
+def demo_throughput(torch, llm, prompts, batch, max_tokens):
+    """One timed greedy ``generate`` of ``batch`` prompts: (output tokens/s, mean accept
+    length or None)."""
+    from ppspec.router.types import SamplingParams
+
     p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    # warm-up: the very same call, so that every kernel specialisation the timed run meets
-    # (Triton compiles one per tile choice, and the batch shrinks as requests finish) is
-    # compiled before the clock starts
-    llm.generate(prompts[:batch], p)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts[:batch], p)
@@ -196,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="timed demo runs of each algorithm (median reported)")
     ap.add_argument("--skip-demo", action="store_true", help="only the bandwidth and the 1B steps")
     ap.add_argument("--batch", default="1,16,64", help="1B batch sizes (comma-separated)")
     ap.add_argument("--skip-eager", action="store_true", help="1B decode with CUDA graphs only")
@@ -224,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         x = tok.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}], add_generation_prompt=True)
         prompts.append(x if isinstance(x, list) else list(x["input_ids"]))
     if not a.skip_demo:
-        print("| batch | ppspec none tok/s | ppspec mtp tok/s | mtp / none | mean accept length | HF generate tok/s | ppspec best / HF |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"ppspec: median of {a.repeats} runs of each, interleaved\n")
+        print("| batch | ppspec none tok/s | ppspec mtp tok/s | mtp / none | mean accept length | HF generate tok/s | "
+              "ppspec best / HF | range none / mtp |")
+        print("|---|---|---|---|---|---|---|---|")
     for b in () if a.skip_demo else (1, 32):
-        demo_row(torch, model, prompts, b, a.max_tokens)
+        demo_row(torch, model, prompts, b, a.max_tokens, a.repeats)
     if not a.skip_1b:
         path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
         n = make_random_checkpoint(torch, path)
@@ -249,11 +263,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def demo_row(torch, model, prompts, b, max_tokens) -> None:
-    none, _ = demo_throughput(torch, model, prompts, b, "none", max_tokens)
-    mtp, acc = demo_throughput(torch, model, prompts, b, "mtp", max_tokens)
+def demo_row(torch, model, prompts, b, max_tokens, repeats) -> None:
+    """MTP against no speculation, each timed ``repeats`` times, the two interleaved (so a
+    slow spell of the shared machine hits both), medians reported."""
+    llms = {spec: demo_llm(torch, model, b, spec, prompts, max_tokens) for spec in ("none", "mtp")}
+    runs = {spec: [] for spec in llms}
+    for _ in range(repeats):
+        for spec, llm in llms.items():
+            runs[spec].append(demo_throughput(torch, llm, prompts, b, max_tokens))
+    none, mtp = (statistics.median(r[0] for r in runs[spec]) for spec in ("none", "mtp"))
+    acc = runs["mtp"][0][1]  # greedy: every repeat accepts the same tokens
+    del llms
+    torch.cuda.empty_cache()
     hf = hf_throughput(torch, model, prompts, b, max_tokens)
-    print(f"| {b} | {none:.0f} | {mtp:.0f} | {mtp / none:.2f} | {acc:.2f} | {hf:.0f} | {max(none, mtp) / hf:.2f} |", flush=True)
+    spread = " / ".join(f"{min(r[0] for r in runs[s]):.0f}-{max(r[0] for r in runs[s]):.0f}" for s in ("none", "mtp"))
+    print(f"| {b} | {none:.0f} | {mtp:.0f} | {mtp / none:.2f} | {acc:.2f} | {hf:.0f} | {max(none, mtp) / hf:.2f} | {spread} |",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -735,6 +735,28 @@ class StageRunner:
         B = meta.batch_size
         cu = [0, *itertools.accumulate(inp.extend_lens)]
         ids = inp.input_ids
+        wants = [bool(emitted[b]) for b in range(B)]
+        rows, seq_lens = list(inp.req_pool_indices), list(inp.seq_lens)
+        chain = self.mtp_graphs.get(DECODE)
+        if inp.mode == PREFILL and self.num_steps and chain is not None and chain.bucket(B) is not None:
+            # the head over all but each chunk's last position fills the head's KV here;
+            # the last position and the draft chain from it are the decode chain's graph
+            # (the head at one position per request, then its steps): one replay instead of
+            # num_steps eager forwards
+            ext = [e - 1 for e in inp.extend_lens]
+            if any(ext):
+                keep = [e > 0 for e in ext]
+                sub = [b for b in range(B) if keep[b]]
+                tok = [t for b in sub for t in ids[cu[b] + 1: cu[b + 1]]]
+                sel = [i for b in sub for i in range(cu[b], cu[b + 1] - 1)]
+                mmeta = self._meta(PREFILL, [rows[b] for b in sub], [seq_lens[b] for b in sub], [ext[b] for b in sub],
+                                   self.mtp_kv)
+                self.model.mtp(self.model.embed(torch.tensor(tok, dtype=torch.long, device=self.device)),
+                               hidden[torch.tensor(sel, device=self.device)], mmeta, self.mtp_kv.layer(0))
+            nxt = [emitted[b][0] if emitted[b] else inp.next_token_ids[b] for b in range(B)]
+            last = hidden[torch.tensor([c - 1 for c in cu[1:]], device=self.device)]
+            drafts = chain.run(rows, [s + e for s, e in zip(seq_lens, ext)], nxt, last, [1] * B)[1].tolist()
+            return [dr if w else [] for dr, w in zip(drafts, wants)]
         tok, sel, ext = [], [], []
         for b in range(B):
             if inp.mode == PREFILL:
@@ -748,13 +770,11 @@ class StageRunner:
             tok += chunk
             sel += idx
             ext.append(len(chunk))
-        rows, seq_lens = list(inp.req_pool_indices), list(inp.seq_lens)
         mmeta = self._meta(PREFILL, rows, seq_lens, ext, self.mtp_kv)
         mtp = self.model.mtp
         kv = self.mtp_kv.layer(0)
         tok_t = torch.tensor(tok, dtype=torch.long, device=self.device)
         u = mtp(self.model.embed(tok_t), hidden[torch.tensor(sel, device=self.device)], mmeta, kv)
-        wants = [bool(emitted[b]) for b in range(B)]
         if not any(wants) or self.num_steps == 0:
             return [[] for _ in range(B)]
         ends = mmeta.cu_seqlens[1:] - 1

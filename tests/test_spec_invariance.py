@@ -231,6 +231,8 @@ def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
     if spec == "mtp":
         # greedy rounds: layers, acceptance and MTP chain in one graph on the last stage
         assert ("round", "verify") in {k[:2] for k in runs}, "no round took the fused greedy graph"
+        # a prefill's last position and its draft chain: the decode chain's graph
+        assert ("mtp", "decode") in {k[:2] for k in runs}, "no prefill drafted from the chain's graph"
         # same drafts as the eager head: every round accepts as many tokens
         eager = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, commit_design=design, **kw)
         assert not eager.pipeline.runners[-1].mtp_graphs

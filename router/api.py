@@ -128,6 +128,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return f"request body is not valid JSON: {ctx.get('error', 'decode error')}", None
+    if not loc and first.get("type") == "missing":
+        return "request body is missing: expected a JSON object (Content-Type: application/json)", None
     if not loc and isinstance(first.get("input"), (bytes, str)):
         return "request body must be a JSON object (Content-Type: application/json)", None
     param = loc[0] if loc else None  # the top-level field (union branch names dropped)
@@ -1031,7 +1033,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         server.check_model(model_id)
         return Response(_card().model_dump_json(), media_type="application/json")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read the status alone
     async def health() -> JSONResponse:
         try:
             ok, detail = engine.health()
@@ -1042,11 +1044,27 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         body = {"status": "unavailable", "detail": detail, **error_body(detail, "service_unavailable")}
         return JSONResponse(body, status_code=503)
 
-    app.mount("/metrics", make_asgi_app(registry=REGISTRY if registry is None else registry))
+    app.mount("/metrics", _read_only(make_asgi_app(registry=REGISTRY if registry is None else registry)))
     # Serve "/metrics" itself, not only "/metrics/" (a Mount matches "/metrics/..." only).
     app.routes[-1].path_regex = re.compile(r"^/metrics(?P<path>.*)$")  # type: ignore[attr-defined]
 
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes)
+    return app
+
+
+def _read_only(inner: Callable) -> Callable:
+    """An ASGI app that passes GET and HEAD to ``inner`` and answers 405 (with ``Allow``)
+    to any other method: prometheus_client's exporter answers every method alike."""
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+            resp = error_response(405, f"method {scope['method']} is not allowed on {scope['path']} (GET or HEAD)",
+                                  "invalid_request_error")
+            resp.headers["allow"] = "GET, HEAD"
+            await resp(scope, receive, send)
+            return
+        await inner(scope, receive, send)
+
     return app
 
 

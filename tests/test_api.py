@@ -315,6 +315,15 @@ def test_models_health_metrics(client, server, engine):
         r = httpx.get(server + path)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         assert "# HELP" in r.text
+        r = httpx.post(server + path, content=b"x")
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+        assert "not allowed" in r.json()["error"]["message"]
+    assert httpx.head(server + "/metrics").status_code == 200
+    engine.healthy = (True, "ok")
+    r = httpx.head(server + "/health")
+    assert r.status_code == 200 and r.content == b""
+    engine.healthy = (False, "stage 2 (10.0.0.3:50051) is down")
+    assert httpx.head(server + "/health").status_code == 503
 
 
 def test_completion_params_usage_and_token_ids(client, engine, tokenizer):
@@ -771,6 +780,8 @@ def test_unparseable_bodies_get_400(server, client, raw, ctype):
     r = httpx.post(f"{server}/v1/completions", content=raw, headers={"content-type": ctype})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+    if raw == b"":
+        assert "body is missing" in r.json()["error"]["message"]
     # ... and the server still answers.
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 

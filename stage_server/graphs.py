@@ -20,6 +20,7 @@ how the CPU tests check the padding against the unpadded path.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Callable
@@ -28,7 +29,7 @@ import torch
 
 from ppspec.kernels.checks import known
 
-from .model import BatchMeta
+from .model import PREFILL, BatchMeta
 
 log = logging.getLogger("ppspec.stage")
 
@@ -39,6 +40,21 @@ def capture_sizes(max_bs: int) -> list[int]:
     smallest size that holds it, wasting at most 7 rows."""
     sizes = {s for s in (1, 2, 4) if s < max_bs} | set(range(8, max_bs, 8)) | {max_bs}
     return sorted(sizes)
+
+
+def record(fn: Callable, pool=None):
+    """Capture ``fn()`` in a CUDA graph after one warm-up call outside it (Triton compiles
+    and cuBLAS picks its kernels there, on a side stream as capture requires): ``(graph,
+    fn's output, the memory pool to share with the next capture)``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out, g.pool()
 
 
 class StepGraphs:
@@ -147,17 +163,7 @@ class StepGraphs:
         for kv in self.kvs:
             if kv is not None:
                 known(kv.page_table, pages_in_pool=True)  # the pool hands out its own pages only
-        # warm up outside the graph: Triton compiles and cuBLAS picks its kernels here
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self.forward(meta, *inputs)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            self.outputs[b] = self.forward(meta, *inputs)
-        self.pool = g.pool()
-        self.graphs[b] = g
+        self.graphs[b], self.outputs[b], self.pool = record(lambda: self.forward(meta, *inputs), self.pool)
 
     # ------------------------------------------------------------------ run
     def bucket(self, batch_size: int) -> int | None:
@@ -221,16 +227,7 @@ class CommitGraphs:
             return
         for b in reversed(self.sizes):
             self._fill(b, [], [])  # all padding: the warm-up and the capture write nothing
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self.commit(*self._views(b))  # outside the graph: Triton compiles here
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.commit(*self._views(b))
-            self.pool = g.pool()
-            self.graphs[b] = g
+            self.graphs[b], _, self.pool = record(lambda: self.commit(*self._views(b)), self.pool)
 
     def bucket(self, batch_size: int) -> int | None:
         """The padded size a commit of ``batch_size`` rows runs in, or None when too large."""
@@ -253,3 +250,124 @@ class CommitGraphs:
             self.graphs[b].replay()
         else:
             self.commit(*self._views(b))
+
+
+PREFILL_GRAPH_TOKENS = (16, 32, 64)  # token buckets; at most kernels.gdn.SHORT_PREFILL_TOKENS
+PREFILL_GRAPH_SEQS = (2, 4, 8)  # sequence buckets: requests + at least one padding sequence
+
+
+class PrefillGraphs:
+    """Graphs of the layers' prefill forward for short chunks, one per bucket ``(n, t)``
+    of :data:`PREFILL_GRAPH_SEQS` x :data:`PREFILL_GRAPH_TOKENS`.
+
+    Eager, a prefill launches a few hundred kernels, each with its Python: on the H200 a
+    24-token prompt of the demo checkpoint took ~11 ms of host time for ~0.7 ms of device
+    work, a fifth of a 256-token generation with MTP (docs/PERFORMANCE.md). A chunk of ``B``
+    requests and ``T`` tokens replays the smallest bucket with ``n >= B + 1`` sequences
+    and ``t >= T + n - B`` tokens: its ``B`` sequences first, then ``n - B`` padding
+    sequences on the padding row, each of at least one token (no kernel meets an empty
+    sequence): the first takes what is left of ``t``, the others one token each. Padding
+    sequences start from zero state (``seq_lens`` 0) and write their KV to the padding
+    page, so they touch only what no request owns. Every sequence of a bucket is at most
+    ``t <= 64`` tokens long, so the GDN layers take the one-launch recurrent prefill.
+
+    Not recorded: dropping a new row's pending replay steps and applying a continuing
+    row's (replay commit design); the caller does both before :meth:`run`, whose captured
+    layout names no new or continuing rows.
+
+    Args:
+        forward: ``forward(meta, ids [t] int64, hidden [t, hidden] or None) -> [t, hidden]``.
+        pad_row: the pools' padding row. kv: the ``KVPool`` (None without attention layers).
+        takes_hidden: the stage receives hidden states (not the first stage).
+        max_kv_len: longest KV length (tokens) a prefill may reach.
+        capture: record CUDA graphs (False: run the padded path eagerly, as the CPU tests do).
+        pool: CUDA graph memory pool shared with the other graphs.
+    """
+
+    def __init__(self, forward: Callable, *, pad_row: int, kv, takes_hidden: bool, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device, max_kv_len: int, capture: bool, pool=None):
+        self.forward, self.pad_row, self.kv, self.capture, self.pool = forward, pad_row, kv, capture, pool
+        self.buckets = sorted(((n, t) for n in PREFILL_GRAPH_SEQS for t in PREFILL_GRAPH_TOKENS), key=lambda b: (b[1], b[0]))
+        n_max, t_max = max(PREFILL_GRAPH_SEQS), max(PREFILL_GRAPH_TOKENS)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        with torch.inference_mode():  # no version counter: the facts below survive the fills
+            self.ints = torch.zeros(5 * n_max + 1 + 3 * t_max, dtype=torch.long, device=device)
+            self.hidden = torch.zeros(t_max, hidden_size, dtype=dtype, device=device) if takes_hidden else None
+            self.empty = known(torch.zeros(0, dtype=torch.long, device=device), min=0, max=0)
+            self.views = {b: self._views(*b) for b in self.buckets}
+            self.metas = {b: self._meta(b, max_kv_len) for b in self.buckets}
+            if kv is not None:
+                known(kv.page_table, pages_in_pool=True)
+            for b in reversed(self.buckets):
+                self._fill(b, [], [], [], [])
+                if capture:
+                    self.graphs[b], self.outputs[b], self.pool = record(lambda: self._forward(b), self.pool)
+
+    def _views(self, n: int, t: int) -> dict[str, torch.Tensor]:
+        out, o = {}, 0
+        for name, size in (("rows", n), ("seq_lens", n), ("ext", n), ("kv_lens", n), ("cu", n + 1),
+                           ("positions", t), ("slots", t), ("ids", t)):
+            out[name], o = self.ints[o:o + size], o + size
+        return out
+
+    def _meta(self, b: tuple[int, int], max_kv_len: int) -> BatchMeta:
+        (n, t), v = b, self.views[b]
+        # bounds that hold for every chunk the bucket takes (the kernels' checks read them
+        # while capturing, and every sequence is at most t tokens long)
+        known(v["rows"], min=0, max=self.pad_row)
+        known(v["cu"], total=t, max_len=t, queries_fit=True)
+        known(v["kv_lens"], min=1, max=max_kv_len)
+        if self.kv is not None:
+            known(v["slots"], min=0, max=self.kv.k.shape[1] * self.kv.page_size - 1)
+        return BatchMeta(PREFILL, v["rows"], v["seq_lens"], v["ext"], v["cu"], v["positions"], v["slots"],
+                         None if self.kv is None else self.kv.page_table, v["kv_lens"], 0,
+                         rows_new=self.empty, rows_cont=self.empty)
+
+    def _forward(self, b: tuple[int, int]) -> torch.Tensor:
+        meta = self.metas[b]
+        meta.has_init = meta.seq_lens > 0  # inside the graph: recomputed by every replay
+        hidden = None if self.hidden is None else self.hidden[: b[1]]
+        return self.forward(meta, self.views[b]["ids"], hidden)
+
+    def bucket(self, batch_size: int, tokens: int) -> tuple[int, int] | None:
+        """The bucket a chunk of ``batch_size`` requests and ``tokens`` tokens runs in, or
+        None when no bucket holds it (it runs eagerly)."""
+        return next(((n, t) for n, t in self.buckets if n > batch_size and t >= tokens + n - batch_size), None)
+
+    def _fill(self, b, rows, seq_lens, extend_lens, ids) -> None:
+        (n, t), B, T = b, len(rows), sum(extend_lens)
+        pad = n - B
+        ext = list(extend_lens) + [t - T - (pad - 1)] + [1] * (pad - 1)
+        rows, seq = list(rows) + [self.pad_row] * pad, list(seq_lens) + [0] * pad
+        cu = [0, *itertools.accumulate(ext)]
+        positions = [s + j for s, e in zip(seq, ext) for j in range(e)]
+        slots = [0] * t
+        if self.kv is not None:
+            slots = [x for r, s, e in zip(rows[:B], seq, ext) for x in self.kv.slot_list([r], list(range(s, s + e)))]
+            slots += [self.kv.pad_slot(i) for i in range(t - T)]
+        host = torch.tensor(rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + positions + slots
+                            + list(ids) + [0] * (t - T), dtype=torch.long)
+        self.ints[: host.numel()].copy_(host)
+
+    def run(self, rows: list[int], seq_lens: list[int], extend_lens: list[int], ids: list[int],
+            hidden: torch.Tensor | None = None) -> tuple[BatchMeta, torch.Tensor]:
+        """Prefill one chunk (host lists the stage has validated, KV pages reserved; a
+        bucket must hold it). ids: ``T`` token ids; hidden: ``[T, hidden]`` on later stages.
+        Returns the chunk's layout for its ``B`` requests (views of the static buffers,
+        valid until the next run) and the layers' output ``[T, hidden]`` (a fresh tensor)."""
+        B, T = len(rows), sum(extend_lens)
+        b = self.bucket(B, T)
+        self._fill(b, rows, seq_lens, extend_lens, ids)
+        if self.hidden is not None:
+            self.hidden[:T].copy_(hidden)
+        out = self.outputs[b] if self.capture else None
+        if self.capture:
+            self.graphs[b].replay()
+        else:
+            out = self._forward(b)
+        meta, v = self.metas[b], self.views[b]
+        meta = BatchMeta(PREFILL, v["rows"][:B], v["seq_lens"][:B], v["ext"][:B], v["cu"][: B + 1], v["positions"][:T],
+                         v["slots"][:T], meta.page_table, v["kv_lens"][:B], 0, rows_new=self.empty, rows_cont=self.empty,
+                         has_init=meta.has_init[:B])
+        return meta, out[:T].clone()

@@ -23,9 +23,10 @@ import torch
 from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
-from .graphs import CommitGraphs, StepGraphs
+from .graphs import PREFILL_GRAPH_TOKENS, CommitGraphs, PrefillGraphs, StepGraphs
 from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
 from ppspec.kernels.checks import known
+from ppspec.kernels.gdn import SHORT_PREFILL_TOKENS, replay_flush, replay_reset
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
 
 from .sampler import verify_and_sample
@@ -246,6 +247,7 @@ class StageRunner:
         self.mtp_graphs: dict[str, StepGraphs] = {}
         self.round_graphs: dict[str, StepGraphs] = {}  # last stage, MTP, every request greedy
         self.commit_graphs: CommitGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # short prefill chunks
         on_cuda = self.device.type == "cuda"
         if cuda_graph_max_bs is None:
             cuda_graph_max_bs = min(max_rows, 256) if on_cuda else 0
@@ -261,7 +263,7 @@ class StageRunner:
             self.graph_bytes = max(0, _reserved(self.device) - before)
             if pool_bytes is not None and pool_bytes + self.graph_bytes > memory_budget:
                 self.graphs = self.mtp_graphs = self.round_graphs = {}
-                self.commit_graphs = None
+                self.commit_graphs = self.prefill_graphs = None
                 raise ValueError(
                     f"stage {pp_rank} needs {_gib(pool_bytes + self.graph_bytes)}: weights and pools "
                     f"{pool_bytes / 2**30:.2f}, CUDA graphs for batches up to {min(cuda_graph_max_bs, max_rows)} "
@@ -297,6 +299,13 @@ class StageRunner:
                 g = StepGraphs(self._greedy_round, kvs=(self.kv, self.mtp_kv), takes_hidden=not self.is_first,
                                max_kv_len=mtp_len, pool=pool, **common)
                 self.round_graphs[mode], pool = g, g.pool
+        # short prefill chunks: every sequence within the one-launch GDN prefill's reach
+        assert max(PREFILL_GRAPH_TOKENS) <= SHORT_PREFILL_TOKENS
+        self.prefill_graphs = PrefillGraphs(
+            lambda meta, ids, hidden: layers((meta,), ids, hidden, None), pad_row=self.max_rows, kv=self.kv,
+            takes_hidden=not self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype, device=self.device,
+            max_kv_len=self.max_context + self.num_steps + 1, capture=capture, pool=pool)
+        pool = self.prefill_graphs.pool
         if self.state is not None and self.state.conv_scratch is not None:
             self.commit_graphs = CommitGraphs(self.state.launch_commit, max_bs=max_bs, pad_row=self.max_rows,
                                               device=self.device, capture=capture, pool=pool)
@@ -630,6 +639,12 @@ class StageRunner:
             if inp.mode == VERIFY:
                 self._after_verify_fault_hooks(meta)
             return meta, hidden
+        if inp.mode == PREFILL and self.prefill_graphs is not None \
+                and self.prefill_graphs.bucket(len(rows), len(inp.input_ids)) is not None:
+            self.rows_in_use.update(rows)
+            self._touched = True
+            self._replay_before_prefill(rows, inp.seq_lens)
+            return self.prefill_graphs.run(rows, inp.seq_lens, inp.extend_lens, inp.input_ids, inp.hidden_states)
         meta = self._meta(inp.mode, rows, inp.seq_lens, inp.extend_lens, self.kv)
         if inp.mode == PREFILL:
             self.rows_in_use.update(rows)
@@ -642,6 +657,22 @@ class StageRunner:
         if inp.mode == VERIFY:
             self._after_verify_fault_hooks(meta)
         return meta, hidden
+
+    def _replay_before_prefill(self, rows: list[int], seq_lens: list[int]) -> None:
+        """Replay commit design, before a prefill graph (whose layers do not): new rows drop
+        their pending steps (a previous request's), continuing rows apply theirs, in every
+        layer, as an eager prefill's GDN layers do one by one."""
+        st = self.state
+        if st is None or st.replay is None:
+            return
+        new = [r for r, s in zip(rows, seq_lens) if s == 0]
+        cont = [r for r, s in zip(rows, seq_lens) if s > 0]
+        if new:
+            replay_reset(st.replay_pending, known(torch.tensor(new, device=self.device), min=min(new), max=max(new)))
+        if cont:
+            cont_t = known(torch.tensor(cont, device=self.device), min=min(cont), max=max(cont))
+            for i, bufs in enumerate(st.replay):
+                replay_flush(st.ssm[i], bufs, cont_t)
 
     def _last_stage(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, out: StepOutput) -> None:
         B = meta.batch_size

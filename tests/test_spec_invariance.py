@@ -192,6 +192,26 @@ def test_invariance_catches_the_commit_bugs(setup, fault, design):
 
 
 @pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("spec,pp", [("mtp", 1), ("mtp", 2), ("none", 2)])
+def test_chunked_prefill_through_graphs_matches(setup, spec, pp, design):
+    """Chunked prefill (20-token chunks) through the prefill graphs' padded static path (run
+    eagerly on CPU): chunks that start a row and chunks that continue one (whose pending
+    replay steps are applied before the graph, on the replay design), several requests per
+    chunk; tokens equal PP1 without speculation."""
+    path, reqs, ref = setup
+    llm = LLM(path, pp_size=pp, max_rows=N_REQ, commit_design=design, cuda_graph_max_bs=8, chunk_size=20,
+              speculative_algorithm=spec, num_speculative_steps=3)
+    seen = []
+    for r in llm.pipeline.runners:
+        orig = r.prefill_graphs.run
+        r.prefill_graphs.run = lambda rows, seq, *a, _o=orig: seen.append((len(rows), min(seq))) or _o(rows, seq, *a)
+    assert drive(llm, reqs) == ref
+    assert any(s > 0 for _, s in seen), "no continuing chunk took a prefill graph"
+    assert any(s == 0 for _, s in seen) and any(n > 1 for n, _ in seen)
+    assert all(u == 0 for u in llm.rows_in_use())
+
+
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("spec,pp,lanes", [("none", 1, 1), ("oracle", 1, 1), ("mtp", 2, 2), ("oracle", 3, 2)])
 def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
     """Decode and verify through the CUDA graphs' padded static path (run eagerly on CPU,
@@ -218,11 +238,14 @@ def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
                     return _orig(rows, *a)
 
                 g.run = run
+        orig = r.prefill_graphs.run
+        r.prefill_graphs.run = lambda rows, *a, _o=orig: runs.append(("prefill", "prefill", len(rows))) or _o(rows, *a)
         assert (r.commit_graphs is not None) == (spec != "none")
         if r.commit_graphs is not None:  # every stage's commit, from the padded static buffer
             orig = r.commit_graphs.run
             r.commit_graphs.run = lambda rows, acc, _o=orig: runs.append(("commit", "verify", len(rows))) or _o(rows, acc)
     assert drive(llm, reqs) == ref
+    assert ("prefill", "prefill") in {k[:2] for k in runs}, "no prefill took a graph"
     sizes = {n for *_, n in runs}
     assert sizes - {1, 2, 4, 8}, "no batch was padded"
     if spec != "none":

@@ -242,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|---|---|")
     for b in () if a.skip_demo else (1, 32):
         demo_row(torch, model, prompts, b, a.max_tokens, a.repeats)
+    if not a.skip_demo:
+        graphs, eager = demo_ttft(torch, model, prompts[0])
+        print(f"\ntime to first token, batch 1, {len(prompts[0])}-token prompt, MTP: {graphs * 1e3:.2f} ms "
+              f"(eager prefill: {eager * 1e3:.2f} ms)")
     if not a.skip_1b:
         path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
         n = make_random_checkpoint(torch, path)
@@ -261,6 +265,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {b} | {dt * 1e3:.2f} | {eager * 1e3:.2f} | {floor * 1e3:.3f} | {dt / floor:.1f} | "
                   f"{vr * 1e3:.2f} | {vr / dt:.2f} | {w / 1e6:.0f} | {kv / 1e6:.0f} | {st / 1e6:.0f} |", flush=True)
     return 0
+
+
+def demo_ttft(torch, model, prompt, repeats=5) -> tuple[float, float]:
+    """Time to the first token of one request (its prefill, sampling and MTP drafts):
+    median seconds with CUDA graphs (short prefill chunks replay one) and eagerly."""
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    out = []
+    for graphs in (None, 0):
+        llm = LLM(model, device="cuda", dtype="bfloat16", speculative_algorithm="mtp", max_rows=4,
+                  cuda_graph_max_bs=graphs)
+        p = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate([prompt], p)  # compiles
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate([prompt], p)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+        del llm
+    return out[0], out[1]
 
 
 def demo_row(torch, model, prompts, b, max_tokens, repeats) -> None:

@@ -115,8 +115,8 @@ def add_cuda_graph_args(ap: argparse.ArgumentParser) -> None:
     """``--cuda-graph-max-bs N`` and ``--disable-cuda-graph`` (SGLang's names), read back
     by :func:`cuda_graph_max_bs`."""
     ap.add_argument("--cuda-graph-max-bs", type=nonneg_int, default=None,
-                    help="decode/verify batches up to N requests replay CUDA graphs "
-                         "(default: min(max rows, 256) on CUDA; 0: off)")
+                    help="decode/verify batches and commits of up to N requests replay CUDA graphs, "
+                         "as do short prefill chunks (default: min(max rows, 256) on CUDA; 0: all off)")
     ap.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
 
 

@@ -1,4 +1,5 @@
-"""CUDA graphs for a stage's decode and verify forward.
+"""CUDA graphs for a stage's decode and verify forward (:class:`StepGraphs`), its commit of
+accepted state (:class:`CommitGraphs`) and its short prefill chunks (:class:`PrefillGraphs`).
 
 A decode or verify step of a 1B model launches some 500 small kernels; issued one by one
 from Python the step takes tens of milliseconds while the device needs about one

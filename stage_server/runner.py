@@ -136,8 +136,9 @@ class StageRunner:
             The gRPC stage turns it on; off, a caller may re-run a step at one length
             (benchmarks do).
         cuda_graph_max_bs: decode and verify steps of up to this many requests replay CUDA
-            graphs (``stage_server.graphs``), one per padded batch size, captured at start;
-            0 runs every step eagerly. None: ``min(max_rows, 256)`` on CUDA, 0 on CPU. On a
+            graphs (``stage_server.graphs``), one per padded batch size, captured at start,
+            and so do commits of as many rows and short prefill chunks
+            (``PrefillGraphs``); 0 runs every step eagerly. None: ``min(max_rows, 256)`` on CUDA, 0 on CPU. On a
             CPU stage a positive value runs the graphs' padded path eagerly (tests). Stages
             with MoE layers always run eagerly (the expert grouping is read on the host).
 

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from ppspec.kernels.checks import known
+from ppspec.kernels.gdn import SHORT_PREFILL_TOKENS
 
 from .model import PREFILL, BatchMeta
 
@@ -253,7 +254,9 @@ class CommitGraphs:
             self.commit(*self._views(b))
 
 
-PREFILL_GRAPH_TOKENS = (16, 32, 64)  # token buckets; at most kernels.gdn.SHORT_PREFILL_TOKENS
+# token buckets: each within the one-launch GDN prefill's reach (a longer chunk takes fla,
+# whose host-side planning cannot be recorded)
+PREFILL_GRAPH_TOKENS = tuple(t for t in (16, 32, 64) if t <= SHORT_PREFILL_TOKENS)
 PREFILL_GRAPH_SEQS = (2, 4, 8)  # sequence buckets: requests + at least one padding sequence
 
 

@@ -23,10 +23,10 @@ import torch
 from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
-from .graphs import PREFILL_GRAPH_TOKENS, CommitGraphs, PrefillGraphs, StepGraphs
+from .graphs import CommitGraphs, PrefillGraphs, StepGraphs
 from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
 from ppspec.kernels.checks import known
-from ppspec.kernels.gdn import SHORT_PREFILL_TOKENS, replay_flush, replay_reset
+from ppspec.kernels.gdn import replay_flush, replay_reset
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
 
 from .sampler import verify_and_sample
@@ -137,8 +137,8 @@ class StageRunner:
             (benchmarks do).
         cuda_graph_max_bs: decode and verify steps of up to this many requests replay CUDA
             graphs (``stage_server.graphs``), one per padded batch size, captured at start,
-            and so do commits of as many rows and short prefill chunks
-            (``PrefillGraphs``); 0 runs every step eagerly. None: ``min(max_rows, 256)`` on CUDA, 0 on CPU. On a
+            and so do commits of as many rows and short prefill chunks (``PrefillGraphs``);
+            0 runs every step eagerly. None: ``min(max_rows, 256)`` on CUDA, 0 on CPU. On a
             CPU stage a positive value runs the graphs' padded path eagerly (tests). Stages
             with MoE layers always run eagerly (the expert grouping is read on the host).
 
@@ -300,8 +300,6 @@ class StageRunner:
                 g = StepGraphs(self._greedy_round, kvs=(self.kv, self.mtp_kv), takes_hidden=not self.is_first,
                                max_kv_len=mtp_len, pool=pool, **common)
                 self.round_graphs[mode], pool = g, g.pool
-        # short prefill chunks: every sequence within the one-launch GDN prefill's reach
-        assert max(PREFILL_GRAPH_TOKENS) <= SHORT_PREFILL_TOKENS
         self.prefill_graphs = PrefillGraphs(
             lambda meta, ids, hidden: layers((meta,), ids, hidden, None), pad_row=self.max_rows, kv=self.kv,
             takes_hidden=not self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype, device=self.device,
@@ -777,8 +775,7 @@ class StageRunner:
             # num_steps eager forwards
             ext = [e - 1 for e in inp.extend_lens]
             if any(ext):
-                keep = [e > 0 for e in ext]
-                sub = [b for b in range(B) if keep[b]]
+                sub = [b for b in range(B) if ext[b] > 0]
                 tok = [t for b in sub for t in ids[cu[b] + 1: cu[b + 1]]]
                 sel = [i for b in sub for i in range(cu[b], cu[b + 1] - 1)]
                 mmeta = self._meta(PREFILL, [rows[b] for b in sub], [seq_lens[b] for b in sub], [ext[b] for b in sub],

@@ -10,9 +10,10 @@ reading query/key head ``hv // G``. Verify writes the state after step t to
 ``req_pool_indices[b]``: there is no positional row anywhere.
 
 With ``REPLAY`` the program first applies ``pending[row]`` accepted steps of the previous
-verify, read from the replay buffers (slot ``slot[row]``), and a verify stores each step's
-normalised key, delta and log decay into slot ``1 - slot[row]`` instead of any state
-(naive_replay.py).
+verify, read from the replay buffers (slot ``slot[row]``; naive_replay.py) by
+:func:`_replay_pending`, then decodes (or, at D = 0, only stores: the flush). The replay
+design's verify is its own pair of kernels in ``triton_replay.py``; the replay itself
+(:func:`_replay_records`, :func:`_replay_apply`) is shared.
 """
 from __future__ import annotations
 
@@ -57,6 +58,57 @@ def _gdn_token(q, k, v, g, beta, o, b_s, tok, i_h, i_hv, o_k, o_v, m_k, m_v, sca
 
 
 @triton.jit
+def _replay_records(buf_k, buf_delta, base, n_pend, i_h, i_hv, o_k, o_v, m_k, m_v,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, D_MAX: tl.constexpr):
+    """The normalised keys ([BK] each) and deltas ([BV] each) of the D_MAX steps at
+    ``base = (row * 2 + slot) * D_MAX`` of the replay buffers, as two tuples; steps from
+    ``n_pend`` on read as zeros. All loads are issued at once: the records come from HBM,
+    and one round trip for all of them is what matters here, not the arithmetic of the
+    masked steps (a branch per step made them serial)."""
+    kjs = ()
+    djs = ()
+    for j in tl.static_range(D_MAX):
+        kjs = kjs + (tl.load(buf_k + ((base + j) * H + i_h) * K + o_k, mask=m_k & (j < n_pend), other=0.0),)
+        djs = djs + (tl.load(buf_delta + ((base + j) * HV + i_hv) * V + o_v, mask=m_v & (j < n_pend), other=0.0),)
+    return kjs, djs
+
+
+@triton.jit
+def _replay_apply(b_s, kjs, djs, e_n, ws):
+    """``S_n = e^{c_n} S + sum_j e^{c_n - c_j} k_j delta_j^T`` on the fp32 [BK, BV] tile
+    ``b_s`` (``e_n = e^{c_n}``, ``ws[j] = e^{c_n - c_j}``, ``c_j = g_0 + .. + g_j``): the n
+    replayed steps ``S <- e^{g_j} S + k_j delta_j^T`` (``naive.gdn_apply``) unrolled, one
+    scaling of the tile instead of n, the weights on the [BV] delta rows."""
+    b_s = b_s * e_n
+    for j in tl.static_range(len(kjs)):
+        b_s += kjs[j][:, None] * (djs[j] * ws[j])[None, :]
+    return b_s
+
+
+@triton.jit
+def _replay_pending(b_s, buf_k, buf_delta, buf_g, pending, slot, row, i_h, i_hv, o_k, o_v, m_k, m_v,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    D_MAX: tl.constexpr, BP: tl.constexpr):
+    """Apply the ``pending[row]`` accepted steps of slot ``slot[row]`` to ``b_s``, the fp32
+    [BK, BV] tile of the committed state (:func:`_replay_apply`); returns
+    ``(tile, pending[row], slot[row])``. A step is the normalised key and the delta that
+    its verify stored, so a replay needs no reduction (naive_replay.py)."""
+    n_pend = tl.load(pending + row)
+    cur = tl.load(slot + row).to(tl.int64)
+    base = (row * 2 + cur) * D_MAX
+    o_p = tl.arange(0, BP)
+    m_p = (o_p < n_pend) & (o_p < D_MAX)
+    b_g = tl.load(buf_g + (base + o_p) * HV + i_hv, mask=m_p, other=0.0)
+    kjs, djs = _replay_records(buf_k, buf_delta, base, n_pend, i_h, i_hv, o_k, o_v, m_k, m_v, H, HV, K, V, D_MAX)
+    c_n = tl.sum(b_g, 0)
+    b_w = tl.exp(c_n - tl.cumsum(b_g, 0))
+    ws = ()
+    for j in tl.static_range(D_MAX):
+        ws = ws + (tl.sum(tl.where(o_p == j, b_w, 0.0), 0),)
+    return _replay_apply(b_s, kjs, djs, tl.exp(c_n), ws), n_pend, cur
+
+
+@triton.jit
 def _gdn_recurrent_kernel(
     q, k, v, g, beta, o,
     state, scratch, rows,
@@ -64,8 +116,8 @@ def _gdn_recurrent_kernel(
     scale, s_q, s_k, s_v,
     D: tl.constexpr, D_MAX: tl.constexpr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    STORE_SCRATCH: tl.constexpr, STORE_FINAL: tl.constexpr, REPLAY: tl.constexpr, STORE_BUF: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
+    STORE_SCRATCH: tl.constexpr, STORE_FINAL: tl.constexpr, REPLAY: tl.constexpr,
 ):
     i_bh = tl.program_id(0)
     i_vb = tl.program_id(1)
@@ -87,92 +139,33 @@ def _gdn_recurrent_kernel(
     b_s = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
 
     if REPLAY:
-        # apply the accepted steps of the previous verify: S <- exp(g) S + k delta^T with the
-        # normalised key and the delta that verify stored (naive.gdn_apply): no reduction.
-        # Unrolled over D_MAX with masked loads (a masked step has k = 0, g = 0: the
-        # identity), so the loads of every step issue before the first step's math.
-        n_pend = tl.load(pending + row)
-        cur = tl.load(slot + row).to(tl.int64)
-        for j in tl.static_range(D_MAX):
-            st = (row * 2 + cur) * D_MAX + j
-            on = j < n_pend
-            b_k = tl.load(buf_k + (st * H + i_h) * K + o_k, mask=m_k & on, other=0.0)
-            b_d = tl.load(buf_delta + (st * HV + i_hv) * V + o_v, mask=m_v & on, other=0.0)
-            g_t = tl.load(buf_g + st * HV + i_hv, mask=on, other=0.0)
-            b_s = b_s * tl.exp(g_t) + b_k[:, None] * b_d[None, :]
-        if STORE_BUF:
-            # verify: the committed state is final now; the D steps below stay speculative
-            if n_pend > 0:
-                tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
-        nxt = 1 - cur
+        # the accepted steps of the previous verify first (a decode, or the flush at D = 0)
+        b_s, n_pend, cur = _replay_pending(b_s, buf_k, buf_delta, buf_g, pending, slot, row, i_h, i_hv,
+                                           o_k, o_v, m_k, m_v, H, HV, K, V, D_MAX, BP)
 
-    if STORE_BUF:
-        # verify of the replay design: its D steps never write a state, so none is formed.
-        # With c_t = g_0 + ... + g_t and S the committed state, the recurrence unrolls to
-        #   delta_t = beta_t (v_t - e^{c_t} S^T k_t - sum_{s<t} e^{c_t - c_s} (k_t.k_s) delta_s)
-        #   o_t     = e^{c_t} S^T q_t + sum_{s<=t} e^{c_t - c_s} (q_t.k_s) delta_s
-        # (the intra-chunk form of naive.chunk_gated_delta_rule_ref): 2 D independent
-        # reductions over K of one tile instead of 4 D dependent passes over it.
-        o_t = tl.arange(0, BT)
-        m_t = o_t < D
-        tok = (i_b * D + o_t).to(tl.int64)
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_Q = tl.load(q + (tok * s_q + i_h * K)[:, None] + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_K = tl.load(k + (tok * s_k + i_h * K)[:, None] + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_V = tl.load(v + (tok * s_v + i_hv * V)[:, None] + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_g = tl.load(g + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_Q = b_Q * (tl.math.rsqrt(tl.sum(b_Q * b_Q, 1) + 1e-6) * scale)[:, None]
-        b_K = b_K * tl.math.rsqrt(tl.sum(b_K * b_K, 1) + 1e-6)[:, None]
-        b_c = tl.cumsum(b_g, 0)
-        b_e = tl.exp(b_c)
-        causal = o_t[:, None] >= o_t[None, :]
-        decay = tl.exp(tl.where(causal, b_c[:, None] - b_c[None, :], 0.0))
-        b_kk = tl.where(o_t[:, None] > o_t[None, :], tl.sum(b_K[:, None, :] * b_K[None, :, :], 2) * decay, 0.0)
-        b_qk = tl.where(causal, tl.sum(b_Q[:, None, :] * b_K[None, :, :], 2) * decay, 0.0)
-        b_SK = tl.zeros([BT, BV], dtype=tl.float32)
-        b_SQ = tl.zeros([BT, BV], dtype=tl.float32)
-        for t in tl.static_range(D):
-            sel = (o_t == t)[:, None]
-            k_t = tl.sum(tl.where(sel, b_K, 0.0), 0)
-            q_t = tl.sum(tl.where(sel, b_Q, 0.0), 0)
-            b_SK = tl.where(sel, tl.sum(b_s * k_t[:, None], 0)[None, :], b_SK)
-            b_SQ = tl.where(sel, tl.sum(b_s * q_t[:, None], 0)[None, :], b_SQ)
-        # the deltas, by forward substitution over the D steps (rows of b_U)
-        b_rhs = b_b[:, None] * (b_V - b_e[:, None] * b_SK)
-        b_U = tl.zeros([BT, BV], dtype=tl.float32)
-        for t in tl.static_range(D):
-            sel = o_t == t
-            a_t = tl.sum(tl.where(sel[:, None], b_kk, 0.0), 0) * tl.sum(tl.where(sel, b_b, 0.0))
-            u_t = tl.sum(tl.where(sel[:, None], b_rhs, 0.0), 0) - tl.sum(a_t[:, None] * b_U, 0)
-            b_U = tl.where(sel[:, None], u_t[None, :], b_U)
-        b_O = b_e[:, None] * b_SQ + tl.sum(b_qk[:, :, None] * b_U[None, :, :], 1)
-        tl.store(o + (tok * HV + i_hv)[:, None] * V + o_v[None, :], b_O.to(o.dtype.element_ty), mask=m_tv)
-        # the steps' record for the replay, in the row's other slot; k is per key head and
-        # g per value head: one program writes each
-        st = ((row * 2 + nxt) * D_MAX + o_t).to(tl.int64)
-        is_k_writer = (i_vb == 0) & (i_hv % G == 0)
-        tl.store(buf_k + (st * H + i_h)[:, None] * K + o_k[None, :], b_K, mask=m_tk & is_k_writer)
-        tl.store(buf_delta + (st * HV + i_hv)[:, None] * V + o_v[None, :], b_U, mask=m_tv)
-        tl.store(buf_g + st * HV + i_hv, b_g, mask=m_t & (i_vb == 0))
-    else:
-        for t in range(D):
-            tok = (i_b * D + t).to(tl.int64)
-            b_s = _gdn_token(q, k, v, g, beta, o, b_s, tok, i_h, i_hv, o_k, o_v, m_k, m_v, scale, s_q, s_k, s_v, HV, K, V)
-            if STORE_SCRATCH:
-                p_scr = scratch + ((row * D_MAX + t) * HV + i_hv) * (K * V) + kv_off
-                tl.store(p_scr, b_s.to(scratch.dtype.element_ty), mask=m_kv)
+    for t in range(D):
+        tok = (i_b * D + t).to(tl.int64)
+        b_s = _gdn_token(q, k, v, g, beta, o, b_s, tok, i_h, i_hv, o_k, o_v, m_k, m_v, scale, s_q, s_k, s_v, HV, K, V)
+        if STORE_SCRATCH:
+            p_scr = scratch + ((row * D_MAX + t) * HV + i_hv) * (K * V) + kv_off
+            tl.store(p_scr, b_s.to(scratch.dtype.element_ty), mask=m_kv)
 
     if STORE_FINAL:
         tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
 
 
+def _pow2_steps(d_max: int) -> int:
+    """The replay's step axis (``BP`` of :func:`_replay_pending`): a power of two >= 2."""
+    return max(2, triton.next_power_of_2(d_max))
+
+
 def _block_v(V: int, B: int, HV: int, replay: bool = False) -> int:
     # measured on the H200 (kernels/bench_verify.py, B 64 / 256, HV 32, K = V = 128): plain
-    # decode and the copy verify run best at BV 64 / 4 warps; the replay design at BV 32 /
-    # 1 warp (its per-step reductions over K then stay inside one warp). Smaller tiles only
-    # when the grid would be too small to fill the chip.
+    # decode and the copy verify run best at BV 64 / 4 warps; the replay design's decode
+    # at BV 32 / 1 warp (its reductions over K then stay inside one warp; BV 64 / 4 warps
+    # is level: 93 us at B 64, 326 against 334 us at B 256). The replay verify has its own
+    # choice (triton_replay._verify_block_v). Smaller tiles only when the grid would be too
+    # small to fill the chip.
     bv = min(32 if replay else 64, triton.next_power_of_2(V))
     while bv > 8 and B * HV * triton.cdiv(V, bv) < 4 * 132:
         bv //= 2
@@ -214,12 +207,24 @@ def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous(), H * N
 
 
-def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scratch=None, bufs=None, verify=None,
+def _check_replay_bufs(bufs, state, H, HV, K, V) -> int:
+    """``D_max`` of the replay buffers ``bufs`` (``naive_replay.ReplayBuffers``) after
+    checking them against the state pool and the heads."""
+    d_max = bufs.k.shape[2]
+    if tuple(bufs.k.shape) != (state.shape[0], 2, d_max, H, K) or tuple(bufs.delta.shape) != (state.shape[0], 2, d_max, HV, V):
+        raise ValueError("replay buffers do not match the state pool / heads")
+    if not all(x.is_contiguous() and x.dtype == torch.float32 for x in bufs[:3]) or bufs.pending.stride(-1) != 1 or bufs.slot.stride(-1) != 1:
+        raise ValueError("replay buffers must be contiguous fp32")
+    return d_max
+
+
+def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scratch=None, bufs=None,
                          block_v=None, num_warps=None):
-    """Shared launcher: checks shapes, not rows, and never syncs the host (CUDA-graph
-    capturable). ``bufs`` (a ``naive_replay.ReplayBuffers``) selects the replay design;
-    ``verify`` is implied by ``scratch`` in the copy design and explicit in the replay one.
-    ``block_v`` / ``num_warps`` override the tile choice (benchmarks)."""
+    """Shared launcher of plain decode, the copy design's verify (``scratch``) and the
+    replay design's decode (``bufs``, a ``naive_replay.ReplayBuffers``: the row's pending
+    steps first; the replay verify is ``triton_replay.launch_replay_verify``). Checks
+    shapes, not rows, and never syncs the host (CUDA-graph capturable). ``block_v`` /
+    ``num_warps`` override the tile choice (benchmarks)."""
     B, D, H, HV, K, V = _check_gdn_args(q, k, v, g, beta, state)
     rows = req_pool_indices.to(device=q.device, dtype=torch.int64).contiguous()
     if rows.numel() != B:
@@ -234,15 +239,9 @@ def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scrat
     g, beta = g.contiguous(), beta.contiguous()
     replay = bufs is not None
     if replay:
-        d_max = bufs.k.shape[2]
-        if tuple(bufs.k.shape) != (state.shape[0], 2, d_max, H, K) or tuple(bufs.delta.shape) != (state.shape[0], 2, d_max, HV, V):
-            raise ValueError("replay buffers do not match the state pool / heads")
-        if not all(x.is_contiguous() and x.dtype == torch.float32 for x in bufs[:3]) or bufs.pending.stride(-1) != 1 or bufs.slot.stride(-1) != 1:
-            raise ValueError("replay buffers must be contiguous fp32")
-        if verify and D > d_max:
-            raise ValueError(f"D = {D} exceeds the replay buffers' D_max = {d_max}")
-        store_scratch, store_final, store_buf = False, not verify, bool(verify)
-        scratch_arg = state  # unused
+        d_max = _check_replay_bufs(bufs, state, H, HV, K, V)
+        if scratch is not None:
+            raise ValueError("the replay design keeps no scratch")
         buf_args = tuple(bufs[:3]) + (bufs.pending, bufs.slot)
     else:
         d_max = D
@@ -252,16 +251,13 @@ def launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, scrat
                 raise ValueError(f"scratch {tuple(scratch.shape)} does not fit state {tuple(state.shape)} and D = {D}")
             if not scratch.is_contiguous():
                 raise ValueError("the verify scratch must be contiguous")
-        store_scratch, store_final, store_buf = scratch is not None, scratch is None, False
-        scratch_arg = scratch if scratch is not None else state
         buf_args = (state,) * 3 + (rows, rows)  # unused
     BK = triton.next_power_of_2(K)
     BV = block_v or _block_v(V, B, HV, replay)
-    grid = (B * HV, triton.cdiv(V, BV))
-    _gdn_recurrent_kernel[grid](
-        q, k, v, g, beta, o, state, scratch_arg, rows, *buf_args, float(scale), s_q, s_k, s_v,
-        D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BT=max(2, triton.next_power_of_2(D)),
-        STORE_SCRATCH=store_scratch, STORE_FINAL=store_final, REPLAY=replay, STORE_BUF=store_buf,
+    _gdn_recurrent_kernel[(B * HV, triton.cdiv(V, BV))](
+        q, k, v, g, beta, o, state, scratch if scratch is not None else state, rows, *buf_args, float(scale), s_q, s_k, s_v,
+        D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BP=_pow2_steps(d_max),
+        STORE_SCRATCH=scratch is not None, STORE_FINAL=scratch is None, REPLAY=replay,
         num_warps=num_warps or _num_warps(BV, replay),
     )
     return o

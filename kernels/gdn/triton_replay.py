@@ -286,7 +286,7 @@ def _launch_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, block
 
 def commit_accept_replay_triton(pending, slot, req_pool_indices, accept_lengths) -> None:
     """Replay commit for all layers at once (``pending``/``slot`` ``[L, R]`` or ``[R]``):
-    ``pending[:, row] = accept_length``, ``slot[:, row]`` flips. Two tiny scatters; no state
+    ``pending[:, row] = accept_length``, ``slot[:, row]`` flips: one tiny launch, no state
     moves. Rows are validated like :func:`kernels.commit.commit_accept` validates them.
     A stage does not call this: its commit (``StatePool.commit``) is
     :func:`kernels.commit.commit_accept_conv_replay`, the same counters and the conv windows
@@ -297,12 +297,30 @@ def commit_accept_replay_triton(pending, slot, req_pool_indices, accept_lengths)
                          accept_lengths.to(pending.device, pending.dtype))
 
 
+@triton.jit
+def _replay_commit_kernel(pending, slot, rows, acc, B, s_p, s_s, BLOCK: tl.constexpr):
+    """``pending[l, row] = acc``, ``slot[l, row] = 1 - slot[l, row]`` for layer
+    ``program_id(1)`` and a block of the batch (rows distinct: one writer each)."""
+    i_l = tl.program_id(1)
+    o_b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o_b < B
+    row = tl.load(rows + o_b, mask=m, other=0)
+    tl.store(pending + i_l * s_p + row, tl.load(acc + o_b, mask=m, other=0).to(pending.dtype.element_ty), mask=m)
+    p_s = slot + i_l * s_s + row
+    tl.store(p_s, 1 - tl.load(p_s, mask=m, other=0), mask=m)
+
+
 def launch_replay_commit(pending, slot, rows, acc) -> None:
-    """The commit's device work alone (no checks, no host sync: CUDA-graph capturable)."""
+    """The commit's device work alone (no checks, no host sync: CUDA-graph capturable):
+    one launch for all layers."""
     n_rows = pending.shape[-1]
     p2, s2 = pending.view(-1, n_rows), slot.view(-1, n_rows)
-    p2.index_copy_(1, rows, acc.expand(p2.shape[0], -1).contiguous())
-    s2.index_copy_(1, rows, 1 - s2.index_select(1, rows))
+    B = rows.numel()
+    if B == 0:
+        return
+    BLOCK = min(1024, triton.next_power_of_2(B))
+    _replay_commit_kernel[(triton.cdiv(B, BLOCK), p2.shape[0])](
+        p2, s2, rows, acc, B, p2.stride(0), s2.stride(0), BLOCK=BLOCK, num_warps=4)
 
 
 def replay_flush_triton(state, bufs: ReplayBuffers, req_pool_indices) -> None:

@@ -178,24 +178,18 @@ class StatePool:
         ``accept_lengths`` ``[B]`` int64, contiguous on the pool's device and validated by
         the caller, except that an entry with accept length 0 writes nothing (a graph's
         padding, whose row may repeat)."""
-        if not self.conv.is_cuda:  # the reference commits, on the entries that are not padding
+        if self.conv.is_cuda:  # the kernels skip the padding entries themselves
+            from ppspec.kernels.commit.triton_commit import launch_commit as copy
+            from ppspec.kernels.commit.triton_commit import launch_commit_conv_replay as conv_replay
+        else:  # the references, on the entries that are not padding
             real = accept_lengths > 0
             rows, accept_lengths = rows[real], accept_lengths[real]
-            if self.commit_design == "copy":
-                commit_accept_ref(self.conv, self.conv_scratch, rows, accept_lengths)
-                commit_accept_ref(self.ssm, self.ssm_scratch, rows, accept_lengths)
-            else:
-                commit_accept_conv_replay_ref(self.conv, self.conv_scratch, self.replay_pending, self.replay_slot,
-                                              rows, accept_lengths)
-            return
-        from ppspec.kernels.commit.triton_commit import launch_commit, launch_commit_conv_replay
-
+            copy, conv_replay = commit_accept_ref, commit_accept_conv_replay_ref
         if self.commit_design == "copy":
-            launch_commit(self.conv, self.conv_scratch, rows, accept_lengths)
-            launch_commit(self.ssm, self.ssm_scratch, rows, accept_lengths)
+            copy(self.conv, self.conv_scratch, rows, accept_lengths)
+            copy(self.ssm, self.ssm_scratch, rows, accept_lengths)
         else:
-            launch_commit_conv_replay(self.conv, self.conv_scratch, self.replay_pending, self.replay_slot,
-                                      rows, accept_lengths)
+            conv_replay(self.conv, self.conv_scratch, self.replay_pending, self.replay_slot, rows, accept_lengths)
 
     def layer(self, i: int) -> LinearLayerState:
         pick = lambda t: None if t is None else t[i]  # noqa: E731

@@ -283,7 +283,8 @@ class PrefillGraphs:
         forward: ``forward(meta, ids [t] int64, hidden [t, hidden] or None) -> [t, hidden]``.
         pad_row: the pools' padding row. kv: the ``KVPool`` (None without attention layers).
         takes_hidden: the stage receives hidden states (not the first stage).
-        max_kv_len: longest KV length (tokens) a prefill may reach.
+        max_kv_len: longest KV length (tokens) a prefill may reach (a row's KV capacity); buckets
+            longer than ``max_kv_len + 1`` tokens are left out, their padding would not fit a row.
         capture: record CUDA graphs (False: run the padded path eagerly, as the CPU tests do).
         pool: CUDA graph memory pool shared with the other graphs.
     """
@@ -291,7 +292,11 @@ class PrefillGraphs:
     def __init__(self, forward: Callable, *, pad_row: int, kv, takes_hidden: bool, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, max_kv_len: int, capture: bool, pool=None):
         self.forward, self.pad_row, self.kv, self.capture, self.pool = forward, pad_row, kv, capture, pool
-        self.buckets = sorted(((n, t) for n in PREFILL_GRAPH_SEQS for t in PREFILL_GRAPH_TOKENS), key=lambda b: (b[1], b[0]))
+        # a padding sequence is at most t - 1 tokens long and its KV goes through the padding
+        # row's page table, which covers max_kv_len positions: a bucket longer than that
+        # (a short max_context) would read past it
+        self.buckets = sorted(((n, t) for n in PREFILL_GRAPH_SEQS for t in PREFILL_GRAPH_TOKENS if t - 1 <= max_kv_len),
+                              key=lambda b: (b[1], b[0]))
         n_max, t_max = max(PREFILL_GRAPH_SEQS), max(PREFILL_GRAPH_TOKENS)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}

@@ -30,3 +30,25 @@ def test_fused_greedy_round_equals_eager_step(make_ckpt):
     assert outs[4] == outs[0]
     assert [len(o) for o in outs[0][0]] == [4, 2, 1]  # drafts past num_drafts are never accepted
     assert all(len(d) == 3 for d in outs[0][1])
+
+
+def test_prefill_graph_padding_within_a_short_context(make_ckpt):
+    """A prefill bucket's padding sequence (on the padding row) must fit the KV rows a short
+    ``max_context`` gives: three prompts of 32 tokens in all pad to the 64-token bucket, whose
+    32-token padding sequence reads the padding row's page table past its one page at
+    ``max_context=15``. Tokens equal the eager path's; short chunks still take a graph."""
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    batches = [[[5] * 11, [7, 8] * 5 + [1], [9, 3] * 5], [[3, 1, 4, 1, 5]]]
+    eager = LLM(path, max_rows=4, max_context=15)
+    llm = LLM(path, max_rows=4, max_context=15, cuda_graph_max_bs=8)
+    ran = []
+    pg = llm.pipeline.runners[0].prefill_graphs
+    orig = pg.run
+    pg.run = lambda rows, *a: ran.append(len(rows)) or orig(rows, *a)
+    for prompts in batches:
+        want = [c.token_ids for c in eager.generate(prompts, params)]
+        assert [c.token_ids for c in llm.generate(prompts, params)] == want
+    assert ran, "no prefill chunk took a graph"
+    assert llm.rows_in_use() == [0]

@@ -2,6 +2,7 @@
 returns what the eager step returns: the fused greedy MTP round on the last stage
 (layers, acceptance, MTP chain) against the host sampler and eager MTP head, with drafts
 that are all right, drafts beyond ``num_drafts`` that would be right, and no drafts."""
+import pytest
 import torch
 
 from ppspec.proto.messages import StepInput
@@ -51,4 +52,35 @@ def test_prefill_graph_padding_within_a_short_context(make_ckpt):
         want = [c.token_ids for c in eager.generate(prompts, params)]
         assert [c.token_ids for c in llm.generate(prompts, params)] == want
     assert ran, "no prefill chunk took a graph"
+    assert llm.rows_in_use() == [0]
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+def test_prefill_graph_bucket_edges_and_reused_rows(make_ckpt, design):
+    """Prefill chunks at the buckets' edges, through the graphs' padded path with MTP: 7
+    requests of 57 tokens (the 8 x 64 bucket, one padding sequence), one prompt of 63
+    tokens (2 x 64), 65 tokens in two requests (no bucket: eager), 62 in two (4 x 64) and
+    1-token prompts; 7 rows, so every later request takes a row released just before, whose
+    previous request committed verify rounds (on the replay design: steps still pending). Tokens equal PP1 without speculation."""
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    g = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    batches = [[rand(n) for n in (1, 1, 5, 9, 9, 16, 16)], [rand(63)], [rand(64), [7]], [[9], rand(61)]]
+    ref = LLM(path, max_rows=8)
+    llm = LLM(path, max_rows=7, speculative_algorithm="mtp", num_speculative_steps=2, commit_design=design,
+              cuda_graph_max_bs=8)
+    seen, verified = [], 0
+    pg = llm.pipeline.runners[0].prefill_graphs
+    orig = pg.run
+    pg.run = lambda rows, seq, ext, *a: seen.append(pg.bucket(len(rows), sum(ext))) or orig(rows, seq, ext, *a)
+    for prompts in batches:
+        # requests that end while others still verify leave their row with committed steps
+        params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+        want = [c.token_ids for c in ref.generate(prompts, params)]
+        got = llm.generate(prompts, params)
+        assert [c.token_ids for c in got] == want
+        verified += sum(len(c.accept_lengths) for c in got)
+    assert seen == [(8, 64), (2, 64), (4, 64)]  # [64 tokens, 1 token]: no bucket, eager
+    assert verified  # rows were released after verify rounds (replay: with pending steps)
     assert llm.rows_in_use() == [0]

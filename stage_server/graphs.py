@@ -44,6 +44,11 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
+def smallest_fit(sizes: list[int], batch_size: int) -> int | None:
+    """The smallest of the ascending ``sizes`` that holds ``batch_size``, or None."""
+    return next((b for b in sizes if b >= batch_size), None)
+
+
 def record(fn: Callable, pool=None):
     """Capture ``fn()`` in a CUDA graph after one warm-up call outside it (Triton compiles
     and cuBLAS picks its kernels there, on a side stream as capture requires): ``(graph,
@@ -170,10 +175,7 @@ class StepGraphs:
     # ------------------------------------------------------------------ run
     def bucket(self, batch_size: int) -> int | None:
         """The padded size a batch runs in, or None when it is larger than every graph."""
-        for b in self.sizes:
-            if b >= batch_size:
-                return b
-        return None
+        return smallest_fit(self.sizes, batch_size)
 
     def run(self, rows: list[int], seq_lens: list[int], ids: list[int], hidden: torch.Tensor | None = None,
             aux: list[int] = ()) -> tuple[BatchMeta, torch.Tensor]:
@@ -233,7 +235,7 @@ class CommitGraphs:
 
     def bucket(self, batch_size: int) -> int | None:
         """The padded size a commit of ``batch_size`` rows runs in, or None when too large."""
-        return next((b for b in self.sizes if b >= batch_size), None)
+        return smallest_fit(self.sizes, batch_size)
 
     def _views(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ints[:b], self.ints[b:2 * b]
@@ -276,8 +278,7 @@ class PrefillGraphs:
     ``t <= 64`` tokens long, so the GDN layers take the one-launch recurrent prefill.
 
     Not recorded: dropping a new row's pending replay steps and applying a continuing
-    row's (replay commit design); the caller does both before :meth:`run`, whose captured
-    layout names no new or continuing rows.
+    row's (replay commit design); the stage does both before any prefill.
 
     Args:
         forward: ``forward(meta, ids [t] int64, hidden [t, hidden] or None) -> [t, hidden]``.
@@ -303,7 +304,6 @@ class PrefillGraphs:
         with torch.inference_mode():  # no version counter: the facts below survive the fills
             self.ints = torch.zeros(5 * n_max + 1 + 3 * t_max, dtype=torch.long, device=device)
             self.hidden = torch.zeros(t_max, hidden_size, dtype=dtype, device=device) if takes_hidden else None
-            self.empty = known(torch.zeros(0, dtype=torch.long, device=device), min=0, max=0)
             self.views = {b: self._views(*b) for b in self.buckets}
             self.metas = {b: self._meta(b, max_kv_len) for b in self.buckets}
             if kv is not None:
@@ -330,8 +330,7 @@ class PrefillGraphs:
         if self.kv is not None:
             known(v["slots"], min=0, max=self.kv.k.shape[1] * self.kv.page_size - 1)
         return BatchMeta(PREFILL, v["rows"], v["seq_lens"], v["ext"], v["cu"], v["positions"], v["slots"],
-                         None if self.kv is None else self.kv.page_table, v["kv_lens"], 0,
-                         rows_new=self.empty, rows_cont=self.empty)
+                         None if self.kv is None else self.kv.page_table, v["kv_lens"], 0)
 
     def _forward(self, b: tuple[int, int]) -> torch.Tensor:
         meta = self.metas[b]
@@ -351,8 +350,9 @@ class PrefillGraphs:
         rows, seq = list(rows) + [self.pad_row] * pad, list(seq_lens) + [0] * pad
         cu = [0, *itertools.accumulate(ext)]
         positions = [s + j for s, e in zip(seq, ext) for j in range(e)]
-        slots = [0] * t
-        if self.kv is not None:
+        if self.kv is None:
+            slots = [0] * t
+        else:
             slots = [x for r, s, e in zip(rows[:B], seq, ext) for x in self.kv.slot_list([r], list(range(s, s + e)))]
             slots += [self.kv.pad_slot(i) for i in range(t - T)]
         host = torch.tensor(rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + positions + slots
@@ -370,13 +370,13 @@ class PrefillGraphs:
         self._fill(b, rows, seq_lens, extend_lens, ids)
         if self.hidden is not None:
             self.hidden[:T].copy_(hidden)
-        out = self.outputs[b] if self.capture else None
         if self.capture:
             self.graphs[b].replay()
+            out = self.outputs[b]
         else:
             out = self._forward(b)
         meta, v = self.metas[b], self.views[b]
         meta = BatchMeta(PREFILL, v["rows"][:B], v["seq_lens"][:B], v["ext"][:B], v["cu"][: B + 1], v["positions"][:T],
-                         v["slots"][:T], meta.page_table, v["kv_lens"][:B], 0, rows_new=self.empty, rows_cont=self.empty,
+                         v["slots"][:T], meta.page_table, v["kv_lens"][:B], 0,
                          has_init=meta.has_init[:B])
         return meta, out[:T].clone()

@@ -22,7 +22,7 @@ from torch import nn
 from ppspec.kernels.activation import gdn_gates, silu_mul
 from ppspec.kernels.attention import paged_attention, store_kv
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
-from ppspec.kernels.gdn import ReplayBuffers, gdn_prefill_rows, gdn_recurrent, gdn_recurrent_replay, replay_flush, replay_reset
+from ppspec.kernels.gdn import ReplayBuffers, gdn_prefill_rows, gdn_recurrent, gdn_recurrent_replay
 from ppspec.kernels.norm import gated_rms_norm, rms_norm
 from ppspec.kernels.rotary import apply_rotary
 
@@ -55,11 +55,8 @@ class BatchMeta:
     page_table: torch.Tensor | None
     kv_lens: torch.Tensor  # [B] seq_lens + extend_lens
     tokens_per_request: int  # D for decode/verify (every request has the same count), host-known
-    # prefill only: the rows of requests that start here (seq_lens == 0) and of those that
-    # continue a chunked prefill, split on the host (a boolean index would sync per layer),
-    # and ``has_init`` ``[B]`` bool (seq_lens > 0), made once per step rather than per layer
-    rows_new: torch.Tensor | None = None
-    rows_cont: torch.Tensor | None = None
+    # prefill only: ``[B]`` bool, seq_lens > 0 (the row continues a chunked prefill), made
+    # once per step rather than per layer
     has_init: torch.Tensor | None = None
 
     @property
@@ -189,14 +186,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk), v.view(T, self.hv, self.dv)
         if meta.mode == PREFILL:
-            if st.replay is not None:
-                # replay design: a new request drops the row's pending steps (a previous
-                # request's); a continuing prefill applies them before reading the state
-                # (both host-known to be empty in most chunks: no launch then)
-                if meta.rows_new.numel():
-                    replay_reset(st.replay.pending, meta.rows_new)
-                if meta.rows_cont.numel():
-                    replay_flush(st.ssm, st.replay, meta.rows_cont)
+            # replay design: the stage has already applied a continuing row's pending steps
+            # and dropped a new row's (StageRunner._replay_before_prefill)
             o = gdn_prefill_rows(q, k, v, g, beta, meta.cu_seqlens, st.ssm, meta.rows, meta.has_init)
         else:
             B, D = meta.batch_size, meta.tokens_per_request

@@ -393,11 +393,6 @@ class StageRunner:
         meta = BatchMeta(mode, rows_t, seq_t, ext_t, cu, positions, slots, page_table, kv_t,
                          extend_lens[0] if B else 0)
         if mode == PREFILL:
-            split = ([r for r, s in zip(rows, seq_lens) if s == 0], [r for r, s in zip(rows, seq_lens) if s > 0])
-            meta.rows_new, meta.rows_cont = (
-                known(torch.tensor(x, dtype=torch.long, device=dev), min=min(x, default=0), max=max(x, default=0))
-                for x in split
-            )
             meta.has_init = seq_t > 0
         return meta
 
@@ -638,15 +633,13 @@ class StageRunner:
             if inp.mode == VERIFY:
                 self._after_verify_fault_hooks(meta)
             return meta, hidden
-        if inp.mode == PREFILL and self.prefill_graphs is not None \
-                and self.prefill_graphs.bucket(len(rows), len(inp.input_ids)) is not None:
+        if inp.mode == PREFILL:
             self.rows_in_use.update(rows)
             self._touched = True
             self._replay_before_prefill(rows, inp.seq_lens)
-            return self.prefill_graphs.run(rows, inp.seq_lens, inp.extend_lens, inp.input_ids, inp.hidden_states)
+            if self.prefill_graphs is not None and self.prefill_graphs.bucket(len(rows), len(inp.input_ids)) is not None:
+                return self.prefill_graphs.run(rows, inp.seq_lens, inp.extend_lens, inp.input_ids, inp.hidden_states)
         meta = self._meta(inp.mode, rows, inp.seq_lens, inp.extend_lens, self.kv)
-        if inp.mode == PREFILL:
-            self.rows_in_use.update(rows)
         if self.is_first:
             hidden = self.model.embed_tokens(torch.tensor(inp.input_ids, dtype=torch.long, device=self.device))
         else:
@@ -658,9 +651,9 @@ class StageRunner:
         return meta, hidden
 
     def _replay_before_prefill(self, rows: list[int], seq_lens: list[int]) -> None:
-        """Replay commit design, before a prefill graph (whose layers do not): new rows drop
-        their pending steps (a previous request's), continuing rows apply theirs, in every
-        layer, as an eager prefill's GDN layers do one by one."""
+        """Replay commit design, before any prefill reads the state: new rows drop their
+        pending steps (a previous request's), continuing rows apply theirs, in every layer
+        at once (no launch when the chunk has no such row)."""
         st = self.state
         if st is None or st.replay is None:
             return
@@ -916,10 +909,10 @@ class StageRunner:
         if self.fault == FAULT_STALE_ROWS and not self.is_last:
             rows = self._last_verify_rows[: len(rows)]
             accept_lengths = accept_lengths[: len(rows)]
-        if self.fault is None and self.commit_graphs is not None and self.commit_graphs.bucket(len(rows)) is not None:
-            self.commit_graphs.run(rows, accept_lengths)  # _check_commit validated both lists
-            return
         if self.fault is None:
+            if self.commit_graphs is not None and self.commit_graphs.bucket(len(rows)) is not None:
+                self.commit_graphs.run(rows, accept_lengths)  # _check_commit validated both lists
+                return
             # one host->device copy for the whole commit; _check_commit validated both lists
             # on the host: state it, so the commit checks without reading the device
             # (kernels.checks)

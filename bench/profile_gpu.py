@@ -6,7 +6,8 @@ the kernels ranked by time (microseconds and launches per step). Cases:
 
 - ``1b``: plain decode of a random 1.46B Qwen3.5-shaped checkpoint (``--model`` or made
   with ``gpu_bench.make_random_checkpoint``) through ``StageRunner.step`` at ``--batch``
-  (context ``--context`` tokens); graphs as the stage runs them.
+  (context ``--context`` tokens), then a verify round of 3 drafts per request (D = 4
+  tokens, and its commit) at the same batch; graphs as the stage runs them.
 - ``demo``: ``LLM.generate`` on the demo checkpoint at batch 1, without speculation and
   with MTP (per round: wall, kernel time, kernels).
 
@@ -48,6 +49,30 @@ def _profile(torch, fn, steps: int):
     return prof, wall
 
 
+def _one_b_step(torch, path, batch, ctx, mode):
+    """A closure running one decode step or one verify round (3 drafts, D = 4 tokens, then
+    ``commit_accept``) of ``batch`` prefilled requests, as ``gpu_bench`` times them."""
+    from ppspec.bench.gpu_bench import _prefilled
+    from ppspec.proto.messages import StepInput
+
+    steps = 3 if mode == "verify" else 0
+    D = steps + 1
+    r, rows = _prefilled(torch, path, batch, ctx, kv_tokens=batch * (ctx + 128 * D), num_speculative_steps=steps)
+    seq, rnd = [ctx] * batch, [1]
+
+    def step():
+        out = r.step(StepInput(0, rnd[0], mode, rows, list(seq), [D] * batch, [1] * (D * batch),
+                               num_drafts=[steps] * batch if steps else []))
+        acc = [len(t) for t in out.output_ids]
+        if steps:
+            r.commit_accept(0, rnd[0], rows, acc)
+        for i, n in enumerate(acc):
+            seq[i] += n
+        rnd[0] += 1
+
+    return step
+
+
 def main(argv=None) -> None:
     import torch
 
@@ -63,28 +88,20 @@ def main(argv=None) -> None:
 
     if "1b" in cases:
         from ppspec.bench.gpu_bench import make_random_checkpoint
-        from ppspec.proto.messages import StepInput
-        from ppspec.stage_server.runner import StageRunner
 
         path = a.model
         if path is None:
             path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
-            make_random_checkpoint(torch, path, mtp=False)
+            make_random_checkpoint(torch, path)
             torch.cuda.empty_cache()
         for B in [int(b) for b in a.batch.split(",")]:
-            r = StageRunner(path, max_rows=B, kv_tokens=B * (a.context + 128), dtype=torch.bfloat16, device="cuda")
-            rows = list(range(B))
-            r.step(StepInput(0, 0, "prefill", rows, [0] * B, [a.context] * B, [1] * (a.context * B)))
-            seq = [a.context]
-
-            def decode():
-                r.step(StepInput(0, 1, "decode", rows, [seq[0]] * B, [1] * B, [1] * B))
-                seq[0] += 1
-
-            prof, wall = _profile(torch, decode, a.steps)
-            _table(prof, a.steps, wall, a.top, f"1B decode step, batch {B}, context {a.context}")
-            del r
-            torch.cuda.empty_cache()
+            for mode in ("decode", "verify"):
+                step = _one_b_step(torch, path, B, a.context, mode)
+                prof, wall = _profile(torch, step, a.steps)
+                what = "decode step" if mode == "decode" else "verify round (D = 4, with its commit)"
+                _table(prof, a.steps, wall, a.top, f"1B {what}, batch {B}, context {a.context}")
+                del step
+                torch.cuda.empty_cache()
 
     if "demo" in cases:
         from ppspec.router.llm import DEMO_MODEL, LLM

@@ -673,12 +673,13 @@ class StageRunner:
         if inp.mode == PREFILL:
             # one logit row per request: its last token (only requests that sample are judged)
             last_idx = torch.tensor([cu[b + 1] - 1 for b in range(B)], device=self.device)
-            logits = self.model.logits(hidden[last_idx]).unsqueeze(1)  # [B, 1, V]
+            logits = self.model.logits(hidden[last_idx], upcast=False).unsqueeze(1)  # [B, 1, V]
             drafts = torch.zeros(B, 0, dtype=torch.long)
             num_drafts = [0] * B
         else:
             d = meta.tokens_per_request
-            logits = self.model.logits(hidden).view(B, d, -1)
+            # in the model's dtype: the sampler upcasts only the rows that sample
+            logits = self.model.logits(hidden, upcast=False).view(B, d, -1)
             ids = torch.tensor(inp.input_ids, dtype=torch.long).view(B, d)
             drafts, num_drafts = ids[:, 1:], inp.num_drafts or [0] * B
         specs = inp.sampling or [SamplingSpec() for _ in range(B)]

@@ -73,7 +73,9 @@ def verify_and_sample(
     """Accept drafts and sample the next token for every request of a batch.
 
     Args:
-        logits: ``[B, D, V]`` fp32 target logits at the D verified positions.
+        logits: ``[B, D, V]`` target logits at the D verified positions, fp32 or the
+            model's dtype (the rows that sample are upcast to fp32 here; the argmax is the
+            same either way, upcasting being exact).
         drafts: ``[B, D - 1]`` int64 draft tokens (position j's logits judge draft j).
         num_drafts: valid drafts per request (``<= D - 1``; the rest is padding never accepted).
         specs: sampling spec per request. output_lens: tokens generated before this step
@@ -97,7 +99,7 @@ def verify_and_sample(
         logits[b, :n_ban, spec.banned_until_min] = float("-inf")
     greedy_targets = logits.argmax(-1).tolist()  # [B][D], one transfer for the batch
     host = [b for b, spec in enumerate(specs) if spec.temperature != 0.0 or spec.logprobs is not None]
-    moved = logits[torch.tensor(host, dtype=torch.long, device=logits.device)].cpu() if host else None
+    moved = logits[torch.tensor(host, dtype=torch.long, device=logits.device)].float().cpu() if host else None
     host_row = {b: moved[i] for i, b in enumerate(host)}  # [D, V] fp32 on the host
     results = []
     drafts_l = drafts.tolist() if drafts.numel() else [[] for _ in range(B)]

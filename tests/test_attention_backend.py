@@ -118,7 +118,7 @@ class FakeWrapper:
 
 
 class _Event:
-    def record(self):
+    def record(self, stream=None):
         pass
 
     def synchronize(self):
@@ -135,6 +135,7 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setattr(fa, "FLOAT_WORKSPACE", 16)
     monkeypatch.setattr(fa.PrefillPlan, "supports", lambda self, q, k: q.dtype in fa.DTYPES)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setitem(sys.modules, "ppspec.kernels.attention.gpu", types.SimpleNamespace(_validate=lambda *a: None))
     return FakeWrapper.log
 

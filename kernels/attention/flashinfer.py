@@ -86,8 +86,8 @@ def stage_uses_flashinfer(device, dtype: torch.dtype, head_dim: int, num_q_heads
             cannot run (not importable, not CUDA, fp32, an unsupported head dim).
     """
     want = requested()
-    if want == "triton":
-        return False
+    if want == "triton" or (want == "auto" and torch.device(device).type != "cuda"):
+        return False  # (a CPU stage under auto does not even import flashinfer)
     why = unsupported(device, dtype, head_dim, num_q_heads, num_kv_heads)
     if why is not None and want == "flashinfer":
         raise ValueError(f"{ENV}=flashinfer, but {why}; unset it or set {ENV}=triton")
@@ -163,9 +163,11 @@ class PrefillPlan:
                 and not torch.cuda.is_current_stream_capturing())
 
     def _plan(self, sh: _Shared, key, page_table: torch.Tensor, Hq: int, Hkv: int, hd: int, dtype, scale: float):
-        max_pages = page_table.shape[1]
+        rows_n, max_pages = page_table.shape
         if self.max_kv > max_pages * self.page_size:
             raise IndexError("kv_lens exceed the page table's capacity")
+        if min(self.rows) < 0 or max(self.rows) >= rows_n:  # the gather below must stay in the table
+            raise IndexError(f"plan rows out of range [0, {rows_n}): {self.rows}")
         # page ids of each request, in order: page_table[row, :pages], gathered on the
         # device from flat indices made on the host (no device read)
         n = int(self.kv_indptr[-1])
@@ -182,7 +184,7 @@ class PrefillPlan:
             causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype,
         )
         sh.copied = torch.cuda.Event()
-        sh.copied.record()
+        sh.copied.record(torch.cuda.current_stream(page_table.device))
         sh.owner, self._key = self, key
 
     def run(self, q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate=None):

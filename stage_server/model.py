@@ -43,6 +43,9 @@ class BatchMeta:
     rows: ``[B]`` int64 ``req_pool_indices``. seq_lens: ``[B]`` tokens already cached.
     extend_lens: ``[B]`` new tokens. cu_seqlens: ``[B + 1]``. positions: ``[T]``.
     slots: ``[T]`` flat KV slot of each token (paged KV of this stage's attention layers).
+    attn_plan: None, or the step's FlashInfer plan over this meta's KV pool
+    (``kernels.attention.flashinfer.PrefillPlan``; eager prefill of a stage that uses
+    FlashInfer), planned by the first attention layer and reused by the others.
     """
 
     mode: str
@@ -58,6 +61,7 @@ class BatchMeta:
     # prefill only: ``[B]`` bool, seq_lens > 0 (the row continues a chunked prefill), made
     # once per step rather than per layer
     has_init: torch.Tensor | None = None
+    attn_plan: object | None = None
 
     @property
     def batch_size(self) -> int:
@@ -260,11 +264,12 @@ class GatedAttention(nn.Module):
         q, k = self.rotary[0](q, k, meta.positions)
         k_cache, v_cache = kv
         store_kv(k_cache, v_cache, meta.slots, k, v)
-        # the output gate, read in place from its strided view, is applied in the attention
-        # kernel's epilogue on CUDA (no sigmoid or product kernel)
+        # the output gate, read in place from its strided view, is applied in the Triton
+        # kernel's epilogue on CUDA (no sigmoid or product kernel; FlashInfer's path applies
+        # it after the attention)
         o = paged_attention(
             q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, meta.cu_seqlens, self.hd ** -0.5,
-            gate=gate,
+            gate=gate, plan=meta.attn_plan,
         )
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 

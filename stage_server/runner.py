@@ -25,6 +25,7 @@ from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
 from .graphs import CommitGraphs, PrefillGraphs, StepGraphs
 from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
+from ppspec.kernels.attention import flashinfer as fi_attention
 from ppspec.kernels.checks import known
 from ppspec.kernels.gdn import replay_flush, replay_reset
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
@@ -142,6 +143,10 @@ class StageRunner:
             CPU stage a positive value runs the graphs' padded path eagerly (tests). Stages
             with MoE layers always run eagerly (the expert grouping is read on the host).
 
+    Eager prefill chunks take FlashInfer's attention where ``PPSPEC_ATTENTION_BACKEND``
+    (``auto`` by default) and the stage allow it (``kernels.attention.flashinfer``);
+    decode, verify and graph-replayed chunks take the Triton kernel.
+
     Every step is validated before any pool is touched (:meth:`check_input`, the rows'
     state, then KV pages for the whole step, MTP head included, all or nothing). A step
     that still fails while running releases the rows it started; rows it continued whose
@@ -149,7 +154,8 @@ class StageRunner:
 
     Raises:
         CheckpointError: the checkpoint cannot be loaded. ValueError: bad arguments, CUDA
-        asked for but absent, or the memory budget is too small.
+        asked for but absent, ``PPSPEC_ATTENTION_BACKEND=flashinfer`` where FlashInfer
+        cannot run (checked before the weights load), or the memory budget is too small.
     """
 
     def __init__(
@@ -196,6 +202,10 @@ class StageRunner:
             torch.cuda.set_device(idx)
             device = f"cuda:{idx}"
         cfg = load_config(model_dir)
+        # before the weights load: a stage that cannot honour PPSPEC_ATTENTION_BACKEND
+        # says so at once (eager prefill attention: FlashInfer or Triton)
+        self.flashinfer_prefill = fi_attention.stage_uses_flashinfer(
+            device, dtype, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
         start, end = layer_range or split_layers(cfg.num_hidden_layers, pp_size)[pp_rank]
         self.cfg: HybridConfig
         self.cfg, self.model = load_stage_model(model_dir, start, end, with_mtp=use_mtp, dtype=dtype, device=device)
@@ -321,7 +331,7 @@ class StageRunner:
             n_lin, self.max_rows, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
             c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim, d, self.dtype, self.commit_design,
         ).values())
-        need = weights + kv + state
+        need = weights + kv + state + self._attention_workspace(n_att)
         if need > budget:
             raise ValueError(
                 f"stage {self.pp_rank} needs {_gib(need)} (weights {weights / 2**30:.2f}, KV {kv / 2**30:.2f}, "
@@ -330,12 +340,19 @@ class StageRunner:
             )
         return need
 
+    def _attention_workspace(self, n_att: int) -> int:
+        """Device bytes of FlashInfer's workspace when this stage's prefill uses it (one per
+        device, shared by the stages on it, allocated at the first prefill: counted here
+        so that the budget holds it before it exists)."""
+        return fi_attention.WORKSPACE_NBYTES if self.flashinfer_prefill and (n_att or self.use_mtp) else 0
+
     # ------------------------------------------------------------------ info
     def memory_report(self) -> dict[str, int]:
         """Pool sizes in bytes (reported at start and by ``Info``)."""
         rep = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
         rep["kv_cache"] = self.kv.nbytes if self.kv else 0
         rep["mtp_kv_cache"] = self.mtp_kv.nbytes if self.mtp_kv else 0
+        rep["attention_workspace"] = self._attention_workspace(len(self.model.attention_layers))
         if self.state:
             rep.update(self.state.nbytes)
         rep["cuda_graphs"] = self.graph_bytes
@@ -394,6 +411,9 @@ class StageRunner:
                          extend_lens[0] if B else 0)
         if mode == PREFILL:
             meta.has_init = seq_t > 0
+            if kv is not None and self.flashinfer_prefill:
+                # one plan for every attention layer of this step over this pool
+                meta.attn_plan = fi_attention.prefill_plan(rows, kv_lens, extend_lens, kv.page_size)
         return meta
 
     def _layer_states(self) -> dict:

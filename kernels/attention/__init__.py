@@ -18,8 +18,17 @@ def store_kv(k_cache, v_cache, slots, k, v):
     store_kv_ref(k_cache, v_cache, slots, k, v)
 
 
-def paged_attention(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate=None):
+def paged_attention(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate=None,
+                    plan=None):
     """Shapes as :func:`naive.paged_attention_ref` (``gate``: the optional output gate,
-    fused into the GPU kernel's epilogue); the Triton path takes CUDA tensors."""
+    fused into the Triton kernel's epilogue).
+
+    ``plan``: None, or the step's :class:`flashinfer.PrefillPlan` (an eager prefill chunk
+    of a stage that uses FlashInfer, made from the same batch): FlashInfer runs the call
+    where the plan :meth:`~flashinfer.PrefillPlan.supports` it (CUDA, bf16/fp16, not under
+    graph capture), else the Triton kernel. Without a plan CUDA tensors take Triton, the
+    reference otherwise."""
+    if plan is not None and plan.supports(q, k_cache):
+        return plan.run(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate)
     fn = pick(q.is_cuda, "attention.gpu", "paged_attention_gpu", paged_attention_ref)
     return fn(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate)

@@ -17,8 +17,8 @@ the attention output, ``sigmoid(gate)`` and their product each to q's dtype: in 
 two may differ by up to about two ulps per element (three roundings against one); in
 fp32 only by fp32 rounding.
 
-FlashInfer is not wired in yet (its wheels are heavy to carry to the GPU machine): this
-Triton path is the GPU path whenever q is on CUDA.
+This Triton path is the GPU path of decode, verify and graph-captured prefill; eager
+prefill chunks take FlashInfer where the stage uses it (``flashinfer.py``).
 """
 from __future__ import annotations
 

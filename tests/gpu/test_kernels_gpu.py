@@ -2,7 +2,7 @@
 
 Marked ``gpu``: ``make test-gpu`` runs them; the CPU ``make test`` deselects them. For
 development without a GPU they also run on the CPU under Triton's interpreter
-(``TRITON_INTERPRET=1 pytest -m gpu tests/gpu``, with smaller shapes).
+(``TRITON_INTERPRET=1 pytest -m 'gpu and not flashinfer' tests/gpu``, with smaller shapes).
 
 Each check poisons what the kernel must not write (NaN scratch, untouched rows compared
 bit for bit) and draws fresh random inputs; rows are scattered stable pool rows, padding

@@ -144,7 +144,8 @@ class StageRunner:
             with MoE layers always run eagerly (the expert grouping is read on the host).
 
     Eager prefill chunks take FlashInfer's attention where ``PPSPEC_ATTENTION_BACKEND``
-    (``auto`` by default) and the stage allow it (``kernels.attention.flashinfer``);
+    (``triton`` by default: FlashInfer is opt-in) and the stage allow it
+    (``kernels.attention.flashinfer``);
     decode, verify and graph-replayed chunks take the Triton kernel.
 
     Every step is validated before any pool is touched (:meth:`check_input`, the rows'

@@ -63,7 +63,8 @@ def test_auto_and_triton_fall_back_without_flashinfer(monkeypatch, no_flashinfer
 
 def test_stage_rules_with_flashinfer_importable(monkeypatch):
     """Where flashinfer imports: auto takes it only for a CUDA bf16/fp16 stage with a
-    supported head dim; forced, the other cases refuse to start; triton never takes it."""
+    supported head dim; forced, the other cases refuse to start; triton (the default,
+    the variable unset) never takes it."""
     monkeypatch.setattr(fa, "_flashinfer", lambda: (types.SimpleNamespace(), None))
     monkeypatch.setenv(fa.ENV, "auto")
     assert fa.stage_uses_flashinfer("cuda:0", torch.bfloat16, 256, 16, 2)
@@ -76,6 +77,8 @@ def test_stage_rules_with_flashinfer_importable(monkeypatch):
         with pytest.raises(ValueError, match="PPSPEC_ATTENTION_BACKEND=flashinfer, but the stage|head dim 96"):
             fa.stage_uses_flashinfer(*args)
     monkeypatch.setenv(fa.ENV, "triton")
+    assert not fa.stage_uses_flashinfer("cuda:0", torch.bfloat16, 256, 16, 2)
+    monkeypatch.delenv(fa.ENV)  # opt-in: unset is triton
     assert not fa.stage_uses_flashinfer("cuda:0", torch.bfloat16, 256, 16, 2)
 
 

@@ -152,16 +152,23 @@ def test_bf16_greedy_tokens_flashinfer_vs_triton(fa, dev, monkeypatch):
     prompts = [tok.apply_chat_template([{"role": "user", "content": t * (1 + i % 4)}], add_generation_prompt=True)
                for i, t in enumerate(texts * 2)]
     prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    outs = {}
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    outs, gaps = {}, None
     for backend in ("triton", "flashinfer"):
         monkeypatch.setenv(fa.ENV, backend)
         llm = LLM(DEMO, device="cuda", dtype="bfloat16", max_rows=len(prompts), chunk_size=32, cuda_graph_max_bs=0)
         assert [r.flashinfer_prefill for r in llm.pipeline.runners] == [backend == "flashinfer"]
         fa._shared.pop(torch.cuda.current_device(), None)  # a fresh wrapper: its owner shows FlashInfer ran
-        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        res = llm.generate(prompts, params)
+        outs[backend] = [o.token_ids for o in res]
+        if backend == "triton":  # the top-2 logprob gap at each position: how near a tie it was
+            gaps = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in res]
         assert (fa._shared.get(torch.cuda.current_device()) is not None) == (backend == "flashinfer")
         del llm
     agree = _prefix_agreement(outs["flashinfer"], outs["triton"])
-    print(f"bf16 greedy tokens, FlashInfer prefill vs Triton: {agree:.2%} identical")
-    assert agree >= 0.99
+    parted = [(i, j, gaps[i][j]) for i, (o, r) in enumerate(zip(outs["flashinfer"], outs["triton"]))
+              for j in [next((j for j, (x, y) in enumerate(zip(o, r)) if x != y), None)] if j is not None]
+    print(f"bf16 greedy tokens, FlashInfer prefill vs Triton: {agree:.2%} identical; "
+          f"(request, first different token, Triton's top-2 logprob gap there): {parted}")
+    # first run on the H200: 84.38% (FlashInfer stays opt-in, kernels/attention/flashinfer.py)
+    assert agree >= 0.99, parted

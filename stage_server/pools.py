@@ -59,16 +59,16 @@ class KVPool:
         need = self.pages_needed(rows, lengths)
         if sum(need) > len(self.free_pages):
             raise PoolExhaustedError(f"KV pool: need {sum(need)} pages, {len(self.free_pages)} free")
-        if not sum(need):
-            return
         at_rows, at_cols, pages = [], [], []
         for row, k in zip(rows, need):
-            have = self.row_pages.setdefault(row, [])
+            have = self.row_pages.setdefault(row, [])  # a row ensured for 0 tokens has (no) slots
             for _ in range(k):
                 at_rows.append(row)
                 at_cols.append(len(have))
                 have.append(self.free_pages.pop())
                 pages.append(have[-1])
+        if not pages:
+            return
         # one host->device copy for the step's new pages (a scalar write each would be a
         # copy and a launch each: ~4 per step at batch 64, 16-token pages)
         r, c, p = torch.tensor([at_rows, at_cols, pages], dtype=torch.long).to(self.page_table.device)

@@ -1,0 +1,70 @@
+"""KVPool.ensure's batched page-table write against the one-page-at-a-time rule it
+replaced (pages popped from the free list in order, ``page_table[row, k]`` = the row's
+k-th page), over random ensure / release cycles."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from ppspec.stage_server.pools import KVPool, PoolExhaustedError
+
+
+def _ensure_per_page(pool: KVPool, rows, lengths) -> None:
+    need = pool.pages_needed(rows, lengths)
+    if sum(need) > len(pool.free_pages):
+        raise PoolExhaustedError("exhausted")
+    for row, k in zip(rows, need):
+        have = pool.row_pages.setdefault(row, [])
+        for _ in range(k):
+            page = pool.free_pages.pop()
+            pool.page_table[row, len(have)] = page
+            have.append(page)
+
+
+def test_ensure_matches_per_page_writes():
+    rng = random.Random(0)
+    for _ in range(100):
+        ps, R = rng.choice([1, 4, 16]), rng.randint(1, 6)
+        pool = KVPool(1, R, rng.randint(1, 150), ps, 1, 2, rng.randint(ps, 100), torch.float32, "cpu")
+        ref = copy.deepcopy(pool)
+        for _ in range(15):
+            if rng.random() < 0.25:
+                r = rng.randrange(R)
+                pool.release(r)
+                ref.release(r)
+                continue
+            rows = rng.sample(range(R), rng.randint(1, R))  # distinct, as the stage sends them
+            lens = [rng.choice([0, rng.randint(0, pool.max_pages_per_row * ps)]) for _ in rows]
+            errs = []
+            for p, fn in ((pool, KVPool.ensure), (ref, _ensure_per_page)):
+                try:
+                    fn(p, rows, lens)
+                    errs.append(None)
+                except PoolExhaustedError:
+                    errs.append(PoolExhaustedError)
+            assert errs[0] == errs[1]
+            assert pool.free_pages == ref.free_pages and pool.row_pages == ref.row_pages, (rows, lens)
+            assert torch.equal(pool.page_table, ref.page_table)
+            for r, s in zip(rows, lens) if errs[0] is None else ():  # a row ensured for s tokens has their slots
+                assert len(pool.slot_list([r], list(range(s)))) == s
+
+
+def test_ensure_of_zero_tokens_registers_the_row():
+    """A row ensured for no tokens has (no) slots, as before the batched write."""
+    pool = KVPool(1, 4, 64, 16, 1, 2, 64, torch.float32, "cpu")
+    pool.ensure([2], [0])
+    assert pool.slot_list([2], []) == []
+    pool.ensure([1, 3], [0, 17])
+    assert pool.slot_list([1, 3], []) == [] and len(pool.slot_list([3], list(range(17)))) == 17
+
+
+def test_exhausted_ensure_takes_nothing():
+    pool = KVPool(1, 4, 64, 16, 1, 2, 64, torch.float32, "cpu")  # 4 pages
+    pool.ensure([0], [20])
+    before = (list(pool.free_pages), copy.deepcopy(pool.row_pages), pool.page_table.clone())
+    with pytest.raises(PoolExhaustedError):
+        pool.ensure([1, 2], [16, 33])
+    assert (pool.free_pages, pool.row_pages) == before[:2] and torch.equal(pool.page_table, before[2])

@@ -986,6 +986,54 @@ def test_gated_rms_norm(dev, dtypes, N, M):
             fn(x, z, w[:-1], 1e-6)
 
 
+@pytest.mark.parametrize("dtype,N", [(F32, 96), (BF16, 200), (torch.float16, 64)])
+def test_norm_row_tiles(dev, monkeypatch, dtype, N):
+    """Several rows to a program (``_launch_cfg``'s ROWS > 1, from 1024 rows up; the other
+    norm tests stay below): the tiled launch gives the one-row launch's results bit for
+    bit, with a ragged last tile, fewer rows than a tile, per-head strided views and the
+    residual, both weight forms and the gated norm."""
+    import triton
+
+    from ppspec.kernels.norm import triton_norm as tn
+    from ppspec.kernels.norm.naive import rms_norm_ref
+
+    gen = torch.Generator().manual_seed(N + (dtype == BF16))
+    rnd = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s).to(dev, dtype)  # noqa: E731
+    w, wg, eps = rnd(N, s=0.2), 1 + rnd(N, s=0.2), 1e-6
+
+    def calls(x, z, res):
+        return [tn.rms_norm_triton(x, w, eps), *tn.rms_norm_triton(x, w, eps, res),
+                tn.rms_norm_triton(x, w, eps, zero_centred=False), tn.gated_rms_norm_triton(x, z, wg, eps),
+                tn.gated_rms_norm_triton(x, z, wg.float(), eps)]
+
+    # the real config: 1025 head rows of a fused projection (T = 205, H = 5, strided)
+    T, H = 205, 5
+    proj = rnd(T, H * 2 * N + 7, s=2.0)
+    x, z = proj[:, : H * 2 * N].view(T, H, 2 * N).chunk(2, dim=-1)
+    res = rnd(T, H, N)
+    assert tn._launch_cfg(N, T * H, tn.MAX_BLOCK)[1]["ROWS"] == 2
+    tiled = calls(x, z, res)
+    _ulp_close(tiled[0], rms_norm_ref(x, w, eps), dtype, dev)
+    orig = tn._launch_cfg
+
+    def cfg(rows):
+        def f(N, M, max_block):
+            grid, c = orig(N, M, max_block)
+            return (triton.cdiv(M, rows),), c | dict(ROWS=rows)
+        return f
+
+    monkeypatch.setattr(tn, "_launch_cfg", cfg(1))
+    for got, want in zip(tiled, calls(x, z, res)):
+        assert torch.equal(got, want)
+    # ragged tiles and fewer rows than a tile (forced: the real config never makes them)
+    x, z, res = rnd(7, 3, N, s=3.0), rnd(7, 3, N, s=4.0), rnd(7, 3, N)
+    one = calls(x, z, res)
+    for rows in (2, 4, 16, 32):
+        monkeypatch.setattr(tn, "_launch_cfg", cfg(rows))
+        for got, want in zip(calls(x, z, res), one):
+            assert torch.equal(got, want), rows
+
+
 @pytest.mark.parametrize("M", NORM_M)
 @pytest.mark.parametrize("N", [64, 100, 1000, 3000, 5120])
 @pytest.mark.parametrize("dtype", [F32, BF16])

@@ -10,9 +10,10 @@ captured. fp32 is not a FlashInfer dtype: fp32 stages keep Triton too.
 can run, else Triton) or ``flashinfer`` (a stage that cannot use it refuses to start:
 :func:`stage_uses_flashinfer` raises). FlashInfer is opt-in for now: on the H200 its
 kernel matched the reference in every case of ``tests/gpu/test_flashinfer_gpu.py``, but
-the demo checkpoint's bf16 greedy tokens agreed with the Triton run's for only 84% of
-tokens (prefix agreement, 12 prompts x 48 tokens; docs/PERFORMANCE.md). Whether they part
-only at near-ties was not yet measured.
+the demo checkpoint's bf16 greedy tokens agreed with the Triton run's for 84% of tokens
+(prefix agreement, 12 prompts x 48 tokens). A CPU emulation suggests near-ties of bf16
+logits, not a fault (docs/PERFORMANCE.md); the end-to-end test that would show it has not
+run on a GPU yet.
 
 Planning. FlashInfer splits a batch into work tiles once (``plan``), then runs any number
 of layers on that split (``run``). One :class:`PrefillPlan` is made per step and KV pool

@@ -21,6 +21,7 @@ how the CPU tests check the padding against the unpadded path.
 """
 from __future__ import annotations
 
+import array
 import itertools
 import logging
 import time
@@ -32,6 +33,14 @@ from ppspec.kernels.checks import known
 from ppspec.kernels.gdn import SHORT_PREFILL_TOKENS
 
 from .model import PREFILL, BatchMeta
+
+
+def host_int64(values: list[int]) -> torch.Tensor:
+    """A host int64 tensor of ``values`` (sharing a buffer made in C): ~3x faster than
+    ``torch.tensor(values)``, which inspects every element (~110 against ~37 us for the
+    ~1400 ints of a batch-64 verify's graph inputs, on the CPU machine)."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+
 
 log = logging.getLogger("ppspec.stage")
 
@@ -162,7 +171,7 @@ class StepGraphs:
                 slots += kv.slot_list(rows[:B], positions[: B * D]) + [kv.pad_slot(j) for _ in range(pad) for j in range(D)]
         ids = list(ids) + [0] * (b * D - len(ids))
         aux = list(aux) + [1] * (b - len(aux))
-        host = torch.tensor(rows + seq_lens + [s + D for s in seq_lens] + aux + positions + ids + slots, dtype=torch.long)
+        host = host_int64(rows + seq_lens + [s + D for s in seq_lens] + aux + positions + ids + slots)
         self.ints[: host.numel()].copy_(host)
 
     def _capture(self, b: int) -> None:
@@ -242,7 +251,7 @@ class CommitGraphs:
 
     def _fill(self, b: int, rows: list[int], accept_lengths: list[int]) -> None:
         pad = b - len(rows)
-        host = torch.tensor(list(rows) + [self.pad_row] * pad + list(accept_lengths) + [0] * pad, dtype=torch.long)
+        host = host_int64(list(rows) + [self.pad_row] * pad + list(accept_lengths) + [0] * pad)
         self.ints[: 2 * b].copy_(host)
 
     def run(self, rows: list[int], accept_lengths: list[int]) -> None:
@@ -355,8 +364,8 @@ class PrefillGraphs:
         else:
             slots = [x for r, s, e in zip(rows[:B], seq, ext) for x in self.kv.slot_list([r], list(range(s, s + e)))]
             slots += [self.kv.pad_slot(i) for i in range(t - T)]
-        host = torch.tensor(rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + positions + slots
-                            + list(ids) + [0] * (t - T), dtype=torch.long)
+        host = host_int64(rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + positions + slots
+                          + list(ids) + [0] * (t - T))
         self.ints[: host.numel()].copy_(host)
 
     def run(self, rows: list[int], seq_lens: list[int], extend_lens: list[int], ids: list[int],

@@ -23,7 +23,7 @@ import torch
 from .config import HybridConfig
 from .loader import load_stage_model
 from .model import DECODE, PREFILL, VERIFY, BatchMeta
-from .graphs import CommitGraphs, PrefillGraphs, StepGraphs
+from .graphs import CommitGraphs, PrefillGraphs, StepGraphs, host_int64
 from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
 from ppspec.kernels.attention import flashinfer as fi_attention
 from ppspec.kernels.checks import known
@@ -701,7 +701,7 @@ class StageRunner:
             d = meta.tokens_per_request
             # in the model's dtype: the sampler upcasts only the rows that sample
             logits = self.model.logits(hidden, upcast=False).view(B, d, -1)
-            ids = torch.tensor(inp.input_ids, dtype=torch.long).view(B, d)
+            ids = host_int64(inp.input_ids).view(B, d)
             drafts, num_drafts = ids[:, 1:], inp.num_drafts or [0] * B
         specs = inp.sampling or [SamplingSpec() for _ in range(B)]
         output_lens = inp.output_lens or [0] * B

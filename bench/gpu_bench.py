@@ -136,15 +136,7 @@ def decode_step(torch, path, batch, ctx, bw, graphs=True):
     """Plain decode of ``batch`` requests at context ``ctx`` through ``StageRunner.step``
     (graph replay, logits, host sampling): ``(seconds per step, roofline seconds, weight,
     KV and state bytes read)``."""
-    from ppspec.proto.messages import StepInput
-
-    r, rows = _prefilled(torch, path, batch, ctx, kv_tokens=batch * (ctx + 64), cuda_graph_max_bs=None if graphs else 0)
-    seq = [ctx]
-
-    def step():
-        r.step(StepInput(0, 1, "decode", rows, [seq[0]] * batch, [1] * batch, [1] * batch))
-        seq[0] += 1
-
+    r, step, seq = prefilled_steps(torch, path, batch, ctx, cuda_graph_max_bs=None if graphs else 0)
     dt = _time(torch, step)
     c = r.cfg
     # a decode step reads every weight but the embedding table (one row per token) and the MTP head
@@ -157,38 +149,44 @@ def decode_step(torch, path, batch, ctx, bw, graphs=True):
 
 
 def verify_round(torch, path, batch, ctx, steps=3):
-    """One whole verify round of ``batch`` requests with ``steps`` drafts each (D = steps +
-    1 tokens) at context ``ctx``: ``StageRunner.step`` in verify mode (graph replay, logits,
-    the host's acceptance) plus ``commit_accept`` of the accept lengths it returned (replay
-    design: the next verify applies them). Seconds per round."""
+    """One whole verify round (:func:`prefilled_steps`) of ``batch`` requests with
+    ``steps`` drafts each at context ``ctx``. Seconds per round."""
+    return _time(torch, prefilled_steps(torch, path, batch, ctx, steps)[1])
+
+
+def prefilled_steps(torch, path, batch, ctx, steps=0, **runner_kwargs):
+    """``batch`` requests prefilled with ``ctx`` tokens on a bf16 CUDA ``StageRunner``, and
+    a closure running one step of them: ``(runner, step, seq_lens)``.
+
+    ``steps`` 0: a plain decode step. Else a whole verify round of ``steps`` drafts each (D
+    = steps + 1 tokens): ``StageRunner.step`` in verify mode (graph replay, logits, the
+    host's acceptance) plus ``commit_accept`` of the accept lengths it returned (replay
+    design: the next verify applies them). ``seq_lens`` (a list the closure advances by the
+    tokens each step emits) are the rows' lengths. The KV pool holds 64 rounds of D tokens
+    past the prompt unless ``kv_tokens`` says otherwise."""
     from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
 
     D = steps + 1
-    r, rows = _prefilled(torch, path, batch, ctx, kv_tokens=batch * (ctx + 64 * D), num_speculative_steps=steps)
+    runner_kwargs.setdefault("kv_tokens", batch * (ctx + 64 * D))
+    r = StageRunner(path, max_rows=batch, dtype=torch.bfloat16, device="cuda", num_speculative_steps=steps,
+                    **runner_kwargs)
+    rows = list(range(batch))
+    r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
+    mode = "verify" if steps else "decode"
     seq, rnd = [ctx] * batch, [1]
 
-    def round_():
-        out = r.step(StepInput(0, rnd[0], "verify", rows, list(seq), [D] * batch, [1] * (D * batch),
-                               num_drafts=[steps] * batch))
+    def step():
+        out = r.step(StepInput(0, rnd[0], mode, rows, list(seq), [D] * batch, [1] * (D * batch),
+                               num_drafts=[steps] * batch if steps else []))
         acc = [len(t) for t in out.output_ids]
-        r.commit_accept(0, rnd[0], rows, acc)
+        if steps:
+            r.commit_accept(0, rnd[0], rows, acc)
         for i, a in enumerate(acc):
             seq[i] += a
         rnd[0] += 1
 
-    return _time(torch, round_)
-
-
-def _prefilled(torch, path, batch, ctx, **runner_kwargs):
-    """A bf16 CUDA ``StageRunner`` with ``batch`` rows, each prefilled with ``ctx`` tokens:
-    ``(runner, rows)``."""
-    from ppspec.proto.messages import StepInput
-    from ppspec.stage_server.runner import StageRunner
-
-    r = StageRunner(path, max_rows=batch, dtype=torch.bfloat16, device="cuda", **runner_kwargs)
-    rows = list(range(batch))
-    r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
-    return r, rows
+    return r, step, seq
 
 
 def _time(torch, fn, warmup=3, n=10) -> float:

@@ -49,30 +49,6 @@ def _profile(torch, fn, steps: int):
     return prof, wall
 
 
-def _one_b_step(torch, path, batch, ctx, mode):
-    """A closure running one decode step or one verify round (3 drafts, D = 4 tokens, then
-    ``commit_accept``) of ``batch`` prefilled requests, as ``gpu_bench`` times them."""
-    from ppspec.bench.gpu_bench import _prefilled
-    from ppspec.proto.messages import StepInput
-
-    steps = 3 if mode == "verify" else 0
-    D = steps + 1
-    r, rows = _prefilled(torch, path, batch, ctx, kv_tokens=batch * (ctx + 128 * D), num_speculative_steps=steps)
-    seq, rnd = [ctx] * batch, [1]
-
-    def step():
-        out = r.step(StepInput(0, rnd[0], mode, rows, list(seq), [D] * batch, [1] * (D * batch),
-                               num_drafts=[steps] * batch if steps else []))
-        acc = [len(t) for t in out.output_ids]
-        if steps:
-            r.commit_accept(0, rnd[0], rows, acc)
-        for i, n in enumerate(acc):
-            seq[i] += n
-        rnd[0] += 1
-
-    return step
-
-
 def main(argv=None) -> None:
     import torch
 
@@ -87,7 +63,7 @@ def main(argv=None) -> None:
     cases = a.case.split(",")
 
     if "1b" in cases:
-        from ppspec.bench.gpu_bench import make_random_checkpoint
+        from ppspec.bench.gpu_bench import make_random_checkpoint, prefilled_steps
 
         path = a.model
         if path is None:
@@ -96,7 +72,8 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
         for B in [int(b) for b in a.batch.split(",")]:
             for mode in ("decode", "verify"):
-                step = _one_b_step(torch, path, B, a.context, mode)
+                D = 4 if mode == "verify" else 1
+                _, step, _ = prefilled_steps(torch, path, B, a.context, D - 1, kv_tokens=B * (a.context + (a.steps + 2) * D))
                 prof, wall = _profile(torch, step, a.steps)
                 what = "decode step" if mode == "decode" else "verify round (D = 4, with its commit)"
                 _table(prof, a.steps, wall, a.top, f"1B {what}, batch {B}, context {a.context}")

@@ -145,8 +145,8 @@ class StageRunner:
 
     Eager prefill chunks take FlashInfer's attention where ``PPSPEC_ATTENTION_BACKEND``
     (``triton`` by default: FlashInfer is opt-in) and the stage allow it
-    (``kernels.attention.flashinfer``);
-    decode, verify and graph-replayed chunks take the Triton kernel.
+    (``kernels.attention.flashinfer``); decode, verify and graph-replayed chunks take the
+    Triton kernel.
 
     Every step is validated before any pool is touched (:meth:`check_input`, the rows'
     state, then KV pages for the whole step, MTP head included, all or nothing). A step

@@ -154,7 +154,7 @@ def verify_round(torch, path, batch, ctx, steps=3):
     return _time(torch, prefilled_steps(torch, path, batch, ctx, steps)[1])
 
 
-def prefilled_steps(torch, path, batch, ctx, steps=0, **runner_kwargs):
+def prefilled_steps(torch, path, batch, ctx, steps=0, rounds=64, **runner_kwargs):
     """``batch`` requests prefilled with ``ctx`` tokens on a bf16 CUDA ``StageRunner``, and
     a closure running one step of them: ``(runner, step, seq_lens)``.
 
@@ -162,13 +162,15 @@ def prefilled_steps(torch, path, batch, ctx, steps=0, **runner_kwargs):
     = steps + 1 tokens): ``StageRunner.step`` in verify mode (graph replay, logits, the
     host's acceptance) plus ``commit_accept`` of the accept lengths it returned (replay
     design: the next verify applies them). ``seq_lens`` (a list the closure advances by the
-    tokens each step emits) are the rows' lengths. The KV pool holds 64 rounds of D tokens
-    past the prompt unless ``kv_tokens`` says otherwise."""
+    tokens each step emits) are the rows' lengths. The KV pool holds ``rounds`` rounds of D
+    tokens past the prompt for every row (each row's last page partly used, hence the
+    extra page a row)."""
     from ppspec.proto.messages import StepInput
     from ppspec.stage_server.runner import StageRunner
 
     D = steps + 1
-    runner_kwargs.setdefault("kv_tokens", batch * (ctx + 64 * D))
+    page = runner_kwargs.get("page_size", 16)
+    runner_kwargs.setdefault("kv_tokens", batch * (ctx + rounds * D + page))
     r = StageRunner(path, max_rows=batch, dtype=torch.bfloat16, device="cuda", num_speculative_steps=steps,
                     **runner_kwargs)
     rows = list(range(batch))

@@ -73,7 +73,7 @@ def main(argv=None) -> None:
         for B in [int(b) for b in a.batch.split(",")]:
             for mode in ("decode", "verify"):
                 D = 4 if mode == "verify" else 1
-                _, step, _ = prefilled_steps(torch, path, B, a.context, D - 1, kv_tokens=B * (a.context + (a.steps + 2) * D))
+                _, step, _ = prefilled_steps(torch, path, B, a.context, D - 1, rounds=a.steps + 1)
                 prof, wall = _profile(torch, step, a.steps)
                 what = "decode step" if mode == "decode" else "verify round (D = 4, with its commit)"
                 _table(prof, a.steps, wall, a.top, f"1B {what}, batch {B}, context {a.context}")

@@ -989,9 +989,10 @@ def test_gated_rms_norm(dev, dtypes, N, M):
 @pytest.mark.parametrize("dtype,N", [(F32, 96), (BF16, 200), (torch.float16, 64)])
 def test_norm_row_tiles(dev, monkeypatch, dtype, N):
     """Several rows to a program (``_launch_cfg``'s ROWS > 1, from 1024 rows up; the other
-    norm tests stay below): the tiled launch gives the one-row launch's results bit for
-    bit, with a ragged last tile, fewer rows than a tile, per-head strided views and the
-    residual, both weight forms and the gated norm."""
+    norm tests stay below): the tiled launch gives the one-row launch's results to one
+    ulp (a ``[ROWS, BLOCK]`` tile's sum may reduce in another order: on the H200, bf16 and
+    fp16 rows differ in the last bit), with a ragged last tile, fewer rows than a tile,
+    per-head strided views and the residual, both weight forms and the gated norm."""
     import triton
 
     from ppspec.kernels.norm import triton_norm as tn
@@ -1024,14 +1025,14 @@ def test_norm_row_tiles(dev, monkeypatch, dtype, N):
 
     monkeypatch.setattr(tn, "_launch_cfg", cfg(1))
     for got, want in zip(tiled, calls(x, z, res)):
-        assert torch.equal(got, want)
+        _ulp_close(got, want, dtype, dev)
     # ragged tiles and fewer rows than a tile (forced: the real config never makes them)
     x, z, res = rnd(7, 3, N, s=3.0), rnd(7, 3, N, s=4.0), rnd(7, 3, N)
     one = calls(x, z, res)
     for rows in (2, 4, 16, 32):
         monkeypatch.setattr(tn, "_launch_cfg", cfg(rows))
         for got, want in zip(calls(x, z, res), one):
-            assert torch.equal(got, want), rows
+            _ulp_close(got, want, dtype, dev)
 
 
 @pytest.mark.parametrize("M", NORM_M)

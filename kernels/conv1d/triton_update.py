@@ -47,12 +47,19 @@ def _conv_update_kernel(
     wdt = weight.dtype.element_ty
     if HAS_BIAS:
         b_bias = tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+    # every column of full (and every weight column) loaded once, up front: the stores below
+    # may alias them as far as the compiler knows, so a load after a store would be issued
+    # again, in series with it
+    cols = ()
+    for i in tl.static_range(W - 1 + D):
+        cols = cols + (_full_col(x, sxb, sxd, conv_state, row, i_b, o_c, m_c, C, i, D, W, wdt),)
+    ws = ()
+    for j in tl.static_range(W):
+        ws = ws + (tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32),)
     for t in tl.static_range(D):
         acc = tl.zeros([BC], dtype=tl.float32)
         for j in tl.static_range(W):
-            w_j = tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
-            col = _full_col(x, sxb, sxd, conv_state, row, i_b, o_c, m_c, C, t + j, D, W, wdt)
-            acc += w_j * col.to(tl.float32)
+            acc += ws[j] * cols[t + j].to(tl.float32)
         if HAS_BIAS:
             acc += b_bias
         # the reference rounds the conv to the weight dtype before the activation
@@ -62,15 +69,12 @@ def _conv_update_kernel(
         tl.store(out + (i_b * D + t) * C + o_c, acc.to(wdt).to(out.dtype.element_ty), mask=m_c)
         if STORE_SCRATCH:
             for j in tl.static_range(W - 1):
-                col = _full_col(x, sxb, sxd, conv_state, row, i_b, o_c, m_c, C, t + 1 + j, D, W, wdt)
                 p = conv_scratch + ((row * D_MAX + t) * C + o_c) * (W - 1) + j
-                tl.store(p, col.to(conv_scratch.dtype.element_ty), mask=m_c)
+                tl.store(p, cols[t + 1 + j].to(conv_scratch.dtype.element_ty), mask=m_c)
     if not STORE_SCRATCH:
-        # column j of the new window is full[:, D + j]: it reads window column D + j > j,
-        # never one this loop has already overwritten
+        # column j of the new window is full[:, D + j]
         for j in tl.static_range(W - 1):
-            col = _full_col(x, sxb, sxd, conv_state, row, i_b, o_c, m_c, C, D + j, D, W, wdt)
-            tl.store(conv_state + (row * C + o_c) * (W - 1) + j, col.to(conv_state.dtype.element_ty), mask=m_c)
+            tl.store(conv_state + (row * C + o_c) * (W - 1) + j, cols[D + j].to(conv_state.dtype.element_ty), mask=m_c)
 
 
 def causal_conv1d_update_triton(x, weight, bias, conv_state, req_pool_indices, conv_scratch=None, activation="silu"):

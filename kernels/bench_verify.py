@@ -156,7 +156,7 @@ def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int 
                            "bytes": 2 * S * B + io_bytes(D) + B * 2 * D * step_in}
     f_rdec = _graph(lambda: launch_replay_verify(*x1, state, rows, bufs, verify=False))
     res["replay_decode"] = {"ms": _time_ms(f_rdec), "state_bytes": 2 * S * B, "bytes": 2 * S * B + io_bytes(1)}
-    # tile sweep of the round (BV, warps); the default is triton_recurrent._block_v
+    # tile sweep of the round (BV, warps); the default is triton_replay._verify_block_v
     res["replay_round_tiles"] = []
     for bv, nw in ((16, 1), (32, 1), (64, 2), (32, 2), (32, 4), (64, 4)):
         def tiled():

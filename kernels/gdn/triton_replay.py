@@ -30,8 +30,8 @@ before, so no program of the row still needs it.
 A state program is bound by latency, not by its arithmetic or its bytes (measured: with
 40% fewer instructions but its pending records loaded one step at a time it was no faster
 than the one-kernel verify it replaced). Its loads are grouped so that it waits for memory
-three times in series: the row and ``meta``, then the state and every pending record at
-once, then the tokens' inputs (written by the prep kernel, in L2).
+twice in series: the row and ``meta``, then the state, every pending record and the
+tokens' inputs (written by the prep kernel, in L2) at once; its stores come last.
 
 Buffers and their layout: :mod:`naive_replay` (``ReplayBuffers``, ``alloc_replay_meta``,
 ``alloc_replay_buffers`` work for CUDA tensors as they are).
@@ -148,16 +148,20 @@ def _gdn_replay_verify_kernel(
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
 ):
     """Per (request, value head, V-block) on the [BK, BV] fp32 tile of ``state[row]``:
-    replay the pending steps (weights from the prep kernel), write the committed state
-    back and zero ``pending[row]``, then the D steps' outputs ``o`` and deltas (into the
-    row's next slot of ``buf_delta``) from ``xn`` / ``coef``. Tokens are unrolled (D is
-    small); per token the tile is reduced twice over K, the rest is [BV]-vector
+    replay the pending steps (weights from the prep kernel), then the D steps' outputs
+    ``o`` and deltas (into the row's next slot of ``buf_delta``) from ``xn`` / ``coef``,
+    then write the committed state back and zero ``pending[row]``. Tokens are unrolled (D
+    is small); per token the tile is reduced twice over K, the rest is [BV]-vector
     arithmetic with scalar coefficients.
 
     A program is latency-bound, not bound by its arithmetic: what counts is how many
     memory round trips it makes in series. ``meta`` (pending, slot) and ``coef`` are per
-    request, so the records' loads wait for one round trip (``meta``) beside the state's,
-    and all of them are issued together."""
+    request, so the state's, the records' and the tokens' inputs' loads all wait for one
+    round trip (``meta``) and are issued together; every store comes last (for the
+    compiler a store may alias any later load, which it then issues only after the store:
+    a store per token made the tokens' inputs D round trips in series). Measured on the
+    H200 (kernels/bench_verify.py, a round at batch 64 / 256): stores last alone 114.9 /
+    401 us, with the inputs preloaded 106.8 / 359 us."""
     i_bh = tl.program_id(0)
     i_vb = tl.program_id(1)
     i_b = i_bh // HV
@@ -181,39 +185,55 @@ def _gdn_replay_verify_kernel(
     ws = ()
     for j in tl.static_range(D_MAX):
         ws = ws + (tl.load(p_c + OFF_R + j),)
-    b_s = _replay_apply(b_s, kjs, djs, tl.load(p_c + OFF_EN), ws)
-    if n_pend > 0:
-        # the committed state is final now; the D steps below stay speculative
-        tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
-        if (i_hv == 0) & (i_vb == 0):
-            # nothing reads pending[row] after the prep kernel (meta holds it)
-            tl.store(pending + row, 0)
-    nxt_base = (row * 2 + 1 - cur) * D_MAX
-    rs = ()  # r_s = v_s - e^{c_s} S^T k_s of the tokens so far, [BV] each
+    ins = ()
     for t in tl.static_range(D):
-        tok = (i_b * D + t).to(tl.int64)
-        p_x = xn + ((tok * 2) * H + i_h) * K + o_k
-        b_k = tl.load(p_x, mask=m_k, other=0.0)
-        b_q = tl.load(p_x + H * K, mask=m_k, other=0.0)
+        ins = ins + (_verify_inputs(v, xn, s_v, i_b, i_h, i_hv, o_k, o_v, m_k, m_v, t, D, H, K, V),)
+    b_s = _replay_apply(b_s, kjs, djs, tl.load(p_c + OFF_EN), ws)
+    rs = ()  # r_s = v_s - e^{c_s} S^T k_s of the tokens so far, [BV] each
+    outs = ()
+    for t in tl.static_range(D):
+        b_k, b_q, b_v = ins[t]
         e_t = tl.load(p_c + t)
-        b_v = tl.load(v + tok * s_v + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         rs = rs + (b_v - e_t * tl.sum(b_s * b_k[:, None], 0),)
         b_o = e_t * tl.sum(b_s * b_q[:, None], 0)
         b_d = tl.zeros([BV], dtype=tl.float32)
         for s in tl.static_range(t + 1):
             b_d += tl.load(p_c + OFF_T + t * BT + s) * rs[s]
             b_o += tl.load(p_c + OFF_W + t * BT + s) * rs[s]
-        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        tl.store(buf_delta + ((nxt_base + t) * HV + i_hv) * V + o_v, b_d, mask=m_v)
+        outs = outs + ((b_o, b_d),)
+    nxt_base = (row * 2 + 1 - cur) * D_MAX
+    for t in tl.static_range(D):
+        tok = (i_b * D + t).to(tl.int64)
+        tl.store(o + (tok * HV + i_hv) * V + o_v, outs[t][0].to(o.dtype.element_ty), mask=m_v)
+        tl.store(buf_delta + ((nxt_base + t) * HV + i_hv) * V + o_v, outs[t][1], mask=m_v)
+    if n_pend > 0:
+        # the committed state is final now; the D steps above stay speculative
+        tl.store(p_state, b_s.to(state.dtype.element_ty), mask=m_kv)
+        if (i_hv == 0) & (i_vb == 0):
+            # nothing reads pending[row] after the prep kernel (meta holds it)
+            tl.store(pending + row, 0)
+
+
+@triton.jit
+def _verify_inputs(v, xn, s_v, i_b, i_h, i_hv, o_k, o_v, m_k, m_v, t: tl.constexpr, D: tl.constexpr,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Token t's normalised key and query ([BK] fp32, from the prep kernel's ``xn``) and
+    value ([BV] fp32)."""
+    tok = (i_b * D + t).to(tl.int64)
+    p_x = xn + ((tok * 2) * H + i_h) * K + o_k
+    b_k = tl.load(p_x, mask=m_k, other=0.0)
+    b_q = tl.load(p_x + H * K, mask=m_k, other=0.0)
+    b_v = tl.load(v + tok * s_v + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    return b_k, b_q, b_v
 
 
 def _verify_block_v(V: int, B: int, HV: int) -> int:
-    # measured on the H200 (kernels/bench_verify.py, HV 32, K = V = 128, D = 4, a round):
-    # BV 64 on 2 warps (32 columns a warp) and BV 32 on one warp are level at batch 64
-    # (110.3 / 110.6 us), BV 64 is 5% faster at batch 256 (385 / 407 us); 16 columns a warp
-    # (152 / 636 us) or 4 warps (124 / 421 us at BV 64) are slower. Smaller tiles only when
-    # the grid would be too small to fill the chip.
-    bv = min(64, triton.next_power_of_2(V))
+    # measured on the H200 (kernels/bench_verify.py, HV 32, K = V = 128, D = 4, a round,
+    # inputs preloaded): BV 32 on one warp is 4% faster than BV 64 on 2 warps at batch 64
+    # (102.1 / 106.8 us), 3% slower at batch 256 (371 / 359 us); 16 columns a warp or 4
+    # warps are slower (earlier: 152 / 636 us, 124 / 421 us at BV 64). BV 64 from ~16
+    # programs of 2 warps per SM on; smaller tiles when the grid would not fill the chip.
+    bv = min(64 if B * HV * triton.cdiv(V, 64) >= 16 * 4 * 132 else 32, triton.next_power_of_2(V))
     while bv > 8 and B * HV * triton.cdiv(V, bv) < 4 * 132:
         bv //= 2
     return bv

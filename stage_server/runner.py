@@ -143,10 +143,10 @@ class StageRunner:
             CPU stage a positive value runs the graphs' padded path eagerly (tests). Stages
             with MoE layers always run eagerly (the expert grouping is read on the host).
 
-    Eager prefill chunks take FlashInfer's attention where ``PPSPEC_ATTENTION_BACKEND``
-    (``triton`` by default: FlashInfer is opt-in) and the stage allow it
-    (``kernels.attention.flashinfer``); decode, verify and graph-replayed chunks take the
-    Triton kernel.
+    Eager prefill chunks take FlashInfer's attention where it is installed and the stage
+    allows it (bf16/fp16 on CUDA; ``PPSPEC_ATTENTION_BACKEND``, ``auto`` by default, see
+    ``kernels.attention.flashinfer``), its kernel built at start; decode, verify and
+    graph-replayed chunks take the Triton kernel.
 
     Every step is validated before any pool is touched (:meth:`check_input`, the rows'
     state, then KV pages for the whole step, MTP head included, all or nothing). A step
@@ -156,7 +156,8 @@ class StageRunner:
     Raises:
         CheckpointError: the checkpoint cannot be loaded. ValueError: bad arguments, CUDA
         asked for but absent, ``PPSPEC_ATTENTION_BACKEND=flashinfer`` where FlashInfer
-        cannot run (checked before the weights load), or the memory budget is too small.
+        cannot run (checked before the weights load) or its kernel fails to build (after
+        the pools), or the memory budget is too small.
     """
 
     def __init__(
@@ -244,6 +245,10 @@ class StageRunner:
             KVPool(1, max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx + d, dtype, device)
             if self.use_mtp else None
         )
+        if self.flashinfer_prefill and (att or self.use_mtp):
+            # after the budget check: a stage that cannot start does not wait for a build
+            self.flashinfer_prefill = fi_attention.build_at_start(
+                device, dtype, c.head_dim, c.num_attention_heads, c.num_key_value_heads, page_size)
         self.rows_in_use: set[int] = set()
         self.strict_lengths = strict_lengths
         self.row_lens: dict[int, int] = {}  # tokens each row in use holds (committed)
@@ -343,8 +348,8 @@ class StageRunner:
 
     def _attention_workspace(self, n_att: int) -> int:
         """Device bytes of FlashInfer's workspace when this stage's prefill uses it (one per
-        device, shared by the stages on it, allocated at the first prefill: counted here
-        so that the budget holds it before it exists)."""
+        device, shared by the stages on it, allocated by the warm-up after the pools:
+        counted here so that the budget holds it before it exists)."""
         return fi_attention.WORKSPACE_NBYTES if self.flashinfer_prefill and (n_att or self.use_mtp) else 0
 
     # ------------------------------------------------------------------ info

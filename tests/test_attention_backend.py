@@ -62,9 +62,9 @@ def test_auto_and_triton_fall_back_without_flashinfer(monkeypatch, no_flashinfer
 
 
 def test_stage_rules_with_flashinfer_importable(monkeypatch):
-    """Where flashinfer imports: auto takes it only for a CUDA bf16/fp16 stage with a
-    supported head dim; forced, the other cases refuse to start; triton (the default,
-    the variable unset) never takes it."""
+    """Where flashinfer imports: auto (the default, the variable unset) takes it only for
+    a CUDA bf16/fp16 stage with a supported head dim; forced, the other cases refuse to
+    start; triton never takes it."""
     monkeypatch.setattr(fa, "_flashinfer", lambda: (types.SimpleNamespace(), None))
     monkeypatch.setenv(fa.ENV, "auto")
     assert fa.stage_uses_flashinfer("cuda:0", torch.bfloat16, 256, 16, 2)
@@ -78,8 +78,9 @@ def test_stage_rules_with_flashinfer_importable(monkeypatch):
             fa.stage_uses_flashinfer(*args)
     monkeypatch.setenv(fa.ENV, "triton")
     assert not fa.stage_uses_flashinfer("cuda:0", torch.bfloat16, 256, 16, 2)
-    monkeypatch.delenv(fa.ENV)  # opt-in: unset is triton
-    assert not fa.stage_uses_flashinfer("cuda:0", torch.bfloat16, 256, 16, 2)
+    monkeypatch.delenv(fa.ENV)  # unset is auto
+    assert fa.stage_uses_flashinfer("cuda:0", torch.bfloat16, 256, 16, 2)
+    assert not fa.stage_uses_flashinfer("cuda:0", torch.float32, 256, 16, 2)
 
 
 # ---------------------------------------------------------------- the plan, with a fake FlashInfer
@@ -203,6 +204,7 @@ def test_stage_prefill_plans_once_per_step_and_pool(monkeypatch, fake_flashinfer
     monkeypatch.setenv(fa.ENV, "flashinfer")
     fi = StageRunner(DEMO, device="cpu", dtype=torch.bfloat16, max_rows=8)
     assert fi.flashinfer_prefill and fi.memory_report()["attention_workspace"] == fa.WORKSPACE_NBYTES
+    assert fake_flashinfer == ["plan", "run"]  # the kernel built and ran once at start
     monkeypatch.setenv(fa.ENV, "triton")
     ref = StageRunner(DEMO, device="cpu", dtype=torch.bfloat16, max_rows=8)
     assert not ref.flashinfer_prefill and ref.memory_report()["attention_workspace"] == 0
@@ -219,3 +221,38 @@ def test_stage_prefill_plans_once_per_step_and_pool(monkeypatch, fake_flashinfer
         assert new == (["plan"] + ["run"] * n_att if mode == "prefill" else []), (mode, new)
         assert (outs[0][0].attn_plan is not None) == (mode == "prefill")
         assert torch.equal(outs[0][1], outs[1][1]), mode
+
+
+class BrokenWrapper(FakeWrapper):
+    def plan(self, *a, **k):
+        raise RuntimeError("ninja: build stopped: subcommand failed")
+
+
+@pytest.mark.parametrize("env", ["auto", "flashinfer"])
+def test_build_at_start(monkeypatch, fake_flashinfer, caplog, env):
+    """The warm-up at stage start: a kernel that builds keeps FlashInfer (one tiny plan and
+    run); one that fails leaves an auto stage on Triton with a warning, and stops a
+    stage that forces FlashInfer with one message, before any request."""
+    from ppspec.stage_server.runner import StageRunner
+
+    monkeypatch.setenv(fa.ENV, env)
+    assert fa.build_at_start("cpu", torch.bfloat16, 64, 4, 2, 16)
+    assert fake_flashinfer == ["plan", "run"]
+    broken = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=BrokenWrapper)
+    monkeypatch.setattr(fa, "_flashinfer", lambda: (broken, None))
+    monkeypatch.setattr(fa, "_shared", {})
+    if env == "auto":
+        with caplog.at_level("WARNING", logger="ppspec.kernels"):
+            assert not fa.build_at_start("cpu", torch.bfloat16, 64, 4, 2, 16)
+        assert "prefill attention on Triton: FlashInfer's prefill kernel failed to build or run " \
+               "(RuntimeError: ninja: build stopped" in caplog.text
+        # a stage (on CUDA, here faked) that auto gave FlashInfer runs on Triton instead
+        monkeypatch.setattr(fa, "stage_uses_flashinfer", lambda *a: True)
+        r = StageRunner(DEMO, device="cpu", dtype=torch.bfloat16, max_rows=4)
+        assert not r.flashinfer_prefill and r.memory_report()["attention_workspace"] == 0
+        return
+    msg = r"PPSPEC_ATTENTION_BACKEND=flashinfer, but FlashInfer's prefill kernel failed to build or run \(RuntimeError"
+    with pytest.raises(ValueError, match=msg):
+        fa.build_at_start("cpu", torch.bfloat16, 64, 4, 2, 16)
+    with pytest.raises(ValueError, match=msg):
+        StageRunner(DEMO, device="cpu", dtype=torch.bfloat16, max_rows=4)

@@ -6,14 +6,18 @@ with ``flashinfer`` importable. Decode and verify stay on the Triton kernel (``g
 they run inside CUDA graphs, and FlashInfer's ``plan()`` reads host data and cannot be
 captured. fp32 is not a FlashInfer dtype: fp32 stages keep Triton too.
 
-``PPSPEC_ATTENTION_BACKEND`` picks: ``triton`` (default), ``auto`` (FlashInfer where it
-can run, else Triton) or ``flashinfer`` (a stage that cannot use it refuses to start:
-:func:`stage_uses_flashinfer` raises). FlashInfer is opt-in for now: on the H200 its
-kernel matched the reference in every case of ``tests/gpu/test_flashinfer_gpu.py``, but
-the demo checkpoint's bf16 greedy tokens agreed with the Triton run's for 84% of tokens
-(prefix agreement, 12 prompts x 48 tokens). A CPU emulation suggests near-ties of bf16
-logits, not a fault (docs/PERFORMANCE.md); the end-to-end test that would show it has not
-run on a GPU yet.
+``PPSPEC_ATTENTION_BACKEND`` picks: ``auto`` (default: FlashInfer where it can run, else
+Triton), ``triton`` or ``flashinfer`` (a stage that cannot use it refuses to start:
+:func:`stage_uses_flashinfer` raises). On the H200 its kernel matched the reference in
+every case of ``tests/gpu/test_flashinfer_gpu.py`` and a bf16 stage's hidden states after
+a chunked prefill are within 1e-2 of the Triton run's; greedy tokens part from Triton's
+only at near-ties (top-2 gaps of 0 and one bf16 ulp); its prefill attention is 2-4.4x
+faster at head dim 256 (docs/PERFORMANCE.md).
+
+FlashInfer builds its kernels on first use (JIT, ~2 min a head dim on the H200, cached
+under ``~/.cache/flashinfer`` after): a stage builds and runs its head dim once at start
+(:func:`warm_up`) so that no request waits for the build; under ``auto`` a build that
+fails leaves the stage on Triton with a warning.
 
 Planning. FlashInfer splits a batch into work tiles once (``plan``), then runs any number
 of layers on that split (``run``). One :class:`PrefillPlan` is made per step and KV pool
@@ -44,12 +48,12 @@ WORKSPACE_NBYTES = FLOAT_WORKSPACE + (8 << 20) + 32768 * 4
 
 
 def requested() -> str:
-    """The backend ``PPSPEC_ATTENTION_BACKEND`` asks for (``triton`` when unset).
+    """The backend ``PPSPEC_ATTENTION_BACKEND`` asks for (``auto`` when unset).
 
     Raises:
         ValueError: a value other than auto, triton or flashinfer.
     """
-    v = os.environ.get(ENV, "triton").strip().lower() or "triton"
+    v = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if v not in BACKENDS:
         raise ValueError(f"{ENV}={os.environ[ENV]!r}: must be one of {', '.join(BACKENDS)}")
     return v
@@ -219,6 +223,55 @@ class PrefillPlan:
             self._plan(sh, key, page_table, Hq, Hkv, hd, q.dtype, float(scale))
         sh.wrapper.run(q.contiguous(), (k_cache, v_cache), out=out)
         return out if gate is None else out * torch.sigmoid(gate)
+
+
+def warm_up(device, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int) -> float:
+    """Plan and run one tiny prefill (one request, 3 tokens on one page of a scratch KV
+    cache) on ``device``: FlashInfer JIT-builds the kernel of this head dim, dtype and
+    head ratio now, at stage start, instead of at the first request. Allocates the
+    device's shared workspace (:data:`WORKSPACE_NBYTES`). Returns the seconds it took.
+
+    Raises:
+        whatever FlashInfer raises when it cannot build or run (no compiler, an
+        unsupported GPU); the caller decides between falling back and stopping.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    kv = torch.zeros(2, page_size, num_kv_heads, head_dim, dtype=dtype, device=dev)
+    q = torch.zeros(3, num_q_heads, head_dim, dtype=dtype, device=dev)
+    ints = dict(dtype=torch.long, device=dev)
+    plan = PrefillPlan([0], [3], [3], page_size)
+    plan.run(q, kv, kv.clone(), torch.tensor([[1]], **ints), torch.tensor([0], **ints), torch.tensor([3], **ints),
+             torch.tensor([0, 3], **ints), head_dim ** -0.5)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    _on(dev).owner = None  # the next real plan plans again
+    return time.perf_counter() - t0
+
+
+def build_at_start(device, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
+                   page_size: int) -> bool:
+    """:func:`warm_up` for a stage that :func:`stage_uses_flashinfer`: whether it keeps
+    FlashInfer. Under ``auto`` a failed build logs a warning and returns False (Triton).
+
+    Raises:
+        ValueError: the build or its first run failed and ``PPSPEC_ATTENTION_BACKEND``
+            forces ``flashinfer``.
+    """
+    log.info("FlashInfer prefill attention: building its kernel for head dim %d, %s (first use on this "
+             "machine: minutes; cached in ~/.cache/flashinfer after)", head_dim, dtype)
+    try:
+        secs = warm_up(device, dtype, head_dim, num_q_heads, num_kv_heads, page_size)
+    except Exception as e:  # noqa: BLE001 -- a JIT or driver error of any kind
+        why = f"FlashInfer's prefill kernel failed to build or run ({type(e).__name__}: {e})"
+        if requested() == "flashinfer":
+            raise ValueError(f"{ENV}=flashinfer, but {why}; unset it or set {ENV}=triton") from e
+        log.warning("prefill attention on Triton: %s", why)
+        return False
+    log.info("FlashInfer prefill attention ready in %.1f s", secs)
+    return True
 
 
 def prefill_plan(rows: list[int], kv_lens: list[int], q_lens: list[int], page_size: int) -> PrefillPlan | None:

@@ -49,7 +49,7 @@ from ppspec.kernels.gdn.triton_replay import launch_replay_commit, launch_replay
 
 MiB = 1 << 20
 KEYS = ("decode", "copy_verify", "copy_commit", "copy_round", "replay_round", "replay_decode")
-DOT_TILES = ((64, 4), (32, 4), (128, 4), (128, 8), (32, 2), (16, 1))
+DOT_TILES = ((64, 4), (32, 4), (16, 4), (128, 8), (32, 2), (16, 1))
 
 
 GRAPHS = {"ok": True}

@@ -270,7 +270,11 @@ def _verify_block_v(V: int, B: int, HV: int) -> int:
 def _verify_block_v_dot(V: int, B: int, HV: int) -> int:
     # not measured yet (kernels/bench_verify.py sweeps it): BV 64 on 4 warps, one warpgroup
     # (the wgmma's M is 64); halved down to 16 (tl.dot's least side) while the grid would
-    # not fill the chip
+    # not fill the chip. Compiled for sm_90a (HV 32, K = V = 128, D = 4; ptxas): BV 64 /
+    # 4 warps 198 registers, 80 KiB shared (2 programs an SM), wgmma for both products;
+    # BV 32 / 4 warps 154 registers, 32 KiB, the reductions on mma.sync; BV 16 / 4 warps
+    # 126 registers, 16 KiB; BV 128 / 8 warps 198 registers, 144 KiB; BV 64 / 2 warps and
+    # BV 128 / 4 warps spill.
     bv = min(64, max(16, triton.next_power_of_2(V)))
     while bv > 16 and B * HV * triton.cdiv(V, bv) < 4 * 132:
         bv //= 2

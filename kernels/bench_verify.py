@@ -234,7 +234,8 @@ def report(r, bw, steps) -> None:
     print("decode by tile (BV, warps): " + ", ".join(
         f"({t['BV']}, {t['num_warps']}) {t['ms'] * 1e3:.1f} us" for t in r["decode_tiles"]))
     print(f"replay round by verify state kernel (launch_replay_verify variant; errors against scalar, one round)")
-    print(f"{'kernel':<20}{'us/round':>10}{'TB/s':>8}{'% copy':>8}{'x scalar':>10}{'err o':>10}{'err delta':>10}{'err state':>10}")
+    print(f"{'kernel':<20}{'us/round':>10}{'TB/s':>8}{'% copy':>8}{'x scalar':>10}"
+          f"{'err o':>10}{'err delta':>10}{'err state':>10}")
     base = r["replay_variants"][0]["ms"]
     for x in r["replay_variants"]:
         name = x["variant"] + (f" {x['BV']}x{x['num_warps']}" if x["BV"] else " (default)")

@@ -2,7 +2,7 @@
 (DESIGN.md section 7), against plain decode and against the copy bandwidth measured in
 the same run. Prints numbers; asserts nothing about time.
 
-    python3 kernels/bench_verify.py [--batches 64 256] [--steps 4] [--dot-tiles 64x4 32x4 ..] [--json out.json]
+    python3 kernels/bench_verify.py [--batches 64 256] [--steps 4] [--json out.json]
 
 Shapes: Qwen3.5-sized GDN heads (16 key heads, 32 value heads, K = V = 128), fp32 state
 (2 MiB per request), bf16 inputs, D verify steps, every request accepting all D tokens
@@ -16,12 +16,6 @@ Bytes per request and round (S = one state): copy design = verify reads S and wr
 scratch states, commit reads one and writes S: (D + 3) S; replay design = S read + S
 written (+ a few KiB of step inputs); decode = 2 S. Achieved bandwidth counts every byte
 the kernels must move (states, inputs, outputs, replay buffers).
-
-The replay round is also timed with each state kernel of the verify
-(``launch_replay_verify(variant=...)``): the FMA kernel ("scalar", the default) and the
-tensor-core kernel ("dot", 3xTF32) at each ``--dot-tiles`` (BV x warps); before timing,
-each is checked against the scalar kernel on one round from the same state (relative
-error of the outputs, the deltas and the committed state).
 """
 from __future__ import annotations
 
@@ -43,13 +37,12 @@ import torch
 import triton
 
 from ppspec.kernels.commit.triton_commit import launch_commit
-from ppspec.kernels.gdn.naive_replay import ReplayBuffers, alloc_replay_buffers
+from ppspec.kernels.gdn.naive_replay import alloc_replay_buffers
 from ppspec.kernels.gdn.triton_recurrent import launch_gdn_recurrent
 from ppspec.kernels.gdn.triton_replay import launch_replay_commit, launch_replay_verify
 
 MiB = 1 << 20
 KEYS = ("decode", "copy_verify", "copy_commit", "copy_round", "replay_round", "replay_decode")
-DOT_TILES = ((64, 4), (32, 4), (16, 4), (128, 8), (32, 2), (16, 1))
 
 
 GRAPHS = {"ok": True}
@@ -99,14 +92,8 @@ def copy_bandwidth(gib: float = 4.0) -> tuple[float, float]:
     return 2 * n * 4 / (ms * 1e-3), ms
 
 
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int = 128, seed: int = 0,
-                dot_tiles=DOT_TILES, dev="cuda"):
-    dev = torch.device(dev)
+def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int = 128, seed: int = 0):
+    dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
     rows_n = B + 7
     R = rows_n + 1
@@ -169,7 +156,6 @@ def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int 
                            "bytes": 2 * S * B + io_bytes(D) + B * 2 * D * step_in}
     f_rdec = _graph(lambda: launch_replay_verify(*x1, state, rows, bufs, verify=False))
     res["replay_decode"] = {"ms": _time_ms(f_rdec), "state_bytes": 2 * S * B, "bytes": 2 * S * B + io_bytes(1)}
-    res["replay_variants"] = _replay_variants(xv, state, rows, bufs, rows32, dot_tiles, res["replay_round"]["bytes"])
     # tile sweep of the round (BV, warps); the default is triton_replay._verify_block_v
     res["replay_round_tiles"] = []
     for bv, nw in ((16, 1), (32, 1), (64, 2), (32, 2), (32, 4), (64, 4)):
@@ -188,72 +174,10 @@ def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int 
     return res
 
 
-def _replay_variants(xv, state, rows, bufs, rows32, dot_tiles, nbytes):
-    """The replay round (verify + commit) with each state kernel of the verify: "scalar"
-    at its default tile, "dot" at each (BV, warps) of ``dot_tiles``. Each is first run
-    once on copies of the same state and buffers (pending steps to replay) and compared
-    with the scalar kernel: relative errors of o, of the deltas it stores and of the
-    committed state it writes back."""
-    # pending = D again at every row (the replay decode above applied and cleared it)
-    launch_replay_verify(*xv, state, rows, bufs)
-    launch_replay_commit(bufs.pending, bufs.slot, rows, rows32)
-
-    def one_round(variant, bv, nw):
-        st, bf = state.clone(), ReplayBuffers(*(t.clone() for t in bufs))
-        o = launch_replay_verify(*xv, st, rows, bf, variant=variant, block_v=bv, num_warps=nw)
-        return o, st[rows], bf.delta[rows]
-
-    kernels = [("scalar", None, None)] + [("dot", bv, nw) for bv, nw in dot_tiles]
-    # every check before any timing: a timed round moves the state and the buffers on
-    ref = one_round("scalar", None, None)
-    errs = [[_rel(a, b) for a, b in zip(one_round(*kn), ref)] for kn in kernels]
-    out = []
-    for (variant, bv, nw), (e_o, e_s, e_d) in zip(kernels, errs):
-        def rnd(variant=variant, bv=bv, nw=nw):
-            launch_replay_verify(*xv, state, rows, bufs, variant=variant, block_v=bv, num_warps=nw)
-            launch_replay_commit(bufs.pending, bufs.slot, rows, rows32)
-
-        ms = _time_ms(_graph(rnd))
-        out.append({"variant": variant, "BV": bv, "num_warps": nw, "ms": ms, "TBps": nbytes / (ms * 1e-3) / 1e12,
-                    "err_o": e_o, "err_state": e_s, "err_delta": e_d})
-    return out
-
-
-def report(r, bw, steps) -> None:
-    """Print one batch's results (``r`` from :func:`bench_batch`, ``bw`` the copy
-    bandwidth in bytes/s)."""
-    dec = r["decode"]["ms"]
-    print(f"\nbatch {r['batch']}, D = {steps}, HV = 32, K = V = 128, fp32 state ({r['state_MiB_per_request']:.0f} MiB/request), one layer")
-    print(f"{'variant':<26}{'time us':>10}{'state sizes':>13}{'GB moved':>10}{'TB/s':>8}{'% copy':>8}{'x decode':>10}")
-    for key in KEYS:
-        x = r[key]
-        print(f"{key:<26}{x['ms'] * 1e3:>10.1f}{x['state_sizes_per_request']:>13.1f}{x['bytes'] / 1e9:>10.3f}"
-              f"{x['TBps']:>8.2f}{100 * x['TBps'] * 1e12 / bw:>7.0f}%{x['ms'] / dec:>10.2f}")
-    print("replay round by tile (BV, warps): " + ", ".join(
-        f"({t['BV']}, {t['num_warps']}) {t['ms'] * 1e3:.1f} us" for t in r["replay_round_tiles"]))
-    print("decode by tile (BV, warps): " + ", ".join(
-        f"({t['BV']}, {t['num_warps']}) {t['ms'] * 1e3:.1f} us" for t in r["decode_tiles"]))
-    print(f"replay round by verify state kernel (launch_replay_verify variant; errors against scalar, one round)")
-    print(f"{'kernel':<20}{'us/round':>10}{'TB/s':>8}{'% copy':>8}{'x scalar':>10}"
-          f"{'err o':>10}{'err delta':>10}{'err state':>10}")
-    base = r["replay_variants"][0]["ms"]
-    for x in r["replay_variants"]:
-        name = x["variant"] + (f" {x['BV']}x{x['num_warps']}" if x["BV"] else " (default)")
-        print(f"{name:<20}{x['ms'] * 1e3:>10.1f}{x['TBps']:>8.2f}{100 * x['TBps'] * 1e12 / bw:>7.0f}%"
-              f"{x['ms'] / base:>10.2f}{x['err_o']:>10.1e}{x['err_delta']:>10.1e}{x['err_state']:>10.1e}")
-
-
-def _tile(s: str) -> tuple[int, int]:
-    bv, nw = s.lower().split("x")
-    return int(bv), int(nw)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--steps", type=int, default=4, help="D, tokens verified per request")
-    ap.add_argument("--dot-tiles", type=_tile, nargs="*", default=list(DOT_TILES), metavar="BVxWARPS",
-                    help="tiles of the dot variant of the replay verify (e.g. 64x4 32x4; none: skip it)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -262,9 +186,19 @@ def main(argv=None):
     print(f"device-to-device copy (4 GiB, read + write counted): {bw / 1e12:.2f} TB/s ({ms:.3f} ms)")
     out = {"copy_TBps": bw / 1e12, "runs": []}
     for B in a.batches:
-        r = bench_batch(B, a.steps, dot_tiles=a.dot_tiles)
+        r = bench_batch(B, a.steps)
         out["runs"].append(r)
-        report(r, bw, a.steps)
+        dec = r["decode"]["ms"]
+        print(f"\nbatch {B}, D = {a.steps}, HV = 32, K = V = 128, fp32 state ({r['state_MiB_per_request']:.0f} MiB/request), one layer")
+        print(f"{'variant':<26}{'time us':>10}{'state sizes':>13}{'GB moved':>10}{'TB/s':>8}{'% copy':>8}{'x decode':>10}")
+        for key in KEYS:
+            x = r[key]
+            print(f"{key:<26}{x['ms'] * 1e3:>10.1f}{x['state_sizes_per_request']:>13.1f}{x['bytes'] / 1e9:>10.3f}"
+                  f"{x['TBps']:>8.2f}{100 * x['TBps'] * 1e12 / bw:>7.0f}%{x['ms'] / dec:>10.2f}")
+        print("replay round by tile (BV, warps): " + ", ".join(
+            f"({t['BV']}, {t['num_warps']}) {t['ms'] * 1e3:.1f} us" for t in r["replay_round_tiles"]))
+        print("decode by tile (BV, warps): " + ", ".join(
+            f"({t['BV']}, {t['num_warps']}) {t['ms'] * 1e3:.1f} us" for t in r["decode_tiles"]))
     print(f"\ntimed as {'CUDA graph replays' if GRAPHS['ok'] else 'plain launches'} (do_bench median)")
     if a.json:
         with open(a.json, "w") as f:

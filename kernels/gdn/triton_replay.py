@@ -65,31 +65,6 @@ def _coef_offsets(BT: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def _replay_apply_dot(b_s, buf_k, buf_delta, p_w, e_n, base, n_pend, i_h, i_hv, o_k, o_v, m_k, m_v,
-                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, D_MAX: tl.constexpr,
-                      BJ: tl.constexpr):
-    """:func:`_replay_apply` as one tensor-core product: ``S_n = e^{c_n} S + K_p^T
-    diag(w) Delta_p`` with the pending steps' keys ``K_p`` [BJ, BK] and deltas ``Delta_p``
-    [BJ, BV] (records at ``base`` as :func:`_replay_records` reads them, steps from
-    ``n_pend`` and the padding up to ``BJ >= 16`` as zeros) and the weights ``w`` at
-    ``p_w`` (``coef``'s ``e^{c_n - c_j}``). 3xTF32 (about fp32's accuracy)."""
-    o_j = tl.arange(0, BJ)
-    m_j = (o_j < n_pend) & (o_j < D_MAX)
-    b_kp = tl.load(buf_k + ((base + o_j[:, None]) * H + i_h) * K + o_k[None, :], mask=m_j[:, None] & m_k[None, :],
-                   other=0.0)
-    b_dp = tl.load(buf_delta + ((base + o_j[:, None]) * HV + i_hv) * V + o_v[None, :],
-                   mask=m_j[:, None] & m_v[None, :], other=0.0)
-    b_w = tl.load(p_w + o_j, mask=m_j, other=0.0)
-    return tl.dot(tl.trans(b_kp), b_dp * b_w[:, None], b_s * e_n, input_precision="tf32x3")
-
-
-@triton.jit
-def _column(b_y, o_n, n: tl.constexpr):
-    """Column ``n`` of the [BV, BN] tile ``b_y`` as a [BV] vector."""
-    return tl.sum(tl.where(o_n[None, :] == n, b_y, 0.0), 1)
-
-
-@triton.jit
 def _gdn_verify_prep_kernel(
     q, k, g, beta, rows, pending, slot, buf_k, buf_g, xn, coef, meta,
     scale, s_q, s_k,
@@ -171,7 +146,6 @@ def _gdn_replay_verify_kernel(
     v, o, state, rows, buf_k, buf_delta, pending, xn, coef, meta, s_v,
     D: tl.constexpr, D_MAX: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
-    DOT: tl.constexpr = False, BN: tl.constexpr = 16, BJ: tl.constexpr = 16,
 ):
     """Per (request, value head, V-block) on the [BK, BV] fp32 tile of ``state[row]``:
     replay the pending steps (weights from the prep kernel), then the D steps' outputs
@@ -187,14 +161,7 @@ def _gdn_replay_verify_kernel(
     compiler a store may alias any later load, which it then issues only after the store:
     a store per token made the tokens' inputs D round trips in series). Measured on the
     H200 (kernels/bench_verify.py, a round at batch 64 / 256): stores last alone 114.9 /
-    401 us, with the inputs preloaded 106.8 / 359 us.
-
-    ``DOT`` (the "dot" variant of :func:`launch_replay_verify`) does the tile's work on
-    tensor cores in 3xTF32: the replay as one rank-``BJ`` product
-    (:func:`_replay_apply_dot`, ``BJ`` = D_MAX padded to >= 16) and the 2 D reductions as
-    one product ``S^T [k_0, q_0, .., k_{D-1}, q_{D-1}]`` ([BV, BK] x [BK, BN], ``BN`` =
-    2 D padded to >= 16; columns in ``xn``'s order), whose columns then feed the same
-    per-token arithmetic."""
+    401 us, with the inputs preloaded 106.8 / 359 us."""
     i_bh = tl.program_id(0)
     i_vb = tl.program_id(1)
     i_b = i_bh // HV
@@ -213,35 +180,22 @@ def _gdn_replay_verify_kernel(
     cur = tl.load(meta + i_b * 2 + 1).to(tl.int64)
     p_state = state + (row * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
     b_s = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
+    kjs, djs = _replay_records(buf_k, buf_delta, (row * 2 + cur) * D_MAX, n_pend, i_h, i_hv, o_k, o_v, m_k, m_v,
+                               H, HV, K, V, D_MAX)
+    ws = ()
+    for j in tl.static_range(D_MAX):
+        ws = ws + (tl.load(p_c + OFF_R + j),)
     ins = ()
     for t in tl.static_range(D):
         ins = ins + (_verify_inputs(v, xn, s_v, i_b, i_h, i_hv, o_k, o_v, m_k, m_v, t, D, H, K, V),)
-    if DOT:
-        # the D tokens' keys and queries, [BN, BK] in xn's order (token-major, key then query)
-        o_n = tl.arange(0, BN)
-        b_x = tl.load(xn + ((i_b * (2 * D) + o_n[:, None]).to(tl.int64) * H + i_h) * K + o_k[None, :],
-                      mask=(o_n < 2 * D)[:, None] & m_k[None, :], other=0.0)
-        b_s = _replay_apply_dot(b_s, buf_k, buf_delta, p_c + OFF_R, tl.load(p_c + OFF_EN), (row * 2 + cur) * D_MAX,
-                                n_pend, i_h, i_hv, o_k, o_v, m_k, m_v, H, HV, K, V, D_MAX, BJ)
-        b_y = tl.dot(tl.trans(b_s), tl.trans(b_x), input_precision="tf32x3")  # [BV, BN]: S^T k_t, S^T q_t
-    else:
-        kjs, djs = _replay_records(buf_k, buf_delta, (row * 2 + cur) * D_MAX, n_pend, i_h, i_hv, o_k, o_v, m_k, m_v,
-                                   H, HV, K, V, D_MAX)
-        ws = ()
-        for j in tl.static_range(D_MAX):
-            ws = ws + (tl.load(p_c + OFF_R + j),)
-        b_s = _replay_apply(b_s, kjs, djs, tl.load(p_c + OFF_EN), ws)
+    b_s = _replay_apply(b_s, kjs, djs, tl.load(p_c + OFF_EN), ws)
     rs = ()  # r_s = v_s - e^{c_s} S^T k_s of the tokens so far, [BV] each
     outs = ()
     for t in tl.static_range(D):
         b_k, b_q, b_v = ins[t]
         e_t = tl.load(p_c + t)
-        if DOT:
-            rs = rs + (b_v - e_t * _column(b_y, o_n, 2 * t),)
-            b_o = e_t * _column(b_y, o_n, 2 * t + 1)
-        else:
-            rs = rs + (b_v - e_t * tl.sum(b_s * b_k[:, None], 0),)
-            b_o = e_t * tl.sum(b_s * b_q[:, None], 0)
+        rs = rs + (b_v - e_t * tl.sum(b_s * b_k[:, None], 0),)
+        b_o = e_t * tl.sum(b_s * b_q[:, None], 0)
         b_d = tl.zeros([BV], dtype=tl.float32)
         for s in tl.static_range(t + 1):
             b_d += tl.load(p_c + OFF_T + t * BT + s) * rs[s]
@@ -285,48 +239,22 @@ def _verify_block_v(V: int, B: int, HV: int) -> int:
     return bv
 
 
-def _verify_block_v_dot(V: int, B: int, HV: int) -> int:
-    # not measured yet (kernels/bench_verify.py sweeps it): BV 64 on 4 warps, one warpgroup
-    # (the wgmma's M is 64); halved down to 16 (tl.dot's least side) while the grid would
-    # not fill the chip. Compiled for sm_90a (HV 32, K = V = 128, D = 4; ptxas): BV 64 /
-    # 4 warps 198 registers, 80 KiB shared (2 programs an SM), wgmma for both products;
-    # BV 32 / 4 warps 154 registers, 32 KiB, the reductions on mma.sync; BV 16 / 4 warps
-    # 126 registers, 16 KiB; BV 128 / 8 warps 198 registers, 144 KiB; BV 64 / 2 warps and
-    # BV 128 / 4 warps spill.
-    bv = min(64, max(16, triton.next_power_of_2(V)))
-    while bv > 16 and B * HV * triton.cdiv(V, bv) < 4 * 132:
-        bv //= 2
-    return bv
-
-
 def recurrent_gated_delta_rule_replay_triton(
-    q, k, v, g, beta, state, req_pool_indices, bufs: ReplayBuffers, scale=None, verify: bool = True,
-    variant: str = "scalar", block_v=None, num_warps=None,
+    q, k, v, g, beta, state, req_pool_indices, bufs: ReplayBuffers, scale=None, verify: bool = True
 ) -> torch.Tensor:
     """GPU path of :func:`naive_replay.recurrent_gated_delta_rule_replay_ref` (same shapes,
-    same semantics). Raises IndexError before any launch on a row outside the pool.
-    ``variant`` / ``block_v`` / ``num_warps``: as :func:`launch_replay_verify`."""
+    same semantics). Raises IndexError before any launch on a row outside the pool."""
     check_rows(req_pool_indices, state.shape[0])
-    return launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify,
-                                block_v=block_v, num_warps=num_warps, variant=variant)
-
-
-VERIFY_VARIANTS = ("scalar", "dot")
+    return launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
 
 
 def launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs: ReplayBuffers, scale=None, verify=True,
-                         block_v=None, num_warps=None, variant="scalar"):
+                         block_v=None, num_warps=None):
     """The device work alone (rows not checked, no host sync: CUDA-graph capturable).
     ``verify=False`` is the replay design's decode (``launch_gdn_recurrent``).
-    ``block_v`` / ``num_warps`` override the state kernel's tile (benchmarks).
-    ``variant`` picks the verify's state kernel: ``"scalar"`` (FMA reductions, the
-    default) or ``"dot"`` (tensor cores in 3xTF32, ``_gdn_replay_verify_kernel``'s
-    ``DOT``; not yet measured, so not the default); the decode ignores it."""
-    if variant not in VERIFY_VARIANTS:
-        raise ValueError(f"unknown replay verify variant {variant!r}; one of {VERIFY_VARIANTS}")
+    ``block_v`` / ``num_warps`` override the state kernel's tile (benchmarks)."""
     if verify:
-        return _launch_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, block_v, num_warps,
-                              variant == "dot")
+        return _launch_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, block_v, num_warps)
     o = launch_gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scale, bufs=bufs,
                              block_v=block_v, num_warps=num_warps)
     if req_pool_indices.numel():
@@ -335,7 +263,7 @@ def launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs: Replay
     return o
 
 
-def _launch_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, block_v, num_warps, dot=False):
+def _launch_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, block_v, num_warps):
     """Prep kernel, then the state kernel (module docstring); the state kernel zeroes the
     rows' ``pending``."""
     B, D, H, HV, K, V = _check_gdn_args(q, k, v, g, beta, state)
@@ -367,23 +295,11 @@ def _launch_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, block
         D=D, D_MAX=d_max, H=H, HV=HV, K=K, BK=BK, BT=BT, BP=BP, LOG2_BT=BT.bit_length() - 1, EPS=_EPS,
         num_warps=1,
     )
-    if dot:
-        # tl.dot takes no tile side below 16: BK, BV, and the token / step axes padded
-        if BK < 16:
-            raise ValueError(f"the dot variant needs K >= 16 (K = {K})")
-        BV = block_v or _verify_block_v_dot(V, B, HV)
-        if BV < 16:
-            raise ValueError(f"the dot variant needs block_v >= 16 (got {BV})")
-        nw = num_warps or 4
-    else:
-        BV = block_v or _verify_block_v(V, B, HV)
-        nw = num_warps or max(1, BV // 32)
+    BV = block_v or _verify_block_v(V, B, HV)
     _gdn_replay_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         v, o, state, rows, bufs.k, bufs.delta, bufs.pending, xn, coef, meta, s_v,
         D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BT=BT, BP=BP,
-        DOT=dot, BN=max(16, triton.next_power_of_2(2 * D)) if dot else 16,
-        BJ=max(16, triton.next_power_of_2(d_max)) if dot else 16,
-        num_warps=nw,
+        num_warps=num_warps or max(1, BV // 32),
     )
     return o
 

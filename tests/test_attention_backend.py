@@ -236,8 +236,9 @@ def test_build_at_start(monkeypatch, fake_flashinfer, caplog, env):
     from ppspec.stage_server.runner import StageRunner
 
     monkeypatch.setenv(fa.ENV, env)
-    assert fa.build_at_start("cpu", torch.bfloat16, 64, 4, 2, 16)
-    assert fake_flashinfer == ["plan", "run"]
+    for page in (16, 1):
+        assert fa.build_at_start("cpu", torch.bfloat16, 64, 4, 2, page)
+    assert fake_flashinfer == ["plan", "run", "wait", "plan", "run"]
     broken = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=BrokenWrapper)
     monkeypatch.setattr(fa, "_flashinfer", lambda: (broken, None))
     monkeypatch.setattr(fa, "_shared", {})

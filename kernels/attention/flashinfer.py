@@ -226,8 +226,8 @@ class PrefillPlan:
 
 
 def warm_up(device, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int) -> float:
-    """Plan and run one tiny prefill (one request, 3 tokens on one page of a scratch KV
-    cache) on ``device``: FlashInfer JIT-builds the kernel of this head dim, dtype and
+    """Plan and run one tiny prefill (one request, one token on one page of a scratch KV
+    cache, whatever the page size) on ``device``: FlashInfer JIT-builds the kernel of this head dim, dtype and
     head ratio now, at stage start, instead of at the first request. Allocates the
     device's shared workspace (:data:`WORKSPACE_NBYTES`). Returns the seconds it took.
 
@@ -240,11 +240,11 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_
     t0 = time.perf_counter()
     dev = torch.device(device)
     kv = torch.zeros(2, page_size, num_kv_heads, head_dim, dtype=dtype, device=dev)
-    q = torch.zeros(3, num_q_heads, head_dim, dtype=dtype, device=dev)
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=dev)
     ints = dict(dtype=torch.long, device=dev)
-    plan = PrefillPlan([0], [3], [3], page_size)
-    plan.run(q, kv, kv.clone(), torch.tensor([[1]], **ints), torch.tensor([0], **ints), torch.tensor([3], **ints),
-             torch.tensor([0, 3], **ints), head_dim ** -0.5)
+    plan = PrefillPlan([0], [1], [1], page_size)
+    plan.run(q, kv, kv.clone(), torch.tensor([[1]], **ints), torch.tensor([0], **ints), torch.tensor([1], **ints),
+             torch.tensor([0, 1], **ints), head_dim ** -0.5)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     _on(dev).owner = None  # the next real plan plans again

@@ -39,6 +39,9 @@ def test_forced_flashinfer_without_it_fails_at_stage_start(monkeypatch, no_flash
     monkeypatch.setenv(fa.ENV, "flashinfer")
     with pytest.raises(ValueError, match=r"PPSPEC_ATTENTION_BACKEND=flashinfer, but flashinfer does not import "
                                          r"\(ModuleNotFoundError.*\); unset it or set PPSPEC_ATTENTION_BACKEND=triton"):
+        fa.stage_uses_flashinfer("cuda:0", torch.bfloat16, 128, 16, 2)
+    with pytest.raises(ValueError, match=r"PPSPEC_ATTENTION_BACKEND=flashinfer, but the stage runs on cpu "
+                                         r"\(FlashInfer runs on CUDA\); unset it or set PPSPEC_ATTENTION_BACKEND=triton"):
         StageRunner(DEMO, device="cpu")
     monkeypatch.setenv(fa.ENV, "flash")
     with pytest.raises(ValueError, match=r"PPSPEC_ATTENTION_BACKEND='flash': must be one of auto, triton, flashinfer"):
@@ -205,9 +208,10 @@ def test_stage_prefill_plans_once_per_step_and_pool(monkeypatch, fake_flashinfer
     fi = StageRunner(DEMO, device="cpu", dtype=torch.bfloat16, max_rows=8)
     assert fi.flashinfer_prefill and fi.memory_report()["attention_workspace"] == fa.WORKSPACE_NBYTES
     assert fake_flashinfer == ["plan", "run"]  # the kernel built and ran once at start
+    assert fi.info()["prefill_attention"] == "flashinfer"
     monkeypatch.setenv(fa.ENV, "triton")
     ref = StageRunner(DEMO, device="cpu", dtype=torch.bfloat16, max_rows=8)
-    assert not ref.flashinfer_prefill and ref.memory_report()["attention_workspace"] == 0
+    assert not ref.flashinfer_prefill and ref.memory_report()["attention_workspace"] == 0 and ref.info()["prefill_attention"] == "triton"
     gen = torch.Generator().manual_seed(0)
     ids = {r: torch.randint(0, 8000, (60,), generator=gen).tolist() for r in (6, 1, 3)}
     steps = [("prefill", [6, 1, 3], [0, 0, 0], [20, 7, 33]), ("prefill", [6, 1], [20, 7], [25, 30]),
@@ -247,13 +251,35 @@ def test_build_at_start(monkeypatch, fake_flashinfer, caplog, env):
             assert not fa.build_at_start("cpu", torch.bfloat16, 64, 4, 2, 16)
         assert "prefill attention on Triton: FlashInfer's prefill kernel failed to build or run " \
                "(RuntimeError: ninja: build stopped" in caplog.text
+        assert fa._shared == {}  # the failed build's workspace is not kept
         # a stage (on CUDA, here faked) that auto gave FlashInfer runs on Triton instead
         monkeypatch.setattr(fa, "stage_uses_flashinfer", lambda *a: True)
         r = StageRunner(DEMO, device="cpu", dtype=torch.bfloat16, max_rows=4)
         assert not r.flashinfer_prefill and r.memory_report()["attention_workspace"] == 0
+        assert r.info()["prefill_attention"] == "triton"
         return
     msg = r"PPSPEC_ATTENTION_BACKEND=flashinfer, but FlashInfer's prefill kernel failed to build or run \(RuntimeError"
     with pytest.raises(ValueError, match=msg):
         fa.build_at_start("cpu", torch.bfloat16, 64, 4, 2, 16)
     with pytest.raises(ValueError, match=msg):
         StageRunner(DEMO, device="cpu", dtype=torch.bfloat16, max_rows=4)
+
+
+def test_build_at_start_shows_its_own_check_errors(monkeypatch, fake_flashinfer):
+    """A warm-up batch that ppspec's own checks refuse is a bug to show, not a build to
+    fall back from, even under auto; a stage whose dtype or device rules FlashInfer out
+    does not import it."""
+    monkeypatch.setenv(fa.ENV, "auto")
+
+    def bad_run(self, *a, **k):
+        raise IndexError("kv_lens exceed the page table's capacity")
+
+    monkeypatch.setattr(fa.PrefillPlan, "run", bad_run)
+    with pytest.raises(IndexError, match="capacity"):
+        fa.build_at_start("cpu", torch.bfloat16, 64, 4, 2, 16)
+    imported = []
+    monkeypatch.undo()  # the real unsupported(), which fake_flashinfer replaced
+    monkeypatch.setattr(fa, "_flashinfer", lambda: imported.append(1) or (None, "absent"))
+    assert fa.unsupported("cuda:0", torch.float32, 128, 8, 8) and fa.unsupported("cpu", torch.bfloat16, 128, 8, 8)
+    assert fa.unsupported("cuda:0", torch.bfloat16, 96, 8, 8) and not imported
+    assert fa.unsupported("cuda:0", torch.bfloat16, 128, 8, 8) == "flashinfer does not import (absent)" and imported

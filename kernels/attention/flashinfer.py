@@ -73,16 +73,17 @@ def _flashinfer():
 
 
 def unsupported(device, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int) -> str | None:
-    """Why FlashInfer cannot run a stage's prefill attention, or None when it can."""
-    _, why = _flashinfer()
-    if why is not None:
-        return f"flashinfer does not import ({why})"
+    """Why FlashInfer cannot run a stage's prefill attention, or None when it can. The
+    stage's own facts come first: a stage they rule out does not import flashinfer."""
     if torch.device(device).type != "cuda":
         return f"the stage runs on {device} (FlashInfer runs on CUDA)"
     if dtype not in DTYPES:
         return f"the stage's dtype is {dtype} (FlashInfer takes bfloat16 or float16)"
     if head_dim not in HEAD_DIMS or num_q_heads % num_kv_heads:
         return f"head dim {head_dim}, {num_q_heads}/{num_kv_heads} heads (FlashInfer takes head dims {HEAD_DIMS})"
+    _, why = _flashinfer()
+    if why is not None:
+        return f"flashinfer does not import ({why})"
     return None
 
 
@@ -254,18 +255,30 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_
 def build_at_start(device, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                    page_size: int) -> bool:
     """:func:`warm_up` for a stage that :func:`stage_uses_flashinfer`: whether it keeps
-    FlashInfer. Under ``auto`` a failed build logs a warning and returns False (Triton).
+    FlashInfer. Under ``auto`` a failed build logs a warning and returns False (Triton);
+    the workspace a failed first warm-up allocated is freed.
 
     Raises:
         ValueError: the build or its first run failed and ``PPSPEC_ATTENTION_BACKEND``
-            forces ``flashinfer``.
+            forces ``flashinfer``; or the warm-up batch failed ppspec's own checks (a
+            ValueError / IndexError from them passes through under ``auto`` too).
+        RuntimeError: the CUDA context is broken after the failure.
     """
     log.info("FlashInfer prefill attention: building its kernel for head dim %d, %s (first use on this "
              "machine: minutes; cached in ~/.cache/flashinfer after)", head_dim, dtype)
+    dev = torch.device(device)
+    had_wrapper = dev.index in _shared
     try:
         secs = warm_up(device, dtype, head_dim, num_q_heads, num_kv_heads, page_size)
-    except Exception as e:  # noqa: BLE001 -- a JIT or driver error of any kind
+    except (ValueError, IndexError):
+        raise  # ppspec's own checks of the warm-up batch: a bug to show, not a build to fall back from
+    except Exception as e:  # noqa: BLE001 -- a JIT, compiler or driver error of any kind
         why = f"FlashInfer's prefill kernel failed to build or run ({type(e).__name__}: {e})"
+        if not had_wrapper:
+            _shared.pop(dev.index, None)  # its workspace goes with it: the stage reports none
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # a broken CUDA context raises here: no stage on it
+            torch.cuda.empty_cache()
         if requested() == "flashinfer":
             raise ValueError(f"{ENV}=flashinfer, but {why}; unset it or set {ENV}=triton") from e
         log.warning("prefill attention on Triton: %s", why)

@@ -27,6 +27,7 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "num_speculative_steps": r.num_speculative_steps, "has_mtp": r.has_mtp, "vocab_size": r.vocab_size,
         "eos_token_ids": list(r.eos_token_ids), "memory_bytes": dict(r.memory_bytes),
         "busy_seconds": r.busy_seconds, "pending_commits": r.pending_commits, "commit_design": r.commit_design,
+        "prefill_attention": r.prefill_attention,
     }
 
 

@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--connect-timeout", type=positive_float, default=60.0, help="seconds to wait for the stages at start")
+    ap.add_argument("--connect-timeout", type=positive_float, default=300.0,
+                    help="seconds to wait for the stages at start (a CUDA stage's first start on a machine "
+                         "builds FlashInfer's prefill kernel: minutes)")
     ap.add_argument("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take")
     ap.add_argument("--wedge-timeout", type=positive_float, default=60.0,
                     help="seconds a micro-batch may stay outstanding before /health says 503")

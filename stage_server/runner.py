@@ -380,6 +380,7 @@ class StageRunner:
             "num_speculative_steps": self.num_steps,
             "has_mtp": self.use_mtp,
             "commit_design": self.commit_design,
+            "prefill_attention": "flashinfer" if self.flashinfer_prefill else "triton",
             "vocab_size": self.cfg.vocab_size,
             "eos_token_ids": list(self.cfg.eos_token_ids),
             "memory_bytes": self.memory_report(),

@@ -275,6 +275,7 @@ class StageServicer(pb_grpc.StageServicer):
             max_context=i["max_context"], num_speculative_steps=i["num_speculative_steps"], has_mtp=i["has_mtp"],
             vocab_size=i["vocab_size"], eos_token_ids=i["eos_token_ids"], memory_bytes=i["memory_bytes"],
             busy_seconds=i["busy_seconds"], pending_commits=len(self.pending), commit_design=i["commit_design"],
+            prefill_attention=i["prefill_attention"],
         )
 
 
@@ -338,7 +339,8 @@ async def serve_stage(args) -> int:
     mem = runner.memory_report()
     print(
         f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
-        f"listening on {args.host}:{bound}; commit design {runner.commit_design}; pools (bytes): {mem}",
+        f"listening on {args.host}:{bound}; commit design {runner.commit_design}; prefill attention "
+        f"{runner.info()['prefill_attention']}; pools (bytes): {mem}",
         flush=True,
     )
     stop = asyncio.Event()

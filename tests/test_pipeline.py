@@ -114,6 +114,7 @@ def test_random_message_delays_leave_outputs_unchanged(random_ref, design, tmp_p
     assert not real
     assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos)
     assert [i.commit_design for i in infos] == [design] * 3
+    assert [i.prefill_attention for i in infos] == ["triton"] * 3  # CPU stages
 
 
 def test_rows_free_after_aborts_and_bad_requests_get_400(random_ref, tmp_path):

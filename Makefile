@@ -4,6 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 MODEL   ?= models/qwen35-demo
+PORT    ?= 8000
 export PYTHONUNBUFFERED := 1
 
 .PHONY: install tools test test-gpu test-gpu-flashinfer run proto demo-model bench clean
@@ -44,7 +45,7 @@ test-gpu-flashinfer:
 	$(PY) -m pytest -q tests/gpu -m flashinfer -p no:cacheprovider
 
 run: install
-	$(BIN)/ppspec demo --model $(MODEL)
+	$(BIN)/ppspec demo --model $(MODEL) --port $(PORT)
 
 demo-model: install
 	$(BIN)/python models/train_demo.py --out models/qwen35-demo

@@ -231,8 +231,10 @@ def _verify_block_v(V: int, B: int, HV: int) -> int:
     # measured on the H200 (kernels/bench_verify.py, HV 32, K = V = 128, D = 4, a round,
     # inputs preloaded): BV 32 on one warp is 4% faster than BV 64 on 2 warps at batch 64
     # (102.1 / 106.8 us), 3% slower at batch 256 (371 / 359 us); 16 columns a warp or 4
-    # warps are slower (earlier: 152 / 636 us, 124 / 421 us at BV 64). BV 64 from ~16
-    # programs of 2 warps per SM on; smaller tiles when the grid would not fill the chip.
+    # warps are slower (earlier: 152 / 636 us, 124 / 421 us at BV 64). BV 64 from 64
+    # BV-64 programs per SM of 132 (16 waves of 4) on, so batch 256 at HV 32 (the batch 64
+    # has 31 per SM; batch 128, BV 32 by this rule, is unmeasured); smaller tiles when the
+    # grid would not fill the chip.
     bv = min(64 if B * HV * triton.cdiv(V, 64) >= 16 * 4 * 132 else 32, triton.next_power_of_2(V))
     while bv > 8 and B * HV * triton.cdiv(V, bv) < 4 * 132:
         bv //= 2

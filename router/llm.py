@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -242,6 +243,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_cuda_graph_args(ap)
     a = ap.parse_args(argv)
+    # warnings on stderr, and the kernels' start-up notes (a FlashInfer build takes minutes)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("ppspec.kernels").setLevel(logging.INFO)
     from ppspec.stage_server.config import CheckpointError
 
     from .types import EngineError

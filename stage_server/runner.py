@@ -229,6 +229,8 @@ class StageRunner:
         c = self.cfg
         d = num_speculative_steps + 1
         lin, att = self.model.linear_layers, self.model.attention_layers
+        # FlashInfer only where this stage has attention to run (its layers or the MTP head's)
+        self.flashinfer_prefill = self.flashinfer_prefill and bool(att or self.use_mtp)
         self._slot = {layer: i for i, layer in enumerate(lin)} | {layer: i for i, layer in enumerate(att)}
         # Verify writes up to D - 1 tokens past the committed length: reserve them.
         ctx = self.max_context + d
@@ -245,7 +247,7 @@ class StageRunner:
             KVPool(1, max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx + d, dtype, device)
             if self.use_mtp else None
         )
-        if self.flashinfer_prefill and (att or self.use_mtp):
+        if self.flashinfer_prefill:
             # after the budget check: a stage that cannot start does not wait for a build
             self.flashinfer_prefill = fi_attention.build_at_start(
                 device, dtype, c.head_dim, c.num_attention_heads, c.num_key_value_heads, page_size)
@@ -337,7 +339,7 @@ class StageRunner:
             n_lin, self.max_rows, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
             c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim, d, self.dtype, self.commit_design,
         ).values())
-        need = weights + kv + state + self._attention_workspace(n_att)
+        need = weights + kv + state + self._attention_workspace()
         if need > budget:
             raise ValueError(
                 f"stage {self.pp_rank} needs {_gib(need)} (weights {weights / 2**30:.2f}, KV {kv / 2**30:.2f}, "
@@ -346,11 +348,16 @@ class StageRunner:
             )
         return need
 
-    def _attention_workspace(self, n_att: int) -> int:
+    def _attention_workspace(self) -> int:
         """Device bytes of FlashInfer's workspace when this stage's prefill uses it (one per
         device, shared by the stages on it, allocated by the warm-up after the pools:
         counted here so that the budget holds it before it exists)."""
-        return fi_attention.WORKSPACE_NBYTES if self.flashinfer_prefill and (n_att or self.use_mtp) else 0
+        return fi_attention.WORKSPACE_NBYTES if self.flashinfer_prefill else 0
+
+    @property
+    def prefill_attention(self) -> str:
+        """The kernel of eager prefill chunks' attention: ``"flashinfer"`` or ``"triton"``."""
+        return "flashinfer" if self.flashinfer_prefill else "triton"
 
     # ------------------------------------------------------------------ info
     def memory_report(self) -> dict[str, int]:
@@ -358,7 +365,7 @@ class StageRunner:
         rep = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
         rep["kv_cache"] = self.kv.nbytes if self.kv else 0
         rep["mtp_kv_cache"] = self.mtp_kv.nbytes if self.mtp_kv else 0
-        rep["attention_workspace"] = self._attention_workspace(len(self.model.attention_layers))
+        rep["attention_workspace"] = self._attention_workspace()
         if self.state:
             rep.update(self.state.nbytes)
         rep["cuda_graphs"] = self.graph_bytes
@@ -380,7 +387,7 @@ class StageRunner:
             "num_speculative_steps": self.num_steps,
             "has_mtp": self.use_mtp,
             "commit_design": self.commit_design,
-            "prefill_attention": "flashinfer" if self.flashinfer_prefill else "triton",
+            "prefill_attention": self.prefill_attention,
             "vocab_size": self.cfg.vocab_size,
             "eos_token_ids": list(self.cfg.eos_token_ids),
             "memory_bytes": self.memory_report(),

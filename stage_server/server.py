@@ -340,7 +340,7 @@ async def serve_stage(args) -> int:
     print(
         f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
         f"listening on {args.host}:{bound}; commit design {runner.commit_design}; prefill attention "
-        f"{runner.info()['prefill_attention']}; pools (bytes): {mem}",
+        f"{runner.prefill_attention}; pools (bytes): {mem}",
         flush=True,
     )
     stop = asyncio.Event()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 import torch
 
@@ -96,9 +97,9 @@ def stage_uses_flashinfer(device, dtype: torch.dtype, head_dim: int, num_q_heads
             cannot run (not importable, not CUDA, fp32, an unsupported head dim).
     """
     want = requested()
-    if want == "triton" or (want == "auto" and torch.device(device).type != "cuda"):
-        return False  # (a CPU stage under auto does not even import flashinfer)
-    why = unsupported(device, dtype, head_dim, num_q_heads, num_kv_heads)
+    if want == "triton":
+        return False
+    why = unsupported(device, dtype, head_dim, num_q_heads, num_kv_heads)  # imports flashinfer last
     if why is not None and want == "flashinfer":
         raise ValueError(f"{ENV}=flashinfer, but {why}; unset it or set {ENV}=triton")
     if why is not None and torch.device(device).type == "cuda" and dtype in DTYPES:
@@ -236,8 +237,6 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_
         whatever FlashInfer raises when it cannot build or run (no compiler, an
         unsupported GPU); the caller decides between falling back and stopping.
     """
-    import time
-
     t0 = time.perf_counter()
     dev = torch.device(device)
     kv = torch.zeros(2, page_size, num_kv_heads, head_dim, dtype=dtype, device=dev)

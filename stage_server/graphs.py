@@ -22,6 +22,7 @@ how the CPU tests check the padding against the unpadded path.
 from __future__ import annotations
 
 import array
+import gc
 import itertools
 import logging
 import time
@@ -61,15 +62,32 @@ def smallest_fit(sizes: list[int], batch_size: int) -> int | None:
 def record(fn: Callable, pool=None):
     """Capture ``fn()`` in a CUDA graph after one warm-up call outside it (Triton compiles
     and cuBLAS picks its kernels there, on a side stream as capture requires): ``(graph,
-    fn's output, the memory pool to share with the next capture)``."""
+    fn's output, the memory pool to share with the next capture)``.
+
+    Python's cyclic garbage collector is off during the capture. A collection there may
+    free an unreachable object that owns a CUDA graph (an earlier ``LLM`` or stage of the
+    same process, say); freeing a graph is an unsafe call while a stream captures, so the
+    capture fails ("operation failed due to a previous error during capture"). Seen on the
+    H200: ``make test-gpu`` on a cold Triton cache, whose compiles made collections land
+    inside captures. The garbage is collected after the capture instead.
+
+    Raises:
+        torch.AcceleratorError / RuntimeError: the capture failed (CUDA's message).
+    """
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        out = fn()
+    gc_on = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(g, pool=pool):
+            out = fn()
+    finally:
+        if gc_on:
+            gc.enable()
     return g, out, g.pool()
 
 

@@ -84,3 +84,59 @@ def test_prefill_graph_bucket_edges_and_reused_rows(make_ckpt, design):
     assert seen == [(8, 64), (2, 64), (4, 64)]  # [64 tokens, 1 token]: no bucket, eager
     assert verified  # rows were released after verify rounds (replay: with pending steps)
     assert llm.rows_in_use() == [0]
+
+
+class _FakeCapture:
+    """Stands in for ``torch.cuda.graph`` on the CPU: notes whether Python's cyclic garbage
+    collector could run while the body (the capture) ran."""
+
+    def __init__(self, log, fail):
+        self.log, self.fail = log, fail
+
+    def __call__(self, g, pool=None):
+        return self
+
+    def __enter__(self):
+        self.log.append(("enter", __import__("gc").isenabled()))
+
+    def __exit__(self, *exc):
+        self.log.append(("exit", __import__("gc").isenabled()))
+        if self.fail:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_record_keeps_the_garbage_collector_out_of_the_capture(monkeypatch, fail):
+    """A collection inside a capture can free another object's CUDA graph, an unsafe call
+    that makes the capture fail (seen on the H200: test-gpu on a cold Triton cache). The
+    collector is off while the body is captured, on for the warm-up, and back on after,
+    also when the capture fails."""
+    import gc
+    import types
+
+    from ppspec.stage_server import graphs
+
+    log, seen = [], []
+    fake = types.SimpleNamespace(
+        Stream=lambda: types.SimpleNamespace(wait_stream=lambda s: None),
+        current_stream=lambda: types.SimpleNamespace(wait_stream=lambda s: None),
+        stream=lambda s: _FakeCapture([], False),
+        CUDAGraph=lambda: types.SimpleNamespace(pool=lambda: "pool"),
+        graph=_FakeCapture(log, fail),
+    )
+    monkeypatch.setattr(graphs.torch, "cuda", fake)
+    assert gc.isenabled()
+
+    def body():
+        seen.append(gc.isenabled())
+        return "out"
+
+    if fail:
+        with pytest.raises(RuntimeError, match="during capture"):
+            graphs.record(body)
+    else:
+        _, out, pool = graphs.record(body)
+        assert (out, pool) == ("out", "pool")
+    assert seen == [True, False]  # warm-up with the collector, capture without
+    assert log == [("enter", False), ("exit", False)]
+    assert gc.isenabled()

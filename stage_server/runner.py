@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import time
+import weakref
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -293,9 +294,15 @@ class StageRunner:
     def _capture_graphs(self, max_bs: int, capture: bool) -> None:
         """Graphs of the layers' decode and verify forward and, on an MTP stage, of the
         head's drafting after them (``self.mtp_graphs``)."""
+        # the graphs' forwards reach the runner through a weak proxy: a closure over self
+        # would make runner -> graphs -> closure -> runner a cycle, which keeps the stage's
+        # pools and graphs on the device after the last reference is dropped, until a
+        # collection (one inside a capture breaks the capture, see graphs.record)
+        me = weakref.proxy(self)
+
         def layers(metas, ids, hidden, aux) -> torch.Tensor:
-            h = self.model.embed_tokens(ids) if self.is_first else hidden
-            return self.model(metas[0], h, self._layer_states())
+            h = me.model.embed_tokens(ids) if me.is_first else hidden
+            return me.model(metas[0], h, me._layer_states())
 
         pool = None
         if self.use_mtp and self.num_steps:
@@ -312,10 +319,10 @@ class StageRunner:
             self.graphs[mode], pool = g, g.pool
             if self.use_mtp and self.num_steps:
                 mtp_len = self.mtp_kv.max_pages_per_row * self.mtp_kv.page_size
-                g = StepGraphs(lambda metas, *a: self._mtp_chain(metas[0], *a), kvs=(self.mtp_kv,), takes_hidden=True,
+                g = StepGraphs(lambda metas, *a: me._mtp_chain(metas[0], *a), kvs=(self.mtp_kv,), takes_hidden=True,
                                max_kv_len=mtp_len, pool=pool, **common)
                 self.mtp_graphs[mode], pool = g, g.pool
-                g = StepGraphs(self._greedy_round, kvs=(self.kv, self.mtp_kv), takes_hidden=not self.is_first,
+                g = StepGraphs(lambda *a: me._greedy_round(*a), kvs=(self.kv, self.mtp_kv), takes_hidden=not self.is_first,
                                max_kv_len=mtp_len, pool=pool, **common)
                 self.round_graphs[mode], pool = g, g.pool
         self.prefill_graphs = PrefillGraphs(

@@ -140,3 +140,30 @@ def test_record_keeps_the_garbage_collector_out_of_the_capture(monkeypatch, fail
     assert seen == [True, False]  # warm-up with the collector, capture without
     assert log == [("enter", False), ("exit", False)]
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_dropped_llm_frees_its_stages_without_the_collector(make_ckpt, spec):
+    """The graphs' forwards must not close over their runner: runner -> graphs -> closure ->
+    runner is a cycle that only the cyclic collector frees, so a dropped ``LLM`` kept its
+    stages' pools and CUDA graphs on the device until a collection, and one landing inside
+    another capture broke that capture. With the collector off, dropping the last reference
+    frees every stage (PP2, graphs on, the CPU's padded path)."""
+    import gc
+    import weakref
+
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    kw = dict(pp_size=2, max_rows=4, speculative_algorithm=spec, cuda_graph_max_bs=4)
+    LLM(path, **kw)  # the first build in a process imports modules lazily, whose frames form cycles
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(path, **kw)
+        runners = [weakref.ref(r) for r in llm.pipeline.runners]
+        assert all(r().graphs for r in runners)
+        if spec == "mtp":
+            assert all(r().round_graphs for r in runners if r().use_mtp)
+        del llm
+        assert [r() for r in runners] == [None, None]
+    finally:
+        gc.enable()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import numbers
 import os
+import threading
 import sys
 from dataclasses import dataclass, field
 
@@ -116,15 +118,19 @@ class LLM:
         self._ids = itertools.count()
         self.completions: dict[str, Completion] = {}
         self.model_dir = model
+        self._generate_lock = threading.Lock()
 
     # ---- step-level API: requests join and leave between steps
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a request. Raises ValueError / TypeError (nothing queued) for token ids that
         are not ints in ``[0, vocab_size)`` and for parameters the scheduler refuses."""
         for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            # any integer type (numpy's and torch's included), never a bool or a float
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                   or not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name}: token ids must be ints in [0, {self.vocab_size}), got {bad[:4]}")
+        prompt_ids = [int(t) for t in prompt_ids]
         rid = request_id or f"req-{next(self._ids)}"
         self.scheduler.add(rid, prompt_ids, params)
         self.completions[rid] = Completion(rid, list(prompt_ids))
@@ -143,6 +149,28 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One round of every lane: all lanes' micro-batches run, then all commits."""
+        try:
+            return self._step()
+        except BaseException:
+            # interrupted (Ctrl-C, a signal's exception) between a schedule and its commit:
+            # the micro-batches still in flight never get results, so their requests end
+            # here and every row not yet freed is released on every stage (release is
+            # idempotent), leaving the engine as consistent as a refused step does
+            self._drop_in_flight()
+            raise
+
+    def _drop_in_flight(self) -> None:
+        sched = self.scheduler
+        stuck = [r for r in sched.requests.values() if r.in_flight]
+        dropped, _ = sched.fail_requests(stuck)
+        rows = sched.releasing_rows()  # the dropped rows, and any whose release was cut short
+        self.pipeline.release_sync(rows)
+        sched.free(rows)
+        for r in dropped:
+            if r.request_id in self.completions:
+                self.completions[r.request_id].finish_reason = "abort"
+
+    def _step(self) -> list[RequestOutput]:
         sched, pipe = self.scheduler, self.pipeline
         launched, error = [], None
         for lane in range(sched.num_lanes):
@@ -182,8 +210,13 @@ class LLM:
         return outputs
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
-        """Generate for a list of prompts (token id lists, or strings with a tokenizer next
-        to the checkpoint); returns completions in prompt order."""
+        """Generate for a list of prompts (token id lists or integer arrays, or strings with a
+        tokenizer next to the checkpoint); returns completions in prompt order. Calls from
+        several threads are served one after another.
+
+        Raises ValueError / TypeError (nothing queued) for bad ids or parameters; whatever
+        interrupts the call (an error from a stage, KeyboardInterrupt) ends its requests and
+        gives their rows back on every stage before it propagates."""
         if isinstance(prompts, str):  # one prompt, as vLLM takes it
             prompts = [prompts]
         params = params or SamplingParams(temperature=0.0)
@@ -196,8 +229,12 @@ class LLM:
             if isinstance(p, str):
                 tok = tok or self.tokenizer
                 ids.append(tok.encode(p))
-            else:
-                ids.append(list(p))
+            else:  # a list, or a numpy array / tensor row of ids
+                ids.append(p.tolist() if hasattr(p, "tolist") else list(p))
+        with self._generate_lock:  # calls from several threads run one after another
+            return self._generate(ids, plist, tok)
+
+    def _generate(self, ids: list, plist: list[SamplingParams], tok) -> list[Completion]:
         rids = []
         try:
             for i, sp in zip(ids, plist):

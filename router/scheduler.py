@@ -370,6 +370,10 @@ class Scheduler:
             self.kv_reserved -= self._releasing.pop(row)
             self.free_rows.append(row)
 
+    def releasing_rows(self) -> list[int]:
+        """Rows of ended requests that :meth:`free` has not taken back yet."""
+        return list(self._releasing)
+
     def abort(self, request_id: str, reason: str = "abort") -> list[int]:
         """Abort a request (``reason``: ``abort``, or ``stop`` for a stop string matched by
         the HTTP layer). Returns rows to release now (none while its micro-batch is in

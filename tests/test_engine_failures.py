@@ -110,6 +110,66 @@ def test_llm_stays_usable_after_a_refused_step_and_bad_requests(reference):
     assert llm.rows_in_use() == [0, 0]
 
 
+@pytest.mark.parametrize("where", ["step", "commit_accept", "release"])
+def test_llm_interrupted_generate_releases_every_row(reference, where):
+    """Ctrl-C inside ``LLM.generate`` (a KeyboardInterrupt out of a stage's step, commit or
+    release, with two micro-batches in flight): the call raises it, its requests end, every
+    stage gets every row and KV page back, and the next call generates as a fresh engine."""
+    torch.set_num_threads(1)
+    llm = LLM(DEMO_MODEL, pp_size=2, speculative_algorithm="mtp", max_rows=8, num_micro_batches=2)
+    runner = llm.pipeline.runners[1 if where == "step" else 0]
+    real = getattr(runner, where)
+    calls = []
+
+    def interrupt_once(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    setattr(runner, where, interrupt_once)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) if where == "release" else PARAMS
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, params)
+    assert len(calls) >= 3
+    assert not llm.has_unfinished() and not llm.completions
+    assert llm.rows_in_use() == [0, 0]
+    assert all(i["kv_pages_used"] == 0 for i in llm.pipeline.info_sync())
+    assert len(llm.scheduler.free_rows) == 8 and llm.scheduler.kv_reserved == 0
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == reference[:-1]
+    assert llm.rows_in_use() == [0, 0]
+
+
+def test_llm_generate_from_two_threads_and_numpy_prompts(reference):
+    """Two threads calling ``generate`` at once both get PP1's tokens (the calls run one
+    after another); numpy arrays of ids are prompts like lists."""
+    import threading
+
+    import numpy as np
+
+    torch.set_num_threads(1)
+    llm = LLM(DEMO_MODEL, speculative_algorithm="ngram", max_rows=8)
+    got, errors = {}, []
+
+    def run(k):
+        try:
+            got[k] = [o.token_ids for o in llm.generate(PROMPTS[3 * k:3 * k + 3], PARAMS)]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got[0] + got[1] == reference[:6]
+    arr = [np.array(p, dtype=np.int64) for p in PROMPTS[:2]]
+    assert [o.token_ids for o in llm.generate(arr, PARAMS)] == reference[:2]
+    assert [o.token_ids for o in llm.generate(np.array([PROMPTS[0]]), PARAMS)] == reference[:1]
+    assert llm.rows_in_use() == [0]
+
+
 @pytest.mark.parametrize("kw,err", [
     (dict(max_rows=0), "max_rows must be >= 1"), (dict(chunk_size=0), "chunk_size must be >= 1"),
     (dict(max_batch_size=0), "max_batch_size must be >= 1"), (dict(dtype="int8"), "dtype must be"),

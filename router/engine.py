@@ -103,6 +103,7 @@ class Engine:
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
         )
         self.eos = last["eos_token_ids"]
+        await self._reset_stages(infos)
         if hasattr(self.pipeline, "start_monitor"):
             self.pipeline.start_monitor()
         self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(lanes)]
@@ -318,6 +319,17 @@ class Engine:
         to stop, before the HTTP server closes its connections."""
         self.closing = True
         self._fail(reason)
+        # the process may end as soon as the HTTP server closes (uvicorn re-raises the
+        # signal): give the stages their rows back now, within the drain time
+        self._spawn(self._stop_lanes())
+
+    async def _stop_lanes(self) -> None:
+        """Stop the lane tasks (an in-flight step's RPC is cancelled down the relay chain),
+        then release every row on every stage."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._release_all()
 
     async def _recover(self) -> None:
         """Once every stage serves again, release all rows everywhere and resume."""
@@ -351,6 +363,28 @@ class Engine:
             log.info("pipeline recovered after: %s", self.failure)
             self.failure = None
 
+    async def _reset_stages(self, infos: list[dict]) -> None:
+        """A new router owns no row: rows the stages still hold, and verifies still pending
+        their commit, belong to an earlier router (killed, or restarted mid-stream). Release
+        them all (abandoning those commits) before serving, or the first request on such a
+        row is refused ("still in use") or waits forever for a commit that never comes."""
+        held = [(i["pp_rank"], i["rows_in_use"], i.get("pending_commits", 0)) for i in infos
+                if i["rows_in_use"] or i.get("pending_commits", 0)]
+        if not held:
+            return
+        log.warning("stages hold rows of an earlier router (stage, rows, pending commits): %s; releasing them", held)
+        await self.pipeline.release(list(range(self.scheduler.max_rows)), abandon=True)
+
+    async def _release_all(self, timeout: float = 5.0) -> None:
+        """On close: give every row back on every stage (best effort, ``timeout`` seconds),
+        so that the stages are left as a new router expects them."""
+        if self.scheduler is None:
+            return
+        try:
+            await asyncio.wait_for(self.pipeline.release(list(range(self.scheduler.max_rows)), abandon=True), timeout)
+        except (asyncio.TimeoutError, StageDownError, OSError, EngineError, ValueError) as e:
+            log.warning("could not release the stages' rows on close: %s", e)
+
     async def _stats_loop(self, period: float = 2.0) -> None:
         """Stage busy fraction and pool usage for the metrics, from each stage's Info."""
         prev: dict[int, tuple[float, float]] = {}
@@ -375,6 +409,5 @@ class Engine:
                 self.metrics.set_pool_usage(k, "state", i["rows_in_use"] / max(1, i["max_rows"]))
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+        await self._stop_lanes()
         await self.pipeline.close()

@@ -317,6 +317,8 @@ class Scheduler:
             r.num_computed += batch.extend_lens[i] if batch.mode != "verify" else len(toks)
             accept.append(len(toks))
             r.drafts = list(drafts[i]) if drafts else []
+            if r.status == FINISHED:  # failed while in flight (fail_all): its row is already released
+                continue
             if r.aborted:
                 release.append(self._finish(r, r.abort_reason))
                 outputs.append(RequestOutput(r.request_id, [], r.abort_reason, len(r.prompt_ids), len(r.output_ids)))

@@ -6,6 +6,7 @@ the benchmark client all import them.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 
 from ppspec.proto.messages import GREEDY_BELOW
@@ -39,7 +40,30 @@ class SamplingParams:
     logprobs: int | None = None
 
     def validate(self) -> None:
-        """Raise ``InvalidRequestError`` naming the bad field."""
+        """Raise ``InvalidRequestError`` naming the bad field (a wrong type included: a
+        float ``max_tokens`` or a bool ``logprobs`` is refused, not truncated)."""
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise InvalidRequestError(f"{name} must be a number, got {v!r}", param=name)
+        for name, optional in (("top_k", False), ("max_tokens", False), ("min_tokens", False),
+                               ("seed", True), ("logprobs", True)):
+            v = getattr(self, name)
+            if (v is None and optional) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)):
+                continue
+            raise InvalidRequestError(f"{name} must be an integer{' or None' if optional else ''}, got {v!r}", param=name)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids")
+        # numpy / torch scalars become Python numbers (a numpy seed would overflow below)
+        for name in ("temperature", "top_p", "min_p"):
+            setattr(self, name, float(getattr(self, name)))
+        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, int(getattr(self, name)))
+        self.stop_token_ids = [int(t) for t in ids]
         if not (0.0 <= self.temperature < float("inf")):
             raise InvalidRequestError("temperature must be a finite number >= 0", param="temperature")
         if not (0.0 < self.top_p <= 1.0):

@@ -64,11 +64,14 @@ class Cluster:
             argv += ["--commit-design", self.commit_design]
         self._spawn(f"stage{k}", argv, env)
 
+    def start_router(self, name="router"):
+        self._spawn(name, ["router", "--model", self.model, "--stages", self.stages, "--port", str(self.port),
+                           "--log-level", "warning"] + self.router_args)
+
     def start(self, timeout=240):
         for k in range(self.pp):
             self.start_stage(k)
-        self._spawn("router", ["router", "--model", self.model, "--stages", self.stages, "--port", str(self.port),
-                               "--log-level", "warning"] + self.router_args)
+        self.start_router()
         self.wait_healthy(timeout)
         return self
 

@@ -14,7 +14,7 @@ from ppspec.kernels.gdn import gdn_recurrent
 from ppspec.proto.messages import SamplingSpec
 from ppspec.router.llm import LLM
 from ppspec.router.scheduler import Scheduler
-from ppspec.router.types import ContextLengthError, SamplingParams
+from ppspec.router.types import ContextLengthError, InvalidRequestError, SamplingParams
 from ppspec.stage_server.config import CheckpointError
 from ppspec.stage_server.loader import load_stage_model
 from ppspec.stage_server.sampler import filter_probs, verify_and_sample
@@ -171,6 +171,30 @@ def test_scheduler_rejects_bad_parameters():
         with pytest.raises(Exception, match="must"):
             s.add("x", [1, 2], SamplingParams(**bad))
     assert not s.requests and len(s.free_rows) == 2
+    # wrong types are refused by name, not truncated or raised as a bare TypeError
+    for bad, name in ((dict(max_tokens=2.5), "max_tokens"), (dict(top_k=2.5), "top_k"),
+                      (dict(logprobs=True), "logprobs"), (dict(seed=1.5), "seed"), (dict(temperature="0"), "temperature"),
+                      (dict(min_tokens=None), "min_tokens"), (dict(ignore_eos="yes"), "ignore_eos"),
+                      (dict(stop_token_ids=[1.0]), "stop_token_ids"), (dict(stop_token_ids=7), "stop_token_ids")):
+        with pytest.raises(InvalidRequestError, match=f"{name} must") as e:
+            s.add("x", [1, 2], SamplingParams(**bad))
+        assert e.value.param == name
+    assert not s.requests and len(s.free_rows) == 2
+    s.add("np", [1, 2], SamplingParams(max_tokens=np.int64(3), seed=np.int32(5), temperature=np.float32(0.5)))
+
+
+def test_a_result_for_requests_failed_in_flight_is_dropped():
+    """A stage failure ends every request (``fail_all``) while a micro-batch is out; its
+    result, arriving after, must not resurrect or double-release them."""
+    s = Scheduler(max_rows=2, kv_tokens=1000, max_context=100)
+    s.add("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    batch = s.schedule(0)
+    dropped, rows = s.fail_all()
+    assert [r.request_id for r in dropped] == ["a"] and rows == [0]
+    up = s.process(batch, [[7]])
+    assert up.outputs == [] and up.release_rows == []
+    s.free(rows)
+    assert len(s.free_rows) == 2 and s.kv_reserved == 0 and not s.has_work()
 
 
 def test_any_int64_seed_reaches_the_stages_as_its_uint64_bits():

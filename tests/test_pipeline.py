@@ -213,6 +213,49 @@ def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
     assert not real, real
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_new_router_resets_the_stages_an_old_one_left_mid_stream(random_ref, tmp_path, sig):
+    """The router dies (SIGKILL) or is stopped (SIGTERM) while streams run, its rows held
+    and verifies pending on the stages; a stopped router gives its rows back itself, and a
+    new router on the same stages releases whatever is left before it reports healthy, then
+    serves the greedy tokens of PP1 without speculation."""
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path)) as c:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def one(p):
+                    try:
+                        await client.post(c.url + "/v1/completions", json=dict(
+                            prompt=p, max_tokens=1500, temperature=0.0, ignore_eos=True))
+                    except httpx.HTTPError:
+                        pass
+                tasks = [asyncio.ensure_future(one(p)) for p in prompts[:8]]
+                deadline = time.monotonic() + 30
+                while not any(i.rows_in_use for i in c.stage_infos()):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.2)
+                await asyncio.sleep(1.0)
+                c.kill("router", sig)
+                c.procs["router"].wait(30)
+                await asyncio.gather(*tasks)
+        asyncio.run(scenario())
+        c.procs.pop("router")
+        infos = c.stage_infos()
+        if sig == signal.SIGTERM:
+            assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos), infos
+        else:  # a killed router leaves its rows behind; the new one must not trip on them
+            assert any(i.rows_in_use for i in infos), infos
+        c.start_router("router2")
+        c.wait_healthy(120)
+        infos = c.stage_infos()  # healthy means reset: nothing left of the old router
+        assert all(i.rows_in_use == 0 and i.pending_commits == 0 and i.kv_pages_used == 0 for i in infos), infos
+        outs = complete(c.url, prompts[:8], max_tokens=32)
+        infos = c.wait_rows_free()
+        assert all(i.rows_in_use == 0 and i.pending_commits == 0 and i.kv_pages_used == 0 for i in infos), infos
+    real, _ = divergences(outs, ref[:8], gaps[:8])
+    assert not real, real
+
+
 def test_wedged_stage_turns_health_503(random_ref, tmp_path):
     path, prompts, _, _ = random_ref
     with Cluster(path, 2, "none", log_dir=str(tmp_path), router_args=["--wedge-timeout", "3"]) as c:

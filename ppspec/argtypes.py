@@ -60,17 +60,19 @@ def port_list(s: str) -> list[int]:
     return [port(p) for p in parts]
 
 
+def address(s: str) -> str:
+    """``"host:port"``, the port in range."""
+    a = s.strip()
+    host, sep, p = a.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected host:port, got {s!r}")
+    port(p)
+    return a
+
+
 def address_list(s: str) -> list[str]:
     """``"host:port,host:port"``, each port in range."""
-    out = []
-    for a in (p.strip() for p in s.split(",")):
-        if not a:
-            continue
-        host, sep, p = a.rpartition(":")
-        if not sep or not host:
-            raise argparse.ArgumentTypeError(f"expected host:port, got {a!r}")
-        port(p)
-        out.append(a)
+    out = [address(a) for a in s.split(",") if a.strip()]
     if not out:
         raise argparse.ArgumentTypeError("expected comma-separated host:port addresses")
     return out

@@ -103,6 +103,10 @@ class Engine:
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
         )
         self.eos = last["eos_token_ids"]
+        if self.scheduler.context_limited_by_kv:
+            log.warning("the stages' KV pool (%d tokens) holds less than their context (%d tokens): requests are "
+                        "limited to %d tokens", kv_tokens, self.max_model_len, self.scheduler.max_context)
+        self.max_model_len = self.scheduler.max_context
         await self._reset_stages(infos)
         if hasattr(self.pipeline, "start_monitor"):
             self.pipeline.start_monitor()

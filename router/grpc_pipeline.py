@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ppspec.proto.codec import GRPC_OPTIONS, result_from_pb, step_to_pb
 from ppspec.proto.messages import VERIFY, StepInput, StepOutput
-from ppspec.proto.stubs import pb, pb_grpc
+from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from .scheduler import Commit
 from .types import StageDownError
@@ -56,7 +56,8 @@ class GrpcPipeline:
         return StageDownError(f"{what} failed at {where}: {e.code().name}: {e.details()}")
 
     async def wait_ready(self, timeout: float) -> None:
-        """Wait until every stage's health service answers SERVING.
+        """Wait until every stage's health service answers SERVING for the stage service
+        (a stage is SERVING once its next stage answered as pp_rank + 1).
 
         Raises:
             StageDownError: naming the first stage not serving after ``timeout`` seconds.
@@ -64,16 +65,18 @@ class GrpcPipeline:
         deadline = time.monotonic() + timeout
         next_note = time.monotonic() + 10.0
         for k, stub in enumerate(self.health_stubs):
+            why = "is unreachable"
             while True:
                 try:
-                    r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    r = await stub.Check(health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=2.0)
                     if r.status == health_pb2.HealthCheckResponse.SERVING:
                         break
+                    why = "is up but not serving (its next stage has not answered as the next PP rank; see its log)"
                 except grpc.aio.AioRpcError:
                     pass
                 now = time.monotonic()
                 if now > deadline:
-                    raise StageDownError(f"stage {k} at {self.addresses[k]} is unreachable or not serving")
+                    raise StageDownError(f"stage {k} at {self.addresses[k]} {why}")
                 if now > next_note:  # say what it waits for, not just hang
                     log.warning("waiting for stage %d at %s to serve (%.0f s left)", k, self.addresses[k], deadline - now)
                     next_note = now + 10.0

@@ -115,6 +115,7 @@ class LLM:
             speculative_algorithm=speculative_algorithm, num_steps=num_speculative_steps,
             eos_token_ids=self.eos_token_ids, drafter=drafter,
         )
+        self.max_context = self.scheduler.max_context  # the KV pool may hold less than the stages' context
         self._ids = itertools.count()
         self.completions: dict[str, Completion] = {}
         self.model_dir = model

@@ -132,7 +132,8 @@ class Scheduler:
             past the committed length, the MTP chain num_steps - 1 more), rounded up to whole
             pages, so a running request never runs out.
         page_size: tokens per KV page of the stages (their pools hand out whole pages).
-        max_context: longest sequence in tokens (prompt + completion).
+        max_context: longest sequence in tokens (prompt + completion); lowered to what the
+            KV pool holds when that is less (``self.max_context`` is the limit in force).
         num_lanes: micro-batches in flight.
         max_batch_size: requests per micro-batch.
         chunk_size: prefill tokens per micro-batch (chunked prefill).
@@ -170,8 +171,18 @@ class Scheduler:
         self.spec = speculative_algorithm
         self.num_steps = num_steps if speculative_algorithm != "none" else 0
         self.D = self.num_steps + 1
-        self.max_rows, self.kv_tokens, self.max_context = max_rows, kv_tokens, max_context
+        self.max_rows, self.kv_tokens = max_rows, kv_tokens
         self.page_size = max(1, page_size)
+        # the longest sequence one request may reach: the stages' context, or less when the
+        # smallest KV pool cannot hold a sequence that long plus its verify / draft overhang
+        # (else every request near the context limit, the API's default max_tokens included,
+        # would be refused by admission)
+        pool_limit = (kv_tokens // self.page_size) * self.page_size - self.D - self.num_steps
+        if pool_limit < 2:
+            raise ValueError(f"the KV pool ({kv_tokens} tokens) cannot hold a single request (a 1-token prompt "
+                             f"and 1 token out need {2 + self.D + self.num_steps}); start the stages with more --kv-tokens")
+        self.max_context = min(max_context, pool_limit)
+        self.context_limited_by_kv = pool_limit < max_context
         self.num_lanes, self.max_batch_size, self.chunk_size = num_lanes, max_batch_size, chunk_size
         self.eos = list(eos_token_ids or [])
         self.max_waiting = max_waiting

@@ -184,6 +184,13 @@ class StageRunner:
     ):
         from .config import load_config
 
+        for name, v, least in (("max_rows", max_rows, 1), ("kv_tokens", kv_tokens, 1), ("page_size", page_size, 1),
+                               ("num_speculative_steps", num_speculative_steps, 0),
+                               ("max_context", 1 if max_context is None else max_context, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
+        if not 0 <= pp_rank < pp_size:
+            raise ValueError(f"pp_rank must be in [0, pp_size = {pp_size}), got {pp_rank}")
         if commit_design is None:
             commit_design = "replay" if str(device).startswith("cuda") else "copy"
         if commit_design not in COMMIT_DESIGNS:

@@ -31,10 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
+from ppspec.argtypes import add_cuda_graph_args, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.proto.codec import GRPC_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
 from ppspec.proto.messages import PREFILL, VERIFY
-from ppspec.proto.stubs import pb, pb_grpc
+from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from .config import CheckpointError
 from .pools import PoolExhaustedError
@@ -42,7 +42,6 @@ from .runner import RowStateError, brief
 
 log = logging.getLogger("ppspec.stage")
 
-SERVICE_NAME = "ppspec.stage.Stage"
 
 
 class StageServicer(pb_grpc.StageServicer):
@@ -313,9 +312,6 @@ async def serve_stage(args) -> int:
         print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
         return 2
     last = args.pp_rank == args.pp_size - 1
-    if not last and not args.next_stage:
-        print(f"ppspec stage {args.pp_rank}: --next-stage is required on all but the last stage", file=sys.stderr)
-        return 2
     interceptors = []
     delay = float(os.environ.get("PPSPEC_INJECT_DELAY_MS", "0") or 0)
     if delay > 0:
@@ -334,8 +330,29 @@ async def serve_stage(args) -> int:
         print(f"ppspec stage {args.pp_rank}: cannot listen on {addr}: {e}", file=sys.stderr)
         return 2
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    wiring_error: list[str] = []
+
+    async def serving() -> None:
+        await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    # "" (the process is up) at once; STAGE_SERVICE (it can take steps) on the last stage at
+    # once, on the others once the next stage answers as stage pp_rank + 1
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    if last:
+        await serving()
+    else:
+        await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        async def check_next() -> None:
+            err = await verify_next_stage(servicer._next, args.next_stage, runner)
+            if err:
+                wiring_error.append(err)
+                stop.set()
+            else:
+                await serving()
+
+        checker = asyncio.ensure_future(check_next())
     mem = runner.memory_report()
     print(
         f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
@@ -343,15 +360,53 @@ async def serve_stage(args) -> int:
         f"{runner.prefill_attention}; pools (bytes): {mem}",
         flush=True,
     )
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if not last:
+        checker.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2)
     servicer.executor.shutdown(wait=False, cancel_futures=True)
+    if wiring_error:
+        print(f"ppspec stage {args.pp_rank}: {wiring_error[0]}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    loopback = {"127.0.0.1", "localhost", "0.0.0.0", "::1", "[::1]"}
+    (ha, _, pa), (hb, _, pb_) = a.rpartition(":"), b.rpartition(":")
+    return pa == pb_ and (ha == hb or (ha in loopback and hb in loopback))
+
+
+async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0) -> str | None:
+    """Wait until the stage at ``addr`` answers ``Info``; return None when it is stage
+    ``pp_rank + 1`` of the same ``pp_size`` and starts at this stage's last layer + 1,
+    else what is wrong (a stage wired to itself, to another stage, or to a stage of
+    another pipeline would otherwise relay steps to the wrong layers)."""
+    me = runner.pp_rank
+    start = time.monotonic()
+    next_note = start + note_every
+    while True:
+        try:
+            r = await stub.Info(pb.InfoRequest(), timeout=2.0)
+            break
+        except grpc.aio.AioRpcError as e:
+            now = time.monotonic()
+            if now > next_note:
+                log.warning("stage %d: waiting for the next stage at %s (%.0f s): %s", me, addr, now - start,
+                            e.code().name)
+                next_note = now + note_every
+        await asyncio.sleep(0.5)
+    want = (me + 1, runner.pp_size, runner.model.end)
+    got = (r.pp_rank, r.pp_size, r.layer_start)
+    if got != want:
+        return (f"--next-stage {addr} is stage {r.pp_rank} of {r.pp_size} starting at layer {r.layer_start}; "
+                f"expected stage {want[0]} of {want[1]} starting at layer {want[2]}")
+    log.info("stage %d: next stage at %s is stage %d of %d", me, addr, r.pp_rank, r.pp_size)
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -363,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-size", type=positive_int, default=1)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=port, default=50051)
-    ap.add_argument("--next-stage", default=None, help="host:port of stage pp_rank + 1")
+    ap.add_argument("--next-stage", type=address, default=None,
+                    help="host:port of stage pp_rank + 1 (every stage but the last)")
     ap.add_argument("--max-rows", type=positive_int, default=64, help="request rows (concurrent requests)")
     ap.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache budget in tokens")
     ap.add_argument("--max-context", type=positive_int, default=None, help="context limit in tokens")
@@ -387,6 +443,14 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.pp_rank >= args.pp_size:
         ap.error(f"--pp-rank {args.pp_rank} is not below --pp-size {args.pp_size}")
+    last = args.pp_rank == args.pp_size - 1
+    if last and args.next_stage:
+        ap.error(f"--next-stage given to the last stage (--pp-rank {args.pp_rank} of --pp-size {args.pp_size}): "
+                 f"it returns its results to the router")
+    if not last and not args.next_stage:
+        ap.error("--next-stage is required on every stage but the last")
+    if args.next_stage and _same_endpoint(args.next_stage, f"{args.host}:{args.port}"):
+        ap.error(f"--next-stage {args.next_stage} is this stage's own address")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop

@@ -290,6 +290,73 @@ def test_stage_cli_exits_with_one_clear_line(make_ckpt, tmp_path):
         p = subprocess.run([sys.executable, "-m", "ppspec.cli", "stage", "--model", path, "--port", str(free_port())] + extra,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+    own = free_port()
+    for extra, msg in ((["--next-stage", "foo"], "expected host:port, got 'foo'"),
+                       (["--next-stage", f"127.0.0.1:{free_port()}"], "--next-stage given to the last stage"),
+                       (["--pp-size", "2"], "--next-stage is required on every stage but the last"),
+                       (["--pp-size", "2", "--next-stage", f"localhost:{own}"], "is this stage's own address")):
+        p = subprocess.run([sys.executable, "-m", "ppspec.cli", "stage", "--model", path, "--port", str(own)] + extra,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (extra, p.stderr)
+
+
+def test_a_stage_wired_to_the_wrong_next_stage_exits_and_one_waiting_is_not_serving(make_ckpt, tmp_path):
+    """``--next-stage`` names a stage that is not pp_rank + 1 of this pipeline: the stage
+    exits with one line naming both; while the next stage does not answer, the stage's
+    health for the stage service says NOT_SERVING (a router waits instead of relaying into
+    nothing), and it turns SERVING once the right stage is up."""
+    import subprocess
+    import sys
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from cluster import free_port
+    from ppspec.proto.stubs import STAGE_SERVICE
+
+    path = make_ckpt("qwen3_5_ratio1")
+    ports = [free_port() for _ in range(3)]
+
+    def stage(rank, size, port, nxt=None):
+        argv = [sys.executable, "-m", "ppspec.cli", "stage", "--model", path, "--port", str(port),
+                "--pp-rank", str(rank), "--pp-size", str(size), "--num-threads", "1"]
+        return subprocess.Popen(argv + (["--next-stage", f"127.0.0.1:{nxt}"] if nxt else []),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def health(port):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            try:
+                return health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=2).status
+            except grpc.RpcError:
+                return None
+
+    def wait_for(port, status, proc, timeout=60):
+        import time
+        deadline = time.monotonic() + timeout
+        while health(port) != status:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"port {port} never {status}"
+            time.sleep(0.3)
+
+    other = stage(2, 3, ports[0])  # the last stage of another, 3-stage pipeline
+    first = stage(0, 2, ports[1], nxt=ports[2])  # its next stage is not up yet
+    procs = [other, first]
+    try:
+        wait_for(ports[0], health_pb2.HealthCheckResponse.SERVING, other)
+        wait_for(ports[1], health_pb2.HealthCheckResponse.NOT_SERVING, first)
+        second = stage(1, 2, ports[2])
+        procs.append(second)
+        wait_for(ports[1], health_pb2.HealthCheckResponse.SERVING, first)
+        wrong = stage(0, 2, free_port(), nxt=ports[0])
+        procs.append(wrong)
+        _, err = wrong.communicate(timeout=120)
+        assert wrong.returncode == 2, err
+        assert f"--next-stage 127.0.0.1:{ports[0]} is stage 2 of 3" in err and "expected stage 1 of 2" in err, err
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
 
 
 @pytest.mark.parametrize("spec", ["none", "mtp"])

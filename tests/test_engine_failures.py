@@ -215,3 +215,50 @@ def test_recovery_refuses_a_stage_back_with_other_settings(reference):
     assert "num_speculative_steps is 0, was 3" in refused[1]
     assert ok[0], ok
     assert out == reference[0]
+
+
+def test_a_kv_pool_smaller_than_the_context_limits_requests_instead_of_refusing_them(make_ckpt):
+    """Stages whose KV pool holds less than their context (``--kv-tokens`` at or below
+    ``--max-context``): the router's context limit becomes what the pool holds, so a
+    request without ``max_tokens`` (default: the rest of the context) runs to that limit
+    and one asking for more gets the context-length error, not a KV refusal of every
+    request. A pool too small for any request refuses to start."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from ppspec.router.api import build_app
+
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio1")
+    pipe = InProcessPipeline.build(path, 2, max_rows=4, kv_tokens=48, max_context=64, num_speculative_steps=3, use_mtp=True)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+
+    async def run():
+        engine = Engine(pipe, model_name="t", tokenizer=AutoTokenizer.from_pretrained(path))
+        await engine.start()
+        app = build_app(engine, "t")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            models = (await c.get("/v1/models")).json()
+            ok = await c.post("/v1/completions", json=dict(prompt=prompt, temperature=0, ignore_eos=True))
+            over = await c.post("/v1/completions", json=dict(prompt=prompt, temperature=0, ignore_eos=True,
+                                                             max_tokens=engine.max_model_len - len(prompt) + 1))
+        await engine.close()
+        return engine.max_model_len, models, ok, over
+
+    limit, models, ok, over = asyncio.run(run())
+    kv = next(r.kv for r in pipe.runners if r.kv is not None)
+    page = 48 // kv.num_pages
+    assert limit == 48 // page * page - 4 - 3 < 64  # pool - (D + num_steps): verify and draft overhang
+    assert models["data"][0]["max_model_len"] == limit
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == limit - len(prompt)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded", over.text
+    assert [i["rows_in_use"] for i in pipe.info_sync()] == [0, 0]
+    with pytest.raises(ValueError, match="cannot hold a single request"):
+        LLM(path, kv_tokens=4, max_context=64, speculative_algorithm="mtp", num_speculative_steps=8)
+    for kw, err in ((dict(kv_tokens=0), "kv_tokens must be an integer >= 1"),
+                    (dict(kv_tokens=-5), "kv_tokens must be an integer >= 1"),
+                    (dict(max_context=0), "max_context must be an integer >= 1"),
+                    (dict(kv_tokens=2.5), "kv_tokens must be an integer")):
+        with pytest.raises(ValueError, match=err):
+            LLM(path, **kw)

@@ -94,7 +94,8 @@ class LLM:
             raise ValueError(f"device: {e}") from None
         if speculative_algorithm != "none" and num_speculative_steps < 1:
             raise ValueError(f"speculative_algorithm {speculative_algorithm} needs num_speculative_steps >= 1")
-        for name, v in (("max_rows", max_rows), ("max_batch_size", max_batch_size), ("chunk_size", chunk_size)):
+        for name, v in (("max_rows", max_rows), ("max_batch_size", max_batch_size), ("chunk_size", chunk_size),
+                        ("pp_size", pp_size), ("num_micro_batches", 1 if num_micro_batches is None else num_micro_batches)):
             if v < 1:  # before any stage is built
                 raise ValueError(f"{name} must be >= 1, got {v}")
         steps = num_speculative_steps if speculative_algorithm != "none" else 0

@@ -15,6 +15,8 @@ probabilities are natural logarithms.
 """
 from __future__ import annotations
 
+import json
+
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar, Literal, Optional, Protocol, Union, runtime_checkable
 
@@ -255,12 +257,30 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it (text parts joined by newlines)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_call_id", "tool_calls"):
+        """The message as the chat template sees it: text parts joined by newlines, a null
+        content as "" (templates print ``None`` or fail on it), and each tool call's
+        ``function.arguments`` JSON string as the object it encodes (templates iterate it,
+        as vLLM passes it); arguments that are not a JSON object stay the string sent."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_parsed_arguments(c) for c in self.tool_calls]
         return out
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 class ResponseFormat(_Request):

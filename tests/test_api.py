@@ -997,3 +997,26 @@ def test_a_value_of_no_union_form_names_the_forms(server):
     err = r.json()["error"]
     assert err["param"] == "prompt" and err["message"].startswith("prompt: expected "), err
     assert "str" in err["message"] and "list[int]" in err["message"], err
+
+
+def test_chat_history_with_a_tool_call_and_null_content(client, engine, tokenizer):
+    """An assistant turn that only called a tool (``content: null``, as OpenAI clients send
+    it) renders as an empty turn, not the text "None" or a template error; the call's JSON
+    ``arguments`` reach the template as the object they encode."""
+    from ppspec.router.protocol import ChatMessage
+
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert r.choices[0].message.content is not None
+    (prompt, _), = engine.calls.values()
+    text = tokenizer.decode(prompt)
+    assert text == ("<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+                    "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n"), text
+    rendered = ChatMessage(**messages[1]).to_template()
+    assert rendered["content"] == "" and rendered["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the request is not modified
+    for raw in ("[1, 2]", "not json"):  # not an object: passed as sent
+        m = ChatMessage(role="assistant", tool_calls=[{"function": {"name": "f", "arguments": raw}}]).to_template()
+        assert m["tool_calls"][0]["function"]["arguments"] == raw

@@ -173,6 +173,7 @@ def test_llm_generate_from_two_threads_and_numpy_prompts(reference):
 @pytest.mark.parametrize("kw,err", [
     (dict(max_rows=0), "max_rows must be >= 1"), (dict(chunk_size=0), "chunk_size must be >= 1"),
     (dict(max_batch_size=0), "max_batch_size must be >= 1"), (dict(dtype="int8"), "dtype must be"),
+    (dict(num_micro_batches=0), "num_micro_batches must be >= 1"), (dict(pp_size=0), "pp_size must be >= 1"),
     (dict(device="tpu"), "expected cpu, cuda or cuda:N"),
     (dict(speculative_algorithm="mtp", num_speculative_steps=0), "num_speculative_steps >= 1"),
 ])

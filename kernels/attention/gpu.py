@@ -33,15 +33,16 @@ from .naive import check_gate
 
 @triton.jit
 def _paged_attn_kernel(
-    q, k_cache, v_cache, page_table, rows, kv_lens, cu_q, o, gate,
+    q, k_cache, v_cache, page_table, rows, kv_lens, cu_q, o, gate, part_acc, part_ml,
     scale, pt_stride, sg0, sg1,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
-    HAS_GATE: tl.constexpr,
+    HAS_GATE: tl.constexpr, SPLITS: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_hk = tl.program_id(1)
-    i_mb = tl.program_id(2)
+    i_mb = tl.program_id(2) // SPLITS
+    i_s = tl.program_id(2) % SPLITS
     G: tl.constexpr = HQ // HKV
     # the index tensors come as the stage made them (int64 or int32); int32 arithmetic here
     q0 = tl.load(cu_q + i_b).to(tl.int32)
@@ -67,9 +68,14 @@ def _paged_attn_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
         start = tl.full([], 0, tl.int32)
-        while start < hi:  # (while: Triton's interpreter cannot range() over a loaded value)
+        end = hi
+        if SPLITS > 1:  # this program's share of the keys, whole BLOCK_N blocks of them
+            chunk = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+            start = i_s * chunk
+            end = tl.minimum(start + chunk, hi)
+        while start < end:  # (while: Triton's interpreter cannot range() over a loaded value)
             pos = start + tl.arange(0, BLOCK_N)
-            m_n = pos < hi
+            m_n = pos < end
             page = tl.load(page_table + row * pt_stride + pos // PAGE, mask=m_n, other=0).to(tl.int64)
             slot = page * PAGE + pos % PAGE
             kv_off = (slot[:, None] * HKV + i_hk) * HD + o_d[None, :]
@@ -93,13 +99,46 @@ def _paged_attn_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
             start += BLOCK_N
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
         m_o = m_q[:, None] & m_d[None, :]
-        if HAS_GATE:
-            p_g = gate + tok[:, None] * sg0 + i_hq[:, None] * sg1 + o_d[None, :]
-            out = out * tl.sigmoid(tl.load(p_g, mask=m_o, other=0.0).to(tl.float32))
-        p_o = o + (tok[:, None] * HQ + i_hq[:, None]) * HD + o_d[None, :]
-        tl.store(p_o, out.to(o.dtype.element_ty), mask=m_o)
+        if SPLITS > 1:  # partial (acc, max, sum) of this share; _combine_splits_kernel ends it
+            part = (tok[:, None] * HQ + i_hq[:, None]) * SPLITS + i_s
+            tl.store(part_acc + part * BD + o_d[None, :], acc, mask=m_o)
+            tl.store(part_ml + part * 2, m_i[:, None], mask=m_q[:, None])
+            tl.store(part_ml + part * 2 + 1, l_i[:, None], mask=m_q[:, None])
+        else:
+            _attn_epilogue(acc / tl.maximum(l_i, 1e-30)[:, None], o, gate, tok[:, None], i_hq[:, None], o_d[None, :],
+                           m_o, sg0, sg1, HQ, HD, HAS_GATE)
+
+
+@triton.jit
+def _attn_epilogue(out, o, gate, tok, i_hq, o_d, mask, sg0, sg1, HQ: tl.constexpr, HD: tl.constexpr,
+                   HAS_GATE: tl.constexpr):
+    """Store the fp32 attention output ``out`` at (tok, i_hq, o_d), times sigmoid(gate)."""
+    if HAS_GATE:
+        p_g = gate + tok * sg0 + i_hq * sg1 + o_d
+        out = out * tl.sigmoid(tl.load(p_g, mask=mask, other=0.0).to(tl.float32))
+    tl.store(o + (tok * HQ + i_hq) * HD + o_d, out.to(o.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc, part_ml, o, gate, sg0, sg1,
+    HQ: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    """One (query token, query head): the SPLITS partial softmaxes merged (flash-decoding:
+    each share's sum and output rescaled by ``e^{m_s - max_s m_s}``), then the epilogue.
+    A share with no visible key holds m = -1e30, l = 0 and weighs nothing."""
+    tok = tl.program_id(0).to(tl.int64)
+    i_hq = tl.program_id(1)
+    o_s = tl.arange(0, SPLITS)
+    o_d = tl.arange(0, BD)
+    base = (tok * HQ + i_hq) * SPLITS
+    m_s = tl.load(part_ml + (base + o_s) * 2)
+    l_s = tl.load(part_ml + (base + o_s) * 2 + 1)
+    w = tl.exp(m_s - tl.max(m_s, axis=0))
+    acc = tl.load(part_acc + (base + o_s)[:, None] * BD + o_d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(tl.sum(l_s * w, axis=0), 1e-30)
+    _attn_epilogue(out, o, gate, tok, i_hq, o_d, o_d < HD, sg0, sg1, HQ, HD, HAS_GATE)
 
 
 def _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, gate):
@@ -173,11 +212,57 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
     BD = triton.next_power_of_2(hd)
     BLOCK_M = 16 if max_l * G <= 16 else (32 if ieee and BD > 128 else 64)
     BLOCK_N = 32 if (ieee or BD > 128) else 64
-    grid = (B, Hkv, triton.cdiv(max_l * G, BLOCK_M))
+    m_blocks = triton.cdiv(max_l * G, BLOCK_M)
+    splits = kv_splits(B * Hkv, dev, BLOCK_M) if m_blocks == 1 else 1
+    grid = (B, Hkv, m_blocks * splits)
+    if splits > 1:
+        part_acc = torch.empty((T, Hq, splits, BD), dtype=torch.float32, device=dev)
+        part_ml = torch.empty((T, Hq, splits, 2), dtype=torch.float32, device=dev)
+    else:
+        part_acc = part_ml = o  # not read (SPLITS 1)
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, pt, rows, lens, cu, o, g3, float(scale), pt.stride(0), sg0, sg1,
+        q, k_cache, v_cache, pt, rows, lens, cu, o, g3, part_acc, part_ml, float(scale), pt.stride(0), sg0, sg1,
         HQ=Hq, HKV=Hkv, HD=hd, PAGE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BD=BD, IEEE=ieee,
-        HAS_GATE=gate is not None,
+        HAS_GATE=gate is not None, SPLITS=splits,
         num_warps=4 if BLOCK_M <= 32 else 8,
     )
+    if splits > 1:
+        _combine_splits_kernel[(T, Hq)](
+            part_acc, part_ml, o, g3, sg0, sg1, HQ=Hq, HD=hd, BD=BD, SPLITS=splits, HAS_GATE=gate is not None,
+            num_warps=4 if BD >= 256 else 2,
+        )
     return o
+
+
+# Decode and verify launch one program per (request, KV head): at batch 64 with 2 KV heads
+# that is 128 programs, one per SM, each streaming its whole context, which reads KV at a
+# third of the copy bandwidth (flash-decoding's observation). Below a number of programs
+# per SM the keys are split into shares whose partial softmaxes a second kernel merges. A
+# share writes and the merge reads 4 bytes per (query row, head dim) per share, so query
+# blocks of many rows (a verify's D x G) split less. kernels/bench_decode_attention.py on
+# the H200 (context 1024, heads 16/2/256, graphed): decode 5.8x / 3.0x / 1.28x faster at
+# batch 1 / 16 / 64 (32, 32, 8 shares), 0.94x at 256 (2 shares: not split now); verify
+# of D = 4 6.0x / 2.25x at batch 1 / 16, 0.93x at 64 (2 shares: not split now).
+_PROGRAMS_PER_SM = {16: 4.0}  # BLOCK_M -> target programs per SM; other blocks: 0.5
+_MAX_SPLITS = 32
+
+
+def kv_splits(programs: int, device, block_m: int = 16) -> int:
+    """Shares of the keys per (request, KV head): 1 when ``programs`` reach half of
+    ``_PROGRAMS_PER_SM`` per SM, else the power of two in ``[2, _MAX_SPLITS]`` that brings
+    them up to it. A share covers
+    ``ceil(kv_len / splits)`` keys rounded up to whole blocks, computed in the kernel from
+    each request's length (so a captured graph serves every length)."""
+    target = _PROGRAMS_PER_SM.get(block_m, 0.5) * _sm_count(device)
+    splits = 1
+    if 2 * programs >= target:  # half the target already: a share's merge costs more than it gains
+        return 1
+    while splits < _MAX_SPLITS and programs * splits < target:
+        splits *= 2
+    return splits
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 8  # Triton's interpreter (tests): a few shares, so the split path runs
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -718,6 +718,27 @@ def test_paged_attention(dev, heads, dtype, mode):
         paged_attention_gpu(*bad)
 
 
+@pytest.mark.parametrize("splits", [2, 8, 32])
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+@pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])
+def test_paged_attention_split_kv(dev, heads, mode, splits, monkeypatch):
+    """The keys split into ``splits`` shares merged by a second kernel (flash-decoding), in
+    fp32 with the output gate: the reference's output whatever the split, including
+    shares that hold no key of a short request (32 shares of a 5-token context)."""
+    from ppspec.kernels.attention import gpu
+    from ppspec.kernels.attention.naive import paged_attention_ref
+
+    args = list(_attention_case(dev, heads, F32, mode))
+    args[5][0] = int(args[6][1] - args[6][0]) + 4  # request 0: 4 cached tokens, most shares empty
+    T, Hq, hd = args[0].shape
+    gate = torch.randn(T, Hq, hd, generator=torch.Generator().manual_seed(splits)).to(dev)
+    monkeypatch.setattr(gpu, "kv_splits", lambda *a, **k: splits)
+    o = gpu.paged_attention_gpu(*args, gate=gate)
+    assert _rel_err(o, paged_attention_ref(*args, gate=gate)) < 1e-5
+    monkeypatch.setattr(gpu, "kv_splits", lambda *a, **k: 1)
+    assert _rel_err(o, gpu.paged_attention_gpu(*args, gate=gate)) < 1e-5
+
+
 @pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
 @pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (BF16, BF16), (BF16, F32)])
 @pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])

@@ -8,8 +8,13 @@ head are processed together, so decode (one query) still fills the matrix unit. 
 query i sees positions ``<= kv_lens[b] - L_b + i`` (causal). Softmax runs in fp32 with an
 online max; fp32 inputs use IEEE fp32 products (no tf32).
 
-The launch is the only kernel: the index tensors are read in the dtype the stage made them
-(int64, or int32) and q and the output gate in place, so no cast or copy runs before it.
+Decode and verify at small batch have too few such programs to read KV at speed: their
+keys are then split into shares (:func:`kv_splits`), each program of a share writes its
+partial softmax to an fp32 workspace, and ``_combine_splits_kernel`` merges the shares
+(Dao et al., "Flash-Decoding for long-context inference", 2023).
+
+No cast or copy runs before the launch: the index tensors are read in the dtype the stage
+made them (int64, or int32) and q and the output gate in place.
 
 With ``gate`` the epilogue multiplies the fp32 attention output by ``sigmoid(gate)`` (in
 fp32) and rounds once to q's dtype. The reference (and the unfused model before it) rounds

@@ -71,6 +71,7 @@ from .protocol import (
     UsageInfo,
     _GenerationRequest,
 )
+from .detokenize import TextStream, TokenPieces
 from .types import ContextLengthError, EngineError, InvalidRequestError, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,6 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest accepted request body, in bytes (larger: 413)."""
 LOGPROB_FLOOR = -9999.0
 """Log-probabilities below this (and -inf / NaN) are reported as this value (JSON has no -inf)."""
-_DETOKENIZE_CONTEXT = 5  # prompt tokens decoded with the first output tokens (leading spaces)
 
 
 # --------------------------------------------------------------------------------------
@@ -152,177 +152,6 @@ def _check_utf8(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequestError(f"{param} is not valid UTF-8 text", param=param) from None
-
-
-# --------------------------------------------------------------------------------------
-# Detokenization and stop strings
-# --------------------------------------------------------------------------------------
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """Character -> byte of the byte-level BPE alphabet (printable bytes map to themselves,
-    the others to code points from 256 upward, in byte order)."""
-    kept = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in kept:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-class TokenPieces:
-    """The text and exact bytes of single tokens, for logprob entries (cached per id)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = getattr(backend, "decoder", None)
-        self._alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
-        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-        self.byte_level = self._alphabet is not None
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
-        hit = self._cache.get(token_id)
-        if hit is not None:
-            return hit
-        raw: bytes | None = None
-        if self._alphabet is not None and token_id not in self._special:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str):
-                try:
-                    raw = bytes(self._alphabet[c] for c in piece)
-                except KeyError:  # an added token, stored as plain text
-                    raw = None
-        if raw is not None:
-            text = raw.decode("utf-8", errors="replace")
-        elif token_id in self._special:
-            text = str(self.tokenizer.convert_ids_to_tokens(token_id))
-            raw = text.encode("utf-8")
-        else:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            raw = text.encode("utf-8")
-        out = (text, list(raw))
-        if len(self._cache) < 65536:
-            self._cache[token_id] = out
-        return out
-
-
-class IncrementalDecoder:
-    """Token ids in, text out, never splitting a UTF-8 character.
-
-    Decodes a small window (a few tokens before the last released text plus the new ones)
-    and releases the text beyond the window's old text once it no longer ends in U+FFFD
-    (an incomplete character). The first window starts with the last prompt tokens, so a
-    leading space of the first output token decodes as it does in context.
-    """
-
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        self._prefix_text: str | None = None
-
-    def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
-
-    def _prefix(self) -> str:
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        return self._prefix_text
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes ("" while a character is incomplete)."""
-        self.ids.append(token_id)
-        prefix = self._prefix()
-        text = self._decode(self.ids[self.prefix_offset:])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self._prefix_text = None
-            return text[len(prefix):]
-        return ""
-
-    def flush(self) -> str:
-        """At the end: the text still held back (an incomplete character decodes as U+FFFD)."""
-        if self.read_offset == len(self.ids):
-            return ""
-        prefix = self._prefix()
-        text = self._decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        self._prefix_text = None
-        return text[len(prefix):] if len(text) > len(prefix) else ""
-
-
-class TextStream:
-    """Detokenized text of one choice with stop-string handling.
-
-    ``add(token_id)`` returns True when a stop string has appeared (the text is then cut
-    before it); ``take()`` returns the text safe to send now, holding back the longest tail
-    that is a proper prefix of some stop string; ``finish()`` returns everything left.
-    """
-
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: list[str],
-                 skip_special_tokens: bool = True):
-        self.decoder = IncrementalDecoder(tokenizer, prompt_ids, skip_special_tokens)
-        self.stops = [s for s in stops if s]
-        self.max_stop = max((len(s) for s in self.stops), default=0)
-        self.text = ""  # all text so far (cut at the stop string once one matched)
-        self.sent = 0  # characters of self.text already returned
-        self.stop_str: str | None = None
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_str is not None
-
-    def add(self, token_id: int) -> bool:
-        return self._append(self.decoder.push(token_id))
-
-    def _append(self, delta: str) -> bool:
-        if self.stopped or not delta:
-            return self.stopped
-        # A new match ends inside delta, so it starts at most max_stop - 1 characters before
-        # it; text already sent never starts a match (it was held back while it could).
-        start = max(self.sent, len(self.text) - self.max_stop + 1)
-        self.text += delta
-        best: tuple[int, str] | None = None
-        for s in self.stops:
-            i = self.text.find(s, start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            self.text = self.text[:best[0]]
-            self.stop_str = best[1]
-        return self.stopped
-
-    def _holdback(self) -> int:
-        tail = self.text[self.sent:]
-        for k in range(min(len(tail), self.max_stop - 1), 0, -1):
-            suffix = tail[-k:]
-            if any(s.startswith(suffix) for s in self.stops):
-                return k
-        return 0
-
-    def take(self) -> str:
-        end = len(self.text)
-        if not self.stopped:
-            end -= self._holdback()
-        out = self.text[self.sent:end]
-        self.sent = end
-        return out
-
-    def finish(self) -> str:
-        self._append(self.decoder.flush())
-        out = self.text[self.sent:]
-        self.sent = len(self.text)
-        return out
 
 
 # --------------------------------------------------------------------------------------

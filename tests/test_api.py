@@ -26,7 +26,8 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ppspec.router.api import TextStream, TokenPieces, build_app, serve_http
+from ppspec.router.api import build_app, serve_http
+from ppspec.router.detokenize import TextStream, TokenPieces
 from ppspec.router.protocol import AsyncEngine
 from ppspec.router.types import (
     ContextLengthError,

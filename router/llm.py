@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device_list, positive_int
 
+from .detokenize import TextStream
 from .pipeline import InProcessPipeline
 from .scheduler import Scheduler, kv_budget
 from .types import RequestOutput, SamplingParams
@@ -32,7 +33,8 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 @dataclass
 class Completion:
     """A finished request: its token ids, finish reason and, with speculation, the
-    accept length of every verify round it took part in."""
+    accept length of every verify round it took part in. With stop strings, ``token_ids``
+    end with the token that completed the stop string and ``text`` is cut before it."""
 
     request_id: str
     prompt_ids: list[int]
@@ -41,6 +43,7 @@ class Completion:
     accept_lengths: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     text: str | None = None
+    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 class LLM:
@@ -138,13 +141,15 @@ class LLM:
         self.completions[rid] = Completion(rid, list(prompt_ids))
         return rid
 
-    def abort(self, request_id: str) -> None:
-        rows = self.scheduler.abort(request_id)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request (``reason``: its finish reason, ``abort`` or ``stop``) and release its
+        rows on every stage."""
+        rows = self.scheduler.abort(request_id, reason)
         self.pipeline.release_sync(rows)
         self.scheduler.free(rows)
         c = self.completions.get(request_id)
         if c is not None and c.finish_reason is None and request_id not in self.scheduler.requests:
-            c.finish_reason = "abort"
+            c.finish_reason = reason
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -238,11 +243,17 @@ class LLM:
 
     def _generate(self, ids: list, plist: list[SamplingParams], tok) -> list[Completion]:
         rids = []
+        streams: dict[str, TextStream] = {}  # requests with stop strings: their text so far
         try:
             for i, sp in zip(ids, plist):
                 rids.append(self.add_request(i, sp))
+                if sp.stop:
+                    tok = tok or self.tokenizer
+                    streams[rids[-1]] = TextStream(tok, list(i), sp.stop)
             while self.has_unfinished():
-                self.step()
+                outputs = self.step()
+                if streams:
+                    self._match_stops(outputs, streams)
         except BaseException:
             # this call's requests end with it (the object stays usable for the next call)
             for r in rids:
@@ -250,10 +261,34 @@ class LLM:
                 self.completions.pop(r, None)
             raise
         out = [self.completions.pop(r) for r in rids]
-        if tok is not None:
-            for c in out:
+        for c in out:
+            st = streams.get(c.request_id)
+            if st is not None:
+                st.finish()
+                c.text = st.text
+            elif tok is not None:
                 c.text = tok.decode(c.token_ids, skip_special_tokens=True)
         return out
+
+    def _match_stops(self, outputs: list[RequestOutput], streams: dict) -> None:
+        """Feed each request's new tokens to its text; at a stop string keep the tokens up
+        to the one that completed it (a verify round may have emitted more) and end the
+        request with finish reason ``stop``."""
+        for o in outputs:
+            st = streams.get(o.request_id)
+            if st is None or st.stopped:
+                continue
+            c = self.completions[o.request_id]
+            first = len(c.token_ids) - len(o.new_token_ids)
+            for j, t in enumerate(o.new_token_ids):
+                if st.add(t):
+                    keep = first + j + 1
+                    c.token_ids, c.logprobs = c.token_ids[:keep], c.logprobs[:keep]
+                    c.stop_reason = st.stop_str
+                    if c.finish_reason is None:
+                        self.abort(o.request_id, "stop")
+                    c.finish_reason = "stop"
+                    break
 
     @property
     def tokenizer(self):
@@ -276,6 +311,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
     ap.add_argument("--max-tokens", type=positive_int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit (default: replay on CUDA, copy on CPU)")
     ap.add_argument("--device", type=device_list, default="cpu", help="cpu, cuda, or a comma-separated device per stage")
@@ -293,7 +329,8 @@ def main(argv: list[str]) -> int:
         llm = LLM(a.model, pp_size=a.pp_size, speculative_algorithm=a.speculative_algorithm,
                   num_speculative_steps=a.speculative_num_steps, commit_design=a.commit_design,
                   device=a.device, dtype=a.dtype, cuda_graph_max_bs=cuda_graph_max_bs(a))
-        outs = llm.generate(a.prompt, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens))
+        outs = llm.generate(a.prompt, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens,
+                                                        stop=a.stop))
     except (CheckpointError, EngineError, ValueError, OSError) as e:
         print(f"ppspec generate: {e}", file=sys.stderr)
         return 2

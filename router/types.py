@@ -25,7 +25,10 @@ class SamplingParams:
     max_tokens: completion tokens at most; min_tokens: EOS / stop ids are masked until
     this many tokens exist. stop_token_ids: extra ids that end the request (EOS is added by
     the engine unless ignore_eos). logprobs: None, or the number of top log-probabilities
-    to return per generated token (0 = only the sampled token's).
+    to return per generated token (0 = only the sampled token's). stop: strings that end
+    the request once they appear in its text; the text is cut before the first one
+    (``LLM.generate``; the HTTP layer takes ``stop`` from the request body). The stages never
+    see them.
     """
 
     temperature: float = 1.0
@@ -38,6 +41,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the bad field (a wrong type included: a
@@ -57,6 +61,11 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
             raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids")
+        if isinstance(self.stop, str):  # one string, as OpenAI and vLLM take it
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
+            raise InvalidRequestError(f"stop must be a list of non-empty strings, got {self.stop!r}", param="stop")
+        self.stop = list(self.stop)
         # numpy / torch scalars become Python numbers (a numpy seed would overflow below)
         for name in ("temperature", "top_p", "min_p"):
             setattr(self, name, float(getattr(self, name)))
@@ -132,7 +141,10 @@ class EngineError(Exception):
         self.code = code
 
 
-class InvalidRequestError(EngineError):
+class InvalidRequestError(EngineError, ValueError):
+    """A request the engine refuses before allocating anything (HTTP 400). Also a
+    ValueError, so ``LLM`` callers catch it as vLLM's ``LLM`` raises bad parameters."""
+
     http_status = 400
     error_type = "invalid_request_error"
 

@@ -263,3 +263,39 @@ def test_a_kv_pool_smaller_than_the_context_limits_requests_instead_of_refusing_
                     (dict(kv_tokens=2.5), "kv_tokens must be an integer")):
         with pytest.raises(ValueError, match=err):
             LLM(path, **kw)
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_llm_stop_strings_cut_the_text_and_end_the_request(spec):
+    """``SamplingParams(stop=[...])`` in ``LLM.generate``, as vLLM's: the text ends before
+    the first stop string, the token ids end with the token that completed it (with MTP a
+    round may have emitted more: they are dropped), finish_reason is ``stop`` with the
+    string as stop_reason, and the rows come back. Checked against the same greedy run
+    without stop strings."""
+    torch.set_num_threads(1)
+    llm = LLM(DEMO_MODEL, speculative_algorithm=spec, max_rows=4)
+    prompts = ["The pipeline", "Once upon a time"]
+    full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    tok = llm.tokenizer
+    stops, expect = [], []
+    for c in full:
+        text = c.text
+        s = text[len(text) // 2: len(text) // 2 + 3]
+        assert len(s) == 3 and s.strip(), text
+        cut = text.find(s)
+        k = next(k for k in range(1, len(c.token_ids) + 1) if s in tok.decode(c.token_ids[:k], skip_special_tokens=True))
+        stops.append(s)
+        expect.append((text[:cut], c.token_ids[:k]))
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[s, "\x00never"])
+                                  for s in stops])
+    for o, s, (text, ids) in zip(outs, stops, expect):
+        assert o.text == text and o.token_ids == ids
+        assert o.finish_reason == "stop" and o.stop_reason == s
+    assert llm.rows_in_use() == [0] and not llm.has_unfinished()
+    # a stop string that never appears changes nothing; one string is a list of one
+    (same,) = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop="\x00never"))
+    assert same.token_ids == full[0].token_ids and same.finish_reason == "length" and same.stop_reason is None
+    for bad in ([""], [3], 7):
+        with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
+            llm.generate(prompts[:1], SamplingParams(max_tokens=4, stop=bad))
+    assert llm.rows_in_use() == [0]

@@ -155,27 +155,38 @@ class LLM:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One round of every lane: all lanes' micro-batches run, then all commits."""
+        """One round of every lane: all lanes' micro-batches run, then all commits.
+
+        Whatever interrupts it (a stage's error, KeyboardInterrupt) ends the requests of
+        every micro-batch not yet committed on every stage, releases their rows and
+        propagates; the engine stays usable."""
+        self._release_leftovers()
+        self._unsettled: list = []  # requests of micro-batches not yet committed everywhere
         try:
             return self._step()
         except BaseException:
-            # interrupted (Ctrl-C, a signal's exception) between a schedule and its commit:
-            # the micro-batches still in flight never get results, so their requests end
-            # here and every row not yet freed is released on every stage (release is
-            # idempotent), leaving the engine as consistent as a refused step does
-            self._drop_in_flight()
+            # between a schedule and its commit the stages' state of these requests is not
+            # what the scheduler believes: end them, and release every row not yet freed on
+            # every stage (release is idempotent)
+            self._drop_unsettled()
             raise
 
-    def _drop_in_flight(self) -> None:
+    def _release_leftovers(self) -> None:
+        """Rows whose release was itself interrupted (a second Ctrl-C during the clean-up)."""
+        rows = self.scheduler.releasing_rows()
+        if rows:
+            self.pipeline.release_sync(rows)
+            self.scheduler.free(rows)
+
+    def _drop_unsettled(self) -> None:
         sched = self.scheduler
-        stuck = [r for r in sched.requests.values() if r.in_flight]
-        dropped, _ = sched.fail_requests(stuck)
-        rows = sched.releasing_rows()  # the dropped rows, and any whose release was cut short
-        self.pipeline.release_sync(rows)
-        sched.free(rows)
-        for r in dropped:
-            if r.request_id in self.completions:
-                self.completions[r.request_id].finish_reason = "abort"
+        stuck = [r for r in sched.requests.values() if r.in_flight] + self._unsettled
+        sched.fail_requests(stuck)
+        for r in stuck:
+            c = self.completions.get(r.request_id)
+            if c is not None and c.finish_reason is None:
+                c.finish_reason = "abort"
+        self._release_leftovers()
 
     def _step(self) -> list[RequestOutput]:
         sched, pipe = self.scheduler, self.pipeline
@@ -184,6 +195,7 @@ class LLM:
             batch = sched.schedule(lane)
             if batch is None:
                 continue
+            self._unsettled += batch.requests
             try:
                 launched.append((batch, pipe.step_sync(batch.step_input(self.eos_token_ids))))
             except Exception as e:
@@ -212,6 +224,8 @@ class LLM:
                 c.logprobs += o.logprobs or []
                 c.finish_reason = o.finish_reason
             outputs += up.outputs
+            settled = set(map(id, batch.requests))
+            self._unsettled = [r for r in self._unsettled if id(r) not in settled]
         if error is not None:
             raise error
         return outputs

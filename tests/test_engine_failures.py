@@ -140,6 +140,50 @@ def test_llm_interrupted_generate_releases_every_row(reference, where):
     assert llm.rows_in_use() == [0, 0]
 
 
+def test_llm_step_interrupted_in_a_commit_ends_the_uncommitted_micro_batches(reference):
+    """Step-level API: a ``step()`` cut off inside a stage's commit ends the requests whose
+    accepted state not every stage committed (their tokens would go wrong), gives back
+    their rows, and the rest finish with PP1's tokens; a second interrupt inside the
+    clean-up's release leaves rows that the next step releases."""
+    torch.set_num_threads(1)
+    llm = LLM(DEMO_MODEL, pp_size=2, speculative_algorithm="mtp", max_rows=8)
+    rids = [llm.add_request(p, PARAMS) for p in PROMPTS[:4]]
+    runner = llm.pipeline.runners[0]
+    commit, release, calls = runner.commit_accept, runner.release, []
+
+    def commit_once(*args):
+        calls.append("commit")
+        if calls.count("commit") == 2:
+            raise KeyboardInterrupt
+        return commit(*args)
+
+    def release_fails_in_cleanup(rows):
+        if "commit" in calls and calls.count("commit") == 2 and "release" not in calls:
+            calls.append("release")
+            raise KeyboardInterrupt  # the clean-up's release, cut off too
+        return release(rows)
+
+    runner.commit_accept, runner.release = commit_once, release_fails_in_cleanup
+    interrupted = 0
+    while llm.has_unfinished():
+        try:
+            llm.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+    assert interrupted == 1 and "release" in calls  # the second came out of the first one's clean-up
+    done = [llm.completions[r] for r in rids]
+    aborted = [c for c in done if c.finish_reason == "abort"]
+    assert aborted
+    for i, c in enumerate(done):
+        if c.finish_reason == "abort":
+            assert c.token_ids == reference[i][:len(c.token_ids)]
+        else:
+            assert c.finish_reason == "length" and c.token_ids == reference[i], i
+    assert llm.rows_in_use() == [0, 0]
+    assert len(llm.scheduler.free_rows) == 8 and llm.scheduler.kv_reserved == 0
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == reference[:-1]
+
+
 def test_llm_generate_from_two_threads_and_numpy_prompts(reference):
     """Two threads calling ``generate`` at once both get PP1's tokens (the calls run one
     after another); numpy arrays of ids are prompts like lists."""

@@ -329,11 +329,14 @@ class Engine:
 
     async def _stop_lanes(self) -> None:
         """Stop the lane tasks (an in-flight step's RPC is cancelled down the relay chain),
-        then release every row on every stage."""
+        then release this router's rows on every stage."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._release_all()
+        if not self.closing and self.scheduler is not None:  # close() without shutdown(): end the requests first
+            self.closing = True
+            self._fail("the engine is closing")
+        await self._release_own_rows()
 
     async def _recover(self) -> None:
         """Once every stage serves again, release all rows everywhere and resume."""
@@ -379,15 +382,23 @@ class Engine:
         log.warning("stages hold rows of an earlier router (stage, rows, pending commits): %s; releasing them", held)
         await self.pipeline.release(list(range(self.scheduler.max_rows)), abandon=True)
 
-    async def _release_all(self, timeout: float = 5.0) -> None:
-        """On close: give every row back on every stage (best effort, ``timeout`` seconds),
-        so that the stages are left as a new router expects them."""
+    async def _release_own_rows(self, timeout: float = 5.0) -> None:
+        """On close: give back on every stage the rows this router holds (its failed and
+        finishing requests; best effort, ``timeout`` seconds), abandoning their pending
+        commits, so that the stages are left as a new router expects them. Only its own:
+        another router may already serve these stages."""
         if self.scheduler is None:
             return
+        rows = sorted(set(self._stale_rows) | set(self.scheduler.releasing_rows()))
+        if not rows:
+            return
         try:
-            await asyncio.wait_for(self.pipeline.release(list(range(self.scheduler.max_rows)), abandon=True), timeout)
+            await asyncio.wait_for(self.pipeline.release(rows, abandon=True), timeout)
         except (asyncio.TimeoutError, StageDownError, OSError, EngineError, ValueError) as e:
             log.warning("could not release the stages' rows on close: %s", e)
+            return
+        self._stale_rows = []
+        self.scheduler.free([r for r in rows if r in self.scheduler.releasing_rows()])
 
     async def _stats_loop(self, period: float = 2.0) -> None:
         """Stage busy fraction and pool usage for the metrics, from each stage's Info."""

@@ -64,8 +64,8 @@ class Cluster:
             argv += ["--commit-design", self.commit_design]
         self._spawn(f"stage{k}", argv, env)
 
-    def start_router(self, name="router"):
-        self._spawn(name, ["router", "--model", self.model, "--stages", self.stages, "--port", str(self.port),
+    def start_router(self, name="router", port=None):
+        self._spawn(name, ["router", "--model", self.model, "--stages", self.stages, "--port", str(port or self.port),
                            "--log-level", "warning"] + self.router_args)
 
     def start(self, timeout=240):

@@ -256,6 +256,41 @@ def test_a_new_router_resets_the_stages_an_old_one_left_mid_stream(random_ref, t
     assert not real, real
 
 
+def test_a_stopping_router_releases_only_its_own_rows(random_ref, tmp_path):
+    """Hand-over: a new router serves while the old, idle one is stopped (SIGTERM). The old
+    one gives back only rows it held, so the new one's streams finish with PP1's tokens."""
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path)) as c:
+        new_port = free_port()
+        c.start_router("router2", port=new_port)
+        url2 = f"http://127.0.0.1:{new_port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url2 + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the second router never became healthy"
+            time.sleep(0.3)
+
+        async def scenario():
+            work = asyncio.ensure_future(_complete(url2, prompts[:6], max_tokens=32))
+            deadline = time.monotonic() + 30
+            while not any(i.rows_in_use for i in c.stage_infos()):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            c.kill("router", signal.SIGTERM)
+            return await work
+
+        outs = asyncio.run(scenario())
+        assert c.procs["router"].wait(30) is not None
+        infos = c.wait_rows_free()
+        assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos), infos
+    real, _ = divergences(outs, ref[:6], gaps[:6])
+    assert not real, real
+
+
 def test_wedged_stage_turns_health_503(random_ref, tmp_path):
     path, prompts, _, _ = random_ref
     with Cluster(path, 2, "none", log_dir=str(tmp_path), router_args=["--wedge-timeout", "3"]) as c:

@@ -43,10 +43,10 @@ def positive_finite_float(s: str) -> float:
 
 
 def port(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port, got {s!r}") from None
+    s = s.strip()
+    if not (s.isascii() and s.isdigit()):  # int() would take "5_000", "+80", " 80", "٨٠"
+        raise argparse.ArgumentTypeError(f"expected a TCP port, got {s!r}")
+    v = int(s)
     if not 1 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is in [1, 65535], got {v}")
     return v
@@ -60,12 +60,23 @@ def port_list(s: str) -> list[int]:
     return [port(p) for p in parts]
 
 
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)$")  # a name, an IPv4 or a bracketed IPv6
+
+
 def address(s: str) -> str:
-    """``"host:port"``, the port in range."""
+    """``"host:port"`` as gRPC dials it: a host name or IPv4 address, or an IPv6 address in
+    brackets (``[::1]:50051``), and a port in range; no scheme, path or list."""
     a = s.strip()
     host, sep, p = a.rpartition(":")
     if not sep or not host:
         raise argparse.ArgumentTypeError(f"expected host:port, got {s!r}")
+    if not _HOST.match(host):
+        why = ""
+        if "," in a:
+            why = " (one address here, not a list)"
+        elif ":" in host and "/" not in host:
+            why = " (an IPv6 address goes in brackets: [::1]:50051)"
+        raise argparse.ArgumentTypeError(f"expected host:port, got {s!r}{why}")
     port(p)
     return a
 

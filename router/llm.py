@@ -129,6 +129,9 @@ class LLM:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a request. Raises ValueError / TypeError (nothing queued) for token ids that
         are not ints in ``[0, vocab_size)`` and for parameters the scheduler refuses."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # before its lists are read below
         for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
             # any integer type (numpy's and torch's included), never a bool or a float
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
@@ -240,18 +243,32 @@ class LLM:
         gives their rows back on every stage before it propagates."""
         if isinstance(prompts, str):  # one prompt, as vLLM takes it
             prompts = [prompts]
-        params = params or SamplingParams(temperature=0.0)
-        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if hasattr(prompts, "tolist"):  # a 2-D array / tensor of ids: its rows
+            prompts = prompts.tolist()
+        if not isinstance(prompts, (list, tuple)) or any(isinstance(p, numbers.Integral) for p in prompts):
+            raise TypeError("prompts must be a list of prompts, each a string or a list of token ids "
+                            f"(one prompt of ids: [[1, 2, 3]]), got {type(prompts).__name__}"
+                            + (" of ints" if isinstance(prompts, (list, tuple)) else ""))
+        params = SamplingParams(temperature=0.0) if params is None else params
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        bad = [type(sp).__name__ for sp in plist if not isinstance(sp, SamplingParams)]
+        if bad:
+            raise TypeError(f"params must be SamplingParams (one, or one per prompt), got {bad[0]}")
         tok = None
         ids = []
         for p in prompts:
             if isinstance(p, str):
                 tok = tok or self.tokenizer
                 ids.append(tok.encode(p))
+            elif isinstance(p, (bytes, bytearray)) or not hasattr(p, "__iter__"):
+                raise TypeError(f"a prompt is a string or a list of token ids, got {type(p).__name__}")
             else:  # a list, or a numpy array / tensor row of ids
-                ids.append(p.tolist() if hasattr(p, "tolist") else list(p))
+                seq = p.tolist() if hasattr(p, "tolist") else list(p)
+                if not isinstance(seq, list):  # a 0-d array or tensor
+                    raise TypeError(f"a prompt is a string or a list of token ids, got a scalar {type(p).__name__}")
+                ids.append(seq)
         with self._generate_lock:  # calls from several threads run one after another
             return self._generate(ids, plist, tok)
 

@@ -50,14 +50,21 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise InvalidRequestError(f"{name} must be a number, got {v!r}", param=name)
+            try:
+                float(v)
+            except OverflowError:  # an int beyond a float (10**400)
+                raise InvalidRequestError(f"{name} must be a finite number, got an integer of "
+                                          f"{len(str(abs(int(v))))} digits", param=name) from None
         for name, optional in (("top_k", False), ("max_tokens", False), ("min_tokens", False),
                                ("seed", True), ("logprobs", True)):
             v = getattr(self, name)
             if (v is None and optional) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)):
                 continue
             raise InvalidRequestError(f"{name} must be an integer{' or None' if optional else ''}, got {v!r}", param=name)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
+        v = self.ignore_eos
+        if not isinstance(v, bool) and not (str(getattr(v, "dtype", "")) == "bool" and getattr(v, "ndim", 1) == 0):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {v!r}", param="ignore_eos")
+        self.ignore_eos = bool(v)  # numpy's bool_ too
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
             raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids")

@@ -106,6 +106,17 @@ def test_llm_stays_usable_after_a_refused_step_and_bad_requests(reference):
         assert not llm.has_unfinished() and llm.rows_in_use() == [0, 0]
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate([[1, 2]], SamplingParams(stop_token_ids=[-1]))
+    # wrong types: one clear error each, nothing queued
+    for prompts, params, err in (([[1, 2]], {"max_tokens": 3}, "params must be SamplingParams"),
+                                 ([[1, 2]], [None], "params must be SamplingParams"),
+                                 ([1, 2, 3], PARAMS, "prompts must be a list of prompts"),
+                                 ([b"hi"], PARAMS, "a prompt is a string or a list of token ids"),
+                                 ([torch.tensor(5)], PARAMS, "got a scalar"),
+                                 ([[1, 2]], SamplingParams(stop_token_ids=None), "stop_token_ids must be a list"),
+                                 ([[1, 2]], SamplingParams(temperature=10**400), "temperature must be a finite number")):
+        with pytest.raises((TypeError, ValueError), match=err):
+            llm.generate(prompts, params)
+        assert not llm.has_unfinished() and llm.rows_in_use() == [0, 0] and not llm.completions
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == reference[:-1]
     assert llm.rows_in_use() == [0, 0]
 

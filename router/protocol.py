@@ -244,6 +244,13 @@ class ChatMessage(_Request):
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
+    # fields of a returned assistant message (``choices[0].message.model_dump()`` of the
+    # OpenAI SDK) that a client sends back in the history; accepted, not rendered
+    refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = None
+    audio: Optional[dict[str, Any]] = None
+    function_call: Optional[dict[str, Any]] = None
+    reasoning_content: Optional[str] = None
 
     @model_validator(mode="after")
     def _check_content(self):

@@ -1021,3 +1021,22 @@ def test_chat_history_with_a_tool_call_and_null_content(client, engine, tokenize
     for raw in ("[1, 2]", "not json"):  # not an object: passed as sent
         m = ChatMessage(role="assistant", tool_calls=[{"function": {"name": "f", "arguments": raw}}]).to_template()
         assert m["tool_calls"][0]["function"]["arguments"] == raw
+
+
+def test_chat_history_holding_a_returned_message_dump(client, engine, tokenizer):
+    """The OpenAI SDK pattern of appending ``choices[0].message`` (or its ``model_dump()``,
+    which carries refusal / annotations / audio / function_call as null) to the history:
+    accepted, and rendered as the plain message."""
+    first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    dumped = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(dumped)
+    for turn in (dumped, first.choices[0].message):
+        engine.reset()
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}, turn, {"role": "user", "content": "Then?"}],
+            max_tokens=4)
+        assert r.choices[0].message.content is not None
+        (prompt, _), = engine.calls.values()
+        assert tokenizer.decode(prompt) == (
+            f"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n{first.choices[0].message.content}<|im_end|>\n"
+            "<|im_start|>user\nThen?<|im_end|>\n<|im_start|>assistant\n")

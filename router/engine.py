@@ -103,6 +103,9 @@ class Engine:
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
         )
         self.eos = last["eos_token_ids"]
+        if hasattr(self.pipeline, "check_start"):  # gRPC: one router per pipeline, the relay chain
+            infos = await self.pipeline.check_start(infos)
+            self.pipeline.on_restart = self._on_stage_restart
         if self.scheduler.context_limited_by_kv:
             log.warning("the stages' KV pool (%d tokens) holds less than their context (%d tokens): requests are "
                         "limited to %d tokens", kv_tokens, self.max_model_len, self.scheduler.max_context)
@@ -273,6 +276,13 @@ class Engine:
             self.metrics.set_in_flight(len(self.outstanding))
 
     # ------------------------------------------------------------------ failures
+    def _on_stage_restart(self, stage: int, detail: str) -> None:
+        """A stage answers as a new process (it restarted between two health checks): the
+        requests it held are gone; recover as after a failure, which also checks that it
+        came back with the settings the router scheduled by."""
+        if not self.closing:
+            self._fail(detail)
+
     def _fail(self, reason: str) -> None:
         """A stage failed: end every request with StageDownError, keep the router up."""
         if self.failure is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,6 +19,9 @@ from .types import StageDownError
 
 log = logging.getLogger("ppspec.router")
 
+# A router reads every stage's Info each monitor period (1 s); one silent this long is gone.
+ROUTER_LEASE_S = 3.0
+
 
 def _info_dict(r: pb.InfoReply) -> dict:
     return {
@@ -27,7 +31,8 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "num_speculative_steps": r.num_speculative_steps, "has_mtp": r.has_mtp, "vocab_size": r.vocab_size,
         "eos_token_ids": list(r.eos_token_ids), "memory_bytes": dict(r.memory_bytes),
         "busy_seconds": r.busy_seconds, "pending_commits": r.pending_commits, "commit_design": r.commit_design,
-        "prefill_attention": r.prefill_attention,
+        "prefill_attention": r.prefill_attention, "instance_id": r.instance_id, "next_instance_id": r.next_instance_id,
+        "routers": {x.router_id: x.idle_seconds for x in r.routers},
     }
 
 
@@ -50,6 +55,11 @@ class GrpcPipeline:
         self.health_stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
         self.down: dict[int, str] = {}
         self._monitor: asyncio.Task | None = None
+        # this router, as the stages' Info sees it (they tell a new router whether another
+        # one still asks them: one router per pipeline)
+        self.router_id = uuid.uuid4().hex[:12]
+        self.instances: list[str] | None = None  # each stage's instance_id at the first Info
+        self.on_restart = None  # f(stage, detail): a stage answers as another process
 
     def _error(self, stage: int | None, e: grpc.aio.AioRpcError, what: str) -> StageDownError:
         where = f"stage {stage} ({self.addresses[stage]})" if stage is not None else "the pipeline"
@@ -86,9 +96,11 @@ class GrpcPipeline:
         out = []
         for k, s in enumerate(self.stubs):
             try:
-                out.append(_info_dict(await s.Info(pb.InfoRequest(), timeout=self.rpc_timeout)))
+                out.append(_info_dict(await s.Info(pb.InfoRequest(router_id=self.router_id), timeout=self.rpc_timeout)))
             except grpc.aio.AioRpcError as e:
                 raise self._error(k, e, "Info") from None
+        if self.instances is None:
+            self.instances = [i["instance_id"] for i in out]
         return out
 
     async def step(self, inp: StepInput) -> StepOutput:
@@ -136,19 +148,67 @@ class GrpcPipeline:
 
     # ---- health
     async def _watch(self, period: float) -> None:
+        """Each period: every stage's health (for the stage service: a stage whose next stage
+        is wrong does not serve), then every stage's Info, which keeps this router known to
+        the stages, tells a restarted stage (new instance_id) and checks the relay chain."""
         while True:
             for k, stub in enumerate(self.health_stubs):
                 try:
-                    r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=max(1.0, period))
+                    r = await stub.Check(health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=max(1.0, period))
                     ok = r.status == health_pb2.HealthCheckResponse.SERVING
-                    detail = "" if ok else f"stage {k} ({self.addresses[k]}) is not serving"
+                    detail = "" if ok else f"stage {k} ({self.addresses[k]}) is not serving (see its log)"
                 except grpc.aio.AioRpcError as e:
                     ok, detail = False, f"stage {k} ({self.addresses[k]}) is down: {e.code().name}"
                 if ok:
                     self.down.pop(k, None)
                 else:
                     self.down[k] = detail
+            if not any(k >= 0 for k in self.down):  # every stage answers: read their Info
+                try:
+                    self._check_chain(await asyncio.wait_for(self.info(), max(1.0, period)))
+                except (StageDownError, asyncio.TimeoutError):
+                    pass  # the health checks above say which stage, next period
             await asyncio.sleep(period)
+
+    async def check_start(self, infos: list[dict]) -> list[dict]:
+        """Before serving: no other router uses these stages, and each stage relays to the
+        stage this router knows as the next. Another router that asked a stage within
+        ``ROUTER_LEASE_S`` may be alive: wait that long once, then a router still asking is
+        (a killed one stops asking). Returns fresh infos.
+
+        Raises:
+            ValueError: another router serves these stages, or the relay chain is not the
+            router's ``--stages``.
+        """
+        def live(infos):
+            return {r: (k, idle) for k, i in enumerate(infos) for r, idle in i["routers"].items()
+                    if idle < ROUTER_LEASE_S}
+
+        if live(infos):
+            await asyncio.sleep(ROUTER_LEASE_S + 0.5)
+            infos = await self.info()
+            others = live(infos)
+            if others:
+                r, (k, idle) = next(iter(others.items()))
+                raise ValueError(f"another router ({r}) serves these stages: it asked stage {k} "
+                                 f"({self.addresses[k]}) {idle:.1f}s ago; one router per pipeline, stop it first")
+        err = chain_error(infos, self.addresses)
+        if err:
+            raise ValueError(err)
+        return infos
+
+    def _check_chain(self, infos: list[dict]) -> None:
+        for k, i in enumerate(infos):
+            if self.instances and i["instance_id"] != self.instances[k]:
+                detail = f"stage {k} ({self.addresses[k]}) restarted (instance {i['instance_id']})"
+                self.instances[k] = i["instance_id"]
+                if self.on_restart is not None:
+                    self.on_restart(k, detail)
+        err = chain_error(infos, self.addresses)
+        if err:
+            self.down[-1] = err
+        else:
+            self.down.pop(-1, None)
 
     def start_monitor(self, period: float = 1.0) -> None:
         if self._monitor is None:
@@ -164,3 +224,15 @@ class GrpcPipeline:
             self._monitor.cancel()
         for c in self.channels:
             await c.close()
+
+
+def chain_error(infos: list[dict], addresses: list[str]) -> str:
+    """'' when stage k relays to the stage the router knows as stage k + 1 (by instance_id),
+    else what is wrong: a stage whose ``--next-stage`` is another process than the router's
+    ``--stages`` names would get steps the router never sees commit or release."""
+    for k in range(len(infos) - 1):
+        nxt, want = infos[k].get("next_instance_id", ""), infos[k + 1].get("instance_id", "")
+        if nxt and want and nxt != want:
+            return (f"stage {k} ({addresses[k]}) relays to another process than stage {k + 1} "
+                    f"({addresses[k + 1]}): its --next-stage and the router's --stages disagree")
+    return ""

@@ -26,6 +26,7 @@ import random
 import signal
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -41,6 +42,9 @@ from .pools import PoolExhaustedError
 from .runner import RowStateError, brief
 
 log = logging.getLogger("ppspec.stage")
+
+ROUTER_MEMORY_S = 60.0  # routers Info reports: those that asked within this many seconds
+NEXT_CHECK_S = 2.0  # how often a stage re-reads its next stage's Info (a restart changes it)
 
 
 
@@ -75,6 +79,9 @@ class StageServicer(pb_grpc.StageServicer):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{runner.pp_rank}")
         self.pending: dict[int, tuple[int, int]] = {}
         self.committing: set[int] = set()  # rows whose commit is being applied
+        self.instance_id = uuid.uuid4().hex[:12]  # this process; a restarted stage has another
+        self.next_instance_id = ""  # the next stage's, as the wiring check last saw it
+        self.routers: dict[str, float] = {}  # router_id -> monotonic time of its last Info
         self.cond = asyncio.Condition()
         self._next = None
         if next_stage:
@@ -267,7 +274,14 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Info(self, request, context):
         i = self.runner.info()
+        now = time.monotonic()
+        seen = [pb.RouterSeen(router_id=r, idle_seconds=now - t) for r, t in self.routers.items()
+                if r != request.router_id and now - t < ROUTER_MEMORY_S]
+        if request.router_id:
+            self.routers = {r: t for r, t in self.routers.items() if now - t < ROUTER_MEMORY_S}
+            self.routers[request.router_id] = now
         return pb.InfoReply(
+            instance_id=self.instance_id, next_instance_id=self.next_instance_id, routers=seen,
             pp_rank=i["pp_rank"], pp_size=i["pp_size"], layer_start=i["layer_start"], layer_end=i["layer_end"],
             num_layers=i["num_layers"], max_rows=i["max_rows"], rows_in_use=i["rows_in_use"],
             kv_tokens=i["kv_tokens"], kv_pages_used=i["kv_pages_used"], kv_pages_total=i["kv_pages_total"],
@@ -345,12 +359,28 @@ async def serve_stage(args) -> int:
         await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
 
         async def check_next() -> None:
-            err = await verify_next_stage(servicer._next, args.next_stage, runner)
-            if err:
-                wiring_error.append(err)
-                stop.set()
-            else:
-                await serving()
+            # at start a wrong next stage ends this one; later (the next stage restarted
+            # with other settings) this stage stops serving until it is right again
+            first = True
+            while True:
+                err, instance = await verify_next_stage(servicer._next, args.next_stage, runner, quiet=not first)
+                if err and first:
+                    wiring_error.append(err)
+                    stop.set()
+                    return
+                if err:
+                    if servicer.next_instance_id:
+                        log.error("stage %d: %s; not serving until it is", runner.pp_rank, err)
+                    servicer.next_instance_id = ""
+                    await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+                else:
+                    if instance != servicer.next_instance_id and not first:
+                        log.info("stage %d: the next stage at %s is a new process (%s)", runner.pp_rank,
+                                 args.next_stage, instance)
+                    servicer.next_instance_id = instance
+                    await serving()
+                first = False
+                await asyncio.sleep(NEXT_CHECK_S)
 
         checker = asyncio.ensure_future(check_next())
     mem = runner.memory_report()
@@ -381,11 +411,13 @@ def _same_endpoint(a: str, b: str) -> bool:
     return pa == pb_ and (ha == hb or (ha in loopback and hb in loopback))
 
 
-async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0) -> str | None:
-    """Wait until the stage at ``addr`` answers ``Info``; return None when it is stage
-    ``pp_rank + 1`` of the same ``pp_size`` and starts at this stage's last layer + 1,
-    else what is wrong (a stage wired to itself, to another stage, or to a stage of
-    another pipeline would otherwise relay steps to the wrong layers)."""
+async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0,
+                            quiet: bool = False) -> tuple[str | None, str]:
+    """Wait until the stage at ``addr`` answers ``Info``; return ``(None, its instance_id)``
+    when it is stage ``pp_rank + 1`` of the same ``pp_size`` and starts at this stage's last
+    layer + 1, else ``(what is wrong, its instance_id)`` (a stage wired to itself, to
+    another stage, or to a stage of another pipeline would otherwise relay steps to the
+    wrong layers). ``quiet``: no waiting notes (the periodic re-check)."""
     me = runner.pp_rank
     start = time.monotonic()
     next_note = start + note_every
@@ -395,7 +427,7 @@ async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0) -
             break
         except grpc.aio.AioRpcError as e:
             now = time.monotonic()
-            if now > next_note:
+            if now > next_note and not quiet:
                 log.warning("stage %d: waiting for the next stage at %s (%.0f s): %s", me, addr, now - start,
                             e.code().name)
                 next_note = now + note_every
@@ -404,9 +436,10 @@ async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0) -
     got = (r.pp_rank, r.pp_size, r.layer_start)
     if got != want:
         return (f"--next-stage {addr} is stage {r.pp_rank} of {r.pp_size} starting at layer {r.layer_start}; "
-                f"expected stage {want[0]} of {want[1]} starting at layer {want[2]}")
-    log.info("stage %d: next stage at %s is stage %d of %d", me, addr, r.pp_rank, r.pp_size)
-    return None
+                f"expected stage {want[0]} of {want[1]} starting at layer {want[2]}"), r.instance_id
+    if not quiet:
+        log.info("stage %d: next stage at %s is stage %d of %d", me, addr, r.pp_rank, r.pp_size)
+    return None, r.instance_id
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -256,38 +256,84 @@ def test_a_new_router_resets_the_stages_an_old_one_left_mid_stream(random_ref, t
     assert not real, real
 
 
-def test_a_stopping_router_releases_only_its_own_rows(random_ref, tmp_path):
-    """Hand-over: a new router serves while the old, idle one is stopped (SIGTERM). The old
-    one gives back only rows it held, so the new one's streams finish with PP1's tokens."""
+def _router_exit(c, stages, timeout=120):
+    """Run ``ppspec router`` on ``stages``; (exit code, stderr) once it exits (it must)."""
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", "router", "--model", c.model, "--stages", stages,
+                        "--port", str(free_port()), "--connect-timeout", "30"],
+                       capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stderr
+
+
+def test_one_router_per_pipeline(random_ref, tmp_path):
+    """A second router on stages a live router serves refuses to start (it would collide on
+    rows and release the live one's), and the first router's streams finish with PP1's
+    tokens; once the first is stopped (SIGTERM: it gives back only its own rows), a new
+    router takes over."""
     path, prompts, ref, gaps = random_ref
     with Cluster(path, 2, "mtp", log_dir=str(tmp_path)) as c:
-        new_port = free_port()
-        c.start_router("router2", port=new_port)
-        url2 = f"http://127.0.0.1:{new_port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url2 + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the second router never became healthy"
-            time.sleep(0.3)
-
         async def scenario():
-            work = asyncio.ensure_future(_complete(url2, prompts[:6], max_tokens=32))
-            deadline = time.monotonic() + 30
-            while not any(i.rows_in_use for i in c.stage_infos()):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
-            c.kill("router", signal.SIGTERM)
-            return await work
+            work = asyncio.ensure_future(_complete(c.url, prompts[:6], max_tokens=32))
+            second = await asyncio.get_running_loop().run_in_executor(None, _router_exit, c, c.stages)
+            return await work, second
 
-        outs = asyncio.run(scenario())
-        assert c.procs["router"].wait(30) is not None
-        infos = c.wait_rows_free()
-        assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos), infos
-    real, _ = divergences(outs, ref[:6], gaps[:6])
+        outs, (code, err) = asyncio.run(scenario())
+        assert code == 2 and "another router" in err and "one router per pipeline" in err, err
+        c.kill("router", signal.SIGTERM)
+        c.procs.pop("router").wait(30)
+        assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in c.stage_infos())
+        c.start_router("router2")
+        c.wait_healthy(120)
+        again = complete(c.url, prompts[6:10], max_tokens=32)
+    for got, (want, gap) in ((outs, (ref[:6], gaps[:6])), (again, (ref[6:10], gaps[6:10]))):
+        real, _ = divergences(got, want, gap)
+        assert not real, real
+
+
+def test_the_router_checks_the_relay_chain_and_stage_restarts(random_ref, tmp_path):
+    """Wiring the router cannot see in its own --stages: a stage that relays to another
+    process than the router's next stage is refused at start; a stage that restarts with
+    other settings between requests turns /health 503 naming the setting (requests get
+    503, not a 500 per request), and back with its settings the pipeline serves again."""
+    path, prompts, ref, gaps = random_ref
+    x = Cluster(path, 2, "mtp", log_dir=str(tmp_path))
+    y = Cluster(path, 2, "mtp", log_dir=str(tmp_path))
+    y.procs = x.procs  # one set of processes to stop (y only lends its ports)
+    try:
+        for k in range(2):
+            x.start_stage(k)
+        y._spawn("ystage1", ["stage", "--model", path, "--pp-rank", "1", "--pp-size", "2", "--port",
+                             str(y.stage_ports[1]), "--speculative-algorithm", "mtp", "--num-threads", "1"])
+        crossed = f"127.0.0.1:{x.stage_ports[0]},127.0.0.1:{y.stage_ports[1]}"
+        code, err = _router_exit(x, crossed)
+        assert code == 2 and "relays to another process than stage 1" in err, err
+        x.start_router()
+        x.wait_healthy(120)
+        assert complete(x.url, prompts[:2], max_tokens=16)
+        x.kill("stage1")
+        x.procs.pop("stage1").wait(10)
+        x.steps = 1
+        x.start_stage(1)
+        deadline = time.monotonic() + 60
+        while True:
+            h = httpx.get(x.url + "/health", timeout=5)
+            if h.status_code == 503 and "num_speculative_steps is 1, was 3" in h.text:
+                break
+            assert time.monotonic() < deadline, h.text
+            time.sleep(0.5)
+        r = httpx.post(x.url + "/v1/completions", json=dict(prompt=prompts[0], max_tokens=4), timeout=30)
+        assert r.status_code == 503, r.text
+        x.kill("stage1")
+        x.procs.pop("stage1").wait(10)
+        x.steps = 3
+        x.start_stage(1)
+        deadline = time.monotonic() + 90
+        while httpx.get(x.url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the router did not resume with the stage as it was"
+            time.sleep(0.5)
+        outs = complete(x.url, prompts[:4], max_tokens=32)
+    finally:
+        x.stop()
+    real, _ = divergences(outs, ref[:4], gaps[:4])
     assert not real, real
 
 

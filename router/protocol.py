@@ -161,18 +161,18 @@ class _GenerationRequest(_Request):
     def _check_stop(cls, v: Union[str, list[str], None]) -> Union[str, list[str], None]:
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed")
         for s in stops:
             if not s:
-                raise ValueError("stop strings must not be empty")
+                raise ValueError("stop: stop strings must not be empty")
             if len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+                raise ValueError(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")
     def _check_common(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
+            raise ValueError("max_completion_tokens: give it or max_tokens, not both")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -219,9 +219,9 @@ class CompletionRequest(_GenerationRequest):
         elif len(p) == 0:
             raise ValueError("prompt must not be empty")
         elif isinstance(p[0], list) and any(len(x) == 0 for x in p):
-            raise ValueError("token id prompts must not be empty")
+            raise ValueError("prompt: token id prompts must not be empty")
         if isinstance(p, list) and p and not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:

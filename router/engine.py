@@ -68,6 +68,7 @@ class Engine:
         self.outstanding: dict[int, float] = {}  # lane -> start time of its in-flight micro-batch
         self.failure: str | None = None
         self.closing = False  # shutdown(): requests end, nothing new starts, no recovery
+        self.displaced: str | None = None  # another router claimed the stages: down for good
         self._stale_rows: list[int] = []  # rows of failed requests, freed once recovered
         self._recover_error: str | None = None  # last recovery failure logged
         self._wake = asyncio.Event()
@@ -106,6 +107,7 @@ class Engine:
         if hasattr(self.pipeline, "check_start"):  # gRPC: one router per pipeline, the relay chain
             infos = await self.pipeline.check_start(infos)
             self.pipeline.on_restart = self._on_stage_restart
+            self.pipeline.on_displaced = self._on_displaced
         if self.scheduler.context_limited_by_kv:
             log.warning("the stages' KV pool (%d tokens) holds less than their context (%d tokens): requests are "
                         "limited to %d tokens", kv_tokens, self.max_model_len, self.scheduler.max_context)
@@ -283,6 +285,12 @@ class Engine:
         if not self.closing:
             self._fail(detail)
 
+    def _on_displaced(self, detail: str) -> None:
+        """Another router claimed the stages: end every request and never resume (its rows
+        are no longer this router's; recovery would release the new owner's)."""
+        self.displaced = detail
+        self._fail(detail)
+
     def _fail(self, reason: str) -> None:
         """A stage failed: end every request with StageDownError, keep the router up."""
         if self.failure is None:
@@ -351,7 +359,7 @@ class Engine:
     async def _recover(self) -> None:
         """Once every stage serves again, release all rows everywhere and resume."""
         await asyncio.sleep(0.5)
-        if self.closing or not self.pipeline.health()[0]:
+        if self.closing or self.displaced or not self.pipeline.health()[0]:
             return
         try:
             infos = await self.pipeline.info()
@@ -397,7 +405,7 @@ class Engine:
         finishing requests; best effort, ``timeout`` seconds), abandoning their pending
         commits, so that the stages are left as a new router expects them. Only its own:
         another router may already serve these stages."""
-        if self.scheduler is None:
+        if self.scheduler is None or self.displaced:  # a displaced router's rows are the new owner's
             return
         rows = sorted(set(self._stale_rows) | set(self.scheduler.releasing_rows()))
         if not rows:

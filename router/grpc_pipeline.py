@@ -32,7 +32,7 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "eos_token_ids": list(r.eos_token_ids), "memory_bytes": dict(r.memory_bytes),
         "busy_seconds": r.busy_seconds, "pending_commits": r.pending_commits, "commit_design": r.commit_design,
         "prefill_attention": r.prefill_attention, "instance_id": r.instance_id, "next_instance_id": r.next_instance_id,
-        "routers": {x.router_id: x.idle_seconds for x in r.routers},
+        "routers": {x.router_id: x.idle_seconds for x in r.routers}, "owner_router_id": r.owner_router_id,
     }
 
 
@@ -60,6 +60,7 @@ class GrpcPipeline:
         self.router_id = uuid.uuid4().hex[:12]
         self.instances: list[str] | None = None  # each stage's instance_id at the first Info
         self.on_restart = None  # f(stage, detail): a stage answers as another process
+        self.on_displaced = None  # f(detail): another router claimed the stages
 
     def _error(self, stage: int | None, e: grpc.aio.AioRpcError, what: str) -> StageDownError:
         where = f"stage {stage} ({self.addresses[stage]})" if stage is not None else "the pipeline"
@@ -92,11 +93,13 @@ class GrpcPipeline:
                     next_note = now + 10.0
                 await asyncio.sleep(0.2)
 
-    async def info(self) -> list[dict]:
+    async def info(self, claim: bool = False) -> list[dict]:
+        """Every stage's Info, as this router (``claim``: taking the stages over)."""
         out = []
+        req = pb.InfoRequest(router_id=self.router_id, claim=claim)
         for k, s in enumerate(self.stubs):
             try:
-                out.append(_info_dict(await s.Info(pb.InfoRequest(router_id=self.router_id), timeout=self.rpc_timeout)))
+                out.append(_info_dict(await s.Info(req, timeout=self.rpc_timeout)))
             except grpc.aio.AioRpcError as e:
                 raise self._error(k, e, "Info") from None
         if self.instances is None:
@@ -163,7 +166,7 @@ class GrpcPipeline:
                     self.down.pop(k, None)
                 else:
                     self.down[k] = detail
-            if not any(k >= 0 for k in self.down):  # every stage answers: read their Info
+            if not any(k >= 0 for k in self.down) and -2 not in self.down:  # every stage answers: read Info
                 try:
                     self._check_chain(await asyncio.wait_for(self.info(), max(1.0, period)))
                 except (StageDownError, asyncio.TimeoutError):
@@ -174,7 +177,8 @@ class GrpcPipeline:
         """Before serving: no other router uses these stages, and each stage relays to the
         stage this router knows as the next. Another router that asked a stage within
         ``ROUTER_LEASE_S`` may be alive: wait that long once, then a router still asking is
-        (a killed one stops asking). Returns fresh infos.
+        (a killed one stops asking). Then claims the stages (a router that was only paused
+        sees the claim and stops serving). Returns fresh infos.
 
         Raises:
             ValueError: another router serves these stages, or the relay chain is not the
@@ -195,7 +199,7 @@ class GrpcPipeline:
         err = chain_error(infos, self.addresses)
         if err:
             raise ValueError(err)
-        return infos
+        return await self.info(claim=True)
 
     def _check_chain(self, infos: list[dict]) -> None:
         for k, i in enumerate(infos):
@@ -209,6 +213,14 @@ class GrpcPipeline:
             self.down[-1] = err
         else:
             self.down.pop(-1, None)
+        owners = {i["owner_router_id"] for i in infos} - {"", self.router_id}
+        if owners and -2 not in self.down:
+            # this router was silent past the lease (paused, or cut off) and another one took
+            # the stages over: its rows are no longer its own, so it must not touch them
+            self.down[-2] = (f"another router ({owners.pop()}) took over these stages; this router "
+                             f"({self.router_id}) no longer serves them: stop it")
+            if self.on_displaced is not None:
+                self.on_displaced(self.down[-2])
 
     def start_monitor(self, period: float = 1.0) -> None:
         if self._monitor is None:

@@ -82,6 +82,7 @@ class StageServicer(pb_grpc.StageServicer):
         self.instance_id = uuid.uuid4().hex[:12]  # this process; a restarted stage has another
         self.next_instance_id = ""  # the next stage's, as the wiring check last saw it
         self.routers: dict[str, float] = {}  # router_id -> monotonic time of its last Info
+        self.owner = ""  # the router that last claimed this stage (Info with claim)
         self.cond = asyncio.Condition()
         self._next = None
         if next_stage:
@@ -280,8 +281,14 @@ class StageServicer(pb_grpc.StageServicer):
         if request.router_id:
             self.routers = {r: t for r, t in self.routers.items() if now - t < ROUTER_MEMORY_S}
             self.routers[request.router_id] = now
+            if request.claim:
+                if self.owner and self.owner != request.router_id:
+                    log.warning("stage %d: router %s takes over from router %s", self.runner.pp_rank,
+                                request.router_id, self.owner)
+                self.owner = request.router_id
         return pb.InfoReply(
             instance_id=self.instance_id, next_instance_id=self.next_instance_id, routers=seen,
+            owner_router_id=self.owner,
             pp_rank=i["pp_rank"], pp_size=i["pp_size"], layer_start=i["layer_start"], layer_end=i["layer_end"],
             num_layers=i["num_layers"], max_rows=i["max_rows"], rows_in_use=i["rows_in_use"],
             kv_tokens=i["kv_tokens"], kv_pages_used=i["kv_pages_used"], kv_pages_total=i["kv_pages_total"],

@@ -138,11 +138,16 @@ def wait_health(url, status, contains="", timeout=60.0):
     """Poll ``url``/health until it answers ``status`` with ``contains`` in its body;
     AssertionError with the last body after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
+    last = "no answer"
     while True:
-        h = httpx.get(url + "/health", timeout=5)
-        if h.status_code == status and contains in h.text:
-            return h
-        assert time.monotonic() < deadline, f"/health stayed {h.status_code}: {h.text}"
+        try:
+            h = httpx.get(url + "/health", timeout=5)
+            if h.status_code == status and contains in h.text:
+                return h
+            last = f"{h.status_code}: {h.text}"
+        except httpx.HTTPError as e:  # not listening yet
+            last = repr(e)
+        assert time.monotonic() < deadline, f"/health never {status} {contains!r}; last {last}"
         time.sleep(0.3)
 
 

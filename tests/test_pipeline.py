@@ -283,6 +283,30 @@ def test_one_router_per_pipeline(random_ref, tmp_path):
         assert not real, real
 
 
+def test_a_paused_router_yields_to_the_one_that_took_over(random_ref, tmp_path):
+    """A router paused past the lease (SIGSTOP) looks dead: a new router takes the stages
+    over. When the old one resumes it sees the claim and stops serving for good (/health
+    503 saying so, requests 503) instead of colliding on rows; the new one serves PP1's
+    tokens."""
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path)) as c:
+        c.kill("router", signal.SIGSTOP)
+        try:
+            new_port = free_port()
+            c.start_router("router2", port=new_port)
+            url2 = f"http://127.0.0.1:{new_port}"
+            wait_health(url2, 200, timeout=120)  # it took over
+        finally:
+            c.kill("router", signal.SIGCONT)
+        wait_health(c.url, 503, "took over these stages", timeout=30)
+        r = httpx.post(c.url + "/v1/completions", json=dict(prompt=prompts[0], max_tokens=4), timeout=30)
+        assert r.status_code == 503, r.text
+        outs = complete(url2, prompts[:6], max_tokens=32)
+        assert httpx.get(url2 + "/health", timeout=5).status_code == 200
+    real, _ = divergences(outs, ref[:6], gaps[:6])
+    assert not real, real
+
+
 def test_the_router_checks_the_relay_chain_and_stage_restarts(random_ref, tmp_path):
     """Wiring the router cannot see in its own --stages: a stage that relays to another
     process than the router's next stage is refused at start; a stage that restarts with

@@ -355,6 +355,8 @@ class Engine:
             self.closing = True
             self._fail("the engine is closing")
         await self._release_own_rows()
+        if hasattr(self.pipeline, "leave"):
+            await self.pipeline.leave()
 
     async def _recover(self) -> None:
         """Once every stage serves again, release all rows everywhere and resume."""
@@ -409,6 +411,9 @@ class Engine:
             return
         rows = sorted(set(self._stale_rows) | set(self.scheduler.releasing_rows()))
         if not rows:
+            return
+        if hasattr(self.pipeline, "owns_stages") and not await self.pipeline.owns_stages():
+            log.warning("another router claimed the stages: this one releases nothing on close")
             return
         try:
             await asyncio.wait_for(self.pipeline.release(rows, abandon=True), timeout)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 import uuid
 
@@ -57,10 +59,11 @@ class GrpcPipeline:
         self._monitor: asyncio.Task | None = None
         # this router, as the stages' Info sees it (they tell a new router whether another
         # one still asks them: one router per pipeline)
-        self.router_id = uuid.uuid4().hex[:12]
+        self.router_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.instances: list[str] | None = None  # each stage's instance_id at the first Info
         self.on_restart = None  # f(stage, detail): a stage answers as another process
         self.on_displaced = None  # f(detail): another router claimed the stages
+        self._chain_bad_since: float | None = None
 
     def _error(self, stage: int | None, e: grpc.aio.AioRpcError, what: str) -> StageDownError:
         where = f"stage {stage} ({self.addresses[stage]})" if stage is not None else "the pipeline"
@@ -152,8 +155,9 @@ class GrpcPipeline:
     # ---- health
     async def _watch(self, period: float) -> None:
         """Each period: every stage's health (for the stage service: a stage whose next stage
-        is wrong does not serve), then every stage's Info, which keeps this router known to
-        the stages, tells a restarted stage (new instance_id) and checks the relay chain."""
+        is wrong does not serve), then the Info of every stage that answers, which keeps this
+        router known to them (also while another stage is down), tells a restarted stage (new
+        instance_id) or another router's claim, and checks the relay chain."""
         while True:
             for k, stub in enumerate(self.health_stubs):
                 try:
@@ -166,61 +170,94 @@ class GrpcPipeline:
                     self.down.pop(k, None)
                 else:
                     self.down[k] = detail
-            if not any(k >= 0 for k in self.down) and -2 not in self.down:  # every stage answers: read Info
-                try:
-                    self._check_chain(await asyncio.wait_for(self.info(), max(1.0, period)))
-                except (StageDownError, asyncio.TimeoutError):
-                    pass  # the health checks above say which stage, next period
+            if -2 not in self.down:  # a displaced router stays silent
+                infos = []
+                for k, stub in enumerate(self.stubs):
+                    try:
+                        infos.append(_info_dict(await stub.Info(pb.InfoRequest(router_id=self.router_id),
+                                                                timeout=max(1.0, period))))
+                    except grpc.aio.AioRpcError:
+                        infos.append(None)  # the health check says which stage
+                self._check_infos(infos)
             await asyncio.sleep(period)
 
     async def check_start(self, infos: list[dict]) -> list[dict]:
         """Before serving: no other router uses these stages, and each stage relays to the
         stage this router knows as the next. Another router that asked a stage within
-        ``ROUTER_LEASE_S`` may be alive: wait that long once, then a router still asking is
-        (a killed one stops asking). Then claims the stages (a router that was only paused
-        sees the claim and stops serving). Returns fresh infos.
+        ``ROUTER_LEASE_S`` may be alive: it is, if it asks again while this router watches
+        (up to that long); a killed one stops asking. Then claims the stages (a router that
+        was only paused sees the claim and stops serving). Returns fresh infos.
 
         Raises:
             ValueError: another router serves these stages, or the relay chain is not the
             router's ``--stages``.
         """
-        def live(infos):
-            return {r: (k, idle) for k, i in enumerate(infos) for r, idle in i["routers"].items()
+        def recent(infos):
+            return {(r, k): idle for k, i in enumerate(infos) for r, idle in i["routers"].items()
                     if idle < ROUTER_LEASE_S}
 
-        if live(infos):
-            await asyncio.sleep(ROUTER_LEASE_S + 0.5)
+        seen = recent(infos)
+        deadline = time.monotonic() + ROUTER_LEASE_S + 0.5
+        while seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
             infos = await self.info()
-            others = live(infos)
-            if others:
-                r, (k, idle) = next(iter(others.items()))
+            now = recent(infos)
+            again = [(r, k, idle) for (r, k), idle in now.items() if idle < seen.get((r, k), float("inf"))]
+            if again:
+                r, k, idle = again[0]
                 raise ValueError(f"another router ({r}) serves these stages: it asked stage {k} "
                                  f"({self.addresses[k]}) {idle:.1f}s ago; one router per pipeline, stop it first")
+            seen = now
         err = chain_error(infos, self.addresses)
         if err:
             raise ValueError(err)
         return await self.info(claim=True)
 
-    def _check_chain(self, infos: list[dict]) -> None:
+    async def leave(self) -> None:
+        """On a clean exit: tell every stage this router is gone (best effort), so that the
+        next router need not wait out the lease. The monitor stops first (its Info would
+        announce this router again)."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+        req = pb.InfoRequest(router_id=self.router_id, leaving=True)
+        await asyncio.gather(*(s.Info(req, timeout=2.0) for s in self.stubs), return_exceptions=True)
+
+    async def owns_stages(self) -> bool:
+        """Whether no other router has claimed any stage that answers."""
+        try:
+            return not ({i["owner_router_id"] for i in await self.info()} - {"", self.router_id})
+        except StageDownError:
+            return True  # the stages that answer decide the next time; release what it can
+
+    def _check_infos(self, infos: list[dict | None]) -> None:
         for k, i in enumerate(infos):
-            if self.instances and i["instance_id"] != self.instances[k]:
+            if i is not None and self.instances and i["instance_id"] != self.instances[k]:
                 detail = f"stage {k} ({self.addresses[k]}) restarted (instance {i['instance_id']})"
                 self.instances[k] = i["instance_id"]
                 if self.on_restart is not None:
                     self.on_restart(k, detail)
-        err = chain_error(infos, self.addresses)
-        if err:
-            self.down[-1] = err
-        else:
-            self.down.pop(-1, None)
-        owners = {i["owner_router_id"] for i in infos} - {"", self.router_id}
-        if owners and -2 not in self.down:
+        owners = {i["owner_router_id"] for i in infos if i is not None} - {"", self.router_id}
+        if owners:
             # this router was silent past the lease (paused, or cut off) and another one took
             # the stages over: its rows are no longer its own, so it must not touch them
             self.down[-2] = (f"another router ({owners.pop()}) took over these stages; this router "
                              f"({self.router_id}) no longer serves them: stop it")
             if self.on_displaced is not None:
                 self.on_displaced(self.down[-2])
+            return
+        if any(i is None for i in infos):
+            return
+        # a stage that restarted is re-read by the one before it within NEXT_CHECK_S (2 s):
+        # a disagreement only counts once it outlasts that
+        err = chain_error(infos, self.addresses)
+        now = time.monotonic()
+        if not err:
+            self._chain_bad_since = None
+            self.down.pop(-1, None)
+        elif self._chain_bad_since is None:
+            self._chain_bad_since = now
+        elif now - self._chain_bad_since > 5.0:
+            self.down[-1] = err
 
     def start_monitor(self, period: float = 1.0) -> None:
         if self._monitor is None:

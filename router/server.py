@@ -75,6 +75,7 @@ async def run_router(args) -> int:
         await engine.start()
     except ValueError as e:
         print(f"ppspec router: {e}", file=sys.stderr)
+        await pipeline.leave()  # it asked the stages' Info: they need not count it
         return 2
     app = build_app(engine, name, api_key=args.api_key, registry=metrics.registry)
     print(f"ppspec router: {len(addresses)} stages, speculative {engine.spec}, "

@@ -278,7 +278,11 @@ class StageServicer(pb_grpc.StageServicer):
         now = time.monotonic()
         seen = [pb.RouterSeen(router_id=r, idle_seconds=now - t) for r, t in self.routers.items()
                 if r != request.router_id and now - t < ROUTER_MEMORY_S]
-        if request.router_id:
+        if request.router_id and request.leaving:
+            self.routers.pop(request.router_id, None)
+            if self.owner == request.router_id:
+                self.owner = ""
+        elif request.router_id:
             self.routers = {r: t for r, t in self.routers.items() if now - t < ROUTER_MEMORY_S}
             self.routers[request.router_id] = now
             if request.claim:

@@ -274,7 +274,9 @@ def test_one_router_per_pipeline(random_ref, tmp_path):
         assert code == 2 and "another router" in err and "one router per pipeline" in err, err
         c.kill("router", signal.SIGTERM)
         c.procs.pop("router").wait(30)
-        assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in c.stage_infos())
+        infos = c.stage_infos()
+        assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos)
+        assert not any(i.routers or i.owner_router_id for i in infos)  # it said it left: no wait for the next
         c.start_router("router2")
         c.wait_healthy(120)
         again = complete(c.url, prompts[6:10], max_tokens=32)

@@ -378,6 +378,10 @@ class Engine:
             # the failed rounds' commits will never be sent: abandon them, or a stage that
             # survived would wait for them forever
             await self.pipeline.release(list(range(min(i["max_rows"] for i in infos))), abandon=True)
+            if getattr(self.pipeline, "instances", None) is not None:
+                # the stages as recovered: a restart seen here is handled, and the monitor
+                # must not take it for a new one after serving resumed
+                self.pipeline.instances = [i["instance_id"] for i in infos]
         except (StageDownError, OSError, EngineError) as e:
             if str(e) != self._recover_error:
                 self._recover_error = str(e)

@@ -23,6 +23,11 @@ log = logging.getLogger("ppspec.router")
 
 # A router reads every stage's Info each monitor period (1 s); one silent this long is gone.
 ROUTER_LEASE_S = 3.0
+# A stage re-reads its next stage every 2 s: a chain disagreement shorter than this is a
+# restart not yet seen, not a wiring error.
+CHAIN_GRACE_S = 5.0
+# keys of GrpcPipeline.down beside the stage indices
+_CHAIN, _DISPLACED = -1, -2
 
 
 def _info_dict(r: pb.InfoReply) -> dict:
@@ -96,15 +101,28 @@ class GrpcPipeline:
                     next_note = now + 10.0
                 await asyncio.sleep(0.2)
 
-    async def info(self, claim: bool = False) -> list[dict]:
-        """Every stage's Info, as this router (``claim``: taking the stages over)."""
-        out = []
+    async def _infos(self, timeout: float, claim: bool = False) -> list[dict | grpc.aio.AioRpcError]:
+        """Every stage's Info as this router (``claim``: taking the stages over), or the
+        error of each stage that did not answer."""
         req = pb.InfoRequest(router_id=self.router_id, claim=claim)
-        for k, s in enumerate(self.stubs):
+        out = []
+        for s in self.stubs:
             try:
-                out.append(_info_dict(await s.Info(req, timeout=self.rpc_timeout)))
+                out.append(_info_dict(await s.Info(req, timeout=timeout)))
             except grpc.aio.AioRpcError as e:
-                raise self._error(k, e, "Info") from None
+                out.append(e)
+        return out
+
+    async def info(self, claim: bool = False) -> list[dict]:
+        """Every stage's Info, as this router (``claim``: taking the stages over).
+
+        Raises:
+            StageDownError: naming the first stage that did not answer.
+        """
+        out = await self._infos(self.rpc_timeout, claim)
+        for k, i in enumerate(out):
+            if isinstance(i, grpc.aio.AioRpcError):
+                raise self._error(k, i, "Info")
         if self.instances is None:
             self.instances = [i["instance_id"] for i in out]
         return out
@@ -170,15 +188,9 @@ class GrpcPipeline:
                     self.down.pop(k, None)
                 else:
                     self.down[k] = detail
-            if -2 not in self.down:  # a displaced router stays silent
-                infos = []
-                for k, stub in enumerate(self.stubs):
-                    try:
-                        infos.append(_info_dict(await stub.Info(pb.InfoRequest(router_id=self.router_id),
-                                                                timeout=max(1.0, period))))
-                    except grpc.aio.AioRpcError:
-                        infos.append(None)  # the health check says which stage
-                self._check_infos(infos)
+            if _DISPLACED not in self.down:  # a displaced router stays silent
+                # a stage that did not answer: the health check says which
+                self._check_infos([i if isinstance(i, dict) else None for i in await self._infos(max(1.0, period))])
             await asyncio.sleep(period)
 
     async def check_start(self, infos: list[dict]) -> list[dict]:
@@ -240,24 +252,22 @@ class GrpcPipeline:
         if owners:
             # this router was silent past the lease (paused, or cut off) and another one took
             # the stages over: its rows are no longer its own, so it must not touch them
-            self.down[-2] = (f"another router ({owners.pop()}) took over these stages; this router "
+            self.down[_DISPLACED] = (f"another router ({owners.pop()}) took over these stages; this router "
                              f"({self.router_id}) no longer serves them: stop it")
             if self.on_displaced is not None:
-                self.on_displaced(self.down[-2])
+                self.on_displaced(self.down[_DISPLACED])
             return
         if any(i is None for i in infos):
             return
-        # a stage that restarted is re-read by the one before it within NEXT_CHECK_S (2 s):
-        # a disagreement only counts once it outlasts that
         err = chain_error(infos, self.addresses)
         now = time.monotonic()
         if not err:
             self._chain_bad_since = None
-            self.down.pop(-1, None)
+            self.down.pop(_CHAIN, None)
         elif self._chain_bad_since is None:
             self._chain_bad_since = now
-        elif now - self._chain_bad_since > 5.0:
-            self.down[-1] = err
+        elif now - self._chain_bad_since > CHAIN_GRACE_S:
+            self.down[_CHAIN] = err
 
     def start_monitor(self, period: float = 1.0) -> None:
         if self._monitor is None:

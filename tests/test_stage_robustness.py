@@ -17,11 +17,12 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import free_port
 from ppspec.proto.codec import GRPC_OPTIONS, result_from_pb, step_to_pb
 from ppspec.proto.messages import SamplingSpec, StepInput
-from ppspec.proto.stubs import pb, pb_grpc
+from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 MAX_ROWS, KV_TOKENS, MAX_CONTEXT, STEPS, VOCAB, HIDDEN = 4, 256, 200, 3, 320, 64
 D = STEPS + 1
@@ -55,15 +56,21 @@ class Stages:
             self.channels.append(ch)
             self.stubs[name] = pb_grpc.StageStub(ch)
         deadline = time.monotonic() + 120
-        for name, stub in self.stubs.items():
+        for name, ch in zip(self.stubs, self.channels):
+            # SERVING on the stage service, as the router waits for: stage 0 serves once it
+            # reached stage 1 (its channel to stage 1 may first be in a reconnect backoff,
+            # in which a relayed step fails at once)
+            health = health_pb2_grpc.HealthStub(ch)
             while True:
                 assert all(p.poll() is None for p in self.procs), f"a stage exited; logs in {tmp}"
                 try:
-                    stub.Info(pb.InfoRequest(), timeout=2)
-                    break
+                    if health.Check(health_pb2.HealthCheckRequest(service=STAGE_SERVICE),
+                                    timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                        break
                 except grpc.RpcError:
-                    assert time.monotonic() < deadline, f"stage {name} did not start"
-                    time.sleep(0.2)
+                    pass
+                assert time.monotonic() < deadline, f"stage {name} did not start"
+                time.sleep(0.2)
         self.s0, self.s1, self.nospec = self.stubs["s0"], self.stubs["s1"], self.stubs["nospec"]
 
     def stop(self):

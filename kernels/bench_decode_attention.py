@@ -4,6 +4,9 @@ layer, bf16, output gate on. Prints numbers; asserts only that both agree within
 error.
 
     python3 kernels/bench_decode_attention.py [--batches 1 16 64 256] [--context 1024] [--queries 1 4]
+        [--sweep 1 2 4 8 16 32]
+
+``--sweep`` also times each given share count, to check the rule ``gpu.kv_splits`` follows.
 
 Each case is ``batch`` requests of ``queries`` tokens (1: decode, 4: a verify of 3 drafts)
 after ``context`` cached tokens (rows and pages scattered, page size 16), for Qwen3.5-sized
@@ -49,26 +52,33 @@ def _graphed(fn):
     return g.replay, out
 
 
-def bench(B: int, L: int, ctx: int, heads=(16, 2, 256)) -> dict:
+def _timed(run, splits: int | None):
+    """(microseconds per graphed call, output) with the share count forced to ``splits``
+    (None: the kernel's own choice, ``gpu.kv_splits``)."""
+    chosen = gpu.kv_splits
+    if splits is not None:
+        gpu.kv_splits = lambda *a, **k: splits
+    try:
+        replay, out = _graphed(run)
+        return triton.testing.do_bench(replay) * 1e3, out
+    finally:
+        gpu.kv_splits = chosen
+
+
+def bench(B: int, L: int, ctx: int, heads=(16, 2, 256), sweep=()) -> dict:
+    """The kernel's choice of shares against no split, and each share count of ``sweep``."""
     args, gate, _ = case(B, L, ctx, *heads)
     run = lambda: gpu.paged_attention_gpu(*args, gate=gate)  # noqa: E731
-    M = L * heads[0] // heads[1]
-    splits = gpu.kv_splits(B * heads[1], args[0].device, 16 if M <= 16 else 64)
-    replay, o_split = _graphed(run)
-    t_split = triton.testing.do_bench(replay)
-    saved = gpu._MAX_SPLITS
-    gpu._MAX_SPLITS = 1
-    try:
-        replay, o_one = _graphed(run)
-        t_one = triton.testing.do_bench(replay)
-    finally:
-        gpu._MAX_SPLITS = saved
+    splits = gpu.kv_splits(B * heads[1], args[0].device)
+    t_split, o_split = _timed(run, None)
+    t_one, o_one = _timed(run, 1)
     err = float((o_split.double() - o_one.double()).norm() / o_one.double().norm())
     assert err < 1e-2, err
     _, Hkv, hd = heads
     nbytes = 2 * B * (ctx + L) * Hkv * hd * 2
-    return dict(B=B, L=L, splits=splits, one_us=t_one * 1e3, split_us=t_split * 1e3,
-                one_gbs=nbytes / t_one / 1e6, split_gbs=nbytes / t_split / 1e6, rel_diff=err)
+    swept = {s: _timed(run, s)[0] for s in sweep}
+    return dict(B=B, L=L, splits=splits, one_us=t_one, split_us=t_split, one_gbs=nbytes / t_one / 1e3,
+                split_gbs=nbytes / t_split / 1e3, rel_diff=err, swept=swept)
 
 
 def main(argv=None):
@@ -76,17 +86,22 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--sweep", type=int, nargs="*", default=[],
+                    help="also time these share counts (e.g. 1 2 4 8 16 32)")
     a = ap.parse_args(argv)
     copy_gbs = copy_bandwidth()[0] / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s; context {a.context}, heads 16/2/256, bf16\n")
-    print("| batch | queries | splits | unsplit (us) | split (us) | unsplit GB/s (% copy) | split GB/s (% copy) | speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+    sweep_cols = "".join(f" {s} shares (us) |" for s in a.sweep)
+    print(f"| batch | queries | splits | unsplit (us) | split (us) | unsplit GB/s (% copy) | split GB/s (% copy) "
+          f"| speed-up |{sweep_cols}")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(a.sweep))
     for L in a.queries:
         for B in a.batches:
-            r = bench(B, L, a.context)
+            r = bench(B, L, a.context, sweep=a.sweep)
+            swept = "".join(f" {r['swept'][s]:.1f} |" for s in a.sweep)
             print(f"| {B} | {L} | {r['splits']} | {r['one_us']:.1f} | {r['split_us']:.1f} | "
                   f"{r['one_gbs']:.0f} ({r['one_gbs'] / copy_gbs:.0%}) | {r['split_gbs']:.0f} "
-                  f"({r['split_gbs'] / copy_gbs:.0%}) | {r['one_us'] / r['split_us']:.2f}x |")
+                  f"({r['split_gbs'] / copy_gbs:.0%}) | {r['one_us'] / r['split_us']:.2f}x |{swept}", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def _paged_attn_kernel(
     scale, pt_stride, sg0, sg1,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
-    HAS_GATE: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_GATE: tl.constexpr, SPLITS: tl.constexpr, NS: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_hk = tl.program_id(1)
@@ -72,13 +72,15 @@ def _paged_attn_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
-        start = tl.full([], 0, tl.int32)
+        lo = tl.full([], 0, tl.int32)
         end = hi
         if SPLITS > 1:  # this program's share of the keys, whole BLOCK_N blocks of them
             chunk = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
-            start = i_s * chunk
-            end = tl.minimum(start + chunk, hi)
-        while start < end:  # (while: Triton's interpreter cannot range() over a loaded value)
+            lo = i_s * chunk
+            end = tl.minimum(lo + chunk, hi)
+        # NS > 1: Triton's pipeliner issues the next blocks' page-table, K and V loads (cp.async)
+        # while this one computes; a decode or verify program is otherwise latency-bound
+        for start in tl.range(lo, end, BLOCK_N, num_stages=NS):
             pos = start + tl.arange(0, BLOCK_N)
             m_n = pos < end
             page = tl.load(page_table + row * pt_stride + pos // PAGE, mask=m_n, other=0).to(tl.int64)
@@ -103,7 +105,6 @@ def _paged_attn_kernel(
                 pv = tl.dot(p.to(b_v.dtype), b_v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-            start += BLOCK_N
         m_o = m_q[:, None] & m_d[None, :]
         if SPLITS > 1:  # partial (acc, max, sum) of this share; _combine_splits_kernel ends it
             part = (tok[:, None] * HQ + i_hq[:, None]) * SPLITS + i_s
@@ -215,10 +216,15 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
     max_l = fact(cu_seqlens_q, "max_len", lambda: int((cu[1:] - cu[:-1]).max()))
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
     BD = triton.next_power_of_2(hd)
-    BLOCK_M = 16 if max_l * G <= 16 else (32 if ieee and BD > 128 else 64)
-    BLOCK_N = 32 if (ieee or BD > 128) else 64
-    m_blocks = triton.cdiv(max_l * G, BLOCK_M)
-    splits = kv_splits(B * Hkv, dev, BLOCK_M) if m_blocks == 1 else 1
+    M = max_l * G  # (query, grouped head) rows of a request and KV head
+    BLOCK_M = 16 if M <= 16 else (32 if M <= 32 or (ieee and BD > 128) else 64)
+    # decode and verify (one M block) read K and V through a 2-stage pipeline of 64 keys;
+    # a prefill block of 64 rows keeps one stage of 32 keys at wide heads (shared memory)
+    one_block = M <= BLOCK_M
+    BLOCK_N = 32 if ieee or (BD > 128 and not one_block) else 64
+    stages = 2 if one_block and not ieee else 1
+    m_blocks = triton.cdiv(M, BLOCK_M)
+    splits = kv_splits(B * Hkv, dev) if m_blocks == 1 else 1
     grid = (B, Hkv, m_blocks * splits)
     if splits > 1:
         part_acc = torch.empty((T, Hq, splits, BD), dtype=torch.float32, device=dev)
@@ -228,7 +234,7 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, pt, rows, lens, cu, o, g3, part_acc, part_ml, float(scale), pt.stride(0), sg0, sg1,
         HQ=Hq, HKV=Hkv, HD=hd, PAGE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BD=BD, IEEE=ieee,
-        HAS_GATE=gate is not None, SPLITS=splits,
+        HAS_GATE=gate is not None, SPLITS=splits, NS=stages,
         num_warps=4 if BLOCK_M <= 32 else 8,
     )
     if splits > 1:
@@ -240,28 +246,24 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
 
 
 # Decode and verify launch one program per (request, KV head): at batch 64 with 2 KV heads
-# that is 128 programs, one per SM, each streaming its whole context, which reads KV at a
-# third of the copy bandwidth (flash-decoding's observation). Below a number of programs
-# per SM the keys are split into shares whose partial softmaxes a second kernel merges. A
-# share writes and the merge reads 4 bytes per (query row, head dim) per share, so query
-# blocks of many rows (a verify's D x G) split less. kernels/bench_decode_attention.py on
-# the H200 (context 1024, heads 16/2/256, graphed): decode 5.8x / 3.0x / 1.28x faster at
-# batch 1 / 16 / 64 (32, 32, 8 shares), 0.94x at 256 (2 shares: not split now); verify
-# of D = 4 6.0x / 2.25x at batch 1 / 16, 0.93x at 64 (2 shares: not split now).
-_PROGRAMS_PER_SM = {16: 4.0}  # BLOCK_M -> target programs per SM; other blocks: 0.5
+# that is 128 programs, one per SM, each streaming its whole context (flash-decoding's
+# observation). Below one program per SM the keys are split into shares whose partial
+# softmaxes a second kernel merges. kernels/bench_decode_attention.py --sweep on the H200
+# (context 1024, heads 16/2/256, graphed, the pipelined key loop) chose the target: at
+# batch 16 and 64, decode and a verify of D = 4, the fastest share count was the least
+# that gives every SM a program (8, 2, 8, 2 shares); at batch 256 none splits
+# (docs/PERFORMANCE.md, eleventh session).
+_PROGRAMS_PER_SM = 1
 _MAX_SPLITS = 32
 
 
-def kv_splits(programs: int, device, block_m: int = 16) -> int:
-    """Shares of the keys per (request, KV head): 1 when ``programs`` reach half of
-    ``_PROGRAMS_PER_SM`` per SM, else the power of two in ``[2, _MAX_SPLITS]`` that brings
-    them up to it. A share covers
+def kv_splits(programs: int, device) -> int:
+    """Shares of the keys per (request, KV head): the least power of two in ``[1,
+    _MAX_SPLITS]`` that brings ``programs`` to ``_PROGRAMS_PER_SM`` per SM. A share covers
     ``ceil(kv_len / splits)`` keys rounded up to whole blocks, computed in the kernel from
     each request's length (so a captured graph serves every length)."""
-    target = _PROGRAMS_PER_SM.get(block_m, 0.5) * _sm_count(device)
+    target = _PROGRAMS_PER_SM * _sm_count(device)
     splits = 1
-    if 2 * programs >= target:  # half the target already: a share's merge costs more than it gains
-        return 1
     while splits < _MAX_SPLITS and programs * splits < target:
         splits *= 2
     return splits

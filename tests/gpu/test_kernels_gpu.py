@@ -265,22 +265,32 @@ def test_commit_accept(dev, B):
 # ---------------------------------------------------------------- commit (replay design: one launch)
 
 
-def _replay_pool(gen, L, R, D, S, dt, dev):
+def _windows(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """Conv windows ``[..., C, W - 1]`` (or a weight ``[C, W]``) in ``layout``: "rows" as made
+    (contiguous), "columns" column-major in memory as the stage keeps them (StatePool,
+    GatedDeltaNet.fuse_projections); same shape and values."""
+    return t if layout == "rows" else t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _replay_pool(gen, L, R, D, S, dt, dev, layout="rows"):
     """Conv windows, their verify scratch and replay counters of L layers, R rows: random
     values everywhere (slot 0 or 1, pending in [0, D]), so that any stray write shows."""
-    conv = torch.randn(L, R, *S, generator=gen).to(dev, dt)
-    conv_scratch = torch.randn(L, R, D, *S, generator=gen).to(dev, dt)
+    conv = _windows(torch.randn(L, R, *S, generator=gen).to(dev, dt), layout)
+    conv_scratch = _windows(torch.randn(L, R, D, *S, generator=gen).to(dev, dt), layout)
     pending = torch.randint(0, D + 1, (L, R), generator=gen, dtype=torch.int32).to(dev)
     slot = torch.randint(0, 2, (L, R), generator=gen, dtype=torch.int32).to(dev)
     return conv, conv_scratch, pending, slot
 
 
+@pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("B", [1, 64, 256])
-def test_commit_conv_replay(dev, B):
+def test_commit_conv_replay(dev, B, layout):
     """The replay design's one-launch commit (conv windows, pending, slot of every layer)
     equals today's two reference calls composed, and today's two GPU calls, bit for bit:
     rows scattered over a pool with rows nobody names (left untouched), several layers,
-    three micro-batches at disjoint rows committed over two rounds (slots flip twice)."""
+    three micro-batches at disjoint rows committed over two rounds (slots flip twice).
+    Windows stored either way (``_windows``); a window laid out differently in the state
+    and the scratch is refused."""
     from ppspec.kernels.commit import commit_accept_conv_replay
     from ppspec.kernels.commit.naive import commit_accept_conv_replay_ref, commit_accept_ref
     from ppspec.kernels.commit.triton_commit import (
@@ -305,8 +315,9 @@ def test_commit_conv_replay(dev, B):
     # a window of one chunk in two dtypes, and one of two chunks (4098 elements: the
     # counters are written by one program per layer and row, not by every chunk)
     for S, dt in ((S, BF16), (S, F32), ((1366, 3), BF16)):
-        pool0 = _replay_pool(gen, L, R, D, S, dt, dev)
+        pool0 = _replay_pool(gen, L, R, D, S, dt, dev, layout)
         ref, two_gpu, fused, launched, dispatched = ([t.clone() for t in pool0] for _ in range(5))
+        assert fused[0].stride() == pool0[0].stride()  # clone keeps the layout
         for rnd in range(2):
             for rows in (mbs if rnd == 0 else mbs[::-1]):
                 acc = torch.randint(1, D + 1, (rows.numel(),), generator=gen).to(dev)
@@ -335,6 +346,12 @@ def test_commit_conv_replay(dev, B):
             commit_accept_ref(pool0[0], pool0[1], rows, acc)
             commit_accept_replay_ref(pool0[2], pool0[3], rows, acc)
         assert all(torch.equal(a, b) for a, b in zip(composed, pool0))
+    other = "columns" if layout == "rows" else "rows"
+    conv, scratch, pending, slot = pool0
+    before = conv.clone()
+    with pytest.raises(ValueError, match="laid out"):
+        launch_commit_conv_replay(conv, _windows(scratch.contiguous(), other), pending, slot, rows, acc)
+    assert torch.equal(conv, before)
 
 
 @pytest.mark.parametrize("design", ["replay", "copy"])
@@ -454,7 +471,10 @@ def test_commit_conv_replay_graph_capture(dev):
 @pytest.mark.parametrize("mode", ["decode", "verify"])
 @pytest.mark.parametrize("D", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_conv1d_update(dev, dtype, D, mode):
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_conv1d_update(dev, dtype, D, mode, layout):
+    """The decode / verify conv update against the reference, windows and weight stored
+    either way (``_windows``): outputs close, windows exact, rows nobody names untouched."""
     from ppspec.kernels.conv1d.naive import causal_conv1d_update_ref
     from ppspec.kernels.conv1d.triton_update import causal_conv1d_update_triton
 
@@ -467,13 +487,13 @@ def test_conv1d_update(dev, dtype, D, mode):
     rows = _rows(gen, rows_n, B, n_pad, dev)
     real = rows[: B - n_pad]
     x = torch.randn(B, D, C, generator=gen).to(dev, dtype)
-    weight = torch.randn(C, W, generator=gen).to(dev, dtype)
+    weight = _windows(torch.randn(C, W, generator=gen).to(dev, dtype), layout)
     bias = torch.randn(C, generator=gen).to(dev, dtype) if D % 2 else None
-    state0 = torch.randn(R, C, W - 1, generator=gen).to(dev, dtype)
+    state0 = _windows(torch.randn(R, C, W - 1, generator=gen).to(dev, dtype), layout)
     st, st_ref = state0.clone(), state0.clone()
     sc = sc_ref = None
     if mode == "verify":
-        sc = torch.full((R, D + 1, C, W - 1), float("nan"), device=dev, dtype=dtype)
+        sc = _windows(torch.full((R, D + 1, C, W - 1), float("nan"), device=dev, dtype=dtype), layout)
         sc_ref = sc.clone()
     y = causal_conv1d_update_triton(x, weight, bias, st, rows, sc)
     y_ref = causal_conv1d_update_ref(x, weight, bias, st_ref, rows, sc_ref)
@@ -623,11 +643,13 @@ def test_gdn_prefill_rows(dev, G):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_conv1d_prefill(dev, dtype, bias):
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_conv1d_prefill(dev, dtype, bias, layout):
     """The one-launch conv prefill (``triton_prefill``) against the reference over packed
     sequences shorter and longer than the window and than a token block, new and continuing
-    rows, x a column slice of a wider projection: outputs close, windows exact, other rows
-    untouched; rows outside the pool raise before the launch."""
+    rows, x a column slice of a wider projection, windows and weight stored either way
+    (``_windows``): outputs close, windows exact, other rows untouched; rows outside the
+    pool raise before the launch."""
     from ppspec.kernels.conv1d.naive import causal_conv1d_prefill_ref
     from ppspec.kernels.conv1d.triton_prefill import causal_conv1d_prefill_triton
 
@@ -642,9 +664,9 @@ def test_conv1d_prefill(dev, dtype, bias):
     cu = torch.tensor([0] + lens).cumsum(0).to(dev)
     wide = torch.randn(T, C + 7, generator=gen).to(dev, dtype)
     x = wide[:, 3:3 + C]  # strided rows: read in place
-    weight = torch.randn(C, W, generator=gen).to(dev, dtype)
+    weight = _windows(torch.randn(C, W, generator=gen).to(dev, dtype), layout)
     b = torch.randn(C, generator=gen).to(dev, dtype) if bias else None
-    state0 = torch.randn(rows_n + 1, C, W - 1, generator=gen).to(dev, dtype)
+    state0 = _windows(torch.randn(rows_n + 1, C, W - 1, generator=gen).to(dev, dtype), layout)
     st, st_ref = state0.clone(), state0.clone()
     y = causal_conv1d_prefill_triton(x, weight, b, st, rows, cu, init)
     y_ref = causal_conv1d_prefill_ref(x, weight, b, st_ref, rows, cu, init)
@@ -721,22 +743,28 @@ def test_paged_attention(dev, heads, dtype, mode):
 @pytest.mark.parametrize("splits", [2, 8, 32])
 @pytest.mark.parametrize("mode", ["decode", "verify"])
 @pytest.mark.parametrize("heads", [(8, 8, 128), (16, 2, 256)])
-def test_paged_attention_split_kv(dev, heads, mode, splits, monkeypatch):
-    """The keys split into ``splits`` shares merged by a second kernel (flash-decoding), in
-    fp32 with the output gate: the reference's output whatever the split, including
-    shares that hold no key of a short request (32 shares of a 5-token context)."""
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_paged_attention_split_kv(dev, heads, mode, splits, dtype, monkeypatch):
+    """The keys split into ``splits`` shares merged by a second kernel (flash-decoding),
+    with the output gate: the reference's output whatever the split, including shares
+    that hold no key of a short request (32 shares of a 5-token context). fp32 runs the
+    one-stage loop of 32 keys; bf16 the two-stage pipelined loop of 64 keys that decode and
+    verify take on the GPU (a share shorter than a pipeline's blocks included)."""
     from ppspec.kernels.attention import gpu
     from ppspec.kernels.attention.naive import paged_attention_ref
 
-    args = list(_attention_case(dev, heads, F32, mode))
+    if _small(dev) and dtype == BF16:
+        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (seen with triton 3.6, numpy 2)")
+    args = list(_attention_case(dev, heads, dtype, mode))
     args[5][0] = int(args[6][1] - args[6][0]) + 4  # request 0: 4 cached tokens, most shares empty
     T, Hq, hd = args[0].shape
-    gate = torch.randn(T, Hq, hd, generator=torch.Generator().manual_seed(splits)).to(dev)
+    gate = torch.randn(T, Hq, hd, generator=torch.Generator().manual_seed(splits)).to(dev, dtype)
+    tol = 1e-5 if dtype == F32 else 1e-2
     monkeypatch.setattr(gpu, "kv_splits", lambda *a, **k: splits)
     o = gpu.paged_attention_gpu(*args, gate=gate)
-    assert _rel_err(o, paged_attention_ref(*args, gate=gate)) < 1e-5
+    assert _rel_err(o, paged_attention_ref(*args, gate=gate)) < tol
     monkeypatch.setattr(gpu, "kv_splits", lambda *a, **k: 1)
-    assert _rel_err(o, gpu.paged_attention_gpu(*args, gate=gate)) < 1e-5
+    assert _rel_err(o, gpu.paged_attention_gpu(*args, gate=gate)) < tol
 
 
 @pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])

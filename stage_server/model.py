@@ -168,6 +168,11 @@ class GatedDeltaNet(nn.Module):
 
     def fuse_projections(self) -> None:
         self.in_proj_weight, _ = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        # the conv kernels load one tap of many channels at a time: keep the depthwise
+        # weight [C, 1, W] tap-major in memory (same shape and values, strides (1, C, C))
+        w = self.conv1d.weight
+        self.conv1d.weight = nn.Parameter(w.detach().permute(2, 1, 0).contiguous().permute(2, 1, 0),
+                                          requires_grad=w.requires_grad)
 
     def forward(self, x: torch.Tensor, meta: BatchMeta, st: LinearLayerState) -> torch.Tensor:
         """x: ``[T, hidden]`` (normed). Returns ``[T, hidden]`` in x's dtype."""
@@ -451,7 +456,8 @@ class StageModel(nn.Module):
         """Concatenate the projections that read the same input (GDN qkv/z/b/a, attention
         q/k/v, MLP and shared-expert gate/up, the MTP head's layer included) into one
         weight each, so each set is one GEMM; parameters become views of it
-        (:func:`fuse_linears`). Call after loading, on the final device and dtype."""
+        (:func:`fuse_linears`). GDN conv weights become tap-major in memory. Call after
+        loading, on the final device and dtype."""
         for m in self.modules():
             if isinstance(m, (GatedDeltaNet, GatedAttention, MLP)):
                 m.fuse_projections()

@@ -122,6 +122,11 @@ def _replay_data(b: ReplayBuffers) -> list[torch.Tensor]:
     return [t for name, t in zip(b._fields, b) if name not in ("pending", "slot")]
 
 
+def _column_major(windows: torch.Tensor) -> torch.Tensor:
+    """``[..., W - 1, C]`` storage seen as the ``[..., C, W - 1]`` windows the kernels take."""
+    return windows.transpose(-1, -2)
+
+
 class StatePool:
     """Recurrent state, conv window and verify scratch of ``num_layers`` GDN layers.
 
@@ -130,6 +135,10 @@ class StatePool:
     - ssm: ``[L, R, HV, K, V]`` fp32 committed state; conv: ``[L, R, C, W - 1]`` in ``dtype``.
     - conv_scratch: ``[L, R, D, C, W - 1]``, the conv window after each verify step (both
       designs; the conv window is small, its commit is a copy).
+    - A window is stored column-major (strides ``(1, C)`` on its ``[C, W - 1]``): a step's
+      column is ``C`` consecutive elements, which the GPU conv kernels load and store
+      coalesced (``kernels/conv1d/triton_update.py``). Each row's window is one dense block
+      in both tensors, so the commit still copies it as one span.
     - ``commit_design="copy"``: ssm_scratch ``[L, R, D, HV, K, V]`` fp32, the state after
       each verify step; the commit copies ``ssm_scratch[row, accept_length - 1]`` to ``ssm[row]``.
     - ``commit_design="replay"`` (DESIGN.md section 7): no ssm_scratch; ``replay[l]`` is the
@@ -155,12 +164,13 @@ class StatePool:
         hk = hv if num_k_heads is None else num_k_heads
         n = max_rows + 1
         self.ssm = torch.zeros(num_layers, n, hv, dk, dv, dtype=torch.float32, device=device)
-        self.conv = torch.zeros(num_layers, n, conv_dim, conv_width - 1, dtype=dtype, device=device)
+        self.conv = _column_major(torch.zeros(num_layers, n, conv_width - 1, conv_dim, dtype=dtype, device=device))
         self.ssm_scratch = self.conv_scratch = None
         self.replay: list[ReplayBuffers] | None = None
         self.replay_pending = self.replay_slot = None
         if d > 1:
-            self.conv_scratch = torch.zeros(num_layers, n, d, conv_dim, conv_width - 1, dtype=dtype, device=device)
+            self.conv_scratch = _column_major(
+                torch.zeros(num_layers, n, d, conv_width - 1, conv_dim, dtype=dtype, device=device))
             if commit_design == "copy":
                 self.ssm_scratch = torch.zeros(num_layers, n, d, hv, dk, dv, dtype=torch.float32, device=device)
             else:

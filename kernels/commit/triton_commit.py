@@ -49,13 +49,24 @@ def _commit_kernel(
             tl.store(p_s, 1 - tl.load(p_s))
 
 
-def _inner_contiguous(t: torch.Tensor, lead: int) -> bool:
+def _row_layout(t: torch.Tensor, lead: int) -> tuple[int, ...] | None:
+    """The strides of ``t``'s dims after ``lead`` when they fill one dense block of memory
+    (contiguous in some dim order, e.g. a transposed window), else None. Dims of size 1
+    carry no layout (their stride reads as 0)."""
+    dims = [(size, stride) for size, stride in zip(t.shape[lead:], t.stride()[lead:])]
     expect = 1
-    for size, stride in zip(reversed(t.shape[lead:]), reversed(t.stride()[lead:])):
-        if size != 1 and stride != expect:
-            return False
+    for size, stride in sorted((d for d in dims if d[0] != 1), key=lambda d: d[1]):
+        if stride != expect:
+            return None
         expect *= size
-    return True
+    return tuple(0 if size == 1 else stride for size, stride in dims)
+
+
+def _same_row_layout(state: torch.Tensor, scratch: torch.Tensor) -> bool:
+    """A row's state and each of its scratch entries are dense blocks laid out alike: the
+    commit may copy one as a flat span onto the other."""
+    layout = _row_layout(state, 2)
+    return layout is not None and layout == _row_layout(scratch, 3)
 
 
 def commit_accept_triton(state: torch.Tensor, scratch: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -75,8 +86,8 @@ def commit_accept_triton(state: torch.Tensor, scratch: torch.Tensor, req_pool_in
     lo, hi = min_max(accept_lengths)
     if lo < 1 or hi > d:
         raise ValueError(f"accept lengths must be in [1, {d}]: {accept_lengths.tolist()}")
-    if not (_inner_contiguous(state, 2) and _inner_contiguous(scratch, 3)):
-        raise ValueError("commit needs each row's state contiguous")
+    if not _same_row_layout(state, scratch):
+        raise ValueError("commit needs each row's state one dense block, laid out as in the scratch")
     launch_commit(state, scratch, req_pool_indices.to(state.device, torch.int64).contiguous(),
                   accept_lengths.to(state.device, torch.int64).contiguous())
 
@@ -114,16 +125,16 @@ def launch_commit_conv_replay(conv, conv_scratch, pending, slot, rows, acc) -> N
 
     Raises:
         ValueError: before the launch, from host metadata alone: ``rows`` / ``acc`` not
-            contiguous on the pool's device, or a row's conv window not contiguous in
-            ``conv`` / ``conv_scratch``.
+            contiguous on the pool's device, or a row's conv window not one dense block
+            laid out alike in ``conv`` and ``conv_scratch``.
     """
     dev = conv.device
     for name, t in (("req_pool_indices", rows), ("accept_lengths", acc)):
         if t.device != dev or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous on {dev}, got {t.device}"
                              f"{'' if t.is_contiguous() else ' (not contiguous)'}")
-    if not (_inner_contiguous(conv, 2) and _inner_contiguous(conv_scratch, 3)):
-        raise ValueError("commit needs each row's conv window contiguous")
+    if not _same_row_layout(conv, conv_scratch):
+        raise ValueError("commit needs each row's conv window one dense block, laid out as in the scratch")
     _launch(conv, conv_scratch, rows, acc, pending, slot)
 
 

@@ -71,8 +71,21 @@ class GrpcPipeline:
         self._chain_bad_since: float | None = None
 
     def _error(self, stage: int | None, e: grpc.aio.AioRpcError, what: str) -> StageDownError:
+        """The error a failed call raises. A stage that denied this router (another router
+        claimed it since) also puts this router down for good, as the monitor does once it
+        sees the claim: the rows are the new owner's."""
+        if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+            self._displace(f"another router took over these stages ({e.details()}); this router "
+                           f"({self.router_id}) no longer serves them: stop it")
         where = f"stage {stage} ({self.addresses[stage]})" if stage is not None else "the pipeline"
         return StageDownError(f"{what} failed at {where}: {e.code().name}: {e.details()}")
+
+    def _displace(self, detail: str) -> None:
+        if _DISPLACED in self.down:
+            return
+        self.down[_DISPLACED] = detail
+        if self.on_displaced is not None:
+            self.on_displaced(detail)
 
     async def wait_ready(self, timeout: float) -> None:
         """Wait until every stage's health service answers SERVING for the stage service
@@ -130,7 +143,9 @@ class GrpcPipeline:
     async def step(self, inp: StepInput) -> StepOutput:
         call = self.stubs[0].Verify if inp.mode == VERIFY else self.stubs[0].Forward
         try:
-            res = await call(step_to_pb(inp), timeout=self.step_timeout)
+            req = step_to_pb(inp)
+            req.router_id = self.router_id  # stages refuse the steps of a router that lost them
+            res = await call(req, timeout=self.step_timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise ValueError(e.details()) from None
@@ -143,7 +158,7 @@ class GrpcPipeline:
 
     async def commit_accept(self, c: Commit) -> list[float]:
         """CommitAccept to every stage, the last included; returns each stage's seconds."""
-        req = pb.CommitRequest(micro_batch_id=c.micro_batch_id, round=c.round,
+        req = pb.CommitRequest(micro_batch_id=c.micro_batch_id, round=c.round, router_id=self.router_id,
                                req_pool_indices=c.req_pool_indices, accept_lengths=c.accept_lengths)
         replies = await asyncio.gather(
             *(s.CommitAccept(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
@@ -160,7 +175,8 @@ class GrpcPipeline:
         rows, or with ``abandon`` (after a failure: no commit will come) drops them."""
         if not rows:
             return
-        req = pb.ReleaseRequest(req_pool_indices=rows, micro_batch_id=micro_batch_id, round=round, abandon=abandon)
+        req = pb.ReleaseRequest(req_pool_indices=rows, micro_batch_id=micro_batch_id, round=round, abandon=abandon,
+                                router_id=self.router_id)
         replies = await asyncio.gather(
             *(s.Release(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
         )
@@ -252,10 +268,8 @@ class GrpcPipeline:
         if owners:
             # this router was silent past the lease (paused, or cut off) and another one took
             # the stages over: its rows are no longer its own, so it must not touch them
-            self.down[_DISPLACED] = (f"another router ({owners.pop()}) took over these stages; this router "
-                             f"({self.router_id}) no longer serves them: stop it")
-            if self.on_displaced is not None:
-                self.on_displaced(self.down[_DISPLACED])
+            self._displace(f"another router ({owners.pop()}) took over these stages; this router "
+                           f"({self.router_id}) no longer serves them: stop it")
             return
         if any(i is None for i in infos):
             return

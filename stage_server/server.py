@@ -68,9 +68,10 @@ class StageServicer(pb_grpc.StageServicer):
         order_timeout: seconds a step or release waits for a pending commit.
     """
 
-    # a later stage answered with one of these: it changed nothing (or undid it)
+    # a later stage answered with one of these: it changed nothing (or undid it); denied:
+    # another router owns that stage (a takeover reached it first)
     REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
+               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.PERMISSION_DENIED)
 
     def __init__(self, runner, next_stage: str | None, relay_timeout: float = 600.0, order_timeout: float = 600.0):
         self.runner = runner
@@ -128,8 +129,20 @@ class StageServicer(pb_grpc.StageServicer):
             )
             return False
 
+    async def _check_router(self, router_id: str, context, what: str) -> None:
+        """Refuse (PERMISSION_DENIED) a request from a router other than this stage's owner.
+        A request that names no router (a tool) and a stage no router owns are not fenced."""
+        if router_id and self.owner and router_id != self.owner:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"stage {self.runner.pp_rank}: {what} from router {router_id}, but router {self.owner} owns "
+                f"this stage (the last to claim it): refused, nothing changed",
+            )
+
     async def _step(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
         rank = self.runner.pp_rank
+        await self._check_router(request.router_id, context, f"{request.mode or 'step'} of micro-batch "
+                                                              f"{request.micro_batch_id}")
         try:
             inp = step_from_pb(request)
         except ValueError as e:
@@ -206,6 +219,7 @@ class StageServicer(pb_grpc.StageServicer):
         key = (request.micro_batch_id, request.round)
         rank = self.runner.pp_rank
         what = f"commit of micro-batch {key[0]} round {key[1]}"
+        await self._check_router(request.router_id, context, what)
         d = self.runner.num_steps + 1
         bad = None
         if len(rows) != len(acc):
@@ -254,6 +268,7 @@ class StageServicer(pb_grpc.StageServicer):
         return pb.CommitReply(seconds=seconds)
 
     async def Release(self, request: pb.ReleaseRequest, context):
+        await self._check_router(request.router_id, context, "release")
         rows = list(request.req_pool_indices)
         n = self.runner.max_rows
         bad = [r for r in rows if not 0 <= r < n]

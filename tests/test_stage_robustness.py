@@ -432,3 +432,93 @@ def test_a_second_stage_on_a_served_port_exits(st):
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 2 and f"cannot listen on 127.0.0.1:{st.ports['nospec']}" in p.stderr, p.stderr
     assert st.nospec.Info(pb.InfoRequest(), timeout=10).pp_size == 1  # the first one still serves
+
+
+def test_only_the_router_that_owns_the_stages_steps_commits_and_releases(st):
+    """Stages fence routers: once a router claimed them (its Info with claim, at its start),
+    a step, commit or release from any other router is refused with PERMISSION_DENIED
+    naming the owner, and changes nothing; a later claim moves the ownership. A request
+    that names no router (a tool, as the other tests here) is not fenced. With stage 1
+    already claimed by another router than stage 0 (a takeover half done), the step stage
+    0 ran and relayed is undone there."""
+    denied = grpc.StatusCode.PERMISSION_DENIED
+
+    def claim(router, stubs=None):
+        for s in stubs or (st.s0, st.s1):
+            s.Info(pb.InfoRequest(router_id=router, claim=True), timeout=10)
+
+    def step(router, inp, stub=None):
+        m = step_to_pb(inp)
+        m.router_id = router
+        return call((stub or st.s0).Verify if inp.mode == "verify" else (stub or st.s0).Forward, m)
+
+    def commit(router, acc):
+        return st.both("CommitAccept", pb.CommitRequest(micro_batch_id=5, round=9, req_pool_indices=[0, 2],
+                                                       accept_lengths=acc, router_id=router))
+
+    def release(router, rows):
+        return st.both("Release", pb.ReleaseRequest(req_pool_indices=rows, abandon=True, router_id=router))
+
+    try:
+        claim("router-a")
+        expect(step("router-b", prefill([1])), denied, "stage 0: prefill of micro-batch 1 from router router-b",
+               "router router-a owns this stage")
+        assert st.state() == [(0, 0, 0), (0, 0, 0)]
+        acc = setup_verify(st)  # rows 0 and 2 pending on both stages (a tool's requests)
+        for res in commit("router-b", acc):
+            expect(res, denied, "commit of micro-batch 5 round 9 from router router-b", "router-a owns")
+        for res in release("router-b", [0, 2]):
+            expect(res, denied, "release from router router-b")
+        assert st.state() == [(2, 0, 2), (2, 4, 2)]  # nothing committed, abandoned or released
+        claim("router-b")  # router-a paused past its lease: router-b took over
+        for res in commit("router-a", acc):
+            expect(res, denied, "router-b owns")
+        expect(step("router-a", prefill([1])), denied, "router-b owns")
+        assert st.state() == [(2, 0, 2), (2, 4, 2)]
+        assert [c for c, _ in commit("router-b", acc)] == ["OK", "OK"]
+        assert [c for c, _ in release("router-b", [0, 2])] == ["OK", "OK"]
+        assert st.state() == [(0, 0, 0), (0, 0, 0)]
+        claim("router-a", [st.s0])  # stage 0 is router-a's again, stage 1 still router-b's
+        expect(step("router-a", prefill([1])), denied, "stage 1: prefill of micro-batch 1 from router router-a")
+        assert st.state() == [(0, 0, 0), (0, 0, 0)]  # stage 0 released the row it had started
+    finally:
+        for router in ("router-a", "router-b"):
+            for s in (st.s0, st.s1):
+                s.Info(pb.InfoRequest(router_id=router, leaving=True), timeout=10)
+    assert [i.owner_router_id for i in (st.s0.Info(pb.InfoRequest()), st.s1.Info(pb.InfoRequest()))] == ["", ""]
+
+
+def test_a_router_the_stages_deny_goes_down_for_good(st):
+    """The router's side of the fence: a step refused because another router claimed the
+    stages (before this router's monitor saw the claim) puts it down for good, as the
+    monitor would: /health says another router took over, and the engine is told once."""
+    import asyncio
+
+    from ppspec.router.grpc_pipeline import GrpcPipeline
+    from ppspec.router.types import StageDownError
+
+    async def scenario():
+        p = GrpcPipeline([f"127.0.0.1:{st.ports['s0']}", f"127.0.0.1:{st.ports['s1']}"])
+        told = []
+        p.on_displaced = told.append
+        try:
+            await p.info(claim=True)
+            assert p.health()[0]
+            for s in (st.s0, st.s1):
+                s.Info(pb.InfoRequest(router_id="router-new", claim=True), timeout=10)
+            with pytest.raises(StageDownError, match="PERMISSION_DENIED"):
+                await p.step(prefill([1]))
+            with pytest.raises(StageDownError, match="PERMISSION_DENIED"):
+                await p.release([1])
+            return told, p.health()
+        finally:
+            await p.close()
+
+    try:
+        told, (ok, why) = asyncio.run(scenario())
+    finally:
+        for s in (st.s0, st.s1):  # no owner left for the next test
+            s.Info(pb.InfoRequest(router_id="router-new", leaving=True), timeout=10)
+    assert not ok and "another router took over these stages" in why and "router router-new owns" in why, why
+    assert len(told) == 1 and told[0] == why
+    assert st.state() == [(0, 0, 0), (0, 0, 0)]

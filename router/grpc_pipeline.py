@@ -40,6 +40,7 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "busy_seconds": r.busy_seconds, "pending_commits": r.pending_commits, "commit_design": r.commit_design,
         "prefill_attention": r.prefill_attention, "instance_id": r.instance_id, "next_instance_id": r.next_instance_id,
         "routers": {x.router_id: x.idle_seconds for x in r.routers}, "owner_router_id": r.owner_router_id,
+        "not_serving": r.not_serving,
     }
 
 
@@ -97,18 +98,18 @@ class GrpcPipeline:
         deadline = time.monotonic() + timeout
         next_note = time.monotonic() + 10.0
         for k, stub in enumerate(self.health_stubs):
-            why = "is unreachable"
+            why = f"stage {k} ({self.addresses[k]}) is unreachable"
             while True:
                 try:
                     r = await stub.Check(health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=2.0)
                     if r.status == health_pb2.HealthCheckResponse.SERVING:
                         break
-                    why = "is up but not serving (its next stage has not answered as the next PP rank; see its log)"
+                    why = await self._not_serving(k, 2.0)
                 except grpc.aio.AioRpcError:
                     pass
                 now = time.monotonic()
                 if now > deadline:
-                    raise StageDownError(f"stage {k} at {self.addresses[k]} {why}")
+                    raise StageDownError(why)
                 if now > next_note:  # say what it waits for, not just hang
                     log.warning("waiting for stage %d at %s to serve (%.0f s left)", k, self.addresses[k], deadline - now)
                     next_note = now + 10.0
@@ -197,7 +198,7 @@ class GrpcPipeline:
                 try:
                     r = await stub.Check(health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=max(1.0, period))
                     ok = r.status == health_pb2.HealthCheckResponse.SERVING
-                    detail = "" if ok else f"stage {k} ({self.addresses[k]}) is not serving (see its log)"
+                    detail = "" if ok else await self._not_serving(k, period)
                 except grpc.aio.AioRpcError as e:
                     ok, detail = False, f"stage {k} ({self.addresses[k]}) is down: {e.code().name}"
                 if ok:
@@ -208,6 +209,16 @@ class GrpcPipeline:
                 # a stage that did not answer: the health check says which
                 self._check_infos([i if isinstance(i, dict) else None for i in await self._infos(max(1.0, period))])
             await asyncio.sleep(period)
+
+    async def _not_serving(self, k: int, period: float) -> str:
+        """Why stage k answers NOT_SERVING, as its Info says (a tool's Info: this router's
+        lease is the monitor's own Info)."""
+        why = ""
+        try:
+            why = (await self.stubs[k].Info(pb.InfoRequest(), timeout=max(1.0, period))).not_serving
+        except grpc.aio.AioRpcError:
+            pass
+        return f"stage {k} ({self.addresses[k]}) is not serving: {why or 'see its log'}"
 
     async def check_start(self, infos: list[dict]) -> list[dict]:
         """Before serving: no other router uses these stages, and each stage relays to the

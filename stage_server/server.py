@@ -82,6 +82,9 @@ class StageServicer(pb_grpc.StageServicer):
         self.committing: set[int] = set()  # rows whose commit is being applied
         self.instance_id = uuid.uuid4().hex[:12]  # this process; a restarted stage has another
         self.next_instance_id = ""  # the next stage's, as the wiring check last saw it
+        # why the stage service is NOT_SERVING ("" while it serves), for Info: the router's
+        # /health names it
+        self.not_serving = "" if next_stage is None else f"the next stage at {next_stage} has not answered yet"
         self.routers: dict[str, float] = {}  # router_id -> monotonic time of its last Info
         self.owner = ""  # the router that last claimed this stage (Info with claim)
         self.cond = asyncio.Condition()
@@ -307,6 +310,7 @@ class StageServicer(pb_grpc.StageServicer):
                 self.owner = request.router_id
         return pb.InfoReply(
             instance_id=self.instance_id, next_instance_id=self.next_instance_id, routers=seen,
+            not_serving=self.not_serving,
             owner_router_id=self.owner,
             pp_rank=i["pp_rank"], pp_size=i["pp_size"], layer_start=i["layer_start"], layer_end=i["layer_end"],
             num_layers=i["num_layers"], max_rows=i["max_rows"], rows_in_use=i["rows_in_use"],
@@ -398,12 +402,14 @@ async def serve_stage(args) -> int:
                     if servicer.next_instance_id:
                         log.error("stage %d: %s; not serving until it is", runner.pp_rank, err)
                     servicer.next_instance_id = ""
+                    servicer.not_serving = err
                     await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
                 else:
                     if instance != servicer.next_instance_id and not first:
                         log.info("stage %d: the next stage at %s is a new process (%s)", runner.pp_rank,
                                  args.next_stage, instance)
                     servicer.next_instance_id = instance
+                    servicer.not_serving = ""
                     await serving()
                 first = False
                 await asyncio.sleep(NEXT_CHECK_S)

@@ -313,7 +313,8 @@ def test_the_router_checks_the_relay_chain_and_stage_restarts(random_ref, tmp_pa
     """Wiring the router cannot see in its own --stages: a stage that relays to another
     process than the router's next stage is refused at start; a stage that restarts with
     other settings between requests turns /health 503 naming the setting (requests get
-    503, not a 500 per request), and back with its settings the pipeline serves again."""
+    503, not a 500 per request); one that comes back with other layers turns stage 0 off
+    and /health names stage 0's reason; back with its settings the pipeline serves again."""
     path, prompts, ref, gaps = random_ref
     x = Cluster(path, 2, "mtp", log_dir=str(tmp_path))
     y = Cluster(path, 2, "mtp", log_dir=str(tmp_path))
@@ -336,6 +337,14 @@ def test_the_router_checks_the_relay_chain_and_stage_restarts(random_ref, tmp_pa
         wait_health(x.url, 503, "num_speculative_steps is 1, was 3")
         r = httpx.post(x.url + "/v1/completions", json=dict(prompt=prompts[0], max_tokens=4), timeout=30)
         assert r.status_code == 503, r.text
+        x.kill("stage1")
+        x.procs.pop("stage1").wait(10)
+        # the middle stage of a 3-stage pipeline on stage 1's port: stage 0 stops serving
+        x._spawn("stage1", ["stage", "--model", path, "--pp-rank", "1", "--pp-size", "3", "--port",
+                            str(x.stage_ports[1]), "--next-stage", f"127.0.0.1:{free_port()}",
+                            "--speculative-algorithm", "mtp", "--num-threads", "1"])
+        wait_health(x.url, 503, f"stage 0 (127.0.0.1:{x.stage_ports[0]}) is not serving: --next-stage "
+                                f"127.0.0.1:{x.stage_ports[1]} is stage 1 of 3", timeout=90)
         x.kill("stage1")
         x.procs.pop("stage1").wait(10)
         x.steps = 3

@@ -98,7 +98,7 @@ class GrpcPipeline:
         deadline = time.monotonic() + timeout
         next_note = time.monotonic() + 10.0
         for k, stub in enumerate(self.health_stubs):
-            why = f"stage {k} ({self.addresses[k]}) is unreachable"
+            why = f"stage {k} at {self.addresses[k]} is unreachable"
             while True:
                 try:
                     r = await stub.Check(health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=2.0)

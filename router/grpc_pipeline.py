@@ -40,7 +40,7 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "busy_seconds": r.busy_seconds, "pending_commits": r.pending_commits, "commit_design": r.commit_design,
         "prefill_attention": r.prefill_attention, "instance_id": r.instance_id, "next_instance_id": r.next_instance_id,
         "routers": {x.router_id: x.idle_seconds for x in r.routers}, "owner_router_id": r.owner_router_id,
-        "not_serving": r.not_serving,
+        "not_serving": r.not_serving, "replaced": r.replaced,
     }
 
 
@@ -67,6 +67,7 @@ class GrpcPipeline:
         # one still asks them: one router per pipeline)
         self.router_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.instances: list[str] | None = None  # each stage's instance_id at the first Info
+        self.claimed = False  # this router claimed the stages (check_start): it owns them
         self.on_restart = None  # f(stage, detail): a stage answers as another process
         self.on_displaced = None  # f(detail): another router claimed the stages
         self._chain_bad_since: float | None = None
@@ -137,6 +138,7 @@ class GrpcPipeline:
         for k, i in enumerate(out):
             if isinstance(i, grpc.aio.AioRpcError):
                 raise self._error(k, i, "Info")
+        self.claimed = self.claimed or claim
         if self.instances is None:
             self.instances = [i["instance_id"] for i in out]
         return out
@@ -207,7 +209,14 @@ class GrpcPipeline:
                     self.down[k] = detail
             if _DISPLACED not in self.down:  # a displaced router stays silent
                 # a stage that did not answer: the health check says which
-                self._check_infos([i if isinstance(i, dict) else None for i in await self._infos(max(1.0, period))])
+                infos = await self._infos(max(1.0, period))
+                for k in self._check_infos([i if isinstance(i, dict) else None for i in infos]):
+                    # a restarted stage owns no router: claim it again, so that it fences too
+                    try:
+                        await self.stubs[k].Info(pb.InfoRequest(router_id=self.router_id, claim=True),
+                                                 timeout=max(1.0, period))
+                    except grpc.aio.AioRpcError:
+                        pass  # the next period tries again
             await asyncio.sleep(period)
 
     async def _not_serving(self, k: int, period: float) -> str:
@@ -262,13 +271,19 @@ class GrpcPipeline:
         await asyncio.gather(*(s.Info(req, timeout=2.0) for s in self.stubs), return_exceptions=True)
 
     async def owns_stages(self) -> bool:
-        """Whether no other router has claimed any stage that answers."""
+        """Whether no other router has claimed any stage that answers (and none took one
+        from this router, even if it has left since)."""
         try:
-            return not ({i["owner_router_id"] for i in await self.info()} - {"", self.router_id})
+            infos = await self.info()
+            others = {i["owner_router_id"] for i in infos} - {"", self.router_id}
+            return not (others or any(i["replaced"] for i in infos))
         except StageDownError:
             return True  # the stages that answer decide the next time; release what it can
 
-    def _check_infos(self, infos: list[dict | None]) -> None:
+    def _check_infos(self, infos: list[dict | None]) -> list[int]:
+        """The monitor's reading of every stage's Info (None: no answer): restarts,
+        another router's claim (this one is then down for good), the relay chain. Returns
+        the stages this router claimed that own no router now (restarted): to claim again."""
         for k, i in enumerate(infos):
             if i is not None and self.instances and i["instance_id"] != self.instances[k]:
                 detail = f"stage {k} ({self.addresses[k]}) restarted (instance {i['instance_id']})"
@@ -281,9 +296,16 @@ class GrpcPipeline:
             # the stages over: its rows are no longer its own, so it must not touch them
             self._displace(f"another router ({owners.pop()}) took over these stages; this router "
                            f"({self.router_id}) no longer serves them: stop it")
-            return
+            return []
+        taken = [k for k, i in enumerate(infos) if i is not None and i["replaced"]]
+        if taken:
+            # as above, and the router that took over has left since: the stages remember
+            self._displace(f"another router took over these stages (stage {taken[0]} says so; it has left since); "
+                           f"this router ({self.router_id}) no longer serves them: stop it")
+            return []
+        reclaim = [k for k, i in enumerate(infos) if i is not None and not i["owner_router_id"]] if self.claimed else []
         if any(i is None for i in infos):
-            return
+            return reclaim
         err = chain_error(infos, self.addresses)
         now = time.monotonic()
         if not err:
@@ -293,6 +315,7 @@ class GrpcPipeline:
             self._chain_bad_since = now
         elif now - self._chain_bad_since > CHAIN_GRACE_S:
             self.down[_CHAIN] = err
+        return reclaim
 
     def start_monitor(self, period: float = 1.0) -> None:
         if self._monitor is None:

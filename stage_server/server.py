@@ -44,6 +44,7 @@ from .runner import RowStateError, brief
 log = logging.getLogger("ppspec.stage")
 
 ROUTER_MEMORY_S = 60.0  # routers Info reports: those that asked within this many seconds
+REPLACED_MEMORY = 256  # routers a claim took this stage from, remembered (the oldest forgotten first)
 NEXT_CHECK_S = 2.0  # how often a stage re-reads its next stage's Info (a restart changes it)
 
 
@@ -87,6 +88,9 @@ class StageServicer(pb_grpc.StageServicer):
         self.not_serving = "" if next_stage is None else f"the next stage at {next_stage} has not answered yet"
         self.routers: dict[str, float] = {}  # router_id -> monotonic time of its last Info
         self.owner = ""  # the router that last claimed this stage (Info with claim)
+        # router -> the router whose claim took this stage from it: refused for good, also
+        # once the new owner has left (a paused router must not come back to the stage)
+        self.replaced: dict[str, str] = {}
         self.cond = asyncio.Condition()
         self._next = None
         if next_stage:
@@ -132,15 +136,24 @@ class StageServicer(pb_grpc.StageServicer):
             )
             return False
 
-    async def _check_router(self, router_id: str, context, what: str) -> None:
-        """Refuse (PERMISSION_DENIED) a request from a router other than this stage's owner.
-        A request that names no router (a tool) and a stage no router owns are not fenced."""
+    def _denied(self, router_id: str, what: str) -> str | None:
+        """Why a request from ``router_id`` is refused, or None: another router owns this
+        stage, or a claim took the stage from that router. A request that names no router
+        (a tool) is not fenced, nor one to a stage no router owns."""
+        rank = self.runner.pp_rank
+        if router_id in self.replaced:
+            return (f"stage {rank}: {what} from router {router_id}, but router {self.replaced[router_id]} took this "
+                    f"stage over from it: refused, nothing changed")
         if router_id and self.owner and router_id != self.owner:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"stage {self.runner.pp_rank}: {what} from router {router_id}, but router {self.owner} owns "
-                f"this stage (the last to claim it): refused, nothing changed",
-            )
+            return (f"stage {rank}: {what} from router {router_id}, but router {self.owner} owns this stage (the "
+                    f"last to claim it): refused, nothing changed")
+        return None
+
+    async def _check_router(self, router_id: str, context, what: str) -> None:
+        """Abort with PERMISSION_DENIED when :meth:`_denied` refuses the request."""
+        why = self._denied(router_id, what)
+        if why:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
     async def _step(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
         rank = self.runner.pp_rank
@@ -161,8 +174,12 @@ class StageServicer(pb_grpc.StageServicer):
         except (ValueError, IndexError) as e:
             await self._fail(context, e, inp.mode)
         rows = inp.req_pool_indices
-        await self._wait_committed(rows, context, f"{inp.mode} of micro-batch {inp.micro_batch_id}",
-                                   mark=(inp.micro_batch_id, inp.round) if verify else None)
+        what = f"{inp.mode} of micro-batch {inp.micro_batch_id}"
+        await self._wait_committed(rows, context, what, mark=(inp.micro_batch_id, inp.round) if verify else None)
+        why = self._denied(request.router_id, what)  # again: another router may have claimed it while it waited
+        if why:
+            await self._unmark(rows, verify)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         try:
             out = await self._compute(self.runner.step, inp)
         except Exception as e:
@@ -285,6 +302,7 @@ class StageServicer(pb_grpc.StageServicer):
             if dropped:
                 log.warning("release abandons the pending commits of rows %s", dropped)
         await self._wait_committed(rows, context, f"release after micro-batch {request.micro_batch_id} round {request.round}")
+        await self._check_router(request.router_id, context, "release")  # again, after the wait
         try:
             await self._compute(self.runner.release, rows)
         except Exception as e:
@@ -303,14 +321,17 @@ class StageServicer(pb_grpc.StageServicer):
         elif request.router_id:
             self.routers = {r: t for r, t in self.routers.items() if now - t < ROUTER_MEMORY_S}
             self.routers[request.router_id] = now
-            if request.claim:
+            if request.claim and request.router_id not in self.replaced:  # a replaced router never again
                 if self.owner and self.owner != request.router_id:
                     log.warning("stage %d: router %s takes over from router %s", self.runner.pp_rank,
                                 request.router_id, self.owner)
+                    self.replaced[self.owner] = request.router_id
+                    while len(self.replaced) > REPLACED_MEMORY:
+                        del self.replaced[next(iter(self.replaced))]
                 self.owner = request.router_id
         return pb.InfoReply(
             instance_id=self.instance_id, next_instance_id=self.next_instance_id, routers=seen,
-            not_serving=self.not_serving,
+            not_serving=self.not_serving, replaced=request.router_id in self.replaced,
             owner_router_id=self.owner,
             pp_rank=i["pp_rank"], pp_size=i["pp_size"], layer_start=i["layer_start"], layer_end=i["layer_end"],
             num_layers=i["num_layers"], max_rows=i["max_rows"], rows_in_use=i["rows_in_use"],

@@ -309,6 +309,36 @@ def test_a_paused_router_yields_to_the_one_that_took_over(random_ref, tmp_path):
     assert not real, real
 
 
+def test_a_paused_router_stays_down_after_the_new_owner_left(random_ref, tmp_path):
+    """A router paused past the lease is taken over, and the router that took over exits
+    cleanly before it resumes (the stages then own no router): the stages remember the
+    takeover, so the old router still stops serving for good instead of serving rows it
+    no longer tracks; a third router then serves PP1's tokens."""
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path)) as c:
+        c.kill("router", signal.SIGSTOP)
+        try:
+            new_port = free_port()
+            c.start_router("router2", port=new_port)
+            wait_health(f"http://127.0.0.1:{new_port}", 200, timeout=120)  # it took over
+            c.kill("router2", signal.SIGTERM)
+            c.procs.pop("router2").wait(30)
+            assert {i.owner_router_id for i in c.stage_infos()} == {""}
+        finally:
+            c.kill("router", signal.SIGCONT)
+        wait_health(c.url, 503, "took over these stages", timeout=30)
+        r = httpx.post(c.url + "/v1/completions", json=dict(prompt=prompts[0], max_tokens=4), timeout=30)
+        assert r.status_code == 503, r.text
+        assert {i.owner_router_id for i in c.stage_infos()} == {""}  # it claimed nothing back
+        c.kill("router", signal.SIGTERM)
+        c.procs.pop("router").wait(30)
+        c.start_router("router3")
+        c.wait_healthy(120)
+        outs = complete(c.url, prompts[:4], max_tokens=32)
+    real, _ = divergences(outs, ref[:4], gaps[:4])
+    assert not real, real
+
+
 def test_the_router_checks_the_relay_chain_and_stage_restarts(random_ref, tmp_path):
     """Wiring the router cannot see in its own --stages: a stage that relays to another
     process than the router's next stage is refused at start; a stage that restarts with
@@ -350,6 +380,14 @@ def test_the_router_checks_the_relay_chain_and_stage_restarts(random_ref, tmp_pa
         x.steps = 3
         x.start_stage(1)
         wait_health(x.url, 200, timeout=90)  # resumed with the stage as it was
+        # the restarted stage owned no router: the router claims it again, so it fences too
+        deadline = time.monotonic() + 15
+        while True:
+            owners = [i.owner_router_id for i in x.stage_infos()]
+            if owners[0] and len(set(owners)) == 1:
+                break
+            assert time.monotonic() < deadline, owners
+            time.sleep(0.3)
         outs = complete(x.url, prompts[:4], max_tokens=32)
     finally:
         x.stop()

@@ -437,20 +437,24 @@ def test_a_second_stage_on_a_served_port_exits(st):
 def test_only_the_router_that_owns_the_stages_steps_commits_and_releases(st):
     """Stages fence routers: once a router claimed them (its Info with claim, at its start),
     a step, commit or release from any other router is refused with PERMISSION_DENIED
-    naming the owner, and changes nothing; a later claim moves the ownership. A request
-    that names no router (a tool, as the other tests here) is not fenced. With stage 1
-    already claimed by another router than stage 0 (a takeover half done), the step stage
-    0 ran and relayed is undone there."""
+    naming the owner, and changes nothing; a later claim moves the ownership, and the
+    router it was taken from stays refused, also once the new owner has left (its claim is
+    ignored; its Info says replaced). A request that names no router (a tool, as the other
+    tests here) is not fenced. With stage 1 claimed by another router than stage 0 (a
+    takeover half done), the step stage 0 ran and relayed is undone there."""
     denied = grpc.StatusCode.PERMISSION_DENIED
 
-    def claim(router, stubs=None):
-        for s in stubs or (st.s0, st.s1):
+    def claim(router, stubs=(st.s0, st.s1)):
+        for s in stubs:
             s.Info(pb.InfoRequest(router_id=router, claim=True), timeout=10)
 
-    def step(router, inp, stub=None):
+    def owners():
+        return [s.Info(pb.InfoRequest(), timeout=10).owner_router_id for s in (st.s0, st.s1)]
+
+    def step(router, inp):
         m = step_to_pb(inp)
         m.router_id = router
-        return call((stub or st.s0).Verify if inp.mode == "verify" else (stub or st.s0).Forward, m)
+        return call(st.s0.Verify if inp.mode == "verify" else st.s0.Forward, m)
 
     def commit(router, acc):
         return st.both("CommitAccept", pb.CommitRequest(micro_batch_id=5, round=9, req_pool_indices=[0, 2],
@@ -459,6 +463,7 @@ def test_only_the_router_that_owns_the_stages_steps_commits_and_releases(st):
     def release(router, rows):
         return st.both("Release", pb.ReleaseRequest(req_pool_indices=rows, abandon=True, router_id=router))
 
+    routers = ("router-a", "router-b", "router-c", "router-d")
     try:
         claim("router-a")
         expect(step("router-b", prefill([1])), denied, "stage 0: prefill of micro-batch 1 from router router-b",
@@ -472,20 +477,60 @@ def test_only_the_router_that_owns_the_stages_steps_commits_and_releases(st):
         assert st.state() == [(2, 0, 2), (2, 4, 2)]  # nothing committed, abandoned or released
         claim("router-b")  # router-a paused past its lease: router-b took over
         for res in commit("router-a", acc):
-            expect(res, denied, "router-b owns")
-        expect(step("router-a", prefill([1])), denied, "router-b owns")
+            expect(res, denied, "router router-b took this stage over from it")
+        expect(step("router-a", prefill([1])), denied, "router-b took this stage over")
         assert st.state() == [(2, 0, 2), (2, 4, 2)]
         assert [c for c, _ in commit("router-b", acc)] == ["OK", "OK"]
         assert [c for c, _ in release("router-b", [0, 2])] == ["OK", "OK"]
         assert st.state() == [(0, 0, 0), (0, 0, 0)]
-        claim("router-a", [st.s0])  # stage 0 is router-a's again, stage 1 still router-b's
-        expect(step("router-a", prefill([1])), denied, "stage 1: prefill of micro-batch 1 from router router-a")
+        for s in (st.s0, st.s1):  # router-b exits cleanly: nobody owns the stages
+            s.Info(pb.InfoRequest(router_id="router-b", leaving=True), timeout=10)
+        assert owners() == ["", ""]
+        claim("router-a")  # router-a resumes: not given the stages back
+        assert owners() == ["", ""]
+        assert all(s.Info(pb.InfoRequest(router_id="router-a"), timeout=10).replaced for s in (st.s0, st.s1))
+        expect(step("router-a", prefill([1])), denied, "router-b took this stage over from it")
+        for res in release("router-a", [1]):
+            expect(res, denied, "release from router router-a")
+        claim("router-c", [st.s0])  # a takeover half done: stage 0 is router-c's, stage 1 router-d's
+        claim("router-d", [st.s1])
+        expect(step("router-c", prefill([1])), denied, "stage 1: prefill of micro-batch 1 from router router-c")
         assert st.state() == [(0, 0, 0), (0, 0, 0)]  # stage 0 released the row it had started
     finally:
-        for router in ("router-a", "router-b"):
+        for router in routers:
             for s in (st.s0, st.s1):
                 s.Info(pb.InfoRequest(router_id=router, leaving=True), timeout=10)
-    assert [i.owner_router_id for i in (st.s0.Info(pb.InfoRequest()), st.s1.Info(pb.InfoRequest()))] == ["", ""]
+    assert owners() == ["", ""]
+
+
+def test_a_step_that_waited_for_a_commit_checks_the_owner_again(st):
+    """A verify waits on stage 0 for the pending commit of its rows' last round; another
+    router claims the stages meanwhile. When the commit lands, the verify is refused
+    (PERMISSION_DENIED) instead of running for the router that lost the stages: stage 0
+    runs nothing, and no verify stays pending."""
+    import concurrent.futures
+
+    acc = setup_verify(st)  # rows 0 and 2 pending (micro-batch 5, round 9)
+    for s in (st.s0, st.s1):
+        s.Info(pb.InfoRequest(router_id="router-e", claim=True), timeout=10)
+    m = step_to_pb(StepInput(6, 1, "verify", [0, 2], [20 + a for a in acc], [D, D], [7] * (2 * D), num_drafts=[3, 3]))
+    m.router_id = "router-e"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(call, st.s0.Verify, m)
+            time.sleep(1.0)
+            assert not waiting.done()  # it waits for the commit of round 9
+            for s in (st.s0, st.s1):  # router-e paused past its lease: router-f takes over
+                s.Info(pb.InfoRequest(router_id="router-f", claim=True), timeout=10)
+            assert [c for c, _ in st.commit(5, 9, [0, 2], acc)] == ["OK", "OK"]  # a tool's commit
+            expect(waiting.result(timeout=TIMEOUT), grpc.StatusCode.PERMISSION_DENIED,
+                   "stage 0: verify of micro-batch 6 from router router-e", "router-f took this stage over")
+        assert st.state() == [(2, 0, 0), (2, 4, 0)]
+        assert [c for c, _ in st.release([0, 2])] == ["OK", "OK"]
+    finally:
+        for router in ("router-e", "router-f"):
+            for s in (st.s0, st.s1):
+                s.Info(pb.InfoRequest(router_id=router, leaving=True), timeout=10)
 
 
 def test_a_router_the_stages_deny_goes_down_for_good(st):
@@ -519,6 +564,7 @@ def test_a_router_the_stages_deny_goes_down_for_good(st):
     finally:
         for s in (st.s0, st.s1):  # no owner left for the next test
             s.Info(pb.InfoRequest(router_id="router-new", leaving=True), timeout=10)
-    assert not ok and "another router took over these stages" in why and "router router-new owns" in why, why
+    assert not ok and "another router took over these stages" in why, why
+    assert "router router-new took this stage over" in why, why
     assert len(told) == 1 and told[0] == why
     assert st.state() == [(0, 0, 0), (0, 0, 0)]

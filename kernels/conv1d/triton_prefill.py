@@ -48,7 +48,8 @@ def _conv_prefill_kernel(
             pos = o_t - (W - 1) + j
             in_x = pos >= 0
             vx = tl.load(x + (bos + pos)[:, None] * sx + o_c[None, :], mask=(m_t & in_x)[:, None] & m_c[None, :], other=0.0)
-            vw = tl.load(p_win + (pos + (W - 1))[:, None] * s_sw, mask=(m_t & (pos < 0) & init)[:, None] & m_c[None, :], other=0.0)
+            vw = tl.load(p_win + (pos + (W - 1))[:, None] * s_sw, mask=(m_t & (pos < 0) & init)[:, None] & m_c[None, :],
+                         other=0.0)
             val = tl.where(in_x[:, None], vx.to(wdt), vw.to(wdt)).to(tl.float32)
             w_j = tl.load(weight + o_c * s_wc + j * s_ww, mask=m_c, other=0.0).to(tl.float32)
             acc += val * w_j[None, :]

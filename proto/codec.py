@@ -15,6 +15,14 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Channels to stages: after a stage restarts, reconnect within a second. gRPC's default
+# backoff grows to 120 s, and a call made while the channel waits out its backoff fails at
+# once (UNAVAILABLE), although the stage is back.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def tensor_to_pb(t) -> "pb.Tensor":

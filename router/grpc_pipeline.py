@@ -12,7 +12,7 @@ import uuid
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ppspec.proto.codec import GRPC_OPTIONS, result_from_pb, step_to_pb
+from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_from_pb, step_to_pb
 from ppspec.proto.messages import VERIFY, StepInput, StepOutput
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
@@ -58,7 +58,7 @@ class GrpcPipeline:
             raise ValueError("no stage addresses")
         self.addresses = list(addresses)
         self.step_timeout, self.rpc_timeout = step_timeout, rpc_timeout
-        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS + RECONNECT_OPTIONS) for a in self.addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self.health_stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
         self.down: dict[int, str] = {}

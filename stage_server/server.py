@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ppspec.argtypes import add_cuda_graph_args, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
-from ppspec.proto.codec import GRPC_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
+from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
 from ppspec.proto.messages import PREFILL, VERIFY
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
@@ -94,7 +94,7 @@ class StageServicer(pb_grpc.StageServicer):
         self.cond = asyncio.Condition()
         self._next = None
         if next_stage:
-            self._channel = grpc.aio.insecure_channel(next_stage, options=GRPC_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(next_stage, options=GRPC_OPTIONS + RECONNECT_OPTIONS)
             self._next = pb_grpc.StageStub(self._channel)
 
     async def _compute(self, fn, *args):
@@ -410,8 +410,9 @@ async def serve_stage(args) -> int:
         await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
 
         async def check_next() -> None:
-            # at start a wrong next stage ends this one; later (the next stage restarted
-            # with other settings) this stage stops serving until it is right again
+            # at start a wrong next stage ends this one; later (the next stage died, or
+            # restarted with other settings) this stage stops serving until it is right
+            # again: the router resumes only once this stage's own channel reaches it
             first = True
             while True:
                 err, instance = await verify_next_stage(servicer._next, args.next_stage, runner, quiet=not first)
@@ -470,7 +471,8 @@ async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0,
     when it is stage ``pp_rank + 1`` of the same ``pp_size`` and starts at this stage's last
     layer + 1, else ``(what is wrong, its instance_id)`` (a stage wired to itself, to
     another stage, or to a stage of another pipeline would otherwise relay steps to the
-    wrong layers). ``quiet``: no waiting notes (the periodic re-check)."""
+    wrong layers). ``quiet`` (the periodic re-check): no waiting; a next stage that does not
+    answer is ``(what is wrong, "")`` at once (this stage cannot relay a step meanwhile)."""
     me = runner.pp_rank
     start = time.monotonic()
     next_note = start + note_every
@@ -479,6 +481,8 @@ async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0,
             r = await stub.Info(pb.InfoRequest(), timeout=2.0)
             break
         except grpc.aio.AioRpcError as e:
+            if quiet:
+                return f"the next stage at {addr} does not answer ({e.code().name})", ""
             now = time.monotonic()
             if now > next_note and not quiet:
                 log.warning("stage %d: waiting for the next stage at %s (%.0f s): %s", me, addr, now - start,

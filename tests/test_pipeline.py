@@ -184,7 +184,9 @@ def test_stage_death_gives_503_and_health_names_the_stage(random_ref, tmp_path):
 def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
     """A stage dies with verifies in flight (their rows pending on the stages that ran
     them), then comes back on its port: the router abandons the failed rounds' commits,
-    releases every row and serves again, with the same greedy tokens as before."""
+    releases every row and serves again, with the same greedy tokens as before. Meanwhile
+    stage 0 reports not serving (it cannot relay), so the router resumes only once stage
+    0's own channel reaches the new stage 1, not at the first step it relays."""
     path, prompts, ref, gaps = random_ref
     with Cluster(path, 2, "mtp", log_dir=str(tmp_path), router_args=["--step-timeout", "20"]) as c:
         async def scenario():
@@ -196,6 +198,8 @@ def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
                 return await asyncio.gather(*tasks)
         assert all(r.status_code == 503 for r in asyncio.run(scenario()))
         c.procs["stage1"].wait(10)
+        wait_health(c.url, 503, f"stage 0 (127.0.0.1:{c.stage_ports[0]}) is not serving: the next stage at "
+                                f"127.0.0.1:{c.stage_ports[1]} does not answer", timeout=30)
         c.start_stage(1)
         deadline = time.monotonic() + 90
         while httpx.get(c.url + "/health", timeout=5).status_code != 200:

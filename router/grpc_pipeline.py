@@ -77,14 +77,17 @@ class GrpcPipeline:
         claimed it since) also puts this router down for good, as the monitor does once it
         sees the claim: the rows are the new owner's."""
         if e.code() == grpc.StatusCode.PERMISSION_DENIED:
-            self._displace(f"another router took over these stages ({e.details()}); this router "
-                           f"({self.router_id}) no longer serves them: stop it")
+            self._displace(e.details())
         where = f"stage {stage} ({self.addresses[stage]})" if stage is not None else "the pipeline"
         return StageDownError(f"{what} failed at {where}: {e.code().name}: {e.details()}")
 
-    def _displace(self, detail: str) -> None:
+    def _displace(self, why: str) -> None:
+        """Another router took the stages over (``why``: how this router learnt it): down
+        for good, the engine told once."""
         if _DISPLACED in self.down:
             return
+        detail = (f"another router took over these stages ({why}); this router ({self.router_id}) no longer "
+                  f"serves them: stop it")
         self.down[_DISPLACED] = detail
         if self.on_displaced is not None:
             self.on_displaced(detail)
@@ -294,14 +297,12 @@ class GrpcPipeline:
         if owners:
             # this router was silent past the lease (paused, or cut off) and another one took
             # the stages over: its rows are no longer its own, so it must not touch them
-            self._displace(f"another router ({owners.pop()}) took over these stages; this router "
-                           f"({self.router_id}) no longer serves them: stop it")
+            self._displace(f"router {owners.pop()} claimed them")
             return []
         taken = [k for k, i in enumerate(infos) if i is not None and i["replaced"]]
         if taken:
             # as above, and the router that took over has left since: the stages remember
-            self._displace(f"another router took over these stages (stage {taken[0]} says so; it has left since); "
-                           f"this router ({self.router_id}) no longer serves them: stop it")
+            self._displace(f"stage {taken[0]} says so; that router has left since")
             return []
         reclaim = [k for k, i in enumerate(infos) if i is not None and not i["owner_router_id"]] if self.claimed else []
         if any(i is None for i in infos):

@@ -157,8 +157,8 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def _step(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
         rank = self.runner.pp_rank
-        await self._check_router(request.router_id, context, f"{request.mode or 'step'} of micro-batch "
-                                                              f"{request.micro_batch_id}")
+        what = f"{request.mode or 'step'} of micro-batch {request.micro_batch_id}"
+        await self._check_router(request.router_id, context, what)
         try:
             inp = step_from_pb(request)
         except ValueError as e:
@@ -174,7 +174,6 @@ class StageServicer(pb_grpc.StageServicer):
         except (ValueError, IndexError) as e:
             await self._fail(context, e, inp.mode)
         rows = inp.req_pool_indices
-        what = f"{inp.mode} of micro-batch {inp.micro_batch_id}"
         await self._wait_committed(rows, context, what, mark=(inp.micro_batch_id, inp.round) if verify else None)
         why = self._denied(request.router_id, what)  # again: another router may have claimed it while it waited
         if why:
@@ -484,7 +483,7 @@ async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0,
             if quiet:
                 return f"the next stage at {addr} does not answer ({e.code().name})", ""
             now = time.monotonic()
-            if now > next_note and not quiet:
+            if now > next_note:
                 log.warning("stage %d: waiting for the next stage at %s (%.0f s): %s", me, addr, now - start,
                             e.code().name)
                 next_note = now + note_every

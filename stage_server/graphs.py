@@ -6,11 +6,14 @@ from Python the step takes tens of milliseconds while the device needs about one
 (docs/PERFORMANCE.md). A CUDA graph records the launches once and replays them with one
 call. Graphs need fixed shapes and fixed addresses, so each padded batch size ``b`` (see
 :func:`capture_sizes`) gets its own graph over static buffers: ``req_pool_indices``,
-``seq_lens``, KV lengths, positions and KV slots (int64), and the input token ids (first
-stage) or hidden states (later stages). A step of ``B <= b`` requests fills the first
-``B`` entries; the other ``b - B`` are padding: the pool's padding row (``max_rows``),
-zero cached tokens, KV slots in the KV pool's padding page. Every layer works per row or
-per token, so padding computes garbage only in rows and pages no request owns.
+``seq_lens`` and a per-request count (int64), and the input token ids (first stage) or
+hidden states (later stages). The graph derives the tokens' positions, KV lengths and KV
+slots from them on the device (``kernels.paging``): the host's time before a replay is
+time the device waits. A step of ``B <= b`` requests fills the first ``B`` entries; the
+other ``b - B`` are padding: the pool's padding row (``max_rows``), zero cached tokens,
+hence KV slots in the KV pool's padding page (the padding row's page table points there).
+Every layer works per row or per token, so padding computes garbage only in rows and pages
+no request owns.
 
 The kernels' own checks run while a graph is captured, not when it replays. Replays are
 safe because the stage has validated the step on the host first (``StageRunner.check_input``,
@@ -32,6 +35,7 @@ import torch
 
 from ppspec.kernels.checks import known
 from ppspec.kernels.gdn import SHORT_PREFILL_TOKENS
+from ppspec.kernels.paging import paged_layout
 
 from .model import PREFILL, BatchMeta
 
@@ -147,9 +151,10 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ buffers
     def _views(self, b: int) -> dict[str, torch.Tensor]:
-        """Bucket ``b``'s slices of the int64 buffer."""
+        """Bucket ``b``'s slices of the int64 buffer: what the host writes first (one
+        copy), then the layout the graph derives from it (:meth:`_layout`)."""
         D, x, out, o = self.D, self.ints, {}, 0
-        segments = [("rows", b), ("seq_lens", b), ("kv_lens", b), ("aux", b), ("positions", b * D), ("ids", b * D)]
+        segments = [("rows", b), ("seq_lens", b), ("aux", b), ("ids", b * D), ("kv_lens", b), ("positions", b * D)]
         for name, n in segments + [(("slots", i), b * D) for i in range(len(self.kvs))]:
             out[name], o = x[o:o + n], o + n
         return out
@@ -175,29 +180,37 @@ class StepGraphs:
         return tuple(metas)
 
     def _fill(self, b: int, rows: list[int], seq_lens: list[int], ids: list[int], aux: list[int]) -> None:
-        """Write a step of ``len(rows) <= b`` requests and its padding into bucket ``b``."""
-        D, B = self.D, len(rows)
-        pad = b - B
-        rows = list(rows) + [self.pad_row] * pad
-        seq_lens = list(seq_lens) + [0] * pad
-        positions = [s + j for s in seq_lens for j in range(D)]
-        slots = []
-        for kv in self.kvs:
-            if kv is None:
-                slots += [0] * (b * D)
-            else:
-                slots += kv.slot_list(rows[:B], positions[: B * D]) + [kv.pad_slot(j) for _ in range(pad) for j in range(D)]
-        ids = list(ids) + [0] * (b * D - len(ids))
-        aux = list(aux) + [1] * (b - len(aux))
-        host = host_int64(rows + seq_lens + [s + D for s in seq_lens] + aux + positions + ids + slots)
+        """Write a step of ``len(rows) <= b`` requests and its padding into bucket ``b``:
+        the pool's padding row, 0 cached tokens (so the padding tokens' slots fall in the
+        padding page), token 0, aux 1. Host time here is device idle time."""
+        pad = b - len(rows)
+        host = host_int64(rows + [self.pad_row] * pad + seq_lens + [0] * pad + list(aux) + [1] * (b - len(aux))
+                          + list(ids) + [0] * (b * self.D - len(ids)))
         self.ints[: host.numel()].copy_(host)
 
+    def _layout(self, b: int) -> None:
+        """Positions, KV lengths and every pool's KV slots of bucket ``b`` from its rows and
+        ``seq_lens``, on the device (recorded in the graph before the forward)."""
+        v, D = self.views[b], self.D
+        pos = True  # the first pool's launch writes the positions and KV lengths too
+        for i, kv in enumerate(self.kvs):
+            if kv is not None:
+                paged_layout(v["rows"], v["seq_lens"], D, kv.page_table, kv.page_size, v["slots", i],
+                             v["positions"] if pos else None, v["kv_lens"] if pos else None)
+                pos = False
+        if pos:  # no KV pool: the layers still read the positions
+            v["positions"].copy_((v["seq_lens"][:, None] + torch.arange(D, device=self.ints.device)).view(-1))
+            v["kv_lens"].copy_(v["seq_lens"] + D)
+
+    def _step(self, b: int):
+        self._layout(b)
+        return self.forward(self.metas[b], *self._inputs(b))
+
     def _capture(self, b: int) -> None:
-        meta, inputs = self.metas[b], self._inputs(b)
         for kv in self.kvs:
             if kv is not None:
                 known(kv.page_table, pages_in_pool=True)  # the pool hands out its own pages only
-        self.graphs[b], self.outputs[b], self.pool = record(lambda: self.forward(meta, *inputs), self.pool)
+        self.graphs[b], self.outputs[b], self.pool = record(lambda: self._step(b), self.pool)
 
     # ------------------------------------------------------------------ run
     def bucket(self, batch_size: int) -> int | None:
@@ -221,7 +234,7 @@ class StepGraphs:
             self.graphs[b].replay()
             out = self.outputs[b]
         else:
-            out = self.forward(self.metas[b], *self._inputs(b))
+            out = self._step(b)
         v = self.views[b]
         meta = BatchMeta(self.mode, v["rows"][:B], v["seq_lens"][:B], self.ext[:B], self.cu[: B + 1],
                          v["positions"][: B * D], v["slots", 0][: B * D], self.metas[b][0].page_table,

@@ -49,14 +49,16 @@ class KVPool:
     def used_pages(self) -> int:
         return self.num_pages - len(self.free_pages)
 
-    def ensure(self, rows: list[int], lengths: list[int]) -> None:
-        """Give each row pages for ``length`` tokens. All or nothing.
+    def ensure(self, rows: list[int], lengths: list[int], need: list[int] | None = None) -> None:
+        """Give each row pages for ``length`` tokens. All or nothing. ``need``: what
+        :meth:`pages_needed` returned for these rows and lengths, when the caller has it.
 
         Raises:
             PoolExhaustedError: not enough free pages (no page is taken).
             ValueError: a length beyond the context the page table covers.
         """
-        need = self.pages_needed(rows, lengths)
+        if need is None:
+            need = self.pages_needed(rows, lengths)
         if sum(need) > len(self.free_pages):
             raise PoolExhaustedError(f"KV pool: need {sum(need)} pages, {len(self.free_pages)} free")
         at_rows, at_cols, pages = [], [], []
@@ -80,13 +82,13 @@ class KVPool:
         Raises:
             ValueError: a length beyond the context the page table covers.
         """
-        need = []
-        for row, n in zip(rows, lengths):
-            pages = -(-n // self.page_size)
-            if pages > self.max_pages_per_row:
-                raise ValueError(f"row {row}: {n} tokens exceed the context limit")
-            need.append(max(0, pages - len(self.row_pages.get(row, ()))))
-        return need
+        ps, have = self.page_size, self.row_pages
+        if lengths and max(lengths) > self.max_pages_per_row * ps:
+            row, n = next((r, n) for r, n in zip(rows, lengths) if -(-n // ps) > self.max_pages_per_row)
+            raise ValueError(f"row {row}: {n} tokens exceed the context limit")
+        # called on every step for every row: one comprehension, most rows need nothing
+        need = [-(-n // ps) - len(have.get(r, ())) for r, n in zip(rows, lengths)]
+        return [k if k > 0 else 0 for k in need]
 
     def release(self, row: int) -> None:
         self.free_pages.extend(reversed(self.row_pages.pop(row, [])))
@@ -95,12 +97,9 @@ class KVPool:
         """Flat slot of each token on the host: ``rows`` has one entry per request, and
         ``positions`` ``len(positions) // len(rows)`` consecutive entries per request.
         Rows must hold pages for these positions (:meth:`ensure`)."""
-        n, ps = len(positions) // max(len(rows), 1), self.page_size
-        out = []
-        for b, row in enumerate(rows):
-            pages = self.row_pages[row]
-            out += [pages[p // ps] * ps + p % ps for p in positions[b * n:(b + 1) * n]]
-        return out
+        n, ps, pages = len(positions) // max(len(rows), 1), self.page_size, self.row_pages
+        per_token = rows if n == 1 else [r for r in rows for _ in range(n)]
+        return [pages[r][p // ps] * ps + p % ps for r, p in zip(per_token, positions)]
 
     def pad_slot(self, i: int) -> int:
         """The ``i``-th padding token's slot (in the padding page; tokens past a page wrap)."""

@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 import math
+import operator
 import time
 import weakref
 from contextlib import contextmanager
@@ -49,6 +50,7 @@ def on_stage_device(method):
     return wrapper
 
 log = logging.getLogger("ppspec.stage")
+_GREEDY = SamplingSpec()  # the sampling of a request whose step names none
 
 # Fault injection, for the tests that prove the invariance test catches the bugs of
 # DESIGN.md section 1. Never set in production.
@@ -482,32 +484,35 @@ class StageRunner:
             n = len(getattr(inp, name))
             if n not in (0, B):
                 raise ValueError(f"{name}: {n} entries for {B} requests (one per request, or none)")
+        # every step of every stage runs these checks before the device can start: builtins
+        # over whole lists first (min, max, sum in C), the offender is looked for on failure
         if len(set(rows)) != B:
             raise ValueError(f"req_pool_indices: micro-batch {inp.micro_batch_id} repeats rows {brief(rows)}")
-        for r in rows:
-            if not 0 <= r < self.max_rows:
-                raise IndexError(f"req_pool_indices: row {r} outside [0, {self.max_rows})")
-        if any(s < 0 for s in seq):
+        if min(rows) < 0 or max(rows) >= self.max_rows:
+            r = next(r for r in rows if not 0 <= r < self.max_rows)
+            raise IndexError(f"req_pool_indices: row {r} outside [0, {self.max_rows})")
+        if min(seq) < 0:
             raise ValueError(f"seq_lens must be >= 0, got {brief(seq)}")
-        if any(e < 1 for e in ext) or sum(ext) != len(ids):
+        if min(ext) < 1 or sum(ext) != len(ids):
             raise ValueError(
                 f"extend_lens must be >= 1 and sum to the number of input_ids ({sum(ext)} vs {len(ids)})"
             )
         if min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"input_ids must be token ids in [0, {V}), got min {min(ids)} max {max(ids)}")
-        for b, (s, e) in enumerate(zip(seq, ext)):
-            if s + e > self.max_context + self.num_steps + 1:
-                raise ValueError(
-                    f"seq_lens + extend_lens: request {b} (row {rows[b]}) reaches {s + e} tokens, beyond "
-                    f"the context limit of {self.max_context} tokens"
-                )
+        limit = self.max_context + self.num_steps + 1
+        if max(map(operator.add, seq, ext)) > limit:
+            b = next(b for b, (s, e) in enumerate(zip(seq, ext)) if s + e > limit)
+            raise ValueError(
+                f"seq_lens + extend_lens: request {b} (row {rows[b]}) reaches {seq[b] + ext[b]} tokens, beyond "
+                f"the context limit of {self.max_context} tokens"
+            )
         if mode == VERIFY and self.num_steps == 0:
             raise RowStateError("verify: this stage was started without speculative decoding (D = 1)")
         d = 1 if mode == DECODE else self.num_steps + 1
-        if mode != PREFILL and any(e != d for e in ext):
+        if mode != PREFILL and ext.count(d) != B:
             raise ValueError(f"extend_lens: {mode} expects {d} tokens per request, got {brief(ext)}")
         most = d - 1 if mode == VERIFY else 0
-        if any(not 0 <= n <= most for n in inp.num_drafts):
+        if inp.num_drafts and (min(inp.num_drafts) < 0 or max(inp.num_drafts) > most):
             raise ValueError(f"num_drafts must be in [0, {most}] for {mode}, got {brief(inp.num_drafts)}")
         if mode != PREFILL and not all(inp.sample):
             raise ValueError(f"sample: every request of a {mode} samples, got {brief(inp.sample)}")
@@ -520,11 +525,20 @@ class StageRunner:
                     f"so it needs the prompt token after the chunk"
                 )
         for b, spec in enumerate(inp.sampling):
-            self._check_sampling(b, spec)
-        if any(n < 0 for n in inp.output_lens):
+            if not self._sampling_ok(spec):
+                self._check_sampling(b, spec)  # raises, naming the field
+        if inp.output_lens and min(inp.output_lens) < 0:
             raise ValueError(f"output_lens must be >= 0, got {brief(inp.output_lens)}")
         if hidden and not self.is_first:
             self._check_hidden(inp.hidden_states, len(ids))
+
+    def _sampling_ok(self, s: SamplingSpec) -> bool:
+        """:meth:`_check_sampling`'s rules in one expression (per request and step: the
+        common case must cost little); False means that it raises."""
+        V, t = self.cfg.vocab_size, s.temperature
+        return (0 <= t < math.inf and (t == 0 or (0 < s.top_p <= 1 and s.top_k >= -1 and 0 <= s.min_p <= 1))
+                and (s.logprobs is None or 0 <= s.logprobs <= V) and s.min_tokens >= 0
+                and (not s.banned_until_min or (min(s.banned_until_min) >= 0 and max(s.banned_until_min) < V)))
 
     def _check_sampling(self, b: int, spec: SamplingSpec) -> None:
         V = self.cfg.vocab_size
@@ -586,12 +600,12 @@ class StageRunner:
         plan = [(self.kv, lens, "KV pool")] if self.kv else []
         if self.mtp_kv:
             plan.append((self.mtp_kv, [n + max(self.num_steps - 1, 0) for n in lens], "MTP KV pool"))
-        for pool, want, name in plan:
-            need = sum(pool.pages_needed(rows, want))
-            if need > len(pool.free_pages):
-                raise PoolExhaustedError(f"{name}: need {need} pages, {len(pool.free_pages)} free")
-        for pool, want, _ in plan:
-            pool.ensure(rows, want)
+        needs = [pool.pages_needed(rows, want) for pool, want, _ in plan]
+        for (pool, _, name), need in zip(plan, needs):
+            if sum(need) > len(pool.free_pages):
+                raise PoolExhaustedError(f"{name}: need {sum(need)} pages, {len(pool.free_pages)} free")
+        for (pool, want, _), need in zip(plan, needs):
+            pool.ensure(rows, want, need)
 
     @contextmanager
     def _applying(self, inp: StepInput):
@@ -716,9 +730,9 @@ class StageRunner:
 
     def _last_stage(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, out: StepOutput) -> None:
         B = meta.batch_size
-        cu = [0, *itertools.accumulate(inp.extend_lens)]  # from the host (a device read would wait)
         sample = inp.sample or [True] * B
         if inp.mode == PREFILL:
+            cu = [0, *itertools.accumulate(inp.extend_lens)]  # from the host (a device read would wait)
             # one logit row per request: its last token (only requests that sample are judged)
             last_idx = torch.tensor([cu[b + 1] - 1 for b in range(B)], device=self.device)
             logits = self.model.logits(hidden[last_idx], upcast=False).unsqueeze(1)  # [B, 1, V]
@@ -730,7 +744,7 @@ class StageRunner:
             logits = self.model.logits(hidden, upcast=False).view(B, d, -1)
             ids = host_int64(inp.input_ids).view(B, d)
             drafts, num_drafts = ids[:, 1:], inp.num_drafts or [0] * B
-        specs = inp.sampling or [SamplingSpec() for _ in range(B)]
+        specs = inp.sampling or [_GREEDY] * B  # read only: one shared default
         output_lens = inp.output_lens or [0] * B
         results = verify_and_sample(logits, drafts, num_drafts, specs, output_lens)
         out.output_ids = [r.tokens if sample[b] else [] for b, r in enumerate(results)]
@@ -935,13 +949,13 @@ class StageRunner:
             return
         if self.num_steps == 0:
             raise RowStateError(f"{what}: this stage was started without speculative decoding: nothing to commit")
-        bad = [r for r in rows if not 0 <= r < self.max_rows]
-        if bad:
+        if min(rows) < 0 or max(rows) >= self.max_rows:
+            bad = [r for r in rows if not 0 <= r < self.max_rows]
             raise IndexError(f"{what}: req_pool_indices {brief(bad)} outside [0, {self.max_rows})")
         if len(set(rows)) != len(rows):
             raise IndexError(f"{what}: req_pool_indices repeat rows {brief(rows)}")
         d = self.num_steps + 1
-        if any(not 1 <= a <= d for a in accept_lengths):
+        if min(accept_lengths) < 1 or max(accept_lengths) > d:
             raise ValueError(f"{what}: accept_lengths must be in [1, {d}], got {brief(accept_lengths)}")
         for r, a in zip(rows, accept_lengths):
             most = self._verify_open.get(r, (0, d))[1]

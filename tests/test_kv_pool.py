@@ -68,3 +68,50 @@ def test_exhausted_ensure_takes_nothing():
     with pytest.raises(PoolExhaustedError):
         pool.ensure([1, 2], [16, 33])
     assert (pool.free_pages, pool.row_pages) == before[:2] and torch.equal(pool.page_table, before[2])
+
+
+def _slot_ref(pool: KVPool, row: int, p: int) -> int:
+    """Position p of a row by the definition: its (p // page_size)-th page, offset p % page_size."""
+    return pool.row_pages[row][p // pool.page_size] * pool.page_size + p % pool.page_size
+
+
+def test_slot_list_and_device_layout_match_the_rows_pages():
+    """The host's slot_list and the device layout a CUDA graph computes
+    (kernels.paging.paged_layout, its torch reference here) give every token the slot of
+    its row's pages, over random pools, batches and D; padding rows land in the padding page."""
+    from ppspec.kernels.paging import paged_layout
+
+    rng = random.Random(1)
+    for _ in range(60):
+        ps, R, D = rng.choice([1, 4, 16]), rng.randint(1, 8), rng.choice([1, 2, 4])
+        ctx = rng.randint(D, 80)
+        pool = KVPool(1, R, R * ctx + ps * R, ps, 1, 2, ctx, torch.float32, "cpu")
+        rows = rng.sample(range(R), rng.randint(1, R))
+        seq = [rng.randint(0, ctx - D) for _ in rows]
+        pool.ensure(rows, [s + D for s in seq])
+        positions = [s + j for s in seq for j in range(D)]
+        want = [_slot_ref(pool, r, s + j) for r, s in zip(rows, seq) for j in range(D)]
+        assert pool.slot_list(rows, positions) == want
+        pad = rng.randint(0, 3)  # padding entries: the padding row at 0 cached tokens
+        rows_t = torch.tensor(rows + [R] * pad)
+        seq_t = torch.tensor(seq + [0] * pad)
+        n = len(rows_t) * D
+        slots, pos, kv_lens = (torch.full((k,), -1, dtype=torch.long) for k in (n, n, len(rows_t)))
+        paged_layout(rows_t, seq_t, D, pool.page_table, ps, slots, pos, kv_lens)
+        assert slots.tolist() == want + [pool.pad_slot(j) for _ in range(pad) for j in range(D)]
+        assert pos.tolist() == positions + [j for _ in range(pad) for j in range(D)]
+        assert kv_lens.tolist() == [s + D for s in seq] + [D] * pad
+
+
+def test_paged_layout_refuses_shapes_that_do_not_fit():
+    from ppspec.kernels.paging import paged_layout
+
+    pt = torch.zeros(3, 4, dtype=torch.long)
+    rows, seq = torch.tensor([0, 1]), torch.tensor([0, 5])
+    slots = torch.full((4,), -1, dtype=torch.long)
+    for bad in (dict(slots=torch.zeros(3, dtype=torch.long)), dict(slots=torch.zeros(4, dtype=torch.int32)),
+                dict(positions=torch.zeros(4, dtype=torch.long)), dict(tokens_per_request=0)):
+        kw = dict(rows=rows, seq_lens=seq, tokens_per_request=2, page_table=pt, page_size=16, slots=slots) | bad
+        with pytest.raises(ValueError):
+            paged_layout(**kw)
+    assert slots.tolist() == [-1] * 4  # nothing written

@@ -70,6 +70,7 @@ def _gdn_verify_prep_kernel(
     scale, s_q, s_k,
     D: tl.constexpr, D_MAX: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BK: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr, LOG2_BT: tl.constexpr, EPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Per (request, key head): everything of the verify that is not per state column.
 
@@ -79,6 +80,9 @@ def _gdn_verify_prep_kernel(
     ``coef`` row (:func:`_coef_offsets`: ``e^{c_t}``, ``T``, ``W`` of the module
     docstring, and the replay weights of the row's pending steps); key head 0 writes
     ``meta [B, 2]`` int32 = ``(pending[row], slot[row])``."""
+    if PDL:
+        # the state kernel may start now: it waits (gdc_wait) before reading what this writes
+        tl.extra.cuda.gdc_launch_dependents()
     i_bk = tl.program_id(0)
     i_b = i_bk // H
     i_h = i_bk % H
@@ -143,9 +147,9 @@ def _gdn_verify_prep_kernel(
 
 @triton.jit
 def _gdn_replay_verify_kernel(
-    v, o, state, rows, buf_k, buf_delta, pending, xn, coef, meta, s_v,
+    v, o, state, rows, buf_k, buf_delta, pending, slot, xn, coef, meta, s_v,
     D: tl.constexpr, D_MAX: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Per (request, value head, V-block) on the [BK, BV] fp32 tile of ``state[row]``:
     replay the pending steps (weights from the prep kernel), then the D steps' outputs
@@ -176,12 +180,27 @@ def _gdn_replay_verify_kernel(
     OFF_T, OFF_W, OFF_R, OFF_EN, NC = _coef_offsets(BT, BP)
     p_c = coef + i_bh * NC
     row = tl.load(rows + i_b).to(tl.int64)
-    n_pend = tl.load(meta + i_b * 2)
-    cur = tl.load(meta + i_b * 2 + 1).to(tl.int64)
     p_state = state + (row * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
-    kjs, djs = _replay_records(buf_k, buf_delta, (row * 2 + cur) * D_MAX, n_pend, i_h, i_hv, o_k, o_v, m_k, m_v,
-                               H, HV, K, V, D_MAX)
+    if PDL:
+        # launched while the prep kernel runs: the state and every record of the row's
+        # slot (slot[row] changes only at the commit) load before its results are waited for
+        cur = tl.load(slot + row).to(tl.int64)
+        b_s = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
+        kjs, djs = _replay_records(buf_k, buf_delta, (row * 2 + cur) * D_MAX, D_MAX, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                   H, HV, K, V, D_MAX)
+        tl.extra.cuda.gdc_wait()
+        n_pend = tl.load(meta + i_b * 2)
+        # records past the pending ones have weight 0, but may be stale non-finite values
+        djs_ = ()
+        for j in tl.static_range(D_MAX):
+            djs_ = djs_ + (tl.where(j < n_pend, djs[j], 0.0),)
+        djs = djs_
+    else:
+        n_pend = tl.load(meta + i_b * 2)
+        cur = tl.load(meta + i_b * 2 + 1).to(tl.int64)
+        b_s = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
+        kjs, djs = _replay_records(buf_k, buf_delta, (row * 2 + cur) * D_MAX, n_pend, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                   H, HV, K, V, D_MAX)
     ws = ()
     for j in tl.static_range(D_MAX):
         ws = ws + (tl.load(p_c + OFF_R + j),)
@@ -265,6 +284,15 @@ def launch_replay_verify(q, k, v, g, beta, state, req_pool_indices, bufs: Replay
     return o
 
 
+PDL = None  # programmatic dependent launch of the state kernel: None = where the device has it
+
+
+def _use_pdl(device: torch.device) -> bool:
+    if PDL is not None:
+        return PDL
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _launch_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, block_v, num_warps):
     """Prep kernel, then the state kernel (module docstring); the state kernel zeroes the
     rows' ``pending``."""
@@ -292,16 +320,17 @@ def _launch_verify(q, k, v, g, beta, state, req_pool_indices, bufs, scale, block
     xn = torch.empty(B, D, 2, H, K, dtype=torch.float32, device=dev)
     coef = torch.empty(B * HV, BT + 2 * BT * BT + BP + 1, dtype=torch.float32, device=dev)
     meta = torch.empty(B, 2, dtype=torch.int32, device=dev)
+    pdl = _use_pdl(dev)
     _gdn_verify_prep_kernel[(B * H,)](
         q, k, g, beta, rows, bufs.pending, bufs.slot, bufs.k, bufs.g, xn, coef, meta, float(scale), s_q, s_k,
         D=D, D_MAX=d_max, H=H, HV=HV, K=K, BK=BK, BT=BT, BP=BP, LOG2_BT=BT.bit_length() - 1, EPS=_EPS,
-        num_warps=1,
+        PDL=pdl, num_warps=1,
     )
     BV = block_v or _verify_block_v(V, B, HV)
     _gdn_replay_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        v, o, state, rows, bufs.k, bufs.delta, bufs.pending, xn, coef, meta, s_v,
-        D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BT=BT, BP=BP,
-        num_warps=num_warps or max(1, BV // 32),
+        v, o, state, rows, bufs.k, bufs.delta, bufs.pending, bufs.slot, xn, coef, meta, s_v,
+        D=D, D_MAX=d_max, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BT=BT, BP=BP, PDL=pdl,
+        num_warps=num_warps or max(1, BV // 32), **({"launch_pdl": True} if pdl else {}),
     )
     return o
 

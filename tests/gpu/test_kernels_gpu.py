@@ -1212,3 +1212,67 @@ def test_argmax_of_bf16_logits_is_argmax_of_their_upcast(dev, V):
     assert torch.equal(x.argmax(-1).cpu(), first)
     assert torch.equal(x.float().argmax(-1).cpu(), first)
     assert torch.equal(x.view(2, 3, V).argmax(-1).flatten().cpu(), first)  # as the round views [B, D, V]
+
+
+# ---------------------------------------------------------------- paged layout of a graphed step
+
+
+@pytest.mark.parametrize("D", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("B", [1, 64, 300])
+def test_paged_layout(dev, B, D, page_size):
+    """Positions, KV lengths and slots from the Triton kernel == the torch reference, for
+    scattered rows (the last entries on the padding row), random page tables and lengths;
+    without positions the kernel writes the slots alone."""
+    from ppspec.kernels.paging.naive import paged_layout_ref
+    from ppspec.kernels.paging.triton_layout import paged_layout_triton
+
+    gen = torch.Generator().manual_seed(B * 10 + D + page_size)
+    pages = 40
+    R = B + 5
+    rows = _rows(gen, R, B, min(3, B - 1), "cpu")
+    page_table = torch.randint(0, 10_000, (R + 1, pages), generator=gen)
+    seq = torch.randint(0, pages * page_size - D + 1, (B,), generator=gen)
+    want = [torch.full((n,), -1, dtype=torch.long) for n in (B * D, B * D, B)]
+    paged_layout_ref(rows, seq, D, page_table, page_size, *want)
+    got = [torch.full((n,), -1, dtype=torch.long, device=dev) for n in (B * D, B * D, B)]
+    paged_layout_triton(rows.to(dev), seq.to(dev), D, page_table.to(dev), page_size, *got)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
+    slots_only = torch.full((B * D,), -1, dtype=torch.long, device=dev)
+    paged_layout_triton(rows.to(dev), seq.to(dev), D, page_table.to(dev), page_size, slots_only)
+    assert torch.equal(slots_only.cpu(), want[0])
+
+
+def test_replay_verify_with_programmatic_dependent_launch(dev):
+    """The state kernel launched while the prep kernel still runs (PDL, sm_90 on) gives
+    bit for bit the outputs, states and replay buffers of the serial launch, over rounds
+    with random accept lengths (so the records past the pending ones are stale)."""
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    from ppspec.kernels.gdn import triton_replay as TR
+    from ppspec.kernels.gdn.naive_replay import alloc_replay_buffers
+
+    B, D, H, HV, K, V, R = 64, 4, 4, 8, 128, 128, 70
+    results = []
+    for pdl in (False, True):
+        TR.PDL = pdl
+        try:
+            gen = torch.Generator().manual_seed(5)
+            rows = _rows(gen, R, B, 0, dev)  # distinct rows: padding rows race on their garbage
+            state = (torch.randn(R + 1, HV, K, V, generator=gen) * 0.1).to(dev)
+            bufs = alloc_replay_buffers(R + 1, D, H, HV, K, V, device=dev)
+            outs = []
+            for _ in range(4):
+                x = _gdn_inputs(gen, B, D, H, HV, K, V, BF16, dev)
+                outs.append(TR.launch_replay_verify(*x, state, rows, bufs))
+                acc = torch.randint(1, D + 1, (B,), generator=gen).to(dev, torch.int32)
+                TR.launch_replay_commit(bufs.pending, bufs.slot, rows, acc)
+            TR.launch_replay_flush(state, bufs, rows)
+            results.append((outs, state, bufs))
+        finally:
+            TR.PDL = None
+    (o0, s0, b0), (o1, s1, b1) = results
+    assert all(torch.equal(a, b) for a, b in zip(o0, o1))
+    assert torch.equal(s0, s1)
+    assert all(torch.equal(a, b) for a, b in zip(b0, b1))

@@ -1,0 +1,50 @@
+"""Where a decode or verify step's tokens go in a paged KV pool, computed on the device:
+the Triton kernel for CUDA tensors, the plain-torch reference otherwise."""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import pick
+from .naive import paged_layout_ref
+
+__all__ = ["paged_layout"]
+
+
+def paged_layout(rows: torch.Tensor, seq_lens: torch.Tensor, tokens_per_request: int, page_table: torch.Tensor,
+                 page_size: int, slots: torch.Tensor, positions: torch.Tensor | None = None,
+                 kv_lens: torch.Tensor | None = None) -> None:
+    """Lay out ``B`` requests of ``D = tokens_per_request`` consecutive tokens each, in place.
+
+    Token ``j`` of request ``b`` sits at position ``p = seq_lens[b] + j`` and in KV slot
+    ``page_table[rows[b], p // page_size] * page_size + p % page_size``; the request's KV
+    length is ``seq_lens[b] + D``.
+
+    Args:
+        rows: ``[B]`` int64 ``req_pool_indices`` (rows of ``page_table``). seq_lens: ``[B]``
+            int64 tokens already cached.
+        page_table: ``[rows, max_pages]`` int64 (``KVPool.page_table``). page_size: tokens.
+        slots: ``[B * D]`` int64, written. positions: ``[B * D]`` int64, kv_lens: ``[B]``
+            int64, written when given (both or neither).
+
+    Nothing is checked against the page table (no device read): the caller has validated
+    the rows and lengths on the host and reserved their pages, as a stage does before a
+    step. CUDA-graph capturable.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit.
+    """
+    B, D = rows.shape[0], tokens_per_request
+    ok = (rows.dim() == 1 and seq_lens.shape == (B,) and slots.shape == (B * D,) and D >= 1 and page_size >= 1
+          and page_table.dim() == 2 and all(t.dtype == torch.int64 for t in (rows, seq_lens, slots, page_table))
+          and (positions is None or (positions.shape == (B * D,) and positions.dtype == torch.int64))
+          and (kv_lens is None or (kv_lens.shape == (B,) and kv_lens.dtype == torch.int64)))
+    if not ok:
+        raise ValueError(
+            f"paged_layout: rows {tuple(rows.shape)}, seq_lens {tuple(seq_lens.shape)}, slots {tuple(slots.shape)} "
+            f"must be int64 [B], [B], [B * D] with D = {D} >= 1 (positions [B * D], kv_lens [B] when given; "
+            f"page_table int64 [rows, max_pages], page_size {page_size} >= 1)"
+        )
+    if (positions is None) != (kv_lens is None):
+        raise ValueError("paged_layout: positions and kv_lens are written together (both or neither)")
+    fn = pick(rows.is_cuda, "paging.triton_layout", "paged_layout_triton", paged_layout_ref)
+    fn(rows, seq_lens, D, page_table, page_size, slots, positions, kv_lens)

@@ -27,6 +27,12 @@ of its tile, and ``delta_t = sum_s T_ts r_s``, ``o_t = e^{c_t} S^T q_t + sum_s W
 per column. The state kernel also zeroes ``pending[row]``: the prep kernel read it
 before, so no program of the row still needs it.
 
+On sm_90 and later the state kernel is a programmatic dependent launch (PDL) of the prep
+kernel: its programs start while the prep kernel runs, load the state tile and every record
+of the row's current slot (``slot[row]`` changes only at the commit), and only then wait
+(``gdc_wait``) for the prep kernel's outputs. Measured on the H200 (HV 32, K = V = 128,
+D = 4, a round): 361 -> 337 us at batch 256, no change at batch 64; outputs bit-identical.
+
 A state program is bound by latency, not by its arithmetic or its bytes (measured: with
 40% fewer instructions but its pending records loaded one step at a time it was no faster
 than the one-kernel verify it replaced). Its loads are grouped so that it waits for memory
@@ -248,13 +254,13 @@ def _verify_inputs(v, xn, s_v, i_b, i_h, i_hv, o_k, o_v, m_k, m_v, t: tl.constex
 
 def _verify_block_v(V: int, B: int, HV: int) -> int:
     # measured on the H200 (kernels/bench_verify.py, HV 32, K = V = 128, D = 4, a round,
-    # inputs preloaded): BV 32 on one warp is 4% faster than BV 64 on 2 warps at batch 64
-    # (102.1 / 106.8 us), 3% slower at batch 256 (371 / 359 us); 16 columns a warp or 4
-    # warps are slower (earlier: 152 / 636 us, 124 / 421 us at BV 64). BV 64 from 64
-    # BV-64 programs per SM of 132 (16 waves of 4) on, so batch 256 at HV 32 (the batch 64
-    # has 31 per SM; batch 128, BV 32 by this rule, is unmeasured); smaller tiles when the
-    # grid would not fill the chip.
-    bv = min(64 if B * HV * triton.cdiv(V, 64) >= 16 * 4 * 132 else 32, triton.next_power_of_2(V))
+    # the state kernel launched during the prep kernel): BV 64 on 2 warps against BV 32 on
+    # one, 98.2 / 101.4 us at batch 64 and 336.4 / 367.8 us at batch 256; 16 columns a
+    # warp or 4 warps are slower (154 / 621 us, 116 / 401 us at BV 64). (Before the
+    # overlapped launch BV 32 won at batch 64, 102.1 / 106.8 us.) BV 64 from 4096 BV-64
+    # programs (31 per SM of 132, batch 64 at HV 32) on; smaller batches, unmeasured
+    # with the overlap, keep BV 32; smaller tiles when the grid would not fill the chip.
+    bv = min(64 if B * HV * triton.cdiv(V, 64) >= 4096 else 32, triton.next_power_of_2(V))
     while bv > 8 and B * HV * triton.cdiv(V, bv) < 4 * 132:
         bv //= 2
     return bv

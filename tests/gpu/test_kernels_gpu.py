@@ -1245,18 +1245,23 @@ def test_paged_layout(dev, B, D, page_size):
 
 
 def test_replay_verify_with_programmatic_dependent_launch(dev):
-    """The state kernel launched while the prep kernel still runs (PDL, sm_90 on) gives
-    bit for bit the outputs, states and replay buffers of the serial launch, over rounds
-    with random accept lengths (so the records past the pending ones are stale)."""
+    """Qwen3.5-sized heads at batch 64 (the 2-warp, 64-column tile): the state kernel
+    launched while the prep kernel still runs (PDL, sm_90 on) gives bit for bit the
+    outputs, states and replay buffers of the serial launch, and both match the naive
+    reference, over rounds with random accept lengths (so the records past the pending
+    ones are stale)."""
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or later")
     from ppspec.kernels.gdn import triton_replay as TR
-    from ppspec.kernels.gdn.naive_replay import alloc_replay_buffers
+    from ppspec.kernels.gdn.naive_replay import (
+        alloc_replay_buffers, commit_accept_replay_ref, recurrent_gated_delta_rule_replay_ref, replay_flush_ref,
+    )
 
-    B, D, H, HV, K, V, R = 64, 4, 4, 8, 128, 128, 70
+    B, D, H, HV, K, V, R = 64, 4, 16, 32, 128, 128, 70
+    assert TR._verify_block_v(V, B, HV) == 64
     results = []
-    for pdl in (False, True):
-        TR.PDL = pdl
+    for pdl in (False, True, "ref"):
+        TR.PDL = pdl if pdl != "ref" else None
         try:
             gen = torch.Generator().manual_seed(5)
             rows = _rows(gen, R, B, 0, dev)  # distinct rows: padding rows race on their garbage
@@ -1265,14 +1270,20 @@ def test_replay_verify_with_programmatic_dependent_launch(dev):
             outs = []
             for _ in range(4):
                 x = _gdn_inputs(gen, B, D, H, HV, K, V, BF16, dev)
-                outs.append(TR.launch_replay_verify(*x, state, rows, bufs))
-                acc = torch.randint(1, D + 1, (B,), generator=gen).to(dev, torch.int32)
-                TR.launch_replay_commit(bufs.pending, bufs.slot, rows, acc)
-            TR.launch_replay_flush(state, bufs, rows)
+                acc = torch.randint(1, D + 1, (B,), generator=gen).to(dev)
+                if pdl == "ref":
+                    outs.append(recurrent_gated_delta_rule_replay_ref(*x, state, rows, bufs))
+                    commit_accept_replay_ref(bufs.pending, bufs.slot, rows, acc)
+                else:
+                    outs.append(TR.launch_replay_verify(*x, state, rows, bufs))
+                    TR.launch_replay_commit(bufs.pending, bufs.slot, rows, acc.to(torch.int32))
+            (replay_flush_ref if pdl == "ref" else TR.launch_replay_flush)(state, bufs, rows)
             results.append((outs, state, bufs))
         finally:
             TR.PDL = None
-    (o0, s0, b0), (o1, s1, b1) = results
+    (o0, s0, b0), (o1, s1, b1), (o_ref, s_ref, _) = results
     assert all(torch.equal(a, b) for a, b in zip(o0, o1))
     assert torch.equal(s0, s1)
     assert all(torch.equal(a, b) for a, b in zip(b0, b1))
+    assert all(_rel_err(a, b) < 1e-2 for a, b in zip(o1, o_ref))
+    assert _rel_err(s1, s_ref) < 1e-5

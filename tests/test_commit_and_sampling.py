@@ -246,6 +246,40 @@ def test_sampling_values_the_api_accepts_reach_the_stage_meaning_the_same(make_c
             s.add("bad", [1, 2], SamplingParams(temperature=t))
 
 
+def test_the_fast_sampling_check_refuses_exactly_what_the_named_checks_refuse(make_ckpt):
+    """check_input judges each request's sampling with one expression (it runs for every
+    request of every step) and runs the field-by-field checks only to name a failure: the
+    two must agree on every spec, edge values included, and a bad spec is refused naming
+    its request and field."""
+    import random
+
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    runner = StageRunner(make_ckpt("qwen3_5_ratio1"), max_rows=4)
+    V = runner.cfg.vocab_size
+    nan, inf = float("nan"), float("inf")
+    values = dict(temperature=[0.0, 1e-6, 0.7, 3e38, -0.5, nan, inf], top_p=[1.0, 0.5, 1e-30, 0.0, 1.5, -1.0, nan],
+                  top_k=[0, -1, -2, 5, 2**31 - 1], min_p=[0.0, 0.3, 1.0, -0.1, 1.1, nan],
+                  logprobs=[None, 0, 5, V, V + 1, -1], min_tokens=[0, 3, -1],
+                  banned_until_min=[[], [0, V - 1], [V], [-1]])
+    rng = random.Random(0)
+    for _ in range(3000):
+        spec = SamplingSpec(**{k: rng.choice(v) for k, v in values.items()})
+        try:
+            runner._check_sampling(0, spec)
+            refused = False
+        except ValueError:
+            refused = True
+        assert runner._sampling_ok(spec) is not refused, spec
+    for field, bad in (("top_p", 0.0), ("min_tokens", -1), ("banned_until_min", [V])):
+        inp = StepInput(0, 0, "prefill", [0, 1], [0, 0], [2, 2], [1, 2, 3, 4],
+                        sampling=[SamplingSpec(), SamplingSpec(temperature=1.0, **{field: bad})])
+        with pytest.raises(ValueError, match=rf"sampling\[1\]: {field}"):
+            runner.check_input(inp)
+    assert not runner.rows_in_use  # refused before anything ran
+
+
 def test_stage_start_errors_are_clear(make_ckpt):
     from ppspec.stage_server.runner import StageRunner
 

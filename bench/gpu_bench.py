@@ -155,8 +155,9 @@ def verify_round(torch, path, batch, ctx, steps=3):
 
 
 def prefilled_steps(torch, path, batch, ctx, steps=0, rounds=64, **runner_kwargs):
-    """``batch`` requests prefilled with ``ctx`` tokens on a bf16 CUDA ``StageRunner``, and
-    a closure running one step of them: ``(runner, step, seq_lens)``.
+    """``batch`` requests prefilled with ``ctx`` tokens on a bf16 CUDA ``StageRunner`` (unless
+    ``runner_kwargs`` say otherwise), and a closure running one step of them: ``(runner,
+    step, seq_lens)``.
 
     ``steps`` 0: a plain decode step. Else a whole verify round of ``steps`` drafts each (D
     = steps + 1 tokens): ``StageRunner.step`` in verify mode (graph replay, logits, the
@@ -171,8 +172,8 @@ def prefilled_steps(torch, path, batch, ctx, steps=0, rounds=64, **runner_kwargs
     D = steps + 1
     page = runner_kwargs.get("page_size", 16)
     runner_kwargs.setdefault("kv_tokens", batch * (ctx + rounds * D + page))
-    r = StageRunner(path, max_rows=batch, dtype=torch.bfloat16, device="cuda", num_speculative_steps=steps,
-                    **runner_kwargs)
+    runner_kwargs = {"dtype": torch.bfloat16, "device": "cuda", **runner_kwargs}
+    r = StageRunner(path, max_rows=batch, num_speculative_steps=steps, **runner_kwargs)
     rows = list(range(batch))
     r.step(StepInput(0, 0, "prefill", rows, [0] * batch, [ctx] * batch, [1] * (ctx * batch)))
     mode = "verify" if steps else "decode"

@@ -130,6 +130,7 @@ class StepGraphs:
         self.max_kv_len, self.capture, self.pool = max_kv_len, capture, pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.launched_at = 0.0  # time.perf_counter() of the latest run's launch
         t0 = time.perf_counter()
         # inference tensors: no version counter, so the facts stated about them (below)
         # survive the copies that fill them
@@ -230,6 +231,7 @@ class StepGraphs:
         self._fill(b, rows, seq_lens, ids, aux)
         if self.hidden is not None:
             self.hidden[: B * D].copy_(hidden)
+        self.launched_at = time.perf_counter()  # the host's time before the device work (bench.profile_host)
         if self.capture:
             self.graphs[b].replay()
             out = self.outputs[b]

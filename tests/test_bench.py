@@ -603,3 +603,24 @@ def test_cli_dispatch_without_torch(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stderr
     assert "connection refused" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_host_split_of_a_step_adds_up(capsys):
+    """``profile_host --case 1b`` (here its CPU check on the demo checkpoint, the graphs'
+    padded path run eagerly): per step the host time before the launch, the launch to the
+    step's end and the commit are positive where they exist and add up to the wall time; a
+    decode commits nothing, a verify round does."""
+    from ppspec.bench.profile_host import main as profile_host
+
+    profile_host(["--case", "1b", "--device", "cpu", "--batch", "4", "--steps", "3"])
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in ("decode", "verify"):
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    assert set(rows) == {"decode", "verify"}
+    for mode, (wall, before, after, commit) in rows.items():
+        assert 0 < before < wall and 0 < after < wall
+        assert (commit > 0) == (mode == "verify")
+        # medians of each column: they add up to the median wall within the steps' spread
+        assert before + after + commit == pytest.approx(wall, rel=0.25)

@@ -171,6 +171,9 @@ class StepGraphs:
         known(v["rows"], min=0, max=self.pad_row)
         cu = known(self.cu[: b + 1], total=b * D, max_len=D, queries_fit=True)
         known(v["kv_lens"], min=D, max=self.max_kv_len)
+        # an admitted step's D tokens fit max_kv_len and every pool's page table
+        cap = min([self.max_kv_len] + [kv.max_pages_per_row * kv.page_size for kv in self.kvs if kv is not None])
+        known(v["seq_lens"], min=0, max=cap - D)
         metas = []
         for i, kv in enumerate(self.kvs):
             slots = v["slots", i]

@@ -115,3 +115,24 @@ def test_paged_layout_refuses_shapes_that_do_not_fit():
         with pytest.raises(ValueError):
             paged_layout(**kw)
     assert slots.tolist() == [-1] * 4  # nothing written
+
+
+def test_paged_layout_refuses_rows_and_lengths_outside_the_page_table():
+    """A row outside the page table, or D tokens past seq_lens beyond its width, raise
+    IndexError before anything is written; bounds the host states (kernels.checks.known)
+    are what is checked, so a stage's graphs read nothing from the device."""
+    from ppspec.kernels.checks import known
+    from ppspec.kernels.paging import paged_layout
+
+    pt = torch.zeros(3, 4, dtype=torch.long)  # 3 rows of 4 pages of 16 tokens: 64 positions
+    slots = torch.full((4,), -1, dtype=torch.long)
+    for rows, seq in (([0, 3], [0, 0]), ([0, -1], [0, 0]), ([0, 1], [0, 63]), ([0, 1], [-1, 0])):
+        with pytest.raises(IndexError):
+            paged_layout(torch.tensor(rows), torch.tensor(seq), 2, pt, 16, slots)
+        assert slots.tolist() == [-1] * 4
+    paged_layout(torch.tensor([0, 2]), torch.tensor([0, 62]), 2, pt, 16, slots)  # the last positions fit
+    assert slots.tolist() == [0, 1, 14, 15]
+    # stated bounds stand in for the values: a wider stated bound is refused as such
+    rows, seq = torch.tensor([0, 1]), known(torch.tensor([0, 5]), min=0, max=63)
+    with pytest.raises(IndexError, match=r"seq_lens in \[0, 63\]"):
+        paged_layout(rows, seq, 2, pt, 16, slots)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_rows, min_max
 from ..dispatch import pick
 from .naive import paged_layout_ref
 
@@ -26,12 +27,16 @@ def paged_layout(rows: torch.Tensor, seq_lens: torch.Tensor, tokens_per_request:
         slots: ``[B * D]`` int64, written. positions: ``[B * D]`` int64, kv_lens: ``[B]``
             int64, written when given (both or neither).
 
-    Nothing is checked against the page table (no device read): the caller has validated
-    the rows and lengths on the host and reserved their pages, as a stage does before a
-    step. CUDA-graph capturable.
+    Rows and lengths are checked against the page table before the launch, from what the
+    host states about them (``kernels.checks.known``: a stage states bounds that hold for
+    every step it admits, so a captured graph never reads the device) or else with one
+    device read. That a row holds pages for its positions is the caller's to ensure
+    (``KVPool.ensure``): a row's unused entries point at page 0. CUDA-graph capturable.
 
     Raises:
         ValueError: shapes or dtypes that do not fit.
+        IndexError: a row outside the page table, or a request whose ``seq_lens + D``
+            positions pass the page table's width (nothing written).
     """
     B, D = rows.shape[0], tokens_per_request
     ok = (rows.dim() == 1 and seq_lens.shape == (B,) and slots.shape == (B * D,) and D >= 1 and page_size >= 1
@@ -46,5 +51,12 @@ def paged_layout(rows: torch.Tensor, seq_lens: torch.Tensor, tokens_per_request:
         )
     if (positions is None) != (kv_lens is None):
         raise ValueError("paged_layout: positions and kv_lens are written together (both or neither)")
+    if B:
+        check_rows(rows, page_table.shape[0])
+        lo, hi = min_max(seq_lens)
+        cap = page_table.shape[1] * page_size
+        if lo < 0 or hi + D > cap:
+            raise IndexError(f"paged_layout: seq_lens in [{lo}, {hi}], but {D} tokens past them must fit the "
+                             f"page table's {cap} positions per row")
     fn = pick(rows.is_cuda, "paging.triton_layout", "paged_layout_triton", paged_layout_ref)
     fn(rows, seq_lens, D, page_table, page_size, slots, positions, kv_lens)

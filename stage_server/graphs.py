@@ -188,8 +188,8 @@ class StepGraphs:
         the pool's padding row, 0 cached tokens (so the padding tokens' slots fall in the
         padding page), token 0, aux 1. Host time here is device idle time."""
         pad = b - len(rows)
-        host = host_int64(rows + [self.pad_row] * pad + seq_lens + [0] * pad + list(aux) + [1] * (b - len(aux))
-                          + list(ids) + [0] * (b * self.D - len(ids)))
+        host = host_int64(list(rows) + [self.pad_row] * pad + list(seq_lens) + [0] * pad
+                          + list(aux) + [1] * (b - len(aux)) + list(ids) + [0] * (b * self.D - len(ids)))
         self.ints[: host.numel()].copy_(host)
 
     def _layout(self, b: int) -> None:

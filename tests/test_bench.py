@@ -624,3 +624,18 @@ def test_host_split_of_a_step_adds_up(capsys):
         assert (commit > 0) == (mode == "verify")
         # medians of each column: they add up to the median wall within the steps' spread
         assert before + after + commit == pytest.approx(wall, rel=0.25)
+
+
+def test_decode_and_verify_are_timed_in_alternating_blocks():
+    """gpu_bench's 1B row times a decode step and a verify round in alternating blocks, both
+    runners alive (here the demo checkpoint on the CPU): one ratio per block, the runner
+    returned is the decode one (no speculation), and the medians are real step times."""
+    import torch
+
+    from ppspec.bench.gpu_bench import decode_and_verify
+    from ppspec.router.llm import DEMO_MODEL
+
+    dec, ver, ratios, r = decode_and_verify(torch, DEMO_MODEL, 2, 16, repeats=3, n=2, device="cpu",
+                                            dtype=torch.float32, cuda_graph_max_bs=2)
+    assert len(ratios) == 3 and ratios == sorted(ratios) and all(x > 0 for x in ratios)
+    assert r.num_steps == 0 and dec > 0 and ver > 0

@@ -161,12 +161,14 @@ def decode_and_verify(torch, path, batch, ctx, repeats=5, n=10, steps=3, **runne
     after the other in separate runs, the ratio moved by 0.05). Returns ``(decode seconds,
     verify seconds, the sorted per-block verify / decode ratios, the decode runner)``, the
     times medians of ``repeats`` blocks. Contexts grow by the tokens each step emits (a
-    verify round up to ``steps + 1``): at the defaults by at most 240 tokens."""
-    rounds = (repeats + 1) * n + 5
+    verify round up to ``steps + 1``), over ``3 + max(1, n // 2) + repeats * (n + 1)``
+    steps: at the defaults by at most 252 tokens."""
+    warm = max(1, n // 2)
+    rounds = 3 + warm + repeats * (n + 1)  # every call below; the pools hold that many
     dec, dec_step, _ = prefilled_steps(torch, path, batch, ctx, 0, rounds=rounds, **runner_kwargs)
     _, ver_step, _ = prefilled_steps(torch, path, batch, ctx, steps, rounds=rounds, **runner_kwargs)
     for fn in (dec_step, ver_step):
-        _time(torch, fn, warmup=3, n=n // 2)  # compiles; the replay buffers fill
+        _time(torch, fn, warmup=3, n=warm)  # compiles; the replay buffers fill
     times = {"decode": [], "verify": []}
     for _ in range(repeats):
         times["decode"].append(_time(torch, dec_step, warmup=1, n=n))

@@ -29,14 +29,22 @@ def _report(prof: cProfile.Profile, n: int) -> str:
     return s.getvalue()
 
 
-def step_split(runner, step, mode: str, n: int) -> dict[str, float]:
+def step_split(runner, step, mode: str, n: int, batch: int) -> dict[str, float]:
     """Median milliseconds of ``n`` calls of ``step`` (a ``gpu_bench.prefilled_steps``
-    closure over ``runner``: its ``step``, then its ``commit_accept`` in verify mode):
-    ``wall``, ``host_before_launch``, ``launch_to_step_end``, ``commit``."""
+    closure over ``runner`` with ``batch`` requests: its ``step``, then its
+    ``commit_accept`` in verify mode): ``wall``, ``host_before_launch``,
+    ``launch_to_step_end``, ``commit``.
+
+    Raises:
+        ValueError: ``batch`` is above the largest graph (its steps run eagerly).
+        RuntimeError: a step did not run its graph."""
     import statistics
 
     graphs = runner.graphs[mode]
     commit, marks = runner.commit_accept, {}
+    if graphs.bucket(batch) is None:
+        raise ValueError(f"batch {batch} is above the largest {mode} graph ({graphs.sizes[-1]}): "
+                         "its steps run eagerly, with no launch to split at")
 
     def timed_commit(*a):
         t = time.perf_counter()
@@ -51,6 +59,8 @@ def step_split(runner, step, mode: str, n: int) -> dict[str, float]:
             t0 = time.perf_counter()
             step()
             wall = time.perf_counter() - t0
+            if not t0 < graphs.launched_at < t0 + wall:
+                raise RuntimeError(f"the {mode} step did not run its graph")
             c = marks.get("commit", 0.0)
             rows["wall"].append(wall)
             rows["host_before_launch"].append(graphs.launched_at - t0)
@@ -86,7 +96,7 @@ def split_1b(torch, batch: int, steps: int, device: str) -> None:
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-        t = step_split(r, step, mode, steps)
+        t = step_split(r, step, mode, steps, batch)
         print(f"| {mode} | {t['wall']:.3f} | {t['host_before_launch']:.3f} | {t['launch_to_step_end']:.3f} | "
               f"{t['commit']:.3f} |")
         del r, step

@@ -82,10 +82,11 @@ class KVPool:
         Raises:
             ValueError: a length beyond the context the page table covers.
         """
-        ps, have = self.page_size, self.row_pages
-        if lengths and max(lengths) > self.max_pages_per_row * ps:
-            row, n = next((r, n) for r, n in zip(rows, lengths) if -(-n // ps) > self.max_pages_per_row)
-            raise ValueError(f"row {row}: {n} tokens exceed the context limit")
+        ps, have, cap = self.page_size, self.row_pages, self.max_pages_per_row * self.page_size
+        if lengths and max(lengths) > cap:
+            bad = next(((r, n) for r, n in zip(rows, lengths) if n > cap), None)
+            if bad is not None:
+                raise ValueError(f"row {bad[0]}: {bad[1]} tokens exceed the context limit")
         # called on every step for every row: one comprehension, most rows need nothing
         need = [-(-n // ps) - len(have.get(r, ())) for r, n in zip(rows, lengths)]
         return [k if k > 0 else 0 for k in need]

@@ -626,6 +626,19 @@ def test_host_split_of_a_step_adds_up(capsys):
         assert before + after + commit == pytest.approx(wall, rel=0.25)
 
 
+
+def test_host_split_refuses_a_batch_its_graphs_do_not_hold():
+    import torch
+
+    from ppspec.bench.gpu_bench import prefilled_steps
+    from ppspec.bench.profile_host import step_split
+    from ppspec.router.llm import DEMO_MODEL
+
+    r, step, _ = prefilled_steps(torch, DEMO_MODEL, 4, 16, device="cpu", dtype=torch.float32, cuda_graph_max_bs=2)
+    with pytest.raises(ValueError, match="above the largest decode graph"):
+        step_split(r, step, "decode", 2, 4)
+
+
 def test_decode_and_verify_are_timed_in_alternating_blocks():
     """gpu_bench's 1B row times a decode step and a verify round in alternating blocks, both
     runners alive (here the demo checkpoint on the CPU): one ratio per block, the runner
@@ -635,7 +648,8 @@ def test_decode_and_verify_are_timed_in_alternating_blocks():
     from ppspec.bench.gpu_bench import decode_and_verify
     from ppspec.router.llm import DEMO_MODEL
 
-    dec, ver, ratios, r = decode_and_verify(torch, DEMO_MODEL, 2, 16, repeats=3, n=2, device="cpu",
+    # many short blocks: the pools must hold every step, warm-ups included
+    dec, ver, ratios, r = decode_and_verify(torch, DEMO_MODEL, 2, 16, repeats=6, n=1, device="cpu",
                                             dtype=torch.float32, cuda_graph_max_bs=2)
-    assert len(ratios) == 3 and ratios == sorted(ratios) and all(x > 0 for x in ratios)
+    assert len(ratios) == 6 and ratios == sorted(ratios) and all(x > 0 for x in ratios)
     assert r.num_steps == 0 and dec > 0 and ver > 0

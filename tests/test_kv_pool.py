@@ -110,7 +110,9 @@ def test_paged_layout_refuses_shapes_that_do_not_fit():
     rows, seq = torch.tensor([0, 1]), torch.tensor([0, 5])
     slots = torch.full((4,), -1, dtype=torch.long)
     for bad in (dict(slots=torch.zeros(3, dtype=torch.long)), dict(slots=torch.zeros(4, dtype=torch.int32)),
-                dict(positions=torch.zeros(4, dtype=torch.long)), dict(tokens_per_request=0)):
+                dict(positions=torch.zeros(4, dtype=torch.long)), dict(tokens_per_request=0),
+                dict(rows=torch.tensor(0)), dict(slots=torch.zeros(8, dtype=torch.long)[::2]),
+                dict(page_table=torch.zeros(4, 3, dtype=torch.long).t())):
         kw = dict(rows=rows, seq_lens=seq, tokens_per_request=2, page_table=pt, page_size=16, slots=slots) | bad
         with pytest.raises(ValueError):
             paged_layout(**kw)

@@ -196,11 +196,15 @@ def _gdn_replay_verify_kernel(
                                    H, HV, K, V, D_MAX)
         tl.extra.cuda.gdc_wait()
         n_pend = tl.load(meta + i_b * 2)
-        # records past the pending ones have weight 0, but may be stale non-finite values
+        # records past the pending ones have weight 0, but are stale (a rejected step's,
+        # a released row's): zeroed, as the masked loads of the serial path give, so that a
+        # non-finite one cannot reach the state through 0 * inf
+        kjs_ = ()
         djs_ = ()
         for j in tl.static_range(D_MAX):
+            kjs_ = kjs_ + (tl.where(j < n_pend, kjs[j], 0.0),)
             djs_ = djs_ + (tl.where(j < n_pend, djs[j], 0.0),)
-        djs = djs_
+        kjs, djs = kjs_, djs_
     else:
         n_pend = tl.load(meta + i_b * 2)
         cur = tl.load(meta + i_b * 2 + 1).to(tl.int64)

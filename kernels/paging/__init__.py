@@ -25,7 +25,7 @@ def paged_layout(rows: torch.Tensor, seq_lens: torch.Tensor, tokens_per_request:
             int64 tokens already cached.
         page_table: ``[rows, max_pages]`` int64 (``KVPool.page_table``). page_size: tokens.
         slots: ``[B * D]`` int64, written. positions: ``[B * D]`` int64, kv_lens: ``[B]``
-            int64, written when given (both or neither).
+            int64, written when given (both or neither). Every vector contiguous.
 
     Rows and lengths are checked against the page table before the launch, from what the
     host states about them (``kernels.checks.known``: a stage states bounds that hold for
@@ -38,16 +38,18 @@ def paged_layout(rows: torch.Tensor, seq_lens: torch.Tensor, tokens_per_request:
         IndexError: a row outside the page table, or a request whose ``seq_lens + D``
             positions pass the page table's width (nothing written).
     """
-    B, D = rows.shape[0], tokens_per_request
-    ok = (rows.dim() == 1 and seq_lens.shape == (B,) and slots.shape == (B * D,) and D >= 1 and page_size >= 1
-          and page_table.dim() == 2 and all(t.dtype == torch.int64 for t in (rows, seq_lens, slots, page_table))
-          and (positions is None or (positions.shape == (B * D,) and positions.dtype == torch.int64))
-          and (kv_lens is None or (kv_lens.shape == (B,) and kv_lens.dtype == torch.int64)))
+    D = tokens_per_request
+    vecs = [t for t in (rows, seq_lens, slots, positions, kv_lens) if t is not None]
+    B = rows.shape[0] if rows.dim() == 1 else -1
+    ok = (B >= 0 and seq_lens.shape == (B,) and slots.shape == (B * D,) and D >= 1 and page_size >= 1
+          and page_table.dim() == 2 and page_table.dtype == torch.int64 and page_table.stride(1) == 1
+          and all(t.dtype == torch.int64 and t.is_contiguous() for t in vecs)
+          and (positions is None or positions.shape == (B * D,)) and (kv_lens is None or kv_lens.shape == (B,)))
     if not ok:
         raise ValueError(
             f"paged_layout: rows {tuple(rows.shape)}, seq_lens {tuple(seq_lens.shape)}, slots {tuple(slots.shape)} "
-            f"must be int64 [B], [B], [B * D] with D = {D} >= 1 (positions [B * D], kv_lens [B] when given; "
-            f"page_table int64 [rows, max_pages], page_size {page_size} >= 1)"
+            f"must be contiguous int64 [B], [B], [B * D] with D = {D} >= 1 (positions [B * D], kv_lens [B] when "
+            f"given; page_table int64 [rows, max_pages] with contiguous rows, page_size {page_size} >= 1)"
         )
     if (positions is None) != (kv_lens is None):
         raise ValueError("paged_layout: positions and kv_lens are written together (both or neither)")

@@ -144,14 +144,10 @@ def step_bytes(r, batch, ctx) -> tuple[int, int, int]:
     return weights, kv, state
 
 
-def decode_step(torch, path, batch, ctx, bw, graphs=True):
-    """Plain decode of ``batch`` requests at context ``ctx`` through ``StageRunner.step``
-    (graph replay, logits, host sampling): ``(seconds per step, roofline seconds, weight,
-    KV and state bytes read)``."""
-    r, step, seq = prefilled_steps(torch, path, batch, ctx, cuda_graph_max_bs=None if graphs else 0)
-    dt = _time(torch, step)
-    weights, kv, state = step_bytes(r, batch, seq[0])
-    return dt, (weights + kv + state) / (bw * 1e9), weights, kv, state
+def eager_decode_step(torch, path, batch, ctx) -> float:
+    """Seconds of a plain decode step of ``batch`` requests at context ``ctx`` through
+    ``StageRunner.step`` without CUDA graphs (every kernel launched from Python)."""
+    return _time(torch, prefilled_steps(torch, path, batch, ctx, cuda_graph_max_bs=0)[1])
 
 
 def decode_and_verify(torch, path, batch, ctx, repeats=5, n=10, steps=3, **runner_kwargs):
@@ -286,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
               "verify round (ms) | verify / decode (range over blocks) | weight MB | KV MB | state MB |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for b in (int(x) for x in a.batch.split(",")):
-            eager = float("nan") if a.skip_eager else decode_step(torch, path, b, 1024, bw, graphs=False)[0]
+            eager = float("nan") if a.skip_eager else eager_decode_step(torch, path, b, 1024)
             torch.cuda.empty_cache()
             dt, vr, ratios, r = decode_and_verify(torch, path, b, 1024)
             w, kv, st = step_bytes(r, b, 1024)

@@ -51,6 +51,7 @@ class HybridConfig:
     mlp_only_layers: list[int] = field(default_factory=list)
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0
+    rope_scaling_factor: float = 1.0  # linear RoPE scaling (ROPE_TYPES); 1.0 = none
     # where the decoder's weights live in the checkpoint
     weight_prefix: str = "model."
     fused_gdn_projections: bool = False  # qwen3_next: in_proj_qkvz / in_proj_ba
@@ -77,12 +78,86 @@ class HybridConfig:
         return True
 
 
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed reads of one ``config.json`` dict: a missing required field, a value of the
+    wrong type or outside its range raises :class:`CheckpointError` naming the file and
+    the field (``bool`` is not taken for a number)."""
+
+    def __init__(self, path: str, d: dict, where: str = ""):
+        self.path, self.d, self.where = path, d, where
+
+    def _bad(self, key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {self.where}{key} {why}")
+
+    def get(self, key: str, default=_REQUIRED):
+        v = self.d.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.path}: missing field {self.where + key!r}")
+            return default
+        return v
+
+    def int(self, key: str, default=_REQUIRED, lo: int | None = None) -> int:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._bad(key, f"must be an integer, got {v!r}")
+        if lo is not None and v < lo:
+            raise self._bad(key, f"must be at least {lo}, got {v}")
+        return v
+
+    def float(self, key: str, default=_REQUIRED, positive: bool = False) -> float:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+            raise self._bad(key, f"must be a finite number, got {v!r}")
+        if positive and v <= 0:
+            raise self._bad(key, f"must be positive, got {v}")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.get(key, default)
+        if not isinstance(v, bool):
+            raise self._bad(key, f"must be true or false, got {v!r}")
+        return v
+
+    def ints(self, key: str, lo: int | None = None) -> list[int]:
+        """An integer or a list of integers (``eos_token_id``), or [] when absent."""
+        v = self.get(key, [])
+        vals = [v] if isinstance(v, int) and not isinstance(v, bool) else v
+        if not isinstance(vals, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in vals):
+            raise self._bad(key, f"must be an integer or a list of integers, got {v!r}")
+        if lo is not None and any(x < lo for x in vals):
+            raise self._bad(key, f"must be at least {lo}, got {v!r}")
+        return list(vals)
+
+
+# RoPE variants served: ``default``, and ``linear`` (position interpolation: Chen et al.
+# 2023, "Extending Context Window of Large Language Models via Positional Interpolation";
+# inverse frequencies divided by ``factor``, as transformers'
+# ``_compute_linear_scaling_rope_parameters``). The mrope fields of Qwen3.5
+# (``mrope_section``, ``mrope_interleaved``) are ignored: for text, every section's
+# position is the token's position, which is the plain rotation.
+ROPE_TYPES = ("default", "linear")
+# Activations served: the MLPs, the experts and the GDN conv all apply SiLU (swish).
+HIDDEN_ACTS = ("silu", "swish")
+
+
 def load_config(model_dir: str) -> HybridConfig:
     """Parse ``model_dir/config.json``.
 
+    Fields absent from the file that would change the output without changing a weight's
+    shape take transformers' defaults for the model type (``Qwen3NextConfig``,
+    ``Qwen3_5TextConfig``, ``Qwen3_5MoeTextConfig``): ``partial_rotary_factor`` 0.25,
+    ``full_attention_interval`` 4, ``rms_norm_eps`` 1e-6, ``max_position_embeddings`` 32768. For the multimodal
+    wrappers the top-level ``tie_word_embeddings`` decides when present (the language
+    model head is the wrapper's), as in transformers.
+
     Raises:
-        CheckpointError: missing or unreadable config, unsupported ``model_type``, or a
-            missing field; the message names the file.
+        CheckpointError: missing or unreadable config, unsupported ``model_type``,
+            ``rope_type`` or ``hidden_act``, a missing required field, or a field of the wrong
+            type or out of range; the message names the file and the field.
     """
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
@@ -90,82 +165,108 @@ def load_config(model_dir: str) -> HybridConfig:
     try:
         with open(path) as f:
             raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: cannot parse: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"{path}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    text = raw
-    prefix = "model."
+    top = _Fields(path, raw)
+    text, prefix = top, "model."
     if model_type in ("qwen3_5", "qwen3_5_moe"):
-        text = dict(raw.get("text_config") or {})
-        prefix = "model.language_model."
-        for k in ("mtp_num_hidden_layers", "tie_word_embeddings"):
-            if k in raw and k not in text:
-                text[k] = raw[k]
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    try:
-        n_layers = int(text["num_hidden_layers"])
-        layer_types = list(text.get("layer_types") or [])
-        if not layer_types:
-            interval = int(text.get("full_attention_interval", 4))
-            layer_types = [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-            ]
-        hidden = int(text["hidden_size"])
-        n_heads = int(text["num_attention_heads"])
-        eos = raw.get("eos_token_id", text.get("eos_token_id"))
-        cfg = HybridConfig(
-            model_type=model_type,
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=hidden,
-            num_hidden_layers=n_layers,
-            layer_types=layer_types,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            hidden_act=text.get("hidden_act", "silu"),
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(text.get("num_key_value_heads", n_heads)),
-            head_dim=int(text.get("head_dim") or hidden // n_heads),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))),
-            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
-            attention_bias=bool(text.get("attention_bias", False)),
-            linear_num_key_heads=int(text["linear_num_key_heads"]),
-            linear_num_value_heads=int(text["linear_num_value_heads"]),
-            linear_key_head_dim=int(text["linear_key_head_dim"]),
-            linear_value_head_dim=int(text["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
-            intermediate_size=int(text.get("intermediate_size") or 0),
-            num_experts=int(text.get("num_experts") or 0),
-            num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
-            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            decoder_sparse_step=int(text.get("decoder_sparse_step") or 1),
-            mlp_only_layers=list(text.get("mlp_only_layers") or []),
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
-            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers") or raw.get("mtp_num_hidden_layers") or 0),
-            weight_prefix=prefix,
-            fused_gdn_projections=model_type == "qwen3_next",
-            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{path}: missing field {e.args[0]!r}") from None
+        sub = raw.get("text_config")
+        if not isinstance(sub, dict):
+            raise CheckpointError(f"{path}: {model_type} needs a text_config object, got {sub!r}")
+        text, prefix = _Fields(path, sub, "text_config."), "model.language_model."
+    rope_d = text.d.get("rope_parameters") or text.d.get("rope_scaling") or {}
+    if not isinstance(rope_d, dict):
+        raise CheckpointError(f"{path}: {text.where}rope_parameters must be an object, got {rope_d!r}")
+    rope = _Fields(path, rope_d, text.where + "rope_parameters.")
+    rope_type = rope_d.get("rope_type", rope_d.get("type")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"{path}: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    act = text.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise CheckpointError(f"{path}: {text.where}hidden_act {act!r} is not supported; supported: "
+                              f"{', '.join(HIDDEN_ACTS)}")
+
+    n_layers = text.int("num_hidden_layers", lo=1)
+    layer_types = text.get("layer_types", None)
+    if layer_types is None:
+        interval = text.int("full_attention_interval", 4, lo=1)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, list):
+        raise CheckpointError(f"{path}: {text.where}layer_types must be a list, got {layer_types!r}")
+    hidden = text.int("hidden_size", lo=1)
+    n_heads = text.int("num_attention_heads", lo=1)
+    num_experts = text.int("num_experts", 0, lo=0)
+    mlp_only = text.get("mlp_only_layers", [])
+    if not isinstance(mlp_only, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in mlp_only):
+        raise CheckpointError(f"{path}: {text.where}mlp_only_layers must be a list of integers, got {mlp_only!r}")
+    tie = top.bool("tie_word_embeddings", False) if text is not top and "tie_word_embeddings" in raw else None
+    cfg = HybridConfig(
+        model_type=model_type,
+        vocab_size=text.int("vocab_size", lo=1),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        layer_types=list(layer_types),
+        rms_norm_eps=text.float("rms_norm_eps", 1e-6, positive=True),
+        hidden_act=act,
+        num_attention_heads=n_heads,
+        num_key_value_heads=text.int("num_key_value_heads", n_heads, lo=1),
+        head_dim=text.int("head_dim", hidden // n_heads, lo=1),
+        rope_theta=rope.float("rope_theta", text.float("rope_theta", 10000.0, positive=True), positive=True),
+        partial_rotary_factor=rope.float("partial_rotary_factor",
+                                         text.float("partial_rotary_factor", 0.25, positive=True), positive=True),
+        rope_scaling_factor=rope.float("factor", positive=True) if rope_type == "linear" else 1.0,
+        max_position_embeddings=text.int("max_position_embeddings", 32768, lo=1),
+        attention_bias=text.bool("attention_bias", False),
+        linear_num_key_heads=text.int("linear_num_key_heads", lo=1),
+        linear_num_value_heads=text.int("linear_num_value_heads", lo=1),
+        linear_key_head_dim=text.int("linear_key_head_dim", lo=1),
+        linear_value_head_dim=text.int("linear_value_head_dim", lo=1),
+        linear_conv_kernel_dim=text.int("linear_conv_kernel_dim", 4, lo=1),
+        intermediate_size=text.int("intermediate_size", 0, lo=0),
+        num_experts=num_experts,
+        num_experts_per_tok=text.int("num_experts_per_tok", _REQUIRED if num_experts else 0, lo=1 if num_experts else 0),
+        moe_intermediate_size=text.int("moe_intermediate_size", _REQUIRED if num_experts else 0,
+                                       lo=1 if num_experts else 0),
+        shared_expert_intermediate_size=text.int("shared_expert_intermediate_size", 0, lo=0),
+        # transformers' Qwen3.5-MoE router always renormalises its top-k weights; only
+        # Qwen3-Next reads the flag
+        norm_topk_prob=text.bool("norm_topk_prob", True) if model_type == "qwen3_next" else True,
+        decoder_sparse_step=text.int("decoder_sparse_step", 1, lo=1),
+        mlp_only_layers=list(mlp_only),
+        tie_word_embeddings=tie if tie is not None else text.bool("tie_word_embeddings", False),
+        mtp_num_hidden_layers=text.int("mtp_num_hidden_layers", top.int("mtp_num_hidden_layers", 0, lo=0), lo=0),
+        weight_prefix=prefix,
+        fused_gdn_projections=model_type == "qwen3_next",
+        eos_token_ids=top.ints("eos_token_id", lo=0) or text.ints("eos_token_id", lo=0),
+    )
     if len(cfg.layer_types) != cfg.num_hidden_layers:
         raise CheckpointError(f"{path}: layer_types has {len(cfg.layer_types)} entries for {n_layers} layers")
-    bad = set(cfg.layer_types) - {"linear_attention", "full_attention"}
+    bad = [t for t in cfg.layer_types if t not in ("linear_attention", "full_attention")]
     if bad:
-        raise CheckpointError(f"{path}: unsupported layer types {sorted(bad)}")
+        raise CheckpointError(f"{path}: unsupported layer types {sorted(set(map(repr, bad)))}")
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         raise CheckpointError(f"{path}: linear_num_value_heads must be a multiple of linear_num_key_heads")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise CheckpointError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
+    if cfg.partial_rotary_factor > 1:
+        raise CheckpointError(f"{path}: partial_rotary_factor must be in (0, 1], got {cfg.partial_rotary_factor}")
+    if num_experts and cfg.num_experts_per_tok > num_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) is above num_experts "
+                              f"({num_experts})")
     gen_path = os.path.join(model_dir, "generation_config.json")
     if not cfg.eos_token_ids and os.path.isfile(gen_path):
         try:
             with open(gen_path) as f:
-                eos = json.load(f).get("eos_token_id")
-            cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        except (OSError, json.JSONDecodeError):
+                gen = json.load(f)
+            if isinstance(gen, dict):
+                cfg.eos_token_ids = _Fields(gen_path, gen).ints("eos_token_id", lo=0)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             pass
     return cfg

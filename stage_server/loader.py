@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .config import CheckpointError, HybridConfig, load_config
-from .model import StageModel
+from .model import StageModel, rope_inv_freq
 
 
 class CheckpointReader:
@@ -149,8 +149,9 @@ def load_stage_model(
         dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
 
     Raises:
-        CheckpointError: missing file or tensor, unsupported model type, or a tensor of the
-            wrong shape; the message names the file and the tensor.
+        CheckpointError: missing file or tensor, unsupported model type, a tensor of the
+            wrong shape or with NaN / infinite values (in ``dtype``: an fp16 cast can
+            overflow); the message names the file and the tensor.
     """
     cfg = load_config(model_dir)
     start = 0 if start is None else start
@@ -173,15 +174,17 @@ def load_stage_model(
                 f"{reader.file_of(key)}: tensor {key!r} has shape {tuple(t.shape)}, "
                 f"expected {tuple(p.shape)} from config.json"
             )
-        state[name] = t.to(dtype)
+        t = t.to(dtype)
+        if not torch.isfinite(t).all():
+            # caught here, not by whichever stage's output turns NaN (PP1 would emit token 0)
+            key = _checkpoint_key(cfg, name)
+            raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has NaN or infinite values"
+                                  + ("" if t.dtype == torch.float32 else f" in {str(dtype).removeprefix('torch.')}"))
+        state[name] = t
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(state, strict=False, assign=False)
     # Non-persistent buffers were allocated on "meta": rebuild them on the device.
-    inv = 1.0 / (
-        cfg.rope_theta
-        ** (torch.arange(0, model.rotary.rotary_dim, 2, dtype=torch.float) / model.rotary.rotary_dim)
-    )
-    model.rotary.inv_freq = inv.to(device)
+    model.rotary.inv_freq = rope_inv_freq(cfg).to(device)
     model.eval().requires_grad_(False)
     # one GEMM per set of projections reading the same input; on the final device and dtype
     model.fuse_projections()

@@ -215,6 +215,15 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o)
 
 
+def rope_inv_freq(cfg: HybridConfig) -> torch.Tensor:
+    """RoPE inverse frequencies ``[rotary_dim // 2]`` fp32: ``theta^(-2i / rotary_dim)``
+    (Su et al. 2021, RoFormer), divided by the linear scaling factor when the
+    config has one (``config.ROPE_TYPES``)."""
+    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return inv / cfg.rope_scaling_factor
+
+
 class Rotary(nn.Module):
     """Partial rotary embedding on the first ``rotary_dim`` dims of each head, rotate-half
     form: holds ``inv_freq`` (fp32, kept so after the model's dtype cast by the loader) for
@@ -223,8 +232,7 @@ class Rotary(nn.Module):
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         return apply_rotary(q, k, positions, self.inv_freq)

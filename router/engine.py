@@ -71,6 +71,7 @@ class Engine:
         self.displaced: str | None = None  # another router claimed the stages: down for good
         self._stale_rows: list[int] = []  # rows of failed requests, freed once recovered
         self._recover_error: str | None = None  # last recovery failure logged
+        self._recovering = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -153,7 +154,7 @@ class Engine:
         waiting = req is not None and req.row < 0
         rows = self.scheduler.abort(request_id, finish_reason)
         if rows:
-            self._spawn(self._release(rows, req.lane, self.scheduler.rounds[req.lane]))
+            self._spawn(self._release_or_fail(rows, req.lane, self.scheduler.rounds[req.lane], "release after an abort"))
         if waiting or rows:
             self._finished(request_id, RequestOutput(request_id, [], finish_reason, len(req.prompt_ids), len(req.output_ids)))
         self._wake.set()
@@ -253,9 +254,21 @@ class Engine:
                 if self.metrics and secs:
                     for k, s in enumerate(secs):
                         self.metrics.on_stage_rpc(k, "commit", s)
-            await self._release(up.release_rows, up.micro_batch_id, up.round)
         except (StageDownError, OSError) as e:
+            self._stale_rows = self._stale_rows + up.release_rows  # never released: the recovery does it
             self._fail(str(e))
+            return
+        await self._release_or_fail(up.release_rows, up.micro_batch_id, up.round)
+
+    async def _release_or_fail(self, rows: list[int], micro_batch_id: int, round: int, what: str = "") -> None:
+        """:meth:`_release`; when a stage fails it, the rows wait for the recovery's release
+        of every row (until then they are neither free nor held by a request: a row
+        returned to the free list here could reach a stage that still holds it)."""
+        try:
+            await self._release(rows, micro_batch_id, round)
+        except (StageDownError, OSError) as e:
+            self._stale_rows = self._stale_rows + rows
+            self._fail(f"{what}: {e}" if what else str(e))
 
     async def _release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0) -> None:
         if rows:
@@ -359,8 +372,18 @@ class Engine:
             await self.pipeline.leave()
 
     async def _recover(self) -> None:
-        """Once every stage serves again, release all rows everywhere and resume."""
+        """Once every stage serves again, release all rows everywhere and resume.
+
+        Every lane calls this while the router is down; one recovers at a time, and a lane
+        that finds the router recovered does nothing: a second release of every row,
+        landing after serving resumed, would take rows from new requests."""
         await asyncio.sleep(0.5)
+        async with self._recovering:
+            if self.failure is None:
+                return
+            await self._recover_once()
+
+    async def _recover_once(self) -> None:
         if self.closing or self.displaced or not self.pipeline.health()[0]:
             return
         try:
@@ -389,7 +412,7 @@ class Engine:
             return
         self._recover_error = None
         if self.failure is not None:
-            self.scheduler.free(self._stale_rows)
+            self.scheduler.free(sorted(set(self._stale_rows)))
             self._stale_rows = []
             log.info("pipeline recovered after: %s", self.failure)
             self.failure = None

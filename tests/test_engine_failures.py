@@ -354,3 +354,74 @@ def test_llm_stop_strings_cut_the_text_and_end_the_request(spec):
         with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
             llm.generate(prompts[:1], SamplingParams(max_tokens=4, stop=bad))
     assert llm.rows_in_use() == [0]
+
+
+@pytest.mark.parametrize("where", ["release", "commit"])
+def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference, where):
+    """A stage dies while the router commits or releases the rows of requests that just
+    finished: those rows are neither free nor a request's. Recovery releases every row on
+    every stage, so it must also give these back (and their KV reservations), or each stage
+    crash shrinks the router's capacity for good while the stages report nothing held."""
+    torch.set_num_threads(1)
+    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    release, commit, failed, with_release = pipe.release, pipe.commit_accept, [], set()
+
+    async def dying_release(rows, micro_batch_id=0, round=0, abandon=False):
+        if where == "release" and rows and not abandon and not failed:
+            failed.append(list(rows))
+            raise StageDownError("stage 1 died (test)")
+        return await release(rows, micro_batch_id, round, abandon)
+
+    async def dying_commit(c):
+        # fail the commit of a round in which a request finished (its row is released after it)
+        if where == "commit" and not failed and id(c) in with_release:
+            failed.append(list(c.req_pool_indices))
+            raise StageDownError("stage 1 died (test)")
+        return await commit(c)
+
+    pipe.release, pipe.commit_accept = dying_release, dying_commit
+    # different lengths: requests finish in different rounds, the others still run
+    params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+    async def collect(rid, prompt, sp):
+        try:
+            return [t async for out in engine.generate(rid, prompt, sp) for t in out.new_token_ids]
+        except EngineError as e:
+            return e
+
+    async def run():
+        nonlocal engine
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=2)
+        await engine.start()
+        process = engine.scheduler.process
+
+        def marking_process(*a, **k):
+            up = process(*a, **k)
+            if up.commit is not None and up.release_rows:
+                with_release.add(id(up.commit))
+            return up
+
+        engine.scheduler.process = marking_process
+        first = await asyncio.gather(*(collect(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))))
+        for _ in range(100):  # the lanes recover in the background
+            if engine.health()[0] and len(engine.scheduler.free_rows) == 8:
+                break
+            await asyncio.sleep(0.05)
+        state = (sorted(engine.scheduler.free_rows), engine.scheduler.kv_reserved, engine.scheduler.releasing_rows())
+        again = await asyncio.gather(*(collect(f"s{i}", p, PARAMS) for i, p in enumerate(PROMPTS)))
+        for _ in range(100):  # the finished requests' rows are released in the background
+            infos = await pipe.info()
+            if all(i["rows_in_use"] == 0 for i in infos):
+                break
+            await asyncio.sleep(0.05)
+        for t in engine._tasks:
+            t.cancel()
+        return first, state, again, infos
+
+    engine = None
+    first, (free, reserved, releasing), again, infos = asyncio.run(run())
+    assert failed, "the stage failure was not injected"
+    assert any(isinstance(r, StageDownError) for r in first)
+    assert free == list(range(8)) and reserved == 0 and releasing == [], (free, reserved, releasing)
+    assert again == reference[:-1]
+    assert all(i["rows_in_use"] == 0 for i in infos), infos

@@ -7,6 +7,7 @@ others and exits non-zero, so that a supervisor restarts the whole set.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import os
 import signal
@@ -93,12 +94,30 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int):
+    """``preexec_fn`` of a child: SIGTERM when ``parent`` dies however it dies (SIGKILL
+    included, when no handler of its runs), through Linux's ``prctl(PR_SET_PDEATHSIG)``,
+    so that no stage or router outlives serve holding its port and memory. The child
+    exits at once if ``parent`` is already gone. Elsewhere than Linux: nothing."""
+    def arm() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:
+                os._exit(1)
+    return arm
+
+
 class Children:
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: list[str]) -> None:
-        self.procs.append((name, subprocess.Popen(argv, start_new_session=True)))
+        # own session: a Ctrl-C in the terminal reaches serve alone, which stops the
+        # router before the stages (stop())
+        self.procs.append((name, subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with(os.getpid()))))
 
     def dead(self) -> tuple[str, int] | None:
         for name, p in self.procs:
@@ -181,8 +200,8 @@ def main(argv: list[str]) -> int:
     def on_signal(sig, _frame):
         stop["sig"] = sig
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
+        signal.signal(sig, on_signal)
     try:
         for k in range(n):
             argv_k = py + [

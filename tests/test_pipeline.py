@@ -4,6 +4,7 @@ random delays change nothing; rows come back; failures end in clear errors."""
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -474,3 +475,42 @@ def test_serve_sigterm_ends_open_requests_with_a_message(random_ref):
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
 
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGHUP"])
+def test_serve_children_do_not_outlive_it(random_ref, sig):
+    """``ppspec serve`` killed outright (no handler of its runs) or hung up on: its stages
+    and router stop too, and the port is free again for a supervisor's restart."""
+    path = random_ref[0]
+    ports = [free_port(), free_port()]
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", path, "--pp-size", "2",
+                              "--stage-ports", ",".join(map(str, ports)), "--port", str(port), "--num-threads", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    pattern = f"ppspec.cli (stage|router) .*--port ({ports[0]}|{ports[1]}|{port})( |$)"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        children = subprocess.check_output(["pgrep", "-f", pattern], text=True).split()
+        assert len(children) == 3, children
+        os.kill(serve.pid, getattr(signal, sig))
+        serve.wait(60)
+        deadline = time.monotonic() + 30
+        while subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "children still running: " + subprocess.check_output(
+                ["pgrep", "-af", pattern], text=True)
+            time.sleep(0.25)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds (TIME_WAIT is no owner)
+            s.bind(("127.0.0.1", port))  # free again
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", pattern])

@@ -255,7 +255,8 @@ class _Fanout:
 
     async def _pump(self, sub: _Sub) -> None:
         server = self.server
-        stream = TextStream(server.tokenizer, sub.prompt_ids, self.stops, self.skip_special_tokens)
+        stream = TextStream(server.tokenizer, sub.prompt_ids, self.stops, self.skip_special_tokens,
+                            sub.params.min_tokens)
         first, finished, last_token = True, False, None
         it: Any = None
         try:
@@ -446,7 +447,8 @@ class _Server:
         requested = body.requested_max_tokens
         if prompt_len >= limit or (requested is not None and prompt_len + requested > limit):
             exc = ContextLengthError(prompt_len, requested if requested is not None else 1, limit)
-            exc.param = param
+            # the field to change: the prompt when it alone fills the context, else max_tokens
+            exc.param = param if prompt_len >= limit else body.max_tokens_field
             raise exc
         max_tokens = requested if requested is not None else min(limit - prompt_len, self.max_tokens_cap)
         params = SamplingParams(

@@ -121,11 +121,14 @@ class TextStream:
     ``add(token_id)`` returns True when a stop string has appeared (the text is then cut
     before it); ``take()`` returns the text safe to send now, holding back the longest tail
     that is a proper prefix of some stop string; ``finish()`` returns everything left.
+    A stop string counts only when a token after the first ``min_tokens`` completes it
+    (vLLM's rule: ``min_tokens`` holds back stop strings as it holds back EOS).
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.decoder = IncrementalDecoder(tokenizer, prompt_ids, skip_special_tokens)
+        self.min_tokens, self.num_tokens = min_tokens, 0
         self.stops = [s for s in stops if s]
         self.max_stop = max((len(s) for s in self.stops), default=0)
         self.text = ""  # all text so far (cut at the stop string once one matched)
@@ -137,11 +140,15 @@ class TextStream:
         return self.stop_str is not None
 
     def add(self, token_id: int) -> bool:
+        self.num_tokens += 1
         return self._append(self.decoder.push(token_id))
 
     def _append(self, delta: str) -> bool:
         if self.stopped or not delta:
             return self.stopped
+        if self.num_tokens <= self.min_tokens:
+            self.text += delta  # a stop string ending here does not count
+            return False
         # A new match ends inside delta, so it starts at most max_stop - 1 characters before
         # it; text already sent never starts a match (it was held back while it could).
         start = max(self.sent, len(self.text) - self.max_stop + 1)

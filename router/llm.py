@@ -280,7 +280,7 @@ class LLM:
                 rids.append(self.add_request(i, sp))
                 if sp.stop:
                     tok = tok or self.tokenizer
-                    streams[rids[-1]] = TextStream(tok, list(i), sp.stop)
+                    streams[rids[-1]] = TextStream(tok, list(i), sp.stop, min_tokens=sp.min_tokens)
             while self.has_unfinished():
                 outputs = self.step()
                 if streams:

@@ -161,12 +161,12 @@ class _GenerationRequest(_Request):
     def _check_stop(cls, v: Union[str, list[str], None]) -> Union[str, list[str], None]:
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed")
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         for s in stops:
             if not s:
-                raise ValueError("stop: stop strings must not be empty")
+                raise ValueError("stop strings must not be empty")
             if len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters")
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")
@@ -191,6 +191,11 @@ class _GenerationRequest(_Request):
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field :attr:`requested_max_tokens` came from (an error's ``param``)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def include_usage(self) -> bool:

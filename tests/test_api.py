@@ -511,6 +511,33 @@ def test_detokenizer_units(load):
     assert "".join(out) == full[:full.index(char)] and stream.stop_str == char
 
 
+@pytest.mark.parametrize("load", TOKENIZERS_UNDER_TEST)
+def test_stop_strings_count_only_after_min_tokens(load):
+    """vLLM's rule: an occurrence of a stop string that a token within the first
+    ``min_tokens`` completes does not stop; the first one completed later does."""
+    tok = load()
+    prompt = tok.encode("Prompt: ")
+    ids = tok.encode(GEN_TEXT.replace("<|im_end|>", " "))
+    full = decode(tok, ids)
+    stop = "e"
+    ends = [i + 1 for i, c in enumerate(full) if c == stop]
+    assert len(ends) >= 3
+    for min_tokens in (0, 5, len(ids) // 2, len(ids)):
+        held = len(decode(tok, ids[:min_tokens]))  # text of the first min_tokens tokens
+        later = [e for e in ends if e > held]
+        stream = TextStream(tok, prompt, [stop], min_tokens=min_tokens)
+        out = []
+        for t in ids:
+            if stream.add(t):
+                break
+            out.append(stream.take())
+        out.append(stream.take() if stream.stopped else stream.finish())
+        if later:
+            assert "".join(out) == full[:later[0] - 1] and stream.stop_str == stop, min_tokens
+        else:
+            assert "".join(out) == full and not stream.stopped, min_tokens
+
+
 # --------------------------------------------------------------------------------------
 # Stop strings
 # --------------------------------------------------------------------------------------
@@ -713,7 +740,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("completions", {"prompt": "hi", "max_tokens": 10**30}, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**30}, "max_tokens"),
     ("completions", {"prompt": "hi", "bogus_field": 1}, "bogus_field"),
     ("completions", {"prompt": []}, None),
     ("completions", {"prompt": ""}, "prompt"),
@@ -768,6 +795,7 @@ def test_bad_requests_get_400(server, path, body, param):
     assert not err["message"].startswith("Value error")
     if param is not None:
         assert err["param"] == param
+        assert f"{param}: {param}:" not in err["message"], err["message"]  # the location named once
 
 
 @pytest.mark.parametrize("raw,ctype", [
@@ -811,6 +839,7 @@ def test_context_length_error(client, engine, tokenizer):
         client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_MODEL_LEN)
     assert f"{n_chat} in the messages" in e.value.body["message"] or f"{n_chat} in the prompt" in e.value.body["message"]
     assert f"{MAX_MODEL_LEN} for the completion" in e.value.body["message"]
+    assert e.value.body["param"] == "max_tokens"  # the prompt fits: the completion asked too much
     assert not engine.calls  # rejected before the engine allocated anything
 
 

@@ -347,6 +347,10 @@ def test_llm_stop_strings_cut_the_text_and_end_the_request(spec):
         assert o.text == text and o.token_ids == ids
         assert o.finish_reason == "stop" and o.stop_reason == s
     assert llm.rows_in_use() == [0] and not llm.has_unfinished()
+    # within min_tokens a stop string does not count (vLLM): with min_tokens = max_tokens none does
+    held = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=40, min_tokens=40, ignore_eos=True, stop=[s])
+                                  for s in stops])
+    assert [(o.text, o.token_ids, o.finish_reason) for o in held] == [(c.text, c.token_ids, "length") for c in full]
     # a stop string that never appears changes nothing; one string is a list of one
     (same,) = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop="\x00never"))
     assert same.token_ids == full[0].token_ids and same.finish_reason == "length" and same.stop_reason is None

@@ -52,6 +52,10 @@ class HybridConfig:
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0
     rope_scaling_factor: float = 1.0  # linear RoPE scaling (ROPE_TYPES); 1.0 = none
+    # whether the MTP layer's MLP is the sparse MoE block: None = as the decoder layers'
+    # config says (every layer MoE when num_experts > 0); the loader sets it from the
+    # checkpoint's mtp.* tensors, which config.json does not describe
+    mtp_is_moe: bool | None = None
     # where the decoder's weights live in the checkpoint
     weight_prefix: str = "model."
     fused_gdn_projections: bool = False  # qwen3_next: in_proj_qkvz / in_proj_ba
@@ -73,6 +77,8 @@ class HybridConfig:
         """Whether decoder layer ``layer`` (or the MTP layer, ``layer = -1``) uses the sparse MoE block."""
         if self.num_experts <= 0:
             return False
+        if layer < 0 and self.mtp_is_moe is not None:
+            return self.mtp_is_moe
         if self.model_type == "qwen3_next" and layer >= 0:
             return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         return True

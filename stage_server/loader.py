@@ -162,6 +162,11 @@ def load_stage_model(
         )
     reader = CheckpointReader(model_dir)
     has_mtp = cfg.mtp_num_hidden_layers > 0 and "mtp.fc.weight" in reader
+    if has_mtp and cfg.num_experts > 0:
+        # a router weight makes the MTP layer's MLP the MoE block, gate_proj a dense one
+        moe, dense = "mtp.layers.0.mlp.gate.weight" in reader, "mtp.layers.0.mlp.gate_proj.weight" in reader
+        if moe != dense:
+            cfg.mtp_is_moe = moe
     with torch.device("meta"):
         model = StageModel(cfg, start, end, with_mtp=with_mtp and has_mtp)
     cache: dict = {}

@@ -210,3 +210,19 @@ def test_serve_reports_a_bad_config_value_in_one_line(tmp_path, make_ckpt):
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     assert "config.json: missing field 'hidden_size'" in p.stderr
+
+
+def test_mtp_layer_mlp_kind_comes_from_its_weights(make_ckpt):
+    """Qwen3-Next with experts configured but every decoder layer dense (mlp_only_layers):
+    config.json does not say what the MTP layer's MLP is; its tensors do (here a dense
+    one, copied from an attention layer). MTP drafts leave greedy tokens unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_ckpt("qwen3_next_dense")
+    from safetensors import safe_open
+
+    keys = set(safe_open(f"{path}/model.safetensors", "pt").keys())
+    assert "mtp.layers.0.mlp.gate_proj.weight" in keys and "mtp.layers.0.mlp.gate.weight" not in keys
+    assert load_config(path).num_experts > 0
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert _ppspec_greedy(path, speculative_algorithm="mtp") == _hf_greedy(hf)

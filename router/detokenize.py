@@ -146,16 +146,16 @@ class TextStream:
     def _append(self, delta: str) -> bool:
         if self.stopped or not delta:
             return self.stopped
-        if self.num_tokens <= self.min_tokens:
-            self.text += delta  # a stop string ending here does not count
-            return False
-        # A new match ends inside delta, so it starts at most max_stop - 1 characters before
-        # it; text already sent never starts a match (it was held back while it could).
-        start = max(self.sent, len(self.text) - self.max_stop + 1)
+        old = len(self.text)
         self.text += delta
+        if self.num_tokens <= self.min_tokens:
+            return False  # a stop string ending here does not count
+        # Only a match ending inside delta counts (one ending before it was either found then
+        # or fell within min_tokens), so string s starts at most len(s) - 1 characters
+        # before delta; text already sent never starts a match (it was held back while it could).
         best: tuple[int, str] | None = None
         for s in self.stops:
-            i = self.text.find(s, start)
+            i = self.text.find(s, max(self.sent, old - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:

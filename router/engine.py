@@ -266,7 +266,7 @@ class Engine:
         returned to the free list here could reach a stage that still holds it)."""
         try:
             await self._release(rows, micro_batch_id, round)
-        except (StageDownError, OSError) as e:
+        except (StageDownError, OSError, EngineError, ValueError) as e:
             self._stale_rows = self._stale_rows + rows
             self._fail(f"{what}: {e}" if what else str(e))
 

@@ -98,15 +98,20 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _die_with(parent: int):
-    """``preexec_fn`` of a child: SIGTERM when ``parent`` dies however it dies (SIGKILL
-    included, when no handler of its runs), through Linux's ``prctl(PR_SET_PDEATHSIG)``,
-    so that no stage or router outlives serve holding its port and memory. The child
-    exits at once if ``parent`` is already gone. Elsewhere than Linux: nothing."""
+    """``preexec_fn`` of a child on Linux: SIGTERM when ``parent`` dies however it dies
+    (SIGKILL included, when no handler of its runs), through ``prctl(PR_SET_PDEATHSIG)``,
+    so that no stage or router outlives serve holding its port and memory. The child exits
+    at once if ``parent`` is already gone. The signal comes when the *thread* that started
+    the child ends: :class:`Children` starts them from serve's main thread. None (no
+    ``preexec_fn``) elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: no dlopen after fork
+
     def arm() -> None:
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-            if os.getppid() != parent:
-                os._exit(1)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
     return arm
 
 
@@ -200,8 +205,11 @@ def main(argv: list[str]) -> int:
     def on_signal(sig, _frame):
         stop["sig"] = sig
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
-        signal.signal(sig, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    hup = getattr(signal, "SIGHUP", None)  # its terminal closed; not under nohup, which ignores it
+    if hup is not None and signal.getsignal(hup) is not signal.SIG_IGN:
+        signal.signal(hup, on_signal)
     try:
         for k in range(n):
             argv_k = py + [

@@ -201,7 +201,7 @@ def load_config(model_dir: str) -> HybridConfig:
 
     n_layers = text.int("num_hidden_layers", lo=1)
     layer_types = text.get("layer_types", None)
-    if layer_types is None:
+    if layer_types is None or layer_types == []:
         interval = text.int("full_attention_interval", 4, lo=1)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
     if not isinstance(layer_types, list):

@@ -179,15 +179,17 @@ def load_stage_model(
                 f"{reader.file_of(key)}: tensor {key!r} has shape {tuple(t.shape)}, "
                 f"expected {tuple(p.shape)} from config.json"
             )
-        t = t.to(dtype)
-        if not torch.isfinite(t).all():
-            # caught here, not by whichever stage's output turns NaN (PP1 would emit token 0)
-            key = _checkpoint_key(cfg, name)
-            raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has NaN or infinite values"
-                                  + ("" if t.dtype == torch.float32 else f" in {str(dtype).removeprefix('torch.')}"))
-        state[name] = t
+        state[name] = t.to(dtype)
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(state, strict=False, assign=False)
+    # caught here, not by whichever stage's output turns NaN (PP1 would emit token 0); on
+    # the device (a CPU pass over a large bf16 checkpoint is slow), one read for all
+    names, params = zip(*model.named_parameters())
+    finite = torch.stack([torch.isfinite(p).all() for p in params]).tolist()
+    if not all(finite):
+        key = _checkpoint_key(cfg, names[finite.index(False)])
+        raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has NaN or infinite values"
+                              + ("" if dtype == torch.float32 else f" in {str(dtype).removeprefix('torch.')}"))
     # Non-persistent buffers were allocated on "meta": rebuild them on the device.
     model.rotary.inv_freq = rope_inv_freq(cfg).to(device)
     model.eval().requires_grad_(False)

@@ -538,6 +538,25 @@ def test_stop_strings_count_only_after_min_tokens(load):
             assert "".join(out) == full and not stream.stopped, min_tokens
 
 
+def test_a_stop_string_within_min_tokens_stays_ignored_beside_a_longer_one():
+    """Stop strings of different lengths: one completed within ``min_tokens`` must not be
+    found by the next token's search (only matches ending in the new text count)."""
+
+    class Chars:  # token i decodes to the text TEXTS[i]
+        TEXTS = ["ab", "c", "d"]
+
+        def decode(self, ids, **kw):
+            return "".join(self.TEXTS[i] for i in ids)
+
+        def convert_ids_to_tokens(self, ids):
+            return [self.TEXTS[i] for i in ids]
+
+    for stops in (["ab"], ["ab", "zzzzz"], ["zzzzz", "ab"]):
+        stream = TextStream(Chars(), [], stops, min_tokens=1)
+        assert not any(stream.add(t) for t in (0, 1, 2)), stops
+        assert stream.take() + stream.finish() == "abcd" and not stream.stopped, stops
+
+
 # --------------------------------------------------------------------------------------
 # Stop strings
 # --------------------------------------------------------------------------------------

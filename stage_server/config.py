@@ -50,7 +50,8 @@ class HybridConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     tie_word_embeddings: bool = False
-    mtp_num_hidden_layers: int = 0
+    # None: config.json does not say (Qwen3-Next's does not): the checkpoint's mtp.* tensors decide
+    mtp_num_hidden_layers: int | None = 0
     rope_scaling_factor: float = 1.0  # linear RoPE scaling (ROPE_TYPES); 1.0 = none
     # whether the MTP layer's MLP is the sparse MoE block: None = as the decoder layers'
     # config says (every layer MoE when num_experts > 0); the loader sets it from the
@@ -108,6 +109,8 @@ class _Fields:
 
     def int(self, key: str, default=_REQUIRED, lo: int | None = None) -> int:
         v = self.get(key, default)
+        if v is None and default is None:
+            return None
         if isinstance(v, bool) or not isinstance(v, int):
             raise self._bad(key, f"must be an integer, got {v!r}")
         if lo is not None and v < lo:
@@ -143,8 +146,8 @@ class _Fields:
 # 2023, "Extending Context Window of Large Language Models via Positional Interpolation";
 # inverse frequencies divided by ``factor``, as transformers'
 # ``_compute_linear_scaling_rope_parameters``). The mrope fields of Qwen3.5
-# (``mrope_section``, ``mrope_interleaved``) are ignored: for text, every section's
-# position is the token's position, which is the plain rotation.
+# (``mrope_section``, ``mrope_interleaved``; ``type: mrope`` in older configs) are ignored:
+# for text, every section's position is the token's position, which is the plain rotation.
 ROPE_TYPES = ("default", "linear")
 # Activations served: the MLPs, the experts and the GDN conv all apply SiLU (swish).
 HIDDEN_ACTS = ("silu", "swish")
@@ -192,6 +195,8 @@ def load_config(model_dir: str) -> HybridConfig:
         raise CheckpointError(f"{path}: {text.where}rope_parameters must be an object, got {rope_d!r}")
     rope = _Fields(path, rope_d, text.where + "rope_parameters.")
     rope_type = rope_d.get("rope_type", rope_d.get("type")) or "default"
+    if rope_type == "mrope":  # the older spelling of multimodal RoPE (Qwen2-VL): default for text
+        rope_type = "default"
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"{path}: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     act = text.get("hidden_act", "silu")
@@ -247,7 +252,7 @@ def load_config(model_dir: str) -> HybridConfig:
         decoder_sparse_step=text.int("decoder_sparse_step", 1, lo=1),
         mlp_only_layers=list(mlp_only),
         tie_word_embeddings=tie if tie is not None else text.bool("tie_word_embeddings", False),
-        mtp_num_hidden_layers=text.int("mtp_num_hidden_layers", top.int("mtp_num_hidden_layers", 0, lo=0), lo=0),
+        mtp_num_hidden_layers=text.int("mtp_num_hidden_layers", top.int("mtp_num_hidden_layers", None, lo=0), lo=0),
         weight_prefix=prefix,
         fused_gdn_projections=model_type == "qwen3_next",
         eos_token_ids=top.ints("eos_token_id", lo=0) or text.ints("eos_token_id", lo=0),

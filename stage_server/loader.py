@@ -161,7 +161,9 @@ def load_stage_model(
             f"{model_dir}: layer range [{start}, {end}) is not inside [0, {cfg.num_hidden_layers})"
         )
     reader = CheckpointReader(model_dir)
-    has_mtp = cfg.mtp_num_hidden_layers > 0 and "mtp.fc.weight" in reader
+    # published Qwen3-Next config.json files do not state mtp_num_hidden_layers: the head's
+    # tensors do; an explicit 0 turns it off
+    has_mtp = cfg.mtp_num_hidden_layers != 0 and "mtp.fc.weight" in reader
     if has_mtp and cfg.num_experts > 0:
         # a router weight makes the MTP layer's MLP the MoE block, gate_proj a dense one
         moe, dense = "mtp.layers.0.mlp.gate.weight" in reader, "mtp.layers.0.mlp.gate_proj.weight" in reader

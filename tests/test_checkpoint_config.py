@@ -97,6 +97,25 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
     assert _ppspec_greedy(plain) != ref
 
 
+def test_multimodal_rope_fields_are_plain_rope_for_text(tmp_path, make_ckpt):
+    """mrope sections (and the older ``type: mrope`` spelling) rotate text tokens as plain
+    RoPE: the same tokens as the checkpoint without them."""
+    src = make_ckpt("qwen3_5_ratio1")
+    ref = _ppspec_greedy(src)
+
+    def mrope(c):
+        c["rope_parameters"].update(mrope_section=[1, 1, 0], mrope_interleaved=True)
+
+    def old_style(c):
+        theta = c["rope_parameters"]["rope_theta"]
+        c["rope_parameters"] = None
+        c["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 0]}
+        c["rope_theta"] = theta
+
+    for name, fn in (("mrope", mrope), ("old_mrope", old_style)):
+        assert _ppspec_greedy(_edit(src, tmp_path / name, fn)) == ref, name
+
+
 def test_absent_partial_rotary_factor_takes_the_transformers_default(tmp_path, make_ckpt):
     src = make_ckpt("qwen3_5_ratio1")
 
@@ -226,3 +245,20 @@ def test_mtp_layer_mlp_kind_comes_from_its_weights(make_ckpt):
     assert load_config(path).num_experts > 0
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert _ppspec_greedy(path, speculative_algorithm="mtp") == _hf_greedy(hf)
+
+
+def test_mtp_head_found_by_its_tensors_when_config_does_not_state_it(tmp_path, make_ckpt):
+    """Published Qwen3-Next config.json files have no mtp_num_hidden_layers although the
+    checkpoint carries the mtp.* head: the tensors decide; an explicit 0 turns it off."""
+    from transformers import AutoModelForCausalLM
+
+    src = make_ckpt("qwen3_next_moe")
+    path = _edit(src, tmp_path / "unstated", lambda c: c.pop("mtp_num_hidden_layers") and None)
+    assert load_config(str(path)).mtp_num_hidden_layers is None
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), max_rows=4, speculative_algorithm="mtp")
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf) and out.accept_lengths  # the head drafted
+    off = _edit(src, tmp_path / "zero", _set("mtp_num_hidden_layers", 0))
+    with pytest.raises(ValueError, match="mtp needs an mtp"):
+        LLM(str(off), max_rows=4, speculative_algorithm="mtp")

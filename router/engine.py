@@ -51,17 +51,22 @@ class Engine:
         num_micro_batches: lanes in flight (default: the number of stages).
         wedge_timeout: seconds a micro-batch may stay outstanding before ``health``
             reports the pipeline wedged.
+        stall_timeout: seconds a stage may fail the pipeline's health checks while
+            micro-batches are in flight before those fail (StageDownError, HTTP 503) and
+            their lanes stop waiting: a stage that hangs without dying ends its requests
+            then, not at the step RPC's timeout.
     """
 
     def __init__(self, pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
                  num_micro_batches: int | None = None, max_batch_size: int = 64, chunk_size: int = 512,
-                 max_waiting: int = 4096, wedge_timeout: float = 60.0, metrics: RouterMetrics | None = None):
+                 max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
+                 metrics: RouterMetrics | None = None):
         self.pipeline = pipeline
         self.model_name, self.tokenizer = model_name, tokenizer
         self.spec = speculative_algorithm
         self.num_micro_batches = num_micro_batches
         self.max_batch_size, self.chunk_size, self.max_waiting = max_batch_size, chunk_size, max_waiting
-        self.wedge_timeout = wedge_timeout
+        self.wedge_timeout, self.stall_timeout = wedge_timeout, stall_timeout
         self.metrics = metrics
         self.scheduler: Scheduler | None = None
         self.queues: dict[str, asyncio.Queue] = {}
@@ -118,6 +123,7 @@ class Engine:
             self.pipeline.start_monitor()
         self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(lanes)]
         self._tasks.append(asyncio.ensure_future(self._stats_loop()))
+        self._tasks.append(asyncio.ensure_future(self._stall_watch()))
 
     # ------------------------------------------------------------------ client side
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -313,6 +319,29 @@ class Engine:
         self._stale_rows = self._stale_rows + rows
         self._end_dropped(dropped, lambda rid: StageDownError(f"request {rid} failed: {reason}"))
         self.outstanding.clear()
+
+    async def _stall_watch(self, period: float = 0.25) -> None:
+        """Fail the in-flight micro-batches once the pipeline has been unhealthy (a stage
+        not answering its health checks) for ``stall_timeout`` seconds with them
+        outstanding; their lanes' step RPCs are cancelled (down the relay chain) and the
+        lanes restart, to recover once every stage serves again."""
+        down_since = None
+        while True:
+            await asyncio.sleep(period)
+            ok, detail = self.pipeline.health()
+            if ok or not self.outstanding or self.closing or self.displaced:
+                down_since = None
+                continue
+            now = time.monotonic()
+            down_since = down_since or now
+            if now - down_since < self.stall_timeout:
+                continue
+            down_since = None
+            stuck = sorted(self.outstanding)
+            self._fail(f"{detail} (micro-batches in flight for {self.stall_timeout:g}s)")
+            for lane in stuck:
+                self._tasks[lane].cancel()
+                self._tasks[lane] = asyncio.ensure_future(self._lane_loop(lane))
 
     def _end_dropped(self, dropped, error) -> None:
         """Hand each dropped request's stream its error (``error(request_id)``); count it aborted."""

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take")
     ap.add_argument("--wedge-timeout", type=positive_float, default=60.0,
                     help="seconds a micro-batch may stay outstanding before /health says 503")
+    ap.add_argument("--stall-timeout", type=positive_float, default=10.0,
+                    help="seconds a stage may fail its health checks with micro-batches in flight before "
+                         "those requests fail (503) instead of waiting for --step-timeout")
     ap.add_argument("--log-level", default="info")
     return ap
 
@@ -70,6 +73,7 @@ async def run_router(args) -> int:
     engine = Engine(pipeline, model_name=name, tokenizer=tokenizer, speculative_algorithm=args.speculative_algorithm,
                     num_micro_batches=args.num_micro_batches, max_batch_size=args.max_batch_size,
                     chunk_size=args.chunk_size, max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
+                    stall_timeout=args.stall_timeout,
                     metrics=metrics)
     try:
         await engine.start()

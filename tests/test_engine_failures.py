@@ -4,6 +4,7 @@ every stage, and the engine keeps serving (no full recovery)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -429,3 +430,62 @@ def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference
     assert free == list(range(8)) and reserved == 0 and releasing == [], (free, reserved, releasing)
     assert again == reference[:-1]
     assert all(i["rows_in_use"] == 0 for i in infos), infos
+
+
+def test_a_hung_stage_ends_in_flight_requests_after_the_stall_timeout(reference):
+    """A stage that stops answering without dying (SIGSTOP, a wedged device): its health
+    checks fail at once, but an in-flight step RPC would wait for its own timeout
+    (minutes). After ``stall_timeout`` seconds the in-flight requests end with
+    StageDownError and the lanes stop waiting; once the stage answers again the router
+    recovers and serves the same tokens as before."""
+    torch.set_num_threads(1)
+    # room for every request's whole reservation at once
+    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=32768, num_speculative_steps=3, use_mtp=True)
+    step, hung = pipe.step, asyncio.Event()
+
+    async def hanging_step(inp):
+        if hung.is_set():
+            await asyncio.Event().wait()  # never answers
+        return await step(inp)
+
+    pipe.step = hanging_step
+    pipe.health = lambda: (False, "stage 1 (test) is not answering") if hung.is_set() else (True, "in-process stages")
+    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+
+    async def collect(rid, prompt, sp):
+        try:
+            return [t async for out in engine.generate(rid, prompt, sp) for t in out.new_token_ids]
+        except EngineError as e:
+            return e
+
+    async def run():
+        nonlocal engine
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=2,
+                        stall_timeout=1.0)
+        await engine.start()
+        tasks = [asyncio.ensure_future(collect(f"r{i}", p, long)) for i, p in enumerate(PROMPTS)]
+        for _ in range(600):
+            if engine.scheduler.num_running == len(PROMPTS):
+                break
+            await asyncio.sleep(0.05)
+        assert engine.scheduler.num_running == len(PROMPTS)
+        await asyncio.sleep(0.3)
+        hung.set()
+        t0 = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        waited = time.monotonic() - t0
+        hung.clear()  # the stage answers again
+        for _ in range(100):
+            if engine.health()[0] and len(engine.scheduler.free_rows) == 8:
+                break
+            await asyncio.sleep(0.05)
+        again = await asyncio.gather(*(collect(f"s{i}", p, PARAMS) for i, p in enumerate(PROMPTS)))
+        for t in engine._tasks:
+            t.cancel()
+        return results, waited, again
+
+    engine = None
+    results, waited, again = asyncio.run(run())
+    assert all(isinstance(r, StageDownError) and "not answering" in str(r) for r in results), results
+    assert waited < 5.0, waited  # stall_timeout 1 s, not the step RPC's timeout
+    assert again == reference[:-1]

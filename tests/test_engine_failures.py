@@ -25,10 +25,10 @@ def reference():
     return [o.token_ids for o in outs]
 
 
-async def _collect(engine, rid, prompt):
+async def _collect(engine, rid, prompt, params=PARAMS):
     ids = []
     try:
-        async for out in engine.generate(rid, prompt, PARAMS):
+        async for out in engine.generate(rid, prompt, params):
             ids += out.new_token_ids
     except EngineError as e:
         return e
@@ -388,12 +388,6 @@ def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference
     # different lengths: requests finish in different rounds, the others still run
     params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(len(PROMPTS))]
 
-    async def collect(rid, prompt, sp):
-        try:
-            return [t async for out in engine.generate(rid, prompt, sp) for t in out.new_token_ids]
-        except EngineError as e:
-            return e
-
     async def run():
         nonlocal engine
         engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=2)
@@ -407,13 +401,13 @@ def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference
             return up
 
         engine.scheduler.process = marking_process
-        first = await asyncio.gather(*(collect(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))))
+        first = await asyncio.gather(*(_collect(engine, f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))))
         for _ in range(100):  # the lanes recover in the background
             if engine.health()[0] and len(engine.scheduler.free_rows) == 8:
                 break
             await asyncio.sleep(0.05)
         state = (sorted(engine.scheduler.free_rows), engine.scheduler.kv_reserved, engine.scheduler.releasing_rows())
-        again = await asyncio.gather(*(collect(f"s{i}", p, PARAMS) for i, p in enumerate(PROMPTS)))
+        again = await asyncio.gather(*(_collect(engine, f"s{i}", p, PARAMS) for i, p in enumerate(PROMPTS)))
         for _ in range(100):  # the finished requests' rows are released in the background
             infos = await pipe.info()
             if all(i["rows_in_use"] == 0 for i in infos):
@@ -452,18 +446,12 @@ def test_a_hung_stage_ends_in_flight_requests_after_the_stall_timeout(reference)
     pipe.health = lambda: (False, "stage 1 (test) is not answering") if hung.is_set() else (True, "in-process stages")
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 
-    async def collect(rid, prompt, sp):
-        try:
-            return [t async for out in engine.generate(rid, prompt, sp) for t in out.new_token_ids]
-        except EngineError as e:
-            return e
-
     async def run():
         nonlocal engine
         engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=2,
                         stall_timeout=1.0)
         await engine.start()
-        tasks = [asyncio.ensure_future(collect(f"r{i}", p, long)) for i, p in enumerate(PROMPTS)]
+        tasks = [asyncio.ensure_future(_collect(engine, f"r{i}", p, long)) for i, p in enumerate(PROMPTS)]
         for _ in range(600):
             if engine.scheduler.num_running == len(PROMPTS):
                 break
@@ -479,7 +467,7 @@ def test_a_hung_stage_ends_in_flight_requests_after_the_stall_timeout(reference)
             if engine.health()[0] and len(engine.scheduler.free_rows) == 8:
                 break
             await asyncio.sleep(0.05)
-        again = await asyncio.gather(*(collect(f"s{i}", p, PARAMS) for i, p in enumerate(PROMPTS)))
+        again = await asyncio.gather(*(_collect(engine, f"s{i}", p, PARAMS) for i, p in enumerate(PROMPTS)))
         for t in engine._tasks:
             t.cancel()
         return results, waited, again

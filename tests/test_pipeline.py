@@ -401,6 +401,19 @@ def test_wedged_stage_turns_health_503(random_ref, tmp_path):
         fut.wait(60)
 
 
+def _wait_serving(serve, port, timeout=240.0):
+    """Poll ``ppspec serve``'s /health until 200; AssertionError if serve exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert serve.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+
+
 def test_serve_exits_nonzero_when_a_child_dies(random_ref):
     path = random_ref[0]
     ports = [free_port(), free_port()]
@@ -409,15 +422,7 @@ def test_serve_exits_nonzero_when_a_child_dies(random_ref):
                               "--stage-ports", ",".join(map(str, ports)), "--port", str(port), "--num-threads", "1"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert serve.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+        _wait_serving(serve, port)
         pid = int(subprocess.check_output(["pgrep", "-f", f"ppspec.cli stage .*port {ports[1]}"]).split()[0])
         os.kill(pid, signal.SIGKILL)
         assert serve.wait(60) == 1
@@ -439,15 +444,7 @@ def test_serve_sigterm_ends_open_requests_with_a_message(random_ref):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert serve.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+        _wait_serving(serve, port)
 
         async def scenario():
             async with httpx.AsyncClient(timeout=60) as client:
@@ -489,15 +486,7 @@ def test_serve_children_do_not_outlive_it(random_ref, sig):
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     pattern = f"ppspec.cli (stage|router) .*--port ({ports[0]}|{ports[1]}|{port})( |$)"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert serve.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+        _wait_serving(serve, port)
         children = subprocess.check_output(["pgrep", "-f", pattern], text=True).split()
         assert len(children) == 3, children
         os.kill(serve.pid, getattr(signal, sig))

@@ -260,8 +260,10 @@ class Engine:
                 if self.metrics and secs:
                     for k, s in enumerate(secs):
                         self.metrics.on_stage_rpc(k, "commit", s)
-        except (StageDownError, OSError) as e:
-            self._stale_rows = self._stale_rows + up.release_rows  # never released: the recovery does it
+        except (StageDownError, OSError, EngineError, ValueError) as e:
+            # a stage died or refused the commit: the rows' state is unknown, the full
+            # recovery releases them (never released here)
+            self._stale_rows = self._stale_rows + up.release_rows
             self._fail(str(e))
             return
         await self._release_or_fail(up.release_rows, up.micro_batch_id, up.round)

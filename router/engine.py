@@ -268,21 +268,22 @@ class Engine:
             return
         await self._release_or_fail(up.release_rows, up.micro_batch_id, up.round)
 
-    async def _release_or_fail(self, rows: list[int], micro_batch_id: int, round: int, what: str = "") -> None:
-        """:meth:`_release`; when a stage fails it, the rows wait for the recovery's release
-        of every row (until then they are neither free nor held by a request: a row
-        returned to the free list here could reach a stage that still holds it)."""
+    async def _release_or_fail(self, rows: list[int], micro_batch_id: int, round: int, what: str = "",
+                               abandon: bool = False) -> None:
+        """Release ``rows`` on every stage (``abandon``: without waiting for their commits),
+        then make them free. When a stage fails the release, the rows wait for the
+        recovery's release of every row (until then they are neither free nor held by a
+        request: a row returned to the free list here could reach a stage that still holds it)."""
+        if not rows:
+            return
         try:
-            await self._release(rows, micro_batch_id, round)
+            await self.pipeline.release(rows, micro_batch_id, round, abandon=abandon)
         except (StageDownError, OSError, EngineError, ValueError) as e:
             self._stale_rows = self._stale_rows + rows
             self._fail(f"{what}: {e}" if what else str(e))
-
-    async def _release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0) -> None:
-        if rows:
-            await self.pipeline.release(rows, micro_batch_id, round)
-            self.scheduler.free(rows)
-            self._wake.set()
+            return
+        self.scheduler.free(rows)
+        self._wake.set()
 
     def _record(self, batch, res, up: Update) -> None:
         if not self.metrics:
@@ -367,17 +368,9 @@ class Engine:
         dropped, rows = self.scheduler.fail_requests(batch.requests)
         self._end_dropped(dropped, lambda rid: EngineError(f"request {rid} failed: a pipeline stage refused its step: {reason}"))
         if rows:
-            self._spawn(self._release_abandoned(rows, batch.micro_batch_id, batch.round))
+            self._spawn(self._release_or_fail(rows, batch.micro_batch_id, batch.round,
+                                              "release after a refused micro-batch", abandon=True))
 
-    async def _release_abandoned(self, rows: list[int], micro_batch_id: int, round: int) -> None:
-        try:
-            await self.pipeline.release(rows, micro_batch_id, round, abandon=True)
-        except (StageDownError, OSError, EngineError, ValueError) as e:
-            self._stale_rows = self._stale_rows + rows  # the full recovery releases them
-            self._fail(f"release after a refused micro-batch: {e}")
-            return
-        self.scheduler.free(rows)
-        self._wake.set()
 
     def shutdown(self, reason: str = "the server is shutting down") -> None:
         """End every request now with StageDownError(reason) (HTTP 503; a stream gets the

@@ -109,7 +109,7 @@ class _Fields:
 
     def int(self, key: str, default=_REQUIRED, lo: int | None = None) -> int:
         v = self.get(key, default)
-        if v is None and default is None:
+        if v is None:  # absent, and None is its default
             return None
         if isinstance(v, bool) or not isinstance(v, int):
             raise self._bad(key, f"must be an integer, got {v!r}")
@@ -131,12 +131,13 @@ class _Fields:
             raise self._bad(key, f"must be true or false, got {v!r}")
         return v
 
-    def ints(self, key: str, lo: int | None = None) -> list[int]:
-        """An integer or a list of integers (``eos_token_id``), or [] when absent."""
+    def ints(self, key: str, lo: int | None = None, scalar: bool = True) -> list[int]:
+        """A list of integers, or [] when absent; with ``scalar`` one integer is a list of
+        one (``eos_token_id``)."""
         v = self.get(key, [])
-        vals = [v] if isinstance(v, int) and not isinstance(v, bool) else v
+        vals = [v] if scalar and isinstance(v, int) and not isinstance(v, bool) else v
         if not isinstance(vals, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in vals):
-            raise self._bad(key, f"must be an integer or a list of integers, got {v!r}")
+            raise self._bad(key, f"must be {'an integer or ' if scalar else ''}a list of integers, got {v!r}")
         if lo is not None and any(x < lo for x in vals):
             raise self._bad(key, f"must be at least {lo}, got {v!r}")
         return list(vals)
@@ -214,9 +215,7 @@ def load_config(model_dir: str) -> HybridConfig:
     hidden = text.int("hidden_size", lo=1)
     n_heads = text.int("num_attention_heads", lo=1)
     num_experts = text.int("num_experts", 0, lo=0)
-    mlp_only = text.get("mlp_only_layers", [])
-    if not isinstance(mlp_only, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in mlp_only):
-        raise CheckpointError(f"{path}: {text.where}mlp_only_layers must be a list of integers, got {mlp_only!r}")
+    mlp_only = text.ints("mlp_only_layers", scalar=False)
     tie = top.bool("tie_word_embeddings", False) if text is not top and "tie_word_embeddings" in raw else None
     cfg = HybridConfig(
         model_type=model_type,

@@ -209,6 +209,11 @@ class Engine:
                 await self._recover()
                 continue
             batch = sched.schedule(lane)
+            preempted = sched.take_preempted()
+            if preempted:
+                if self.metrics:
+                    self.metrics.on_preemptions(len(preempted))
+                self._spawn(self._release_or_fail(preempted, lane, sched.rounds[lane], "release after a preemption"))
             if batch is None:
                 self._wake.clear()
                 try:
@@ -219,7 +224,7 @@ class Engine:
             if self.metrics:
                 now = time.monotonic()
                 for r in batch.requests:
-                    if batch.mode == "prefill" and r.num_computed == 0:
+                    if batch.mode == "prefill" and r.num_computed == 0 and not r.num_preemptions:
                         self.metrics.on_request_scheduled(r.request_id, len(r.prompt_ids), now)
             self.outstanding[lane] = time.monotonic()
             self._set_in_flight()

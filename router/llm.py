@@ -196,6 +196,9 @@ class LLM:
         launched, error = [], None
         for lane in range(sched.num_lanes):
             batch = sched.schedule(lane)
+            preempted = sched.take_preempted()
+            pipe.release_sync(preempted)
+            sched.free(preempted)
             if batch is None:
                 continue
             self._unsettled += batch.requests

@@ -162,6 +162,9 @@ class RouterMetrics:
         self.request_success = Counter(
             PREFIX + "request_success", "Finished requests, by finish reason (stop, length, abort).",
             ["finished_reason"], registry=reg)
+        self.num_preemptions = Counter(
+            PREFIX + "num_preemptions", "Requests preempted for want of KV pages (recomputed when readmitted).",
+            registry=reg)
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of scheduled requests (counted when prefill is scheduled).",
             registry=reg)
@@ -306,6 +309,12 @@ class RouterMetrics:
             raise ValueError("running and waiting must be >= 0")
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
+
+    def on_preemptions(self, n: int) -> None:
+        """``n`` running requests gave their rows and KV back to let older ones grow."""
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        self.num_preemptions.inc(n)
 
     @property
     def tracked_requests(self) -> int:

@@ -48,11 +48,20 @@ class Request:
     abort_reason: str = "abort"
     in_flight: bool = False
     seed: int = 0
-    reserved_tokens: int = 0
+    reserved_tokens: int = 0       # KV tokens (whole pages) held for it on every stage
+    order: int = 0                 # admission priority: lower is older (preempted last)
+    # tokens of all_ids to prefill: the prompt, or after a preemption the prompt and every
+    # output but the last (that one is the next decode's input, as after a first prefill)
+    prefill_len: int = -1
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if self.prefill_len < 0:
+            self.prefill_len = len(self.prompt_ids)
 
     @property
     def prefill_done(self) -> bool:
-        return self.num_computed >= len(self.prompt_ids)
+        return self.num_computed >= self.prefill_len
 
     @property
     def all_ids(self) -> list[int]:
@@ -127,10 +136,13 @@ class Scheduler:
 
     Args:
         max_rows: request rows every stage holds (``req_pool_index`` range).
-        kv_tokens: KV budget (tokens) of the smallest stage pool; admission reserves
-            ``prompt + max_tokens + D + num_steps`` tokens per request (verify writes D - 1
-            past the committed length, the MTP chain num_steps - 1 more), rounded up to whole
-            pages, so a running request never runs out.
+        kv_tokens: KV budget (tokens) of the smallest stage pool. A request holds whole
+            pages for what its next micro-batch writes (:meth:`_kv_need`), grown before each
+            one; when the pool is short, the youngest requests not in flight are preempted
+            (their rows released on every stage, their tokens recomputed by a prefill when
+            readmitted, as vLLM's recompute preemption), so the oldest always progress. A
+            request whose whole life (``prompt + max_tokens``) cannot fit is refused at
+            :meth:`add`.
         page_size: tokens per KV page of the stages (their pools hand out whole pages).
         max_context: longest sequence in tokens (prompt + completion); lowered to what the
             KV pool holds when that is less (``self.max_context`` is the limit in force).
@@ -192,6 +204,9 @@ class Scheduler:
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.kv_reserved = 0
         self._releasing: dict[int, int] = {}  # row -> reserved KV tokens, until released
+        self._preempted: list[int] = []  # rows of preempted requests, for the driver to release
+        self._short: set[str] = set()  # running requests that sat out a round for want of KV
+        self.num_preemptions = 0
         self.waiting: deque[Request] = deque()
         self.lanes: list[list[Request]] = [[] for _ in range(num_lanes)]
         self.requests: dict[str, Request] = {}
@@ -219,29 +234,89 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the request needs {need} KV tokens but the pool holds {self.kv_tokens}", param="max_tokens"
             )
-        req = Request(request_id, list(prompt_ids), params)
+        req = Request(request_id, list(prompt_ids), params, order=next(self._ids))
         # the API takes any int64 (and n > 1 adds the choice index); stages take a uint64:
         # the same bits, two's complement
         req.seed = params.seed % (1 << 64) if params.seed is not None else random.getrandbits(62)
-        req.reserved_tokens = need
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
 
+    def _kv_need(self, r: Request, extend: int) -> int:
+        """KV tokens, in whole pages, that ``r`` must hold on every stage for a micro-batch
+        adding ``extend`` tokens to its ``num_computed``: those, then verify's D - 1 tokens
+        past the committed length and the MTP chain's ``num_steps - 1`` (``_reserve_pages``
+        of the stage runner), never more than its whole life needs."""
+        n = min(r.num_computed + extend, len(r.prompt_ids) + r.params.max_tokens) + self.D + self.num_steps
+        return -(-n // self.page_size) * self.page_size
+
     def _admit(self) -> None:
-        while self.waiting and self.free_rows:
+        # Not while a running request waits for KV (it would lose the pages it waits for);
+        # each running one keeps room for its next verify round, so that an admission does
+        # not preempt at once the request it just admitted.
+        headroom = -(-self.D // self.page_size) * self.page_size
+        while self.waiting and self.free_rows and not self._short:
             req = self.waiting[0]
             if req.aborted:
                 self.waiting.popleft()
                 continue
-            if self.kv_reserved + req.reserved_tokens > self.kv_tokens:
+            need = self._kv_need(req, min(self.chunk_size, req.prefill_len))
+            if self.kv_reserved + need + headroom * self.num_running > self.kv_tokens and self.num_running:
+                break
+            if self.kv_reserved + need > self.kv_tokens:
                 break
             self.waiting.popleft()
             req.row = self.free_rows.pop()
-            self.kv_reserved += req.reserved_tokens
+            req.reserved_tokens = need
+            self.kv_reserved += need
             req.lane = min(range(self.num_lanes), key=lambda i: len(self.lanes[i]))
             req.status = RUNNING
             self.lanes[req.lane].append(req)
+
+    def _grow(self, r: Request, extend: int) -> bool:
+        """Make ``r`` hold :meth:`_kv_need` for its next micro-batch, preempting younger
+        requests that are not in flight when the pool is short. False when the pages are
+        not free yet (a preempted row's come back once every stage released it): ``r``
+        sits this round out."""
+        extra = self._kv_need(r, extend) - r.reserved_tokens
+        if extra <= 0:
+            return True
+        coming = sum(self._releasing.values())  # freed by releases already under way
+        while self.kv_tokens - self.kv_reserved + coming < extra:
+            victims = [v for lane in self.lanes for v in lane
+                       if v.order > r.order and not v.in_flight and v.status == RUNNING]
+            if not victims:
+                break
+            victim = max(victims, key=lambda v: v.order)
+            coming += victim.reserved_tokens
+            self._preempt(victim)
+        if self.kv_reserved + extra > self.kv_tokens:
+            self._short.add(r.request_id)
+            return False
+        self._short.discard(r.request_id)
+        r.reserved_tokens += extra
+        self.kv_reserved += extra
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        """Give ``r``'s row and KV back (released by the driver: :meth:`take_preempted`) and
+        queue it first, to be recomputed: its prompt and outputs are prefilled again."""
+        self.lanes[r.lane].remove(r)
+        self._releasing[r.row] = r.reserved_tokens
+        self._preempted.append(r.row)
+        self._short.discard(r.request_id)
+        r.row, r.lane, r.reserved_tokens, r.status = -1, -1, 0, WAITING
+        r.num_computed, r.drafts = 0, []
+        r.prefill_len = len(r.all_ids) - 1 if r.output_ids else len(r.prompt_ids)
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+
+    def take_preempted(self) -> list[int]:
+        """Rows of requests preempted since the last call. The driver releases them on
+        every stage, then :meth:`free` (as for a finished request's rows)."""
+        rows, self._preempted = self._preempted, []
+        return rows
 
     # ------------------------------------------------------------------ forming micro-batches
     def schedule(self, lane: int) -> ScheduledBatch | None:
@@ -249,30 +324,44 @@ class Scheduler:
         has prompt left, else a decode (or verify, when any request has drafts) round."""
         self._admit()
         reqs = [r for r in self.lanes[lane] if not r.in_flight and r.status == RUNNING and not r.aborted]
-        if not reqs:
-            return None
+        reqs.sort(key=lambda r: r.order)  # growing the oldest first: they preempt the youngest
         prefill = [r for r in reqs if not r.prefill_done]
-        self.rounds[lane] += 1
-        rnd = self.rounds[lane]
         if prefill:
             budget = self.chunk_size
             chosen, seq, ext, ids, sample, nxt = [], [], [], [], [], []
-            for r in prefill[: self.max_batch_size]:
-                if budget <= 0:
+            for r in prefill:
+                if budget <= 0 or len(chosen) == self.max_batch_size:
                     break
-                n = min(budget, len(r.prompt_ids) - r.num_computed)
+                n = min(budget, r.prefill_len - r.num_computed)
+                if r.status != RUNNING or not self._grow(r, n):  # preempted by an older one, or short
+                    continue
                 budget -= n
                 end = r.num_computed + n
                 chosen.append(r)
                 seq.append(r.num_computed)
                 ext.append(n)
-                ids += r.prompt_ids[r.num_computed : end]
-                last = end == len(r.prompt_ids)
-                sample.append(last)
-                nxt.append(-1 if last else r.prompt_ids[end])
-            batch = ScheduledBatch(lane, rnd, "prefill", chosen, seq, ext, ids, [0] * len(chosen), sample, nxt)
+                ids += r.all_ids[r.num_computed : end]
+                # a recomputed request's last prefill token is an output: no new sample
+                last = end == r.prefill_len
+                sample.append(last and not r.output_ids)
+                nxt.append(-1 if last and not r.output_ids else r.all_ids[end])
+            if not chosen:
+                return None
+            self.rounds[lane] += 1
+            batch = ScheduledBatch(lane, self.rounds[lane], "prefill", chosen, seq, ext, ids, [0] * len(chosen),
+                                   sample, nxt)
         else:
-            chosen = reqs[: self.max_batch_size]
+            # a round writes at most D tokens (a verify); grown for that whatever the mode
+            chosen = []
+            for r in reqs:
+                if len(chosen) == self.max_batch_size:
+                    break
+                if r.status == RUNNING and self._grow(r, self.D):
+                    chosen.append(r)
+            if not chosen:
+                return None
+            self.rounds[lane] += 1
+            rnd = self.rounds[lane]
             drafts = [self._drafts_for(r) for r in chosen]
             if self.num_steps and any(drafts):
                 mode, d = "verify", self.D
@@ -372,6 +461,7 @@ class Scheduler:
         reaches a stage on a row that stage still holds."""
         r.status, r.finish_reason = FINISHED, reason
         self.lanes[r.lane].remove(r)
+        self._short.discard(r.request_id)
         self.requests.pop(r.request_id, None)
         self._releasing[r.row] = r.reserved_tokens
         row, r.row = r.row, -1
@@ -432,6 +522,7 @@ class Scheduler:
             r.status = FINISHED
         self.waiting.clear()
         self.requests.clear()
+        self._short.clear()
         return dropped, rows
 
     # ------------------------------------------------------------------ state

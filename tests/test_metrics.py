@@ -267,7 +267,7 @@ def test_names_are_prefixed_and_complete(rm):
     families = metric_families()
     assert all(name.startswith(P) for name in families)
     expected = {
-        "num_requests_running", "num_requests_waiting", "request_success", "prompt_tokens",
+        "num_requests_running", "num_requests_waiting", "num_preemptions", "request_success", "prompt_tokens",
         "generation_tokens", "request_queue_time_seconds", "time_to_first_token_seconds",
         "inter_token_latency_seconds", "request_time_per_output_token_seconds",
         "e2e_request_latency_seconds", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",

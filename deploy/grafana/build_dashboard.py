@@ -152,10 +152,11 @@ def build() -> dict:
              (rate("ppspec:prompt_tokens_total"), "prompt tokens/s")],
             "short", minimum=0))
         .with_panel(series(
-            "Requests", "Running and waiting requests; finished requests per second by reason.",
+            "Requests", "Running and waiting requests; finished requests per second by reason; preemptions per second.",
             [("sum(ppspec:num_requests_running)", "running"),
              ("sum(ppspec:num_requests_waiting)", "waiting"),
-             (rate("ppspec:request_success_total", by="finished_reason"), "finished {{finished_reason}}/s")],
+             (rate("ppspec:request_success_total", by="finished_reason"), "finished {{finished_reason}}/s"),
+             (rate("ppspec:num_preemptions_total"), "preempted/s")],
             "short", minimum=0))
         .with_panel(series(
             "Time to first token", "Arrival to first output token.",

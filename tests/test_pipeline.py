@@ -80,6 +80,28 @@ def test_pipeline_matches_pp1_without_speculation(reference, pp, spec, tmp_path)
     assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)
 
 
+def test_a_short_kv_pool_preempts_over_grpc_and_changes_no_token(reference, tmp_path):
+    """PP3 with MTP and a KV pool a third of what the requests' whole lives need: rows are
+    preempted (released on every stage between micro-batches) and recomputed, and every
+    output is still PP1's without speculation."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    path, prompts, ref, gaps = reference
+    lives = [-(-(len(p) + MAX_TOKENS + 8) // 16) * 16 for p in prompts]
+    kv_tokens = max(max(lives), sum(lives) // 3)
+    with Cluster(path, 3, "mtp", kv_tokens=kv_tokens, log_dir=str(tmp_path)) as c:
+        outs = complete(c.url, prompts)
+        infos = c.wait_rows_free()
+        text = httpx.get(c.url + "/metrics", timeout=10).text
+    preempted = next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "ppspec:num_preemptions_total")
+    real, ties = divergences(outs, ref, gaps)
+    print(f"kv_tokens {kv_tokens}: {preempted:.0f} preemptions, {ties} near-tie divergences")
+    assert preempted > 0
+    assert not real, f"divergences beyond near-ties at (request, position) {real}"
+    assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)
+
+
 @pytest.fixture(scope="module")
 def random_ref(make_ckpt):
     from transformers import AutoTokenizer

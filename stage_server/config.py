@@ -17,6 +17,24 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be served: the message names the file and, where known, the tensor."""
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """The fields of a ``rope_type: yarn`` config, resolved as transformers'
+    ``_compute_yarn_parameters`` resolves them (the formula itself is
+    ``model.rope_frequencies``): ``factor`` null is ``max_position_embeddings /
+    original_max_position_embeddings``; ``beta_fast`` / ``beta_slow`` default to 32 / 1;
+    ``mscale`` and ``mscale_all_dim`` count only when both are set and non-zero;
+    ``attention_factor`` None means derived from ``factor`` (and the two mscales)."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
 @dataclass
 class HybridConfig:
     model_type: str
@@ -52,7 +70,9 @@ class HybridConfig:
     tie_word_embeddings: bool = False
     # None: config.json does not say (Qwen3-Next's does not): the checkpoint's mtp.* tensors decide
     mtp_num_hidden_layers: int | None = 0
-    rope_scaling_factor: float = 1.0  # linear RoPE scaling (ROPE_TYPES); 1.0 = none
+    rope_type: str = "default"  # one of ROPE_TYPES
+    rope_scaling_factor: float = 1.0  # linear RoPE scaling only; 1.0 = none (YaRN's is rope_yarn.factor)
+    rope_yarn: YarnScaling | None = None  # rope_type "yarn" only
     # whether the MTP layer's MLP is the sparse MoE block: None = as the decoder layers'
     # config says (every layer MoE when num_experts > 0); the loader sets it from the
     # checkpoint's mtp.* tensors, which config.json does not describe
@@ -117,12 +137,16 @@ class _Fields:
             raise self._bad(key, f"must be at least {lo}, got {v}")
         return v
 
-    def float(self, key: str, default=_REQUIRED, positive: bool = False) -> float:
+    def float(self, key: str, default=_REQUIRED, positive: bool = False, lo: float | None = None) -> float:
         v = self.get(key, default)
+        if v is None:  # absent, and None is its default
+            return None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
             raise self._bad(key, f"must be a finite number, got {v!r}")
         if positive and v <= 0:
             raise self._bad(key, f"must be positive, got {v}")
+        if lo is not None and v < lo:
+            raise self._bad(key, f"must be at least {lo}, got {v}")
         return float(v)
 
     def bool(self, key: str, default: bool) -> bool:
@@ -143,15 +167,52 @@ class _Fields:
         return list(vals)
 
 
-# RoPE variants served: ``default``, and ``linear`` (position interpolation: Chen et al.
+# RoPE variants served: ``default``; ``linear`` (position interpolation: Chen et al.
 # 2023, "Extending Context Window of Large Language Models via Positional Interpolation";
 # inverse frequencies divided by ``factor``, as transformers'
-# ``_compute_linear_scaling_rope_parameters``). The mrope fields of Qwen3.5
-# (``mrope_section``, ``mrope_interleaved``; ``type: mrope`` in older configs) are ignored:
-# for text, every section's position is the token's position, which is the plain rotation.
-ROPE_TYPES = ("default", "linear")
+# ``_compute_linear_scaling_rope_parameters``); ``yarn`` (Peng et al. 2023, "YaRN:
+# Efficient Context Window Extension of Large Language Models": fields read by
+# ``_yarn_fields``, frequencies and attention factor by ``model.rope_frequencies``). Other
+# types (``dynamic``, ``longrope``, ``llama3``, ...) are refused by name. The mrope fields
+# of Qwen3.5 (``mrope_section``, ``mrope_interleaved``; ``type: mrope`` in older configs)
+# are ignored: for text, every section's position is the token's position, which is the
+# plain rotation.
+ROPE_TYPES = ("default", "linear", "yarn")
 # Activations served: the MLPs, the experts and the GDN conv all apply SiLU (swish).
 HIDDEN_ACTS = ("silu", "swish")
+
+
+def _yarn_fields(rope: _Fields, text: _Fields, max_position_embeddings: int) -> YarnScaling:
+    """The ``yarn`` fields of ``rope`` (the rope_parameters / rope_scaling object) as
+    transformers 5's ``_compute_yarn_parameters`` reads them: ``factor`` must be present
+    (null: ``max_position_embeddings / original_max_position_embeddings``);
+    ``original_max_position_embeddings`` is the text config's top-level field when it has
+    one (transformers gives that priority, for Phi-3), else the object's, else
+    ``max_position_embeddings``; ``beta_fast`` / ``beta_slow`` null or 0 are 32 / 1;
+    ``mscale`` / ``mscale_all_dim`` null or 0 are unset; ``truncate`` defaults to true.
+    Unlike transformers, which only warns, ``beta_fast`` below ``beta_slow`` is refused."""
+    if "factor" not in rope.d:
+        raise CheckpointError(f"{rope.path}: missing field {rope.where + 'factor'!r} (rope_type yarn)")
+    omp = text.int("original_max_position_embeddings", None, lo=1)
+    if omp is None:
+        omp = rope.int("original_max_position_embeddings", max_position_embeddings, lo=1)
+    factor = rope.float("factor", None, positive=True)
+    if factor is None:
+        factor = max_position_embeddings / omp
+    beta_fast = rope.float("beta_fast", 0.0, lo=0.0) or 32.0
+    beta_slow = rope.float("beta_slow", 0.0, lo=0.0) or 1.0
+    if beta_fast < beta_slow:
+        raise rope._bad("beta_fast", f"({beta_fast}) must be at least beta_slow ({beta_slow})")
+    return YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=omp,
+        beta_fast=beta_fast,
+        beta_slow=beta_slow,
+        mscale=rope.float("mscale", 0.0, lo=0.0) or None,
+        mscale_all_dim=rope.float("mscale_all_dim", 0.0, lo=0.0) or None,
+        attention_factor=rope.float("attention_factor", None, positive=True),
+        truncate=rope.bool("truncate", True),
+    )
 
 
 def load_config(model_dir: str) -> HybridConfig:
@@ -216,6 +277,7 @@ def load_config(model_dir: str) -> HybridConfig:
     n_heads = text.int("num_attention_heads", lo=1)
     num_experts = text.int("num_experts", 0, lo=0)
     mlp_only = text.ints("mlp_only_layers", scalar=False)
+    max_pos = text.int("max_position_embeddings", 32768, lo=1)
     tie = top.bool("tie_word_embeddings", False) if text is not top and "tie_word_embeddings" in raw else None
     cfg = HybridConfig(
         model_type=model_type,
@@ -231,8 +293,10 @@ def load_config(model_dir: str) -> HybridConfig:
         rope_theta=rope.float("rope_theta", text.float("rope_theta", 10000.0, positive=True), positive=True),
         partial_rotary_factor=rope.float("partial_rotary_factor",
                                          text.float("partial_rotary_factor", 0.25, positive=True), positive=True),
+        rope_type=rope_type,
         rope_scaling_factor=rope.float("factor", positive=True) if rope_type == "linear" else 1.0,
-        max_position_embeddings=text.int("max_position_embeddings", 32768, lo=1),
+        rope_yarn=_yarn_fields(rope, text, max_pos) if rope_type == "yarn" else None,
+        max_position_embeddings=max_pos,
         attention_bias=text.bool("attention_bias", False),
         linear_num_key_heads=text.int("linear_num_key_heads", lo=1),
         linear_num_value_heads=text.int("linear_num_value_heads", lo=1),
@@ -267,6 +331,8 @@ def load_config(model_dir: str) -> HybridConfig:
         raise CheckpointError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
     if cfg.partial_rotary_factor > 1:
         raise CheckpointError(f"{path}: partial_rotary_factor must be in (0, 1], got {cfg.partial_rotary_factor}")
+    if cfg.rope_type == "yarn" and cfg.rope_theta <= 1:  # YaRN divides by log(rope_theta)
+        raise CheckpointError(f"{path}: rope_theta must be above 1 for rope_type yarn, got {cfg.rope_theta}")
     if num_experts and cfg.num_experts_per_tok > num_experts:
         raise CheckpointError(f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) is above num_experts "
                               f"({num_experts})")

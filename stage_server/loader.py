@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .config import CheckpointError, HybridConfig, load_config
-from .model import StageModel, rope_inv_freq
+from .model import StageModel, rope_frequencies
 
 
 class CheckpointReader:
@@ -193,7 +193,7 @@ def load_stage_model(
         raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has NaN or infinite values"
                               + ("" if dtype == torch.float32 else f" in {str(dtype).removeprefix('torch.')}"))
     # Non-persistent buffers were allocated on "meta": rebuild them on the device.
-    model.rotary.inv_freq = rope_inv_freq(cfg).to(device)
+    model.rotary.inv_freq = rope_frequencies(cfg)[0].to(device)
     model.eval().requires_grad_(False)
     # one GEMM per set of projections reading the same input; on the final device and dtype
     model.fuse_projections()

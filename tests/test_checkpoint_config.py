@@ -152,11 +152,47 @@ def _set(*keys_value):
     return fn
 
 
+_DROP = object()
+
+
+def _yarn(**fields):
+    """Make rope_parameters a valid YaRN object, then apply ``fields`` (``_DROP`` removes one)."""
+    def fn(c):
+        rope = c["rope_parameters"]
+        rope.update(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+        for k, v in fields.items():
+            if v is _DROP:
+                del rope[k]
+            else:
+                rope[k] = v
+    return fn
+
+
 BAD = {
     # name: (edit, message pattern)
-    "yarn": (_set("rope_parameters", "rope_type", "yarn"), r"rope_type 'yarn' is not supported"),
     "old_rope_scaling": (lambda c: c.update(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}),
                          r"rope_type 'dynamic' is not supported"),
+    "dynamic": (_yarn(rope_type="dynamic"), r"rope_type 'dynamic' is not supported"),
+    "longrope": (_yarn(rope_type="longrope"), r"rope_type 'longrope' is not supported"),
+    "llama3": (_yarn(rope_type="llama3"), r"rope_type 'llama3' is not supported"),
+    "yarn_without_factor": (_yarn(factor=_DROP), r"missing field 'rope_parameters\.factor'"),
+    "yarn_factor_string": (_yarn(factor="4"), r"rope_parameters\.factor must be a finite number, got '4'"),
+    "yarn_factor_zero": (_yarn(factor=0), r"rope_parameters\.factor must be positive, got 0"),
+    "yarn_original_float": (_yarn(original_max_position_embeddings=16.5),
+                            r"rope_parameters\.original_max_position_embeddings must be an integer, got 16\.5"),
+    "yarn_original_zero": (_yarn(original_max_position_embeddings=0),
+                           r"rope_parameters\.original_max_position_embeddings must be at least 1, got 0"),
+    "yarn_beta_fast_negative": (_yarn(beta_fast=-1), r"rope_parameters\.beta_fast must be at least 0\.0, got -1"),
+    "yarn_beta_slow_bool": (_yarn(beta_slow=True), r"rope_parameters\.beta_slow must be a finite number, got True"),
+    "yarn_betas_crossed": (_yarn(beta_fast=2, beta_slow=4),
+                           r"rope_parameters\.beta_fast \(2\.0\) must be at least beta_slow \(4\.0\)"),
+    "yarn_mscale_nan": (_yarn(mscale=float("nan")), r"rope_parameters\.mscale must be a finite number, got nan"),
+    "yarn_mscale_all_dim_negative": (_yarn(mscale_all_dim=-0.5),
+                                     r"rope_parameters\.mscale_all_dim must be at least 0\.0, got -0\.5"),
+    "yarn_attention_factor_zero": (_yarn(attention_factor=0.0),
+                                   r"rope_parameters\.attention_factor must be positive, got 0\.0"),
+    "yarn_truncate_string": (_yarn(truncate="false"), r"rope_parameters\.truncate must be true or false, got 'false'"),
+    "yarn_theta_one": (_yarn(rope_theta=1.0), r"rope_theta must be above 1 for rope_type yarn, got 1\.0"),
     "linear_without_factor": (_set("rope_parameters", "rope_type", "linear"), r"missing field 'rope_parameters\.factor'"),
     "gelu": (_set("hidden_act", "gelu"), r"hidden_act 'gelu' is not supported"),
     "null_hidden_size": (_set("hidden_size", None), r"missing field 'hidden_size'"),

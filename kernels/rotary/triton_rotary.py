@@ -3,8 +3,10 @@ device but the outputs' allocation (the GPU path of ``naive.rotary_ref``).
 
 One program rotates one head of one token. It forms the angle ``float(position) *
 inv_freq`` in fp32 as the reference does, takes cos / sin with libdevice's accurate
-``cosf`` / ``sinf``, then follows the reference's rounding steps in fp32 (cos / sin, each
-product and the sum rounded to x's dtype). No host sync: capturable in a CUDA graph.
+``cosf`` / ``sinf``, multiplies them by ``scale`` in fp32 (YaRN's attention factor; 1
+elsewhere, an exact product), then follows the reference's rounding steps in fp32 (cos /
+sin, each product and the sum rounded to x's dtype). No host sync: capturable in a CUDA
+graph.
 
 libdevice is named rather than left to ``tl.cos`` / ``tl.sin``: positions in the thousands
 give angles of thousands of radians, where the approximate PTX ``cos.approx`` /
@@ -35,7 +37,7 @@ def _interpreted() -> bool:
 
 
 @triton.jit
-def _rotary_kernel(q, k, qo, ko, positions, inv_freq,
+def _rotary_kernel(q, k, qo, ko, positions, inv_freq, scale,
                    sq0, sq1, sk0, sk1, HQ, HALF, HD,
                    BH: tl.constexpr, BR: tl.constexpr, HAS_REST: tl.constexpr, LIBDEVICE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -60,8 +62,9 @@ def _rotary_kernel(q, k, qo, ko, positions, inv_freq,
     else:
         c = tl.cos(ang)
         s = tl.sin(ang)
-    c = c.to(dt).to(tl.float32)
-    s = s.to(dt).to(tl.float32)
+    # the reference's ``cos * scale`` in fp32, then its rounding to x's dtype
+    c = (c * scale).to(dt).to(tl.float32)
+    s = (s * scale).to(dt).to(tl.float32)
     x1 = tl.load(src + j, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + j, mask=m, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin: each product and the sum rounded as torch's ops round
@@ -75,7 +78,8 @@ def _rotary_kernel(q, k, qo, ko, positions, inv_freq,
         tl.store(dst + r, tl.load(src + r, mask=mr, other=0.0), mask=mr)
 
 
-def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  scale: float = 1.0):
     """See ``kernels.rotary.apply_rotary``; q, k ``[T, H, head_dim]`` may be per-head views
     of a wider projection (read in place); outputs are contiguous. positions (int32 or
     int64) and inv_freq are read in their own dtype; a non-contiguous one is copied."""
@@ -90,7 +94,8 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv
         return qo, ko
     rest = HD - 2 * half
     _rotary_kernel[(T, HQ + HK)](
-        q3, k3, qo, ko, positions.contiguous(), inv_freq.contiguous(), sq0, sq1, sk0, sk1, HQ, half, HD,
+        q3, k3, qo, ko, positions.contiguous(), inv_freq.contiguous(), float(scale),
+        sq0, sq1, sk0, sk1, HQ, half, HD,
         BH=triton.next_power_of_2(half), BR=triton.next_power_of_2(max(rest, 1)), HAS_REST=rest > 0,
         LIBDEVICE=not _interpreted(), num_warps=1,
     )

@@ -1146,7 +1146,8 @@ def test_gdn_gates(dev, dtype, HV, M):
 @pytest.mark.parametrize("T", [1, 7, 300])
 @pytest.mark.parametrize("hd,rd,hq,hk", [(64, 16, 4, 2), (128, 32, 16, 2), (256, 64, 8, 8), (64, 64, 4, 4)])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_rotary(dev, dtype, T, hd, rd, hq, hk):
+@pytest.mark.parametrize("scale", [1.0, 1.2079441541679836])  # 1, and YaRN's attention factor at factor 8
+def test_rotary(dev, dtype, T, hd, rd, hq, hk, scale):
     from ppspec.kernels.rotary import apply_rotary
     from ppspec.kernels.rotary.naive import rotary_ref
     from ppspec.kernels.rotary.triton_rotary import rotary_triton
@@ -1161,8 +1162,8 @@ def test_rotary(dev, dtype, T, hd, rd, hq, hk):
     # positions up to 8k tokens: angles of thousands of radians
     positions = torch.randint(0, 8192, (T,), generator=gen).to(dev)
     inv_freq = (1.0 / (1e7 ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))).to(dev)
-    q_ref, k_ref = rotary_ref(q, k, positions, inv_freq)
-    q_out, k_out = rotary_triton(q, k, positions, inv_freq)
+    q_ref, k_ref = rotary_ref(q, k, positions, inv_freq, scale)
+    q_out, k_out = rotary_triton(q, k, positions, inv_freq, scale)
     ang = positions.float()[:, None] * inv_freq
     for x, out, ref in ((q, q_out, q_ref), (k, k_out, k_ref)):
         assert out.is_contiguous() and out.shape == x.shape and out.dtype == dtype
@@ -1173,8 +1174,8 @@ def test_rotary(dev, dtype, T, hd, rd, hq, hk):
         # and the reference may round differently (fp32 FMA contraction, the interpreter's
         # truncating casts), so their distance is bounded by twice that, with u one ulp
         xr = x[..., :rd].float()
-        cs = torch.cat([ang.cos(), ang.cos()], -1).to(dtype).float()[:, None]
-        sn = torch.cat([ang.sin(), ang.sin()], -1).to(dtype).float()[:, None]
+        cs = (torch.cat([ang.cos(), ang.cos()], -1) * scale).to(dtype).float()[:, None]
+        sn = (torch.cat([ang.sin(), ang.sin()], -1) * scale).to(dtype).float()[:, None]
         swapped = torch.cat([xr[..., rd // 2:], xr[..., : rd // 2]], -1)
         u = torch.finfo(dtype).eps
         bound = 2 * u * ((xr * cs).abs() + (swapped * sn).abs() + ref[..., :rd].float().abs()) + 1e-30
@@ -1183,8 +1184,12 @@ def test_rotary(dev, dtype, T, hd, rd, hq, hk):
         # the dims past rotary_dim pass through untouched
         assert torch.equal(out[..., rd:], x[..., rd:])
     if dev.type == "cuda":
-        q2, k2 = apply_rotary(q, k, positions, inv_freq)
+        q2, k2 = apply_rotary(q, k, positions, inv_freq, scale)
         assert torch.equal(q2, q_out) and torch.equal(k2, k_out)
+    if scale != 1.0:
+        # the factor reaches the kernel: without it the rotated dims differ
+        q1, _ = rotary_triton(q, k, positions, inv_freq)
+        assert not torch.equal(q1[..., :rd], q_out[..., :rd])
     q0, k0 = rotary_triton(q[:0], k[:0], positions[:0], inv_freq)
     assert q0.shape == (0, hq, hd) and k0.shape == (0, hk, hd)
     with pytest.raises(ValueError):
@@ -1193,6 +1198,9 @@ def test_rotary(dev, dtype, T, hd, rd, hq, hk):
         apply_rotary(q, k, positions[:-1] if T > 1 else positions[:0], inv_freq)
     with pytest.raises(ValueError):
         apply_rotary(q, k, positions, torch.cat([inv_freq] * (hd // rd + 1)))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            apply_rotary(q, k, positions, inv_freq, bad)
 
 
 # ---------------------------------------------------------------- greedy argmax on model-dtype logits

@@ -192,9 +192,9 @@ def main(argv: list[str]) -> int:
     if n > cfg.num_hidden_layers:
         print(f"ppspec serve: --pp-size {n} is more than the checkpoint's {cfg.num_hidden_layers} layers", file=sys.stderr)
         return 2
-    if a.max_context and a.max_context > cfg.max_position_embeddings:
-        print(f"ppspec serve: --max-context {a.max_context} is more than the checkpoint's "
-              f"max_position_embeddings {cfg.max_position_embeddings}", file=sys.stderr)
+    if a.max_context and a.max_context > cfg.max_context:
+        print(f"ppspec serve: --max-context {a.max_context} is more than the checkpoint's {cfg.max_context} tokens "
+              f"(max_position_embeddings {cfg.max_position_embeddings}, with its RoPE scaling)", file=sys.stderr)
         return 2
     ports = a.stage_ports or [free_port(a.host) for _ in range(n)]
     threads = a.num_threads or max(1, (os.cpu_count() or 1) // n)

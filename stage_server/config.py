@@ -83,6 +83,17 @@ class HybridConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @property
+    def max_context(self) -> int:
+        """Longest sequence (tokens) the checkpoint serves: ``max_position_embeddings``,
+        stretched by RoPE scaling as vLLM derives it (``_get_and_verify_max_len``): YaRN
+        serves ``factor x original_max_position_embeddings``, linear scaling
+        ``factor x max_position_embeddings``."""
+        if self.rope_yarn is not None:
+            return max(self.max_position_embeddings,
+                       int(self.rope_yarn.factor * self.rope_yarn.original_max_position_embeddings))
+        return max(self.max_position_embeddings, int(self.rope_scaling_factor * self.max_position_embeddings))
+
+    @property
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 

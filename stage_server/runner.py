@@ -125,7 +125,8 @@ class StageRunner:
         kv_tokens: KV token budget of this stage's attention pool (tokens).
         num_speculative_steps: drafts per round (verify D = steps + 1); 0 = no speculation.
         use_mtp: draft with the checkpoint's MTP head (last stage).
-        max_context: longest sequence (tokens); default the model's max_position_embeddings.
+        max_context: longest sequence (tokens); default the checkpoint's
+            (``HybridConfig.max_context``: max_position_embeddings with its RoPE scaling).
         memory_budget: bytes this stage may use for weights, pools and CUDA graphs (several
             stages can share one GPU); weights and pools beyond it raise ValueError once
             the weights are loaded, before any pool is allocated, and the graphs (measured
@@ -229,10 +230,10 @@ class StageRunner:
         self.num_steps = num_speculative_steps
         self.max_rows = max_rows
         self.device, self.dtype = torch.device(device), dtype
-        if max_context is not None and max_context > cfg.max_position_embeddings:
-            raise ValueError(f"max_context {max_context} is more than the checkpoint's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
-        self.max_context = max_context or cfg.max_position_embeddings
+        if max_context is not None and max_context > cfg.max_context:
+            raise ValueError(f"max_context {max_context} is more than the checkpoint's {cfg.max_context} tokens "
+                             f"(max_position_embeddings {cfg.max_position_embeddings}, with its RoPE scaling)")
+        self.max_context = max_context or cfg.max_context
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault = fault

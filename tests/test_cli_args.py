@@ -22,8 +22,8 @@ CASES = [
     (["serve", "--memory-budget-gb", "inf"], "--memory-budget-gb: must be a finite number > 0"),
     (["stage", "--memory-budget-gb", "1e400"], "--memory-budget-gb: must be a finite number > 0"),
     (["serve", "--pp-size", "9"], "--pp-size 9 is more than the checkpoint's 8 layers"),  # the demo: 8
-    (["stage", "--max-context", "100000"], "max_context 100000 is more than the checkpoint's max_position_embeddings"),
-    (["serve", "--max-context", "100000"], "--max-context 100000 is more than the checkpoint's max_position_embeddings 4096"),
+    (["stage", "--max-context", "100000"], "max_context 100000 is more than the checkpoint's 4096 tokens"),
+    (["serve", "--max-context", "100000"], "--max-context 100000 is more than the checkpoint's 4096 tokens"),
     (["serve", "--host", "999.1.1.1"], "--host 999.1.1.1: cannot resolve it"),
     (["serve", "--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine"),  # TEST-NET-1
     (["bench", "--base-url", "http://127.0.0.1:1", "--request-rate", "nan"], "--request-rate: must be > 0"),

@@ -192,3 +192,31 @@ def test_yarn_greedy_generation_equals_transformers_generate(yarn_ckpt):
     llm = LLM(str(path), max_rows=4)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
     assert out.token_ids == ref
+
+
+def test_scaled_rope_stretches_the_context_as_vllm_derives_it(tmp_path):
+    """``HybridConfig.max_context``: YaRN serves factor x original_max_position_embeddings,
+    linear scaling factor x max_position_embeddings; a sequence past max_position_embeddings
+    then runs, and its greedy tokens are transformers'."""
+    model_type, over = KINDS["qwen3_next_dense"]
+    cfg_cls, model_cls = _model_class(model_type)
+    paths = {}
+    for name, rope in (("yarn", {**MODELS["qwen3_next_dense"]}),
+                       ("linear", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                                   "partial_rotary_factor": 0.5})):
+        torch.manual_seed(0)
+        model = model_cls(cfg_cls(**{**BASE, **over, "max_position_embeddings": 32, "rope_parameters": rope}))
+        paths[name] = tmp_path / name
+        model.eval().save_pretrained(paths[name])
+    assert load_config(str(paths["yarn"])).max_context == 4 * ORIGINAL == 64
+    assert load_config(str(paths["linear"])).max_context == 2 * 32
+    assert StageRunner(str(paths["yarn"]), max_rows=2).max_context == 64
+    with pytest.raises(ValueError, match="max_context 65 is more than the checkpoint's 64 tokens"):
+        StageRunner(str(paths["yarn"]), max_rows=2, max_context=65)
+    prompt = torch.randint(1, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf_model(paths["yarn"]).generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
+                                               do_sample=False, pad_token_id=0)[0, 40:].tolist()
+    out = LLM(str(paths["yarn"]), max_rows=2).generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,
+                                                                                 ignore_eos=True))[0]
+    assert out.token_ids == ref  # 60 tokens, past max_position_embeddings 32

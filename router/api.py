@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +79,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS_CAP = 4096
 """Default ``max_tokens`` when a request gives none: min(context - prompt, this)."""
+TOKENIZE_WORKERS = 4
+"""Threads that tokenize prompts and render chats, each with its own tokenizer copy."""
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest accepted request body, in bytes (larger: 413)."""
 LOGPROB_FLOOR = -9999.0
@@ -378,18 +381,23 @@ class _Server:
         self.max_tokens_cap = max_tokens_cap
         self.pieces = TokenPieces(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
-        # Encoding and chat rendering run on one worker thread, with a private copy of the
+        # Encoding and chat rendering run on worker threads, each with a private copy of the
         # tokenizer: encoding toggles settings of the Rust tokenizer (a mutable borrow),
-        # which must not race with decodes of the shared one on the event loop.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppspec-tokenize")
+        # which must not race with another thread's use or with decodes of the shared one
+        # on the event loop. The Rust encode releases the GIL, so a long prompt holds one
+        # worker while shorter ones pass it on the others.
+        self._local = threading.local()
         try:
-            self.encoder = copy.deepcopy(self.tokenizer)
-        except Exception:  # noqa: BLE001 - an uncopyable tokenizer: share it
-            log.warning("tokenizer could not be copied; encoding shares it with decoding")
-            self.encoder = self.tokenizer
+            copy.deepcopy(self.tokenizer)  # copyable? (each worker makes its own at start)
+            workers = TOKENIZE_WORKERS
+        except Exception:  # noqa: BLE001 - an uncopyable tokenizer: one worker shares it
+            log.warning("tokenizer could not be copied; encoding shares it with decoding on one worker")
+            workers = 1
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ppspec-tokenize",
+                                           initializer=self._init_worker, initargs=(workers > 1,))
         self._background: set[asyncio.Task] = set()
         try:
-            sig = inspect.signature(self.encoder.apply_chat_template)
+            sig = inspect.signature(self.tokenizer.apply_chat_template)
             self._sanitize_kw = "sanitize_control_tokens" in sig.parameters
         except (TypeError, ValueError, AttributeError):
             self._sanitize_kw = False
@@ -412,6 +420,14 @@ class _Server:
             await self.engine.abort(request_id, finish_reason)
         except Exception:  # noqa: BLE001
             log.exception("engine.abort(%s) failed", request_id)
+
+    def _init_worker(self, copied: bool) -> None:
+        self._local.encoder = copy.deepcopy(self.tokenizer) if copied else self.tokenizer
+
+    @property
+    def encoder(self):
+        """This worker thread's tokenizer (encoding and chat rendering only)."""
+        return self._local.encoder
 
     async def _in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

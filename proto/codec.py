@@ -73,7 +73,12 @@ def step_to_pb(s: StepInput) -> "pb.StepRequest":
             pb.SamplingSpec(
                 temperature=x.temperature, top_p=x.top_p, top_k=x.top_k, min_p=x.min_p, seed=x.seed,
                 logprobs=-1 if x.logprobs is None else x.logprobs, min_tokens=x.min_tokens,
-                banned_until_min=x.banned_until_min,
+                banned_until_min=x.banned_until_min, presence_penalty=x.presence_penalty,
+                frequency_penalty=x.frequency_penalty,
+                **({} if x.repetition_penalty == 1.0 else {"repetition_penalty": x.repetition_penalty}),
+                output_token_ids=x.output_token_ids, output_token_counts=x.output_token_counts,
+                prompt_token_ids=x.prompt_token_ids, logit_bias_ids=x.logit_bias_ids,
+                logit_bias_values=x.logit_bias_values,
             )
             for x in s.sampling
         ],
@@ -96,7 +101,10 @@ def step_from_pb(m: "pb.StepRequest") -> StepInput:
                 # logprobs 0 would ask for the sampled token's logprob)
                 x.temperature, x.top_p if x.HasField("top_p") else 1.0, x.top_k, x.min_p, x.seed,
                 x.logprobs if x.HasField("logprobs") and x.logprobs >= 0 else None,
-                x.min_tokens, list(x.banned_until_min),
+                x.min_tokens, list(x.banned_until_min), x.presence_penalty, x.frequency_penalty,
+                x.repetition_penalty if x.HasField("repetition_penalty") else 1.0,
+                list(x.output_token_ids), list(x.output_token_counts), list(x.prompt_token_ids),
+                list(x.logit_bias_ids), list(x.logit_bias_values),
             )
             for x in m.sampling
         ],

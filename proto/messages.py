@@ -41,6 +41,22 @@ class SamplingSpec:
     logprobs: int | None = None
     min_tokens: int = 0
     banned_until_min: list[int] = field(default_factory=list)  # EOS / stop ids masked before min_tokens
+    # Logit processing (``stage_server.sampler.adjust_logits``). The penalties count the
+    # tokens generated before each verified position, drafts ahead of it included: the
+    # router sends what was generated before the step (distinct ids and their counts, and
+    # the prompt's distinct ids for the repetition penalty), only when a penalty is set.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_token_counts: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def __post_init__(self) -> None:
         if 0.0 < self.temperature < GREEDY_BELOW:

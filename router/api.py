@@ -478,6 +478,10 @@ class _Server:
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=body.logit_bias_ids,
         )
         params.validate()
         return params
@@ -487,6 +491,7 @@ class _Server:
         for s in body.stop_list:
             _check_utf8(s, "stop")
         self._check_ids(list(body.stop_token_ids or []), "stop_token_ids")
+        self._check_ids(list(body.logit_bias_ids or {}), "logit_bias")
         subs = []
         for p, ids in enumerate(prompts):
             for i in range(body.n):

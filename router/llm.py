@@ -132,7 +132,8 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # before its lists are read below
-        for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or {}))):
             # any integer type (numpy's and torch's included), never a bool or a float
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
                    or not 0 <= t < self.vocab_size]

@@ -16,6 +16,7 @@ probabilities are natural logarithms.
 from __future__ import annotations
 
 import json
+import math
 
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar, Literal, Optional, Protocol, Union, runtime_checkable
@@ -150,11 +151,13 @@ class _GenerationRequest(_Request):
     user: Optional[str] = None
     """Accepted and ignored (OpenAI's end-user id)."""
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    """Only 0 is supported (accepted so that clients sending the default work)."""
+    """Subtracted once from the logit of every token generated so far."""
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    """Only 0 is supported."""
+    """Subtracted from a generated token's logit per time it was generated."""
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    """vLLM's extension: > 1 discourages tokens of the prompt and the output (1 = off)."""
     logit_bias: Optional[dict[str, float]] = None
-    """Only an empty map is supported."""
+    """Token id (as a string, as OpenAI) -> bias in [-100, 100], added to its logit."""
 
     @field_validator("stop")
     @classmethod
@@ -175,12 +178,21 @@ class _GenerationRequest(_Request):
             raise ValueError("max_completion_tokens: give it or max_tokens, not both")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise ValueError(f"{name} is not supported (only 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):  # not "-1", " 3" or "²"
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return v
+
+    @property
+    def logit_bias_ids(self) -> Optional[dict[int, float]]:
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
 
     @property
     def stop_list(self) -> list[str]:

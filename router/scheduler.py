@@ -17,6 +17,7 @@ and KV by that row.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import time
@@ -54,10 +55,15 @@ class Request:
     # output but the last (that one is the next decode's input, as after a first prefill)
     prefill_len: int = -1
     num_preemptions: int = 0
+    output_counts: dict[int, int] = field(default_factory=dict)  # token -> times generated
 
     def __post_init__(self):
         if self.prefill_len < 0:
             self.prefill_len = len(self.prompt_ids)
+
+    @functools.cached_property
+    def distinct_prompt_ids(self) -> list[int]:
+        return sorted(set(self.prompt_ids))
 
     @property
     def prefill_done(self) -> bool:
@@ -99,9 +105,15 @@ class ScheduledBatch:
         for r in self.requests:
             p = r.params
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            specs.append(
-                SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, r.seed, p.logprobs, p.min_tokens, banned)
-            )
+            spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, r.seed, p.logprobs, p.min_tokens, banned,
+                                p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            if spec.penalized:  # what the penalties count: the history before this step
+                spec.output_token_ids, spec.output_token_counts = list(r.output_counts), list(r.output_counts.values())
+                if p.repetition_penalty != 1.0:
+                    spec.prompt_token_ids = r.distinct_prompt_ids
+            if p.logit_bias:
+                spec.logit_bias_ids, spec.logit_bias_values = list(p.logit_bias), list(p.logit_bias.values())
+            specs.append(spec)
         return StepInput(
             self.micro_batch_id, self.round, self.mode, self.req_pool_indices, list(self.seq_lens),
             list(self.extend_lens), list(self.input_ids), list(self.num_drafts), list(self.sample),
@@ -449,6 +461,7 @@ class Scheduler:
         for t in toks:
             new.append(t)
             r.output_ids.append(t)
+            r.output_counts[t] = r.output_counts.get(t, 0) + 1
             if t in stop_ids:  # the last stage masks them before min_tokens
                 return new, "stop"
             if len(r.output_ids) >= p.max_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_context:

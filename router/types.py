@@ -29,6 +29,12 @@ class SamplingParams:
     the request once they appear in its text; the text is cut before the first one
     (``LLM.generate``; the HTTP layer takes ``stop`` from the request body). The stages never
     see them.
+    presence_penalty, frequency_penalty: in [-2, 2], subtracted from a generated token's
+    logit once / per occurrence (OpenAI). repetition_penalty: > 0, 1 = off; divides a
+    positive logit of a prompt or generated token by it, multiplies a negative one (vLLM,
+    transformers). logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to the
+    logits (OpenAI). All apply before temperature and the filters
+    (``stage_server.sampler.adjust_logits``), with speculation as without.
     """
 
     temperature: float = 1.0
@@ -42,11 +48,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the bad field (a wrong type included: a
         float ``max_tokens`` or a bool ``logprobs`` is refused, not truncated)."""
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise InvalidRequestError(f"{name} must be a number, got {v!r}", param=name)
@@ -74,7 +84,7 @@ class SamplingParams:
             raise InvalidRequestError(f"stop must be a list of non-empty strings, got {self.stop!r}", param="stop")
         self.stop = list(self.stop)
         # numpy / torch scalars become Python numbers (a numpy seed would overflow below)
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, name, float(getattr(self, name)))
         for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
             if getattr(self, name) is not None:
@@ -94,6 +104,19 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens must be in [0, max_tokens]", param="min_tokens")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise InvalidRequestError("repetition_penalty must be a finite number > 0", param="repetition_penalty")
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+                and isinstance(b, numbers.Real) and not isinstance(b, bool) and -100 <= b <= 100
+                for t, b in bias.items()):
+            raise InvalidRequestError("logit_bias must map token ids (integers >= 0) to biases in [-100, 100]",
+                                      param="logit_bias")
+        self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
 
     @property
     def greedy(self) -> bool:

@@ -539,7 +539,9 @@ class StageRunner:
         V, t = self.cfg.vocab_size, s.temperature
         return (0 <= t < math.inf and (t == 0 or (0 < s.top_p <= 1 and s.top_k >= -1 and 0 <= s.min_p <= 1))
                 and (s.logprobs is None or 0 <= s.logprobs <= V) and s.min_tokens >= 0
-                and (not s.banned_until_min or (min(s.banned_until_min) >= 0 and max(s.banned_until_min) < V)))
+                and (not s.banned_until_min or (min(s.banned_until_min) >= 0 and max(s.banned_until_min) < V))
+                and not (s.penalized or s.logit_bias_ids or s.output_token_ids or s.prompt_token_ids
+                         or s.logit_bias_values or s.output_token_counts))  # those: the full check
 
     def _check_sampling(self, b: int, spec: SamplingSpec) -> None:
         V = self.cfg.vocab_size
@@ -558,6 +560,25 @@ class StageRunner:
             bad = f"min_tokens must be >= 0, got {spec.min_tokens}"
         elif any(not 0 <= t < V for t in spec.banned_until_min):
             bad = f"banned_until_min must be token ids in [0, {V}), got {brief(spec.banned_until_min)}"
+        elif not all(math.isfinite(x) and -2 <= x <= 2 for x in (spec.presence_penalty, spec.frequency_penalty)):
+            bad = (f"presence_penalty and frequency_penalty must be in [-2, 2], got {spec.presence_penalty} and "
+                   f"{spec.frequency_penalty}")
+        elif not (math.isfinite(spec.repetition_penalty) and spec.repetition_penalty > 0):
+            bad = f"repetition_penalty must be a finite number > 0, got {spec.repetition_penalty}"
+        else:
+            for name, ids, vals in (("output_token_ids", spec.output_token_ids, spec.output_token_counts),
+                                    ("prompt_token_ids", spec.prompt_token_ids, None),
+                                    ("logit_bias_ids", spec.logit_bias_ids, spec.logit_bias_values)):
+                if any(not 0 <= t < V for t in ids) or len(set(ids)) != len(ids):
+                    bad = f"{name} must be distinct token ids in [0, {V}), got {brief(ids)}"
+                elif vals is not None and len(vals) != len(ids):
+                    bad = f"{name}: {len(ids)} ids but {len(vals)} values"
+                elif name == "output_token_ids" and any(c < 1 for c in vals):
+                    bad = f"output_token_counts must be >= 1, got {brief(vals)}"
+                elif name == "logit_bias_ids" and not all(math.isfinite(x) and -100 <= x <= 100 for x in vals):
+                    bad = f"logit_bias_values must be in [-100, 100], got {brief(vals)}"
+                if bad:
+                    break
         if bad:
             raise ValueError(f"sampling[{b}]: {bad}")
 

@@ -53,6 +53,65 @@ def filter_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[SamplingSpec],
+                  output_lens: list[int]) -> torch.Tensor:
+    """The logits a request samples from, at each of its D verified positions, in vLLM's
+    order: EOS / stop ids masked before ``min_tokens``; ``logit_bias`` added (OpenAI);
+    then the penalties over the tokens generated before the position (the step's drafts
+    ahead of it included, as they are accepted when the position is reached): repetition
+    (CTRL, Keskar et al. 2019, eq. 2, as transformers' ``RepetitionPenaltyLogitsProcessor``:
+    a logit ``l`` of a token in the prompt or the output becomes ``l / r`` if positive, else
+    ``l * r``), then frequency and presence (OpenAI: ``l -= c * frequency + (c > 0) *
+    presence`` for a token generated ``c`` times).
+
+    Args:
+        logits: ``[B, D, V]``, any float dtype and device (the adjusted rows are written in
+            that dtype, the arithmetic done in it too).
+        drafts: per request, the step's draft tokens (position j counts drafts ``< j``).
+        specs, output_lens: as :func:`verify_and_sample`.
+
+    Returns:
+        ``logits`` itself when no request asks for any of this, else an adjusted copy.
+    """
+    B, D, V = logits.shape
+    bans = [b for b, spec in enumerate(specs) if spec.banned_until_min and output_lens[b] < spec.min_tokens]
+    other = [b for b, spec in enumerate(specs) if spec.logit_bias_ids or spec.penalized]
+    if not bans and not other:
+        return logits
+    logits = logits.clone()  # the caller's logits stay as they were
+    dev = logits.device
+    for b in bans:
+        spec = specs[b]
+        n_ban = min(D, spec.min_tokens - output_lens[b])
+        logits[b, :n_ban, spec.banned_until_min] = float("-inf")
+    for b in other:
+        spec = specs[b]
+        if spec.logit_bias_ids:
+            ids = torch.tensor(spec.logit_bias_ids, dtype=torch.long, device=dev)
+            logits[b, :, ids] += torch.tensor(spec.logit_bias_values, dtype=torch.float32, device=dev).to(logits.dtype)
+        if not spec.penalized:
+            continue
+        counts = dict(zip(spec.output_token_ids, spec.output_token_counts))
+        prompt = set(spec.prompt_token_ids) if spec.repetition_penalty != 1.0 else set()
+        for j in range(D):
+            if j:
+                d = drafts[b][j - 1] if j - 1 < len(drafts[b]) else None
+                if d is None:
+                    break  # positions past the drafts are never sampled
+                counts[d] = counts.get(d, 0) + 1
+            row = logits[b, j]
+            if spec.repetition_penalty != 1.0 and (prompt or counts):
+                ids = torch.tensor(sorted(prompt | counts.keys()), dtype=torch.long, device=dev)
+                x = row[ids]
+                row[ids] = torch.where(x > 0, x / spec.repetition_penalty, x * spec.repetition_penalty)
+            if (spec.presence_penalty or spec.frequency_penalty) and counts:
+                ids = torch.tensor(list(counts), dtype=torch.long, device=dev)
+                c = torch.tensor(list(counts.values()), dtype=torch.float32, device=dev)
+                sub = c * spec.frequency_penalty + spec.presence_penalty
+                row[ids] -= sub.to(logits.dtype)
+    return logits
+
+
 @dataclass
 class AcceptResult:
     """Per request: ``tokens`` emitted (accepted drafts then the bonus / resampled token),
@@ -90,19 +149,14 @@ def verify_and_sample(
     the device). At a 248K vocabulary, batch 32 and D = 4 that is 512 bytes against 127 MB.
     """
     B, D, V = logits.shape
-    bans = [b for b, spec in enumerate(specs) if spec.banned_until_min and output_lens[b] < spec.min_tokens]
-    if bans:
-        logits = logits.clone()  # the caller's logits stay as they were
-    for b in bans:
-        spec = specs[b]
-        n_ban = min(D, spec.min_tokens - output_lens[b])
-        logits[b, :n_ban, spec.banned_until_min] = float("-inf")
+    drafts_l = drafts.tolist() if drafts.numel() else [[] for _ in range(B)]
+    drafts_l = [row[: num_drafts[b]] for b, row in enumerate(drafts_l)]
+    logits = adjust_logits(logits, drafts_l, specs, output_lens)
     greedy_targets = logits.argmax(-1).tolist()  # [B][D], one transfer for the batch
     host = [b for b, spec in enumerate(specs) if spec.temperature != 0.0 or spec.logprobs is not None]
     moved = logits[torch.tensor(host, dtype=torch.long, device=logits.device)].float().cpu() if host else None
     host_row = {b: moved[i] for i, b in enumerate(host)}  # [D, V] fp32 on the host
     results = []
-    drafts_l = drafts.tolist() if drafts.numel() else [[] for _ in range(B)]
     for b, spec in enumerate(specs):
         m, out0 = num_drafts[b], output_lens[b]
         tokens: list[int] = []

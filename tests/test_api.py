@@ -331,12 +331,15 @@ def test_completion_params_usage_and_token_ids(client, engine, tokenizer):
     prompt = "The quick brown fox"
     r = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=12, temperature=0.7, top_p=0.9, seed=5,
+        presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={"5": 2.5, "17": -100},
         extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 3, "ignore_eos": True, "return_token_ids": True,
-                    "stop_token_ids": [7]})
+                    "stop_token_ids": [7], "repetition_penalty": 1.1})
     rid, prompt_ids, params = engine.only_call()
     assert prompt_ids == tokenizer.encode(prompt)
     assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (0.7, 0.9, 20, 0.05, 5)
     assert (params.max_tokens, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (12, 3, True, [7])
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.25, 1.1)
+    assert params.logit_bias == {5: 2.5, 17: -100.0}
     assert params.logprobs is None
 
     (choice,) = r.choices
@@ -784,7 +787,13 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
     ("completions", {"prompt": "hi", "stop": ["a"] * 17}, "stop"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ("completions", {"prompt": "hi", "frequency_penalty": 1.0}, None),
+    ("completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completions", {"prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": "hi", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),
     ("completions", {"prompt": "hi", "best_of": 3}, None),
     ("completions", {"prompt": "hi", "suffix": "x"}, None),
     ("completions", {"prompt": 42}, "prompt"),

@@ -787,14 +787,16 @@ class StageRunner:
     # ------------------------------------------------------------------ greedy MTP rounds in one graph
     def _greedy_round_graphs(self, inp: StepInput) -> StepGraphs | None:
         """The fused round's graphs when this step may take them: last stage with MTP, a
-        decode or verify small enough, and every request greedy with no logprobs and no
-        min_tokens ban in force (those need the host sampler)."""
+        decode or verify small enough, and every request greedy with no logprobs, no
+        min_tokens ban in force, no penalty and no logit_bias (those need the host sampler:
+        the fused round takes the raw logits' argmax)."""
         graphs = self.round_graphs.get(inp.mode)
         if graphs is None or graphs.bucket(len(inp.req_pool_indices)) is None:
             return None
         out_lens = inp.output_lens or [0] * len(inp.req_pool_indices)
         for spec, n in zip(inp.sampling, out_lens):
-            if spec.temperature != 0.0 or spec.logprobs is not None or (spec.banned_until_min and n < spec.min_tokens):
+            if (spec.temperature != 0.0 or spec.logprobs is not None or (spec.banned_until_min and n < spec.min_tokens)
+                    or spec.penalized or spec.logit_bias_ids):
                 return None
         return graphs
 

@@ -76,6 +76,26 @@ def test_fp32_stages_on_their_own_gpus_identical_to_pp1(prompts, reference):
     _check_near_ties(outs, ref, gaps)
 
 
+def test_fp32_penalties_on_cuda_identical_to_pp1_on_cuda(prompts):
+    """Presence / frequency / repetition penalties and logit_bias, applied to CUDA logits
+    (``sampler.adjust_logits``) with graphs and MTP drafts: PP2 + MTP gives PP1's tokens
+    without speculation; near-ties judged on PP1's penalised logprobs."""
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    p = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.4,
+                       frequency_penalty=0.2, repetition_penalty=1.1, logit_bias={13: -1.5})
+    ps = [_ids(x) for x in prompts]
+    ref = LLM(DEMO, device="cuda", max_rows=N, cuda_graph_max_bs=0).generate(
+        ps, SamplingParams(**{**p.to_dict(), "logprobs": 2}))
+    gaps = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in ref]
+    llm = LLM(DEMO, device="cuda", pp_size=2, speculative_algorithm="mtp", max_rows=N)
+    outs = llm.generate(ps, p)
+    _check_near_ties(outs, [o.token_ids for o in ref], gaps)
+    plain = llm.generate(ps, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert any(a.token_ids != b.token_ids for a, b in zip(outs, plain)), "the penalties changed nothing"
+
+
 def _check_near_ties(outs, ref, gaps):
     for i, (o, r) in enumerate(zip(outs, ref)):
         if o.token_ids != r:

@@ -223,9 +223,8 @@ class Engine:
                 continue
             if self.metrics:
                 now = time.monotonic()
-                for r in batch.requests:
-                    if batch.mode == "prefill" and r.num_computed == 0 and not r.num_preemptions:
-                        self.metrics.on_request_scheduled(r.request_id, len(r.prompt_ids), now)
+                for r in batch.first:
+                    self.metrics.on_request_scheduled(r.request_id, len(r.prompt_ids), now)
             self.outstanding[lane] = time.monotonic()
             self._set_in_flight()
             try:

@@ -56,6 +56,7 @@ class Request:
     prefill_len: int = -1
     num_preemptions: int = 0
     output_counts: dict[int, int] = field(default_factory=dict)  # token -> times generated
+    scheduled: bool = False  # has been in a micro-batch (a preempted one stays so)
 
     def __post_init__(self):
         if self.prefill_len < 0:
@@ -89,11 +90,15 @@ class ScheduledBatch:
     sample: list[bool]
     next_token_ids: list[int]
     rows: list[int] = field(default_factory=list)
+    first: list[Request] = field(default_factory=list)  # requests in their first micro-batch
 
     def __post_init__(self):
         # Rows are fixed when the micro-batch forms: a request that finishes in this round
         # gives its row back, but the commit still names the row it ran in.
         self.rows = [r.row for r in self.requests]
+        self.first = [r for r in self.requests if not r.scheduled]
+        for r in self.first:
+            r.scheduled = True
 
     @property
     def req_pool_indices(self) -> list[int]:
@@ -357,12 +362,13 @@ class Scheduler:
                 last = end == r.prefill_len
                 sample.append(last and not r.output_ids)
                 nxt.append(-1 if last and not r.output_ids else r.all_ids[end])
-            if not chosen:
-                return None
-            self.rounds[lane] += 1
-            batch = ScheduledBatch(lane, self.rounds[lane], "prefill", chosen, seq, ext, ids, [0] * len(chosen),
-                                   sample, nxt)
-        else:
+            if chosen:
+                self.rounds[lane] += 1
+                return self._dispatch(ScheduledBatch(lane, self.rounds[lane], "prefill", chosen, seq, ext, ids,
+                                                     [0] * len(chosen), sample, nxt))
+            # every prefill is short of KV: decode the others, which end and give pages back
+            reqs = [r for r in reqs if r.prefill_done and r.status == RUNNING]
+        if reqs:
             # a round writes at most D tokens (a verify); grown for that whatever the mode
             chosen = []
             for r in reqs:
@@ -384,10 +390,14 @@ class Scheduler:
                 dr = dr[: d - 1]
                 ids += [r.output_ids[-1]] + dr + [0] * (d - 1 - len(dr))
                 nd.append(len(dr))
-            batch = ScheduledBatch(
+            return self._dispatch(ScheduledBatch(
                 lane, rnd, mode, chosen, [r.num_computed for r in chosen], [d] * len(chosen), ids, nd,
                 [True] * len(chosen), [-1] * len(chosen),
-            )
+            ))
+        return None
+
+    @staticmethod
+    def _dispatch(batch: ScheduledBatch) -> ScheduledBatch:
         for r in batch.requests:
             r.in_flight = True
         return batch

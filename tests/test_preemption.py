@@ -220,3 +220,50 @@ def test_a_whole_life_too_big_for_the_pool_is_refused_at_add():
         s.add("big", [1] * 8, SamplingParams(max_tokens=8))
     assert not s.requests and not s.waiting
     s.add("ok", [1] * 8, SamplingParams(max_tokens=7))
+
+
+def test_a_prefill_short_of_kv_does_not_stall_the_decodes_of_its_lane():
+    """The lane's only prefill (young, in its chunked prefill) cannot grow and may not
+    preempt the older decoding request: the lane decodes that one instead of forming no
+    micro-batch at all, and the young one finishes once the old one gives its pages back."""
+    s = _sched(kv_tokens=20, chunk_size=4)
+    s.add("old", [1, 2, 3], SamplingParams(max_tokens=14, ignore_eos=True))
+    for _ in range(12):  # old prefills and decodes up to 4 pages' worth
+        _run_round(s, 0)
+    old = s.requests["old"]
+    assert old.num_computed == 14 and old.reserved_tokens == 16
+    s.add("young", [5] * 12, SamplingParams(max_tokens=1, ignore_eos=True))
+    rounds = []
+    for _ in range(20):
+        b = _run_round(s, 0)
+        if b is None and not s.requests:
+            break
+        assert b is not None, "the lane formed no micro-batch while a request could run"
+        rounds.append((b.mode, [r.request_id for r in b.requests]))
+    assert ("decode", ["old"]) in rounds and rounds[-1][1] == ["young"]
+    assert s.kv_reserved == 0 and len(s.free_rows) == s.max_rows
+
+
+def test_a_request_preempted_before_its_first_micro_batch_is_announced_once():
+    s = _sched(kv_tokens=24, chunk_size=8)
+    s.add("old", [1] * 20, SamplingParams(max_tokens=1, ignore_eos=True))
+    b = s.schedule(0)
+    assert b.first == [s.requests["old"]]
+    s.add("young", [2] * 6, SamplingParams(max_tokens=2, ignore_eos=True))
+    s.process(b, [[]])
+    # admits young (2 pages), then old's next chunk (2 more pages, 1 free) preempts it
+    # before it ran; old waits for the release
+    assert s.schedule(0) is None
+    young = s.requests["young"]
+    assert young.num_preemptions == 1 and not young.scheduled
+    s.free(s.take_preempted())
+    seen = []
+    while s.requests:
+        b = s.schedule(0)
+        if b is None:
+            s.free(s.take_preempted())
+            continue
+        seen += [r.request_id for r in b.first]
+        up = s.process(b, [[7] if b.sample[i] else [] for i in range(len(b.requests))])
+        s.free(up.release_rows)
+    assert seen == ["young"]

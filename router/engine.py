@@ -78,6 +78,7 @@ class Engine:
         self._recover_error: str | None = None  # last recovery failure logged
         self._recovering = asyncio.Lock()
         self._wake = asyncio.Event()
+        self._stopping = False  # _stop_lanes: the lane loops end
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.max_model_len = 0
@@ -121,6 +122,8 @@ class Engine:
         await self._reset_stages(infos)
         if hasattr(self.pipeline, "start_monitor"):
             self.pipeline.start_monitor()
+        self._stopping = False
+        self._lane_gen = [0] * lanes
         self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(lanes)]
         self._tasks.append(asyncio.ensure_future(self._stats_loop()))
         self._tasks.append(asyncio.ensure_future(self._stall_watch()))
@@ -204,7 +207,10 @@ class Engine:
 
     async def _lane_loop(self, lane: int) -> None:
         sched = self.scheduler
-        while True:
+        gen = self._lane_gen[lane]
+        # not ``while True``: on Python 3.11 wait_for can swallow a cancel (when the wake
+        # lands in the same loop iteration), and the lane would run on beside its successor
+        while not self._stopping and self._lane_gen[lane] == gen:
             if self.failure is not None:
                 await self._recover()
                 continue
@@ -347,6 +353,7 @@ class Engine:
             stuck = sorted(self.outstanding)
             self._fail(f"{detail} (micro-batches in flight for {self.stall_timeout:g}s)")
             for lane in stuck:
+                self._lane_gen[lane] += 1  # the old loop ends even if its cancel is swallowed
                 self._tasks[lane].cancel()
                 self._tasks[lane] = asyncio.ensure_future(self._lane_loop(lane))
 
@@ -389,6 +396,7 @@ class Engine:
     async def _stop_lanes(self) -> None:
         """Stop the lane tasks (an in-flight step's RPC is cancelled down the relay chain),
         then release this router's rows on every stage."""
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -323,7 +323,7 @@ class Scheduler:
         self._preempted.append(r.row)
         self._short.discard(r.request_id)
         r.row, r.lane, r.reserved_tokens, r.status = -1, -1, 0, WAITING
-        r.num_computed, r.drafts = 0, []
+        r.num_computed = 0
         r.prefill_len = len(r.all_ids) - 1 if r.output_ids else len(r.prompt_ids)
         r.num_preemptions += 1
         self.num_preemptions += 1
@@ -438,7 +438,11 @@ class Scheduler:
                 raise ValueError(f"request {r.request_id}: {len(toks)} tokens from a verify of {batch.num_drafts[i]} drafts")
             r.num_computed += batch.extend_lens[i] if batch.mode != "verify" else len(toks)
             accept.append(len(toks))
-            r.drafts = list(drafts[i]) if drafts else []
+            if batch.sample[i]:
+                r.drafts = list(drafts[i]) if drafts else []
+            # else a prefill chunk: it drafts nothing, and a recomputed request keeps the MTP
+            # drafts it had when preempted (those of the same context), so its next round is
+            # the verify it would have been, with the same random draws
             if r.status == FINISHED:  # failed while in flight (fail_all): its row is already released
                 continue
             if r.aborted:
@@ -510,6 +514,7 @@ class Scheduler:
         r.aborted, r.abort_reason = True, reason
         if r.status == WAITING:
             self.requests.pop(request_id, None)
+            self.waiting.remove(r)  # not left to count as waiting (the gauge, the queue bound)
             r.status, r.finish_reason = FINISHED, reason
             return []
         if not r.in_flight:

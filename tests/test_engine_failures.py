@@ -480,3 +480,22 @@ def test_a_hung_stage_ends_in_flight_requests_after_the_stall_timeout(reference)
     assert all(isinstance(r, StageDownError) and "not answering" in str(r) for r in results), results
     assert waited < 5.0, waited  # stall_timeout 1 s, not the step RPC's timeout
     assert again == reference[:-1]
+
+
+def test_close_ends_a_lane_whose_cancel_lands_with_a_wake(make_ckpt):
+    """A lane idles in ``wait_for(_wake.wait(), 0.5)``; a background release wakes it in the
+    same loop iteration as close() cancels it. Python 3.11's wait_for then returns and
+    swallows the cancel: the lane must still end, or close() waits for ever."""
+    torch.set_num_threads(1)
+    pipe = InProcessPipeline.build(make_ckpt("qwen3_5_ratio1"), 1, max_rows=4, kv_tokens=256)
+
+    async def run():
+        for _ in range(5):
+            engine = Engine(pipe, model_name="t", tokenizer=None, num_micro_batches=1)
+            await engine.start()
+            await asyncio.sleep(0.05)  # the lane idles
+            engine._wake.set()  # as a finished release does
+            await asyncio.sleep(0)  # the Event's waiter completes in this iteration...
+            await asyncio.wait_for(engine._stop_lanes(), 10)  # ...and the lane is cancelled in it
+
+    asyncio.run(run())

@@ -67,11 +67,15 @@ def test_short_pool_preempts_and_outputs_match_an_unbounded_pool(ckpt, reference
     _assert_nothing_held(llm.scheduler, llm.pipeline.runners)
 
 
-def test_seeded_sampling_is_the_same_after_a_preemption(ckpt):
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_seeded_sampling_is_the_same_after_a_preemption(ckpt, spec):
+    """Seeded draws depend on the round's drafts (accept / resample against plain
+    sampling): a recomputed request keeps the MTP drafts it had, so its next round is the
+    verify it would have been."""
     torch.set_num_threads(1)
     p = SamplingParams(temperature=0.8, top_k=20, max_tokens=40, ignore_eos=True, seed=11)
-    ref = [o.token_ids for o in LLM(ckpt, max_rows=8).generate(PROMPTS, p)]
-    llm = LLM(ckpt, max_rows=8, kv_tokens=KV_TOKENS)
+    ref = [o.token_ids for o in LLM(ckpt, max_rows=8, speculative_algorithm=spec).generate(PROMPTS, p)]
+    llm = LLM(ckpt, max_rows=8, kv_tokens=KV_TOKENS, speculative_algorithm=spec)
     ids = [llm.add_request(q, p) for q in PROMPTS]
     _peak_running(llm)
     assert llm.scheduler.num_preemptions > 0
@@ -267,3 +271,15 @@ def test_a_request_preempted_before_its_first_micro_batch_is_announced_once():
         up = s.process(b, [[7] if b.sample[i] else [] for i in range(len(b.requests))])
         s.free(up.release_rows)
     assert seen == ["young"]
+
+
+def test_an_aborted_waiting_request_no_longer_counts_as_waiting():
+    s = _sched(max_rows=1, max_waiting=2)
+    s.add("run", [1, 2], SamplingParams(max_tokens=4))
+    s.schedule(0)
+    s.add("a", [1], SamplingParams(max_tokens=4))
+    s.add("b", [1], SamplingParams(max_tokens=4))
+    assert s.abort("a") == [] and s.abort("b") == []
+    assert s.num_waiting == 0 and not s.waiting
+    s.add("c", [1], SamplingParams(max_tokens=4))  # the queue bound counts only the live ones
+    assert s.num_waiting == 1

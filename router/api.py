@@ -77,8 +77,10 @@ from .types import ContextLengthError, EngineError, InvalidRequestError, Samplin
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS_CAP = 4096
-"""Default ``max_tokens`` when a request gives none: min(context - prompt, this)."""
+DEFAULT_MAX_TOKENS_CAP: int | None = None
+"""Cap on the default ``max_tokens`` of a request that gives none: None means the context
+left after the prompt (vLLM's default; KV pages are taken as the sequence grows, so a
+large default reserves nothing)."""
 TOKENIZE_WORKERS = 4
 """Threads that tokenize prompts and render chats, each with its own tokenizer copy."""
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
@@ -374,7 +376,7 @@ class _Prepared:
 class _Server:
     """The endpoints' logic over one engine (``build_app`` wires it to routes)."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, max_tokens_cap: int):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_tokens_cap: int | None):
         self.engine = engine
         self.tokenizer = engine.tokenizer  # decoding, on the event loop
         self.model_name = served_model_name
@@ -466,7 +468,7 @@ class _Server:
             # the field to change: the prompt when it alone fills the context, else max_tokens
             exc.param = param if prompt_len >= limit else body.max_tokens_field
             raise exc
-        max_tokens = requested if requested is not None else min(limit - prompt_len, self.max_tokens_cap)
+        max_tokens = requested if requested is not None else min(limit - prompt_len, self.max_tokens_cap or limit)
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else float(body.temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -831,14 +833,15 @@ class _Guard:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None, *,
-              max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_tokens_cap: int | None = DEFAULT_MAX_TOKENS_CAP, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               registry: Any = None) -> FastAPI:
     """The OpenAI-compatible ASGI app in front of ``engine``.
 
     served_model_name: the model id clients use (default ``engine.model_name``); another
     ``model`` gets 404. api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>``
     (401 otherwise); ``/health`` and ``/metrics`` stay open for probes and scrapers.
-    max_tokens_cap: default ``max_tokens`` is min(context limit - prompt tokens, this).
+    max_tokens_cap: default ``max_tokens`` is min(context limit - prompt tokens, this);
+    None: the context limit - prompt tokens.
     max_request_bytes: larger request bodies get 413. registry: the prometheus_client
     registry ``/metrics`` exports (default: the global one).
     """

@@ -122,8 +122,8 @@ class _GenerationRequest(_Request):
     model: Optional[str] = None
     """Must name the served model when given (else 404); omitted means the served model."""
     max_tokens: Optional[int] = Field(None, ge=1)
-    """Completion tokens at most, per choice. Default: the context limit minus the prompt,
-    capped (``build_app(max_tokens_cap=...)``)."""
+    """Completion tokens at most, per choice. Default: the context limit minus the prompt
+    (vLLM's), unless ``build_app(max_tokens_cap=...)`` caps it."""
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     """Same as ``max_tokens`` (OpenAI's newer name); give at most one of them."""
     temperature: Optional[float] = Field(None, ge=0.0)

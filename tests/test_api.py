@@ -359,7 +359,7 @@ def test_defaults_temperature_and_max_tokens(client, engine, tokenizer):
     r = client.completions.create(model=MODEL, prompt="Every stage", extra_body={"ignore_eos": True})
     rid, prompt_ids, params = engine.only_call()
     assert params.temperature == 1.0 and params.seed is None
-    assert params.max_tokens == MAX_MODEL_LEN - len(prompt_ids)  # the context left (below the cap)
+    assert params.max_tokens == MAX_MODEL_LEN - len(prompt_ids)  # the context left
     assert r.usage.completion_tokens == params.max_tokens == len(engine.outputs[rid])
     assert r.choices[0].finish_reason == "length"
     # The default is capped by build_app(max_tokens_cap=...).

@@ -73,6 +73,7 @@ from .protocol import (
     _GenerationRequest,
 )
 from .detokenize import TextStream, TokenPieces
+from .tool_calls import ToolCallStream, check_parser, parse_tool_calls
 from .types import ContextLengthError, EngineError, InvalidRequestError, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -381,6 +382,7 @@ class _Server:
         self.tokenizer = engine.tokenizer  # decoding, on the event loop
         self.model_name = served_model_name
         self.max_tokens_cap = max_tokens_cap
+        self.tool_call_parser: str | None = None  # build_app sets it
         self.pieces = TokenPieces(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         # Encoding and chat rendering run on worker threads, each with a private copy of the
@@ -449,8 +451,10 @@ class _Server:
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
         return [list(self.encoder.encode(t, add_special_tokens=True)) for t in texts]
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True, "return_dict": False}
+        if tools:
+            kwargs["tools"] = tools
         if self._sanitize_kw:
             kwargs["sanitize_control_tokens"] = True  # control tokens typed by users stay text
         ids = self.encoder.apply_chat_template(messages, **kwargs)
@@ -546,8 +550,11 @@ class _Server:
         for m in messages:
             if isinstance(m.get("content"), str):
                 _check_utf8(m["content"], "messages")
+        if body.tools_in_use and self.tool_call_parser is None:
+            raise InvalidRequestError("tools need a server started with --tool-call-parser (e.g. hermes)",
+                                      param="tools")
         try:
-            ids = await self._in_worker(self._render_chat, messages)
+            ids = await self._in_worker(self._render_chat, messages, body.tools if body.tools_in_use else None)
         except Exception as exc:  # noqa: BLE001 - template errors (raise_exception, bad roles)
             raise InvalidRequestError(f"messages could not be rendered with the chat template: {exc}",
                                       param="messages") from None
@@ -646,10 +653,13 @@ class _Server:
             ids = [t for e in evs for t in e.token_ids]
             records = [r for e in evs for r in e.tokens]
             total += len(ids)
+            content, calls = "".join(e.text for e in evs), []
+            if body.tools_in_use:
+                content, calls = parse_tool_calls(content)
             choices.append(ChatChoice(
-                index=sub.index, message=ChatResponseMessage(content="".join(e.text for e in evs)),
+                index=sub.index, message=ChatResponseMessage(content=content, tool_calls=calls or None),
                 logprobs=self.chat_logprobs(records, k) if body.logprobs else None,
-                finish_reason=evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
+                finish_reason="tool_calls" if calls else evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
                 token_ids=ids if body.return_token_ids else None))
         resp = ChatCompletionResponse(id=prepared.request_id, model=self.model_name, choices=choices,
                                       usage=self.usage(prepared, total),
@@ -729,9 +739,17 @@ class _Server:
         total = 0
         k = body.top_logprobs or 0
         sent_prompt_ids = False
+        calls_of = {sub.index: ToolCallStream() for sub in prepared.subs} if body.tools_in_use else {}
         try:
             async for ev in self._events(fanout, buffered):
                 total += len(ev.token_ids)
+                text, calls, finish = ev.text, [], ev.finish_reason
+                if ev.index in calls_of:  # content up to a tool call; the calls when the choice ends
+                    text = calls_of[ev.index].feed(text)
+                    if finish:
+                        rest, calls = calls_of[ev.index].finish()
+                        text += rest
+                        finish = "tool_calls" if calls else finish
                 if ev.first:
                     prompt_ids = None
                     if body.return_token_ids and not sent_prompt_ids:
@@ -740,12 +758,13 @@ class _Server:
                         id=prepared.request_id, created=created, model=self.model_name,
                         choices=[ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=""))],
                         prompt_token_ids=prompt_ids).model_dump_json()
-                if not (ev.text or ev.finish_reason or ((body.return_token_ids or body.logprobs) and ev.token_ids)):
+                if not (text or finish or ((body.return_token_ids or body.logprobs) and ev.token_ids)):
                     continue
+                deltas = [{"index": i, **c} for i, c in enumerate(calls)] or None
                 choice = ChatStreamChoice(
-                    index=ev.index, delta=ChatDelta(content=ev.text or None),
+                    index=ev.index, delta=ChatDelta(content=text or None, tool_calls=deltas),
                     logprobs=self.chat_logprobs(ev.tokens, k) if body.logprobs else None,
-                    finish_reason=ev.finish_reason, stop_reason=ev.stop_reason,
+                    finish_reason=finish, stop_reason=ev.stop_reason,
                     token_ids=ev.token_ids if body.return_token_ids else None)
                 yield ChatCompletionChunk(id=prepared.request_id, created=created, model=self.model_name,
                                           choices=[choice]).model_dump_json()
@@ -834,7 +853,7 @@ class _Guard:
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None, *,
               max_tokens_cap: int | None = DEFAULT_MAX_TOKENS_CAP, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              registry: Any = None) -> FastAPI:
+              registry: Any = None, tool_call_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible ASGI app in front of ``engine``.
 
     served_model_name: the model id clients use (default ``engine.model_name``); another
@@ -843,11 +862,15 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     max_tokens_cap: default ``max_tokens`` is min(context limit - prompt tokens, this);
     None: the context limit - prompt tokens.
     max_request_bytes: larger request bodies get 413. registry: the prometheus_client
-    registry ``/metrics`` exports (default: the global one).
+    registry ``/metrics`` exports (default: the global one). tool_call_parser: how tool
+    calls are read from generated text (``router.tool_calls``, e.g. ``hermes``); None: a
+    chat request with ``tools`` gets 400. Raises ValueError for an unknown parser.
     """
     from prometheus_client import REGISTRY
 
+    check_parser(tool_call_parser)
     server = _Server(engine, served_model_name or engine.model_name, max_tokens_cap)
+    server.tool_call_parser = tool_call_parser
     app = FastAPI(title="ppspec", summary="OpenAI-compatible API of the ppspec router",
                   docs_url=None, redoc_url=None)
     app.state.server = server

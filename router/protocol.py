@@ -322,19 +322,30 @@ class ChatCompletionRequest(_GenerationRequest):
     """Top alternatives per token; needs ``logprobs: true``."""
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict[str, Any]]] = None
-    """Not supported: only null or an empty list."""
+    """Functions the model may call (``{"type": "function", "function": {"name", ...}}``),
+    rendered by the chat template; needs a server started with ``--tool-call-parser``."""
     tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
-    """Not supported beyond ``"none"`` / ``"auto"`` without tools."""
+    """``"auto"`` (the default with tools) or ``"none"`` (the tools are not rendered);
+    naming a function is not supported."""
+    parallel_tool_calls: Optional[bool] = None
+    """Accepted; the model may call several tools in one message either way."""
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.tools:
-            raise ValueError("tools are not supported")
         if isinstance(self.tool_choice, dict):
-            raise ValueError("tool_choice is not supported")
+            raise ValueError("tool_choice naming a function is not supported (only \"auto\" or \"none\")")
+        for t in self.tools or []:
+            fn = t.get("function")
+            if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not fn["name"]:
+                raise ValueError('tools: each must be {"type": "function", "function": {"name": ..., ...}}')
         return self
+
+    @property
+    def tools_in_use(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 # --------------------------------------------------------------------------------------
@@ -428,8 +439,10 @@ class ChatChoiceLogprobs(_Response):
 
 
 class ChatResponseMessage(_Response):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatChoice(_Response):
@@ -454,9 +467,10 @@ class ChatCompletionResponse(_Response):
 
 
 class ChatDelta(_Response):
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"content", "role"})
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"content", "role", "tool_calls"})
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # each with its "index"
 
 
 class ChatStreamChoice(_Response):

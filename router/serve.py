@@ -26,6 +26,7 @@ from ppspec.argtypes import (
 from ppspec.stage_server.config import CheckpointError, load_config
 
 from .llm import DEMO_MODEL
+from .tool_calls import TOOL_CALL_PARSERS
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cuda_graph_args(ap)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                    help="read tool calls from chat output (the chat API's tools); default: tools are refused")
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch threads per stage (0: cores / stages)")
     ap.add_argument("--startup-timeout", type=positive_float, default=300.0)
     ap.add_argument("--wedge-timeout", type=positive_float, default=60.0)
@@ -243,6 +246,8 @@ def main(argv: list[str]) -> int:
             router += ["--api-key", a.api_key]
         if a.served_model_name:
             router += ["--served-model-name", a.served_model_name]
+        if a.tool_call_parser:
+            router += ["--tool-call-parser", a.tool_call_parser]
         kids.start("router", router)
         url = f"http://{a.host}:{a.port}"
         deadline = time.monotonic() + a.startup_timeout

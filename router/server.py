@@ -9,6 +9,7 @@ import sys
 from ppspec.argtypes import address_list, port, positive_float, positive_int
 
 from .llm import DEMO_MODEL
+from .tool_calls import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                    help="read tool calls from chat output (the chat API's tools); default: tools are refused")
     ap.add_argument("--connect-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for the stages at start (a CUDA stage's first start on a machine "
                          "builds FlashInfer's prefill kernel: minutes)")
@@ -81,7 +84,8 @@ async def run_router(args) -> int:
         print(f"ppspec router: {e}", file=sys.stderr)
         await pipeline.leave()  # it asked the stages' Info: they need not count it
         return 2
-    app = build_app(engine, name, api_key=args.api_key, registry=metrics.registry)
+    app = build_app(engine, name, api_key=args.api_key, registry=metrics.registry,
+                    tool_call_parser=args.tool_call_parser)
     print(f"ppspec router: {len(addresses)} stages, speculative {engine.spec}, "
           f"serving {name} on http://{args.host}:{args.port}", flush=True)
     try:

@@ -16,6 +16,10 @@ Bytes per request and round (S = one state): copy design = verify reads S and wr
 scratch states, commit reads one and writes S: (D + 3) S; replay design = S read + S
 written (+ a few KiB of step inputs); decode = 2 S. Achieved bandwidth counts every byte
 the kernels must move (states, inputs, outputs, replay buffers).
+
+``replay_round`` charges the layer a whole commit launch; a stage commits all its layers
+in one launch, so ``replay_round_per_layer`` is the round less a one-layer commit plus
+``1 / --layers`` of an all-layer commit (each commit timed alone in the same call).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from ppspec.kernels.gdn.triton_recurrent import launch_gdn_recurrent
 from ppspec.kernels.gdn.triton_replay import launch_replay_commit, launch_replay_verify
 
 MiB = 1 << 20
-KEYS = ("decode", "copy_verify", "copy_commit", "copy_round", "replay_round", "replay_decode")
+KEYS = ("decode", "copy_verify", "copy_commit", "copy_round", "replay_round", "replay_round_per_layer", "replay_decode")
 
 
 GRAPHS = {"ok": True}
@@ -92,7 +96,8 @@ def copy_bandwidth(gib: float = 4.0) -> tuple[float, float]:
     return 2 * n * 4 / (ms * 1e-3), ms
 
 
-def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int = 128, seed: int = 0):
+def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int = 128, seed: int = 0,
+                layers: int = 36):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
     rows_n = B + 7
@@ -154,6 +159,16 @@ def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int 
     f_rep = _graph(replay_round)
     res["replay_round"] = {"ms": _time_ms(f_rep), "state_bytes": 2 * S * B,
                            "bytes": 2 * S * B + io_bytes(D) + B * 2 * D * step_in}
+    # A stage commits every layer in one launch (``StatePool.commit``): the round's commit
+    # is a share of that launch, 1 / layers of it, not a launch per layer. The verify's
+    # time is the round less a one-layer commit (each timed alone, same call).
+    from ppspec.kernels.gdn.naive_replay import alloc_replay_meta
+    pend_l, slot_l = alloc_replay_meta(layers, R, dev)
+    t_c1 = _time_ms(_graph(lambda: launch_replay_commit(bufs.pending, bufs.slot, rows, rows32)))
+    t_cl = _time_ms(_graph(lambda: launch_replay_commit(pend_l, slot_l, rows, rows32)))
+    t_layer = res["replay_round"]["ms"] - t_c1 + t_cl / layers
+    res["replay_round_per_layer"] = {**res["replay_round"], "ms": t_layer, "commit_1_ms": t_c1,
+                                     "commit_all_ms": t_cl, "layers": layers}
     f_rdec = _graph(lambda: launch_replay_verify(*x1, state, rows, bufs, verify=False))
     res["replay_decode"] = {"ms": _time_ms(f_rdec), "state_bytes": 2 * S * B, "bytes": 2 * S * B + io_bytes(1)}
     # tile sweep of the round (BV, warps); the default is triton_replay._verify_block_v
@@ -178,6 +193,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--steps", type=int, default=4, help="D, tokens verified per request")
+    ap.add_argument("--layers", type=int, default=36,
+                    help="GDN layers whose commit shares one launch (Qwen3-Next: 36 of 48)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -186,7 +203,7 @@ def main(argv=None):
     print(f"device-to-device copy (4 GiB, read + write counted): {bw / 1e12:.2f} TB/s ({ms:.3f} ms)")
     out = {"copy_TBps": bw / 1e12, "runs": []}
     for B in a.batches:
-        r = bench_batch(B, a.steps)
+        r = bench_batch(B, a.steps, layers=a.layers)
         out["runs"].append(r)
         dec = r["decode"]["ms"]
         print(f"\nbatch {B}, D = {a.steps}, HV = 32, K = V = 128, fp32 state ({r['state_MiB_per_request']:.0f} MiB/request), one layer")
@@ -195,6 +212,9 @@ def main(argv=None):
             x = r[key]
             print(f"{key:<26}{x['ms'] * 1e3:>10.1f}{x['state_sizes_per_request']:>13.1f}{x['bytes'] / 1e9:>10.3f}"
                   f"{x['TBps']:>8.2f}{100 * x['TBps'] * 1e12 / bw:>7.0f}%{x['ms'] / dec:>10.2f}")
+        pl = r["replay_round_per_layer"]
+        print(f"replay commit alone: one layer {pl['commit_1_ms'] * 1e3:.1f} us, {pl['layers']} layers in one launch "
+              f"{pl['commit_all_ms'] * 1e3:.1f} us (replay_round_per_layer: the round with 1/{pl['layers']} of that)")
         print("replay round by tile (BV, warps): " + ", ".join(
             f"({t['BV']}, {t['num_warps']}) {t['ms'] * 1e3:.1f} us" for t in r["replay_round_tiles"]))
         print("decode by tile (BV, warps): " + ", ".join(

@@ -338,7 +338,9 @@ class Scheduler:
     # ------------------------------------------------------------------ forming micro-batches
     def schedule(self, lane: int) -> ScheduledBatch | None:
         """The next micro-batch of ``lane``: a prefill chunk if any of its requests still
-        has prompt left, else a decode (or verify, when any request has drafts) round."""
+        has prompt left and the KV pages to grow, else a decode (or verify, when any
+        request has drafts) round of the others; None when nothing can run now. Growing a
+        request may preempt younger ones: their rows are in :meth:`take_preempted`."""
         self._admit()
         reqs = [r for r in self.lanes[lane] if not r.in_flight and r.status == RUNNING and not r.aborted]
         reqs.sort(key=lambda r: r.order)  # growing the oldest first: they preempt the youngest

@@ -21,6 +21,12 @@ _F32_TINY = 1.1754943508222875e-38
 _I32_MAX = 2**31 - 1               # and top_k as int32
 
 
+REPETITION_PENALTY_RANGE = (1 / 128, 128.0)
+"""Repetition penalties served: beyond them an fp32 logit (up to ~1e3) divided or
+multiplied by the penalty could overflow, and the step would fail for every request in it.
+Powers of two: the bounds are the same after the wire's float32."""
+
+
 @dataclass
 class SamplingSpec:
     """What the last stage needs of a request's sampling parameters (see

@@ -473,6 +473,9 @@ class _Server:
             exc.param = param if prompt_len >= limit else body.max_tokens_field
             raise exc
         max_tokens = requested if requested is not None else min(limit - prompt_len, self.max_tokens_cap or limit)
+        if requested is None and isinstance(body.min_tokens, int) and body.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens {body.min_tokens} is more than the {max_tokens} tokens a completion "
+                                      f"may have here (the context left after the prompt)", param="min_tokens")
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else float(body.temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),

@@ -154,7 +154,7 @@ class _GenerationRequest(_Request):
     """Subtracted once from the logit of every token generated so far."""
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     """Subtracted from a generated token's logit per time it was generated."""
-    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    repetition_penalty: Optional[float] = Field(None, ge=1 / 128, le=128.0)
     """vLLM's extension: > 1 discourages tokens of the prompt and the output (1 = off)."""
     logit_bias: Optional[dict[str, float]] = None
     """Token id (as a string, as OpenAI) -> bias in [-100, 100], added to its logit."""
@@ -184,8 +184,8 @@ class _GenerationRequest(_Request):
     @classmethod
     def _check_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
         for key, bias in (v or {}).items():
-            if not (key.isascii() and key.isdigit()):  # not "-1", " 3" or "²"
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):  # not "-1", " 3", "²" or 10**5000
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:24]!r}{'...' if len(key) > 24 else ''}")
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v

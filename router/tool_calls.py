@@ -47,22 +47,38 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     for m in _BLOCK.finditer(text, first):
         if text[pos:m.start()].strip():
             return text, []
-        try:
-            obj = json.loads(m.group(1))
-        except (ValueError, RecursionError):
+        call = _call(m.group(1))
+        if call is None:
             return text, []
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
-                and isinstance(obj.get("arguments", {}), (dict, str))):
-            return text, []
-        args = obj.get("arguments", {})
-        calls.append({"id": new_call_id(), "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        calls.append(call)
         pos = m.end()
     if not calls or text[pos:].strip():
         return text, []
     content = text[:first].rstrip()
     return (content or None), calls
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: clients could not parse the arguments
+
+
+def _call(block: str) -> dict[str, Any] | None:
+    """The tool call object of one block's JSON, or None when it is not a call whose name
+    and arguments survive the trip to the client (strict JSON, encodable as UTF-8)."""
+    try:
+        obj = json.loads(block, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]
+            and isinstance(obj.get("arguments", {}), (dict, str))):
+        return None
+    args = obj.get("arguments", {})
+    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    try:
+        (obj["name"] + args).encode("utf-8")  # a lone surrogate written as an escape
+    except UnicodeEncodeError:
+        return None
+    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}}
 
 
 @dataclass

@@ -9,7 +9,7 @@ import dataclasses
 import numbers
 from dataclasses import dataclass, field
 
-from ppspec.proto.messages import GREEDY_BELOW
+from ppspec.proto.messages import GREEDY_BELOW, REPETITION_PENALTY_RANGE
 
 
 @dataclass
@@ -30,9 +30,9 @@ class SamplingParams:
     (``LLM.generate``; the HTTP layer takes ``stop`` from the request body). The stages never
     see them.
     presence_penalty, frequency_penalty: in [-2, 2], subtracted from a generated token's
-    logit once / per occurrence (OpenAI). repetition_penalty: > 0, 1 = off; divides a
+    logit once / per occurrence (OpenAI). repetition_penalty: 1 = off; divides a
     positive logit of a prompt or generated token by it, multiplies a negative one (vLLM,
-    transformers). logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to the
+    transformers); in [1/128, 128], where fp32 logits cannot overflow. logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to the
     logits (OpenAI). All apply before temperature and the filters
     (``stage_server.sampler.adjust_logits``), with speculation as without.
     """
@@ -107,8 +107,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
-        if not 0.0 < self.repetition_penalty < float("inf"):
-            raise InvalidRequestError("repetition_penalty must be a finite number > 0", param="repetition_penalty")
+        if not REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
+            raise InvalidRequestError("repetition_penalty must be in [%g, %g]" % REPETITION_PENALTY_RANGE,
+                                      param="repetition_penalty")
         bias = self.logit_bias or {}
         if not isinstance(bias, dict) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0

@@ -30,7 +30,7 @@ from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_
 from ppspec.kernels.attention import flashinfer as fi_attention
 from ppspec.kernels.checks import known
 from ppspec.kernels.gdn import replay_flush, replay_reset
-from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
+from ppspec.proto.messages import REPETITION_PENALTY_RANGE, SamplingSpec, StepInput, StepOutput
 
 from .sampler import verify_and_sample
 
@@ -563,8 +563,9 @@ class StageRunner:
         elif not all(math.isfinite(x) and -2 <= x <= 2 for x in (spec.presence_penalty, spec.frequency_penalty)):
             bad = (f"presence_penalty and frequency_penalty must be in [-2, 2], got {spec.presence_penalty} and "
                    f"{spec.frequency_penalty}")
-        elif not (math.isfinite(spec.repetition_penalty) and spec.repetition_penalty > 0):
-            bad = f"repetition_penalty must be a finite number > 0, got {spec.repetition_penalty}"
+        elif not REPETITION_PENALTY_RANGE[0] <= spec.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
+            bad = (f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]:g}, {REPETITION_PENALTY_RANGE[1]:g}], "
+                   f"got {spec.repetition_penalty}")
         else:
             for name, ids, vals in (("output_token_ids", spec.output_token_ids, spec.output_token_counts),
                                     ("prompt_token_ids", spec.prompt_token_ids, None),

@@ -65,20 +65,22 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
     presence`` for a token generated ``c`` times).
 
     Args:
-        logits: ``[B, D, V]``, any float dtype and device (the adjusted rows are written in
-            that dtype, the arithmetic done in it too).
+        logits: ``[B, D, V]``, any float dtype and device.
         drafts: per request, the step's draft tokens (position j counts drafts ``< j``).
         specs, output_lens: as :func:`verify_and_sample`.
 
     Returns:
-        ``logits`` itself when no request asks for any of this, else an adjusted copy.
+        ``logits`` itself when no request asks for any of this, else an adjusted fp32 copy
+        (fp32 whatever the model's dtype: a penalty must not overflow an fp16 logit).
+        Dense ``[D, V]`` counts per penalised request: the cost does not grow with its
+        history.
     """
     B, D, V = logits.shape
     bans = [b for b, spec in enumerate(specs) if spec.banned_until_min and output_lens[b] < spec.min_tokens]
     other = [b for b, spec in enumerate(specs) if spec.logit_bias_ids or spec.penalized]
     if not bans and not other:
         return logits
-    logits = logits.clone()  # the caller's logits stay as they were
+    logits = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
     dev = logits.device
     for b in bans:
         spec = specs[b]
@@ -86,29 +88,27 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
         logits[b, :n_ban, spec.banned_until_min] = float("-inf")
     for b in other:
         spec = specs[b]
+        rows = logits[b]  # [D, V], a view
         if spec.logit_bias_ids:
             ids = torch.tensor(spec.logit_bias_ids, dtype=torch.long, device=dev)
-            logits[b, :, ids] += torch.tensor(spec.logit_bias_values, dtype=torch.float32, device=dev).to(logits.dtype)
+            rows[:, ids] += torch.tensor(spec.logit_bias_values, dtype=torch.float32, device=dev)
         if not spec.penalized:
             continue
-        counts = dict(zip(spec.output_token_ids, spec.output_token_counts))
-        prompt = set(spec.prompt_token_ids) if spec.repetition_penalty != 1.0 else set()
-        for j in range(D):
-            if j:
-                d = drafts[b][j - 1] if j - 1 < len(drafts[b]) else None
-                if d is None:
-                    break  # positions past the drafts are never sampled
-                counts[d] = counts.get(d, 0) + 1
-            row = logits[b, j]
-            if spec.repetition_penalty != 1.0 and (prompt or counts):
-                ids = torch.tensor(sorted(prompt | counts.keys()), dtype=torch.long, device=dev)
-                x = row[ids]
-                row[ids] = torch.where(x > 0, x / spec.repetition_penalty, x * spec.repetition_penalty)
-            if (spec.presence_penalty or spec.frequency_penalty) and counts:
-                ids = torch.tensor(list(counts), dtype=torch.long, device=dev)
-                c = torch.tensor(list(counts.values()), dtype=torch.float32, device=dev)
-                sub = c * spec.frequency_penalty + spec.presence_penalty
-                row[ids] -= sub.to(logits.dtype)
+        counts = torch.zeros(D, V, dtype=torch.float32, device=dev)
+        if spec.output_token_ids:
+            counts[:, torch.tensor(spec.output_token_ids, dtype=torch.long, device=dev)] = torch.tensor(
+                spec.output_token_counts, dtype=torch.float32, device=dev)
+        for j, d in enumerate(drafts[b][: D - 1]):
+            counts[j + 1:, d] += 1  # draft j is generated before positions j + 1 on
+        seen = counts > 0
+        if spec.repetition_penalty != 1.0:
+            rep = seen.clone()
+            if spec.prompt_token_ids:
+                rep[:, torch.tensor(spec.prompt_token_ids, dtype=torch.long, device=dev)] = True
+            r = spec.repetition_penalty
+            rows.copy_(torch.where(rep, torch.where(rows > 0, rows / r, rows * r), rows))
+        if spec.presence_penalty or spec.frequency_penalty:
+            rows.sub_(counts * spec.frequency_penalty + seen * spec.presence_penalty)
     return logits
 
 

@@ -65,6 +65,19 @@ def test_adjust_logits_matches_the_formulas_at_every_draft_position():
     assert adjust_logits(logits, drafts, [SamplingSpec()] * B, [0] * B) is logits
 
 
+def test_fp16_logits_are_adjusted_in_fp32():
+    """A strong repetition penalty on fp16 logits of 10 and 20 gives 1280 and 2560: beyond
+    nothing in fp32, but a 128x of 600 would be inf in fp16 and tie with every other."""
+    logits = torch.zeros(1, 1, 12, dtype=torch.float16)
+    logits[0, 0, 5], logits[0, 0, 9], logits[0, 0, 3] = 600.0, 610.0, 1.0
+    spec = SamplingSpec(repetition_penalty=1 / 128, prompt_token_ids=[5, 9], output_token_ids=[3],
+                        output_token_counts=[1])
+    got = adjust_logits(logits, [[]], [spec], [1])
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert got[0, 0, 9] == 610.0 * 128 and got[0, 0, 5] == 600.0 * 128 and got[0, 0, 3] == 128.0
+    assert verify_and_sample(logits, torch.empty(1, 0, dtype=torch.long), [0], [spec], [1])[0].tokens == [9]
+
+
 def test_a_penalty_turns_a_greedy_acceptance():
     """Draft 5 is the argmax at position 1 without penalties; having just been drafted at
     position 0 it is penalised there, so the verify must reject it."""
@@ -100,6 +113,8 @@ def test_the_router_sends_the_history_and_the_codec_keeps_it():
 @pytest.mark.parametrize("bad,param", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty"), (dict(repetition_penalty=1e300), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={3: 101.0}), "logit_bias"),
     (dict(logit_bias=[3]), "logit_bias"),
 ])

@@ -87,6 +87,9 @@ def test_parse_content_then_calls():
     '<tool_call>{"name": "f"}</tool_call> and then more words',  # text after the calls
     '<tool_call>{"arguments": {}}</tool_call>',  # no name
     '<tool_call>[1, 2]</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',  # not JSON for a client
+    '<tool_call>{"name": "f", "arguments": {"city": "\\ud800"}}</tool_call>',  # a lone surrogate
+    '<tool_call>{"name": "", "arguments": {}}</tool_call>',
 ])
 def test_text_that_is_not_well_formed_calls_stays_content(text):
     assert parse_tool_calls(text) == (text, [])

@@ -377,12 +377,13 @@ class _Prepared:
 class _Server:
     """The endpoints' logic over one engine (``build_app`` wires it to routes)."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, max_tokens_cap: int | None):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_tokens_cap: int | None,
+                 tool_call_parser: str | None):
         self.engine = engine
         self.tokenizer = engine.tokenizer  # decoding, on the event loop
         self.model_name = served_model_name
         self.max_tokens_cap = max_tokens_cap
-        self.tool_call_parser: str | None = None  # build_app sets it
+        self.tool_call_parser = tool_call_parser
         self.pieces = TokenPieces(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         # Encoding and chat rendering run on worker threads, each with a private copy of the
@@ -473,7 +474,7 @@ class _Server:
             exc.param = param if prompt_len >= limit else body.max_tokens_field
             raise exc
         max_tokens = requested if requested is not None else min(limit - prompt_len, self.max_tokens_cap or limit)
-        if requested is None and isinstance(body.min_tokens, int) and body.min_tokens > max_tokens:
+        if requested is None and body.min_tokens > max_tokens:
             raise InvalidRequestError(f"min_tokens {body.min_tokens} is more than the {max_tokens} tokens a completion "
                                       f"may have here (the context left after the prompt)", param="min_tokens")
         params = SamplingParams(
@@ -872,8 +873,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     from prometheus_client import REGISTRY
 
     check_parser(tool_call_parser)
-    server = _Server(engine, served_model_name or engine.model_name, max_tokens_cap)
-    server.tool_call_parser = tool_call_parser
+    server = _Server(engine, served_model_name or engine.model_name, max_tokens_cap, tool_call_parser)
     app = FastAPI(title="ppspec", summary="OpenAI-compatible API of the ppspec router",
                   docs_url=None, redoc_url=None)
     app.state.server = server

@@ -278,9 +278,7 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             need = self._kv_need(req, min(self.chunk_size, req.prefill_len))
-            if self.kv_reserved + need + headroom * self.num_running > self.kv_tokens and self.num_running:
-                break
-            if self.kv_reserved + need > self.kv_tokens:
+            if self.kv_reserved + need + headroom * self.num_running > self.kv_tokens:
                 break
             self.waiting.popleft()
             req.row = self.free_rows.pop()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 TOOL_CALL_PARSERS = ("hermes",)
@@ -86,8 +86,7 @@ class ToolCallStream:
     """One streamed choice: :meth:`feed` each text delta and send what it returns as
     content; :meth:`finish` at the end gives the held text's ``(content, calls)``."""
 
-    sent: list[str] = field(default_factory=list)  # content released so far
-    held: str = ""  # text from a possible <tool_call> on
+    held: str = ""  # text from a possible <tool_call> on (what was sent never holds one)
 
     def feed(self, delta: str) -> str:
         if self.in_calls:
@@ -101,7 +100,6 @@ class ToolCallStream:
             # hold back a suffix that could be the start of <tool_call>
             keep = next((n for n in range(min(len(START) - 1, len(text)), 0, -1) if START.startswith(text[-n:])), 0)
             out, self.held = text[: len(text) - keep], text[len(text) - keep:]
-        self.sent.append(out)
         return out
 
     @property
@@ -111,8 +109,7 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """``(content still to send, calls)``: the calls when the whole text parses as
         content then calls (the held text is then not sent), else the held text as content."""
-        whole = "".join(self.sent) + self.held
-        _, calls = parse_tool_calls(whole)
+        _, calls = parse_tool_calls(self.held)  # the content sent before it is plain text
         if calls:
             return "", calls
         rest, self.held = self.held, ""

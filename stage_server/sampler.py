@@ -70,8 +70,8 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
         specs, output_lens: as :func:`verify_and_sample`.
 
     Returns:
-        ``logits`` itself when no request asks for any of this, else an adjusted fp32 copy
-        (fp32 whatever the model's dtype: a penalty must not overflow an fp16 logit).
+        ``logits`` itself when no request asks for any of this, else an adjusted copy: fp32
+        when any request has a penalty or a bias (one must not overflow an fp16 logit).
         Dense ``[D, V]`` counts per penalised request: the cost does not grow with its
         history.
     """
@@ -80,7 +80,9 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
     other = [b for b, spec in enumerate(specs) if spec.logit_bias_ids or spec.penalized]
     if not bans and not other:
         return logits
-    logits = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
+    # a copy (the caller's logits stay as they were); fp32 only where a penalty or bias
+    # applies, the min_tokens mask alone keeps the model's dtype
+    logits = logits.to(torch.float32, copy=True) if other else logits.clone()
     dev = logits.device
     for b in bans:
         spec = specs[b]

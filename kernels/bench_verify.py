@@ -1,5 +1,5 @@
 """Verify + commit of one GDN layer on the GPU: the copy design against the replay design
-(DESIGN.md section 7), against plain decode and against the copy bandwidth measured in
+(docs/DESIGN.md, "Commit rule" and "Cost model"), against plain decode and against the copy bandwidth measured in
 the same run. Prints numbers; asserts nothing about time.
 
     python3 kernels/bench_verify.py [--batches 64 256] [--steps 4] [--json out.json]

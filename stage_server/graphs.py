@@ -3,7 +3,7 @@ accepted state (:class:`CommitGraphs`) and its short prefill chunks (:class:`Pre
 
 A decode or verify step of a 1B model launches some 500 small kernels; issued one by one
 from Python the step takes tens of milliseconds while the device needs about one
-(docs/PERFORMANCE.md). A CUDA graph records the launches once and replays them with one
+(docs/PERFORMANCE.md, "Changelog"). A CUDA graph records the launches once and replays them with one
 call. Graphs need fixed shapes and fixed addresses, so each padded batch size ``b`` (see
 :func:`capture_sizes`) gets its own graph over static buffers: ``req_pool_indices``,
 ``seq_lens`` and a per-request count (int64), and the input token ids (first stage) or
@@ -253,7 +253,7 @@ class CommitGraphs:
 
     The commit's device work is a few microseconds, but launching its Triton kernel from
     Python costs tens of microseconds of host time, once per verify round: at batch 1 on
-    the demo checkpoint the commit was ~12% of an MTP round (docs/PERFORMANCE.md). A commit
+    the demo checkpoint the commit was ~12% of an MTP round (docs/PERFORMANCE.md, "Changelog"). A commit
     of ``B`` rows writes ``[rows, accept lengths]`` of bucket ``b >= B`` into a static int64
     buffer in one host-to-device copy and replays graph ``b``. Padding entries hold the
     padding row and accept length 0, which the commit writes nothing for.
@@ -313,7 +313,7 @@ class PrefillGraphs:
 
     Eager, a prefill launches a few hundred kernels, each with its Python: on the H200 a
     24-token prompt of the demo checkpoint took ~11 ms of host time for ~0.7 ms of device
-    work, a fifth of a 256-token generation with MTP (docs/PERFORMANCE.md). A chunk of ``B``
+    work, a fifth of a 256-token generation with MTP (docs/PERFORMANCE.md, "Changelog"). A chunk of ``B``
     requests and ``T`` tokens replays the smallest bucket with ``n >= B + 1`` sequences
     and ``t >= T + n - B`` tokens: its ``B`` sequences first, then ``n - B`` padding
     sequences on the padding row, each of at least one token (no kernel meets an empty

@@ -207,7 +207,7 @@ class GatedDeltaNet(nn.Module):
             )
             if st.replay is not None:
                 # replay design: pending accepted steps first; a verify keeps only its inputs,
-                # a decode writes its final state (DESIGN.md section 7)
+                # a decode writes its final state (docs/DESIGN.md, "Commit rule")
                 o = gdn_recurrent_replay(*args, st.replay, verify=meta.mode == VERIFY)
             else:
                 o = gdn_recurrent(*args, st.ssm_scratch if meta.mode == VERIFY else None)

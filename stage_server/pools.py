@@ -141,7 +141,7 @@ class StatePool:
       in both tensors, so the commit still copies it as one span.
     - ``commit_design="copy"``: ssm_scratch ``[L, R, D, HV, K, V]`` fp32, the state after
       each verify step; the commit copies ``ssm_scratch[row, accept_length - 1]`` to ``ssm[row]``.
-    - ``commit_design="replay"`` (DESIGN.md section 7): no ssm_scratch; ``replay[l]`` is the
+    - ``commit_design="replay"`` (docs/DESIGN.md, "Commit rule"): no ssm_scratch; ``replay[l]`` is the
       layer's :class:`~ppspec.kernels.gdn.ReplayBuffers` (per verify step, two slots, fp32
       whatever ``dtype``, so a bf16 stage replays exactly what it verified: normalised key
       ``k [R, 2, D, H, K]``, ``delta [R, 2, D, HV, V]``, log decay ``g [R, 2, D, HV]``), whose
@@ -217,7 +217,7 @@ class StatePool:
 
     def commit(self, rows: torch.Tensor, accept_lengths: torch.Tensor) -> None:
         """Commit the accepted verify steps of ``rows`` (``[B]`` int64) in every layer, with
-        ``accept_lengths`` ``[B]`` int64 in ``[1, D]`` (DESIGN.md sections 4 and 7).
+        ``accept_lengths`` ``[B]`` int64 in ``[1, D]`` (docs/DESIGN.md, "Commit rule").
 
         Conv window (both designs): ``conv[row] = conv_scratch[row, accept_length - 1]``.
         Copy design: ``ssm[row] = ssm_scratch[row, accept_length - 1]``. Replay design:

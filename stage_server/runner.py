@@ -53,7 +53,7 @@ log = logging.getLogger("ppspec.stage")
 _GREEDY = SamplingSpec()  # the sampling of a request whose step names none
 
 # Fault injection, for the tests that prove the invariance test catches the bugs of
-# DESIGN.md section 1. Never set in production.
+# docs/DESIGN.md, "The failure". Never set in production.
 FAULT_SKIP_COMMIT = "skip_commit"            # non-last stages never commit
 FAULT_POSITIONAL_SCRATCH = "positional_scratch"  # scratch copied to rows 0..B-1, commit reads them
 #   (replay design: the commit marks rows 0..B-1, the verify's batch positions, not the real rows)
@@ -135,7 +135,7 @@ class StageRunner:
             ``"copy"`` (the state after every verify step in a scratch, the commit copies
             one back; the reference) or ``"replay"`` (the verify keeps only the steps'
             inputs, the commit records the accept length, the next verify or decode
-            replays it: DESIGN.md section 7). None: ``"replay"`` on CUDA, ``"copy"`` on CPU.
+            replays it: docs/DESIGN.md, "Commit rule"). None: ``"replay"`` on CUDA, ``"copy"`` on CPU.
         strict_lengths: refuse a step whose ``seq_lens`` differ from the tokens its row
             holds (prefill and decode add their tokens, a commit adds the accepted ones).
             The gRPC stage turns it on; off, a caller may re-run a step at one length
@@ -941,8 +941,8 @@ class StageRunner:
     def commit_accept(self, micro_batch_id: int, round: int, req_pool_indices: list[int], accept_lengths: list[int]) -> None:
         """Commit the accepted verify state of one micro-batch in every linear layer
         (``StatePool.commit``): copy design ``state[row] = scratch[row, accept_length - 1]``
-        (DESIGN.md §4); replay design ``pending[row] = accept_length``, applied by the row's
-        next verify or decode (DESIGN.md §7).
+        (docs/DESIGN.md, "Commit rule"); replay design ``pending[row] = accept_length``, applied by the row's
+        next verify or decode (same section).
 
         This is the only commit; every stage runs it, the last included, with the rows and
         accept lengths the router relays for exactly this micro-batch and round.

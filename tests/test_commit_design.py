@@ -3,7 +3,7 @@ same states and logits on the same runner inputs, and both match Hugging Face
 transformers on the sequences the accepted tokens spell.
 
 ``copy``: the verify writes the state after each step into a scratch, the commit copies
-``scratch[row, accept_length - 1]``. ``replay`` (DESIGN.md section 7): the verify keeps only
+``scratch[row, accept_length - 1]``. ``replay`` (docs/DESIGN.md, "Commit rule"): the verify keeps only
 its step inputs, the commit records the accept length, and the row's next verify, decode
 or continuing prefill applies those steps; a new request's prefill drops them.
 """

@@ -1,4 +1,4 @@
-"""The replay commit (DESIGN.md section 7) equals commit-from-scratch, on CPU.
+"""The replay commit (docs/DESIGN.md, "Commit rule") equals commit-from-scratch, on CPU.
 
 Two pools run the same rounds side by side: the copy design (verify writes every step's
 state into a scratch at stable rows, the commit copies ``scratch[row, accept_length - 1]``)

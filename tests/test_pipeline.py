@@ -19,7 +19,7 @@ from ppspec.router.types import SamplingParams
 from ppspec.stage_server.runner import FAULTS
 
 N_PROMPTS, MAX_TOKENS = 32, 48
-TIE_GAP = 1e-4  # DESIGN.md section 6: fp32 near-tie threshold on the reference's top-2 logit gap
+TIE_GAP = 1e-4  # docs/DESIGN.md, "Correctness": fp32 near-tie threshold on the reference's top-2 logit gap
 
 pytestmark = pytest.mark.slow
 

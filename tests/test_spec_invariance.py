@@ -10,7 +10,7 @@ after a round that accepted drafts, and rounds where nothing is accepted.
 Every check runs under both commit designs of the GDN state (``StageRunner(commit_design=)``):
 ``copy`` (per-step state scratch, the commit copies one back) and ``replay`` (the verify
 keeps only its step inputs, the commit records the accept length, the next verify or
-decode of the row replays it; DESIGN.md section 7).
+decode of the row replays it; docs/DESIGN.md, "Commit rule").
 """
 import random
 
@@ -181,7 +181,7 @@ def test_oracle_drafts_every_accept_length_match(setup, steps, pp, lanes, design
 def test_invariance_catches_the_commit_bugs(setup, fault, design):
     """The same check fails when a non-last stage skips its commit, commits from positional
     scratch rows (replay: commits the batch positions' rows), or pairs a commit with another
-    micro-batch's rows (DESIGN.md section 1), under either commit design."""
+    micro-batch's rows (docs/DESIGN.md, "The failure"), under either commit design."""
     path, reqs, ref = setup
     llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
               num_speculative_steps=3, drafter=Oracle(ref, seed=3), fault=fault, commit_design=design)

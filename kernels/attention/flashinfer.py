@@ -12,7 +12,7 @@ Triton), ``triton`` or ``flashinfer`` (a stage that cannot use it refuses to sta
 every case of ``tests/gpu/test_flashinfer_gpu.py`` and a bf16 stage's hidden states after
 a chunked prefill are within 1e-2 of the Triton run's; greedy tokens part from Triton's
 only at near-ties (top-2 gaps of 0 and one bf16 ulp); its prefill attention is 2-4.4x
-faster at head dim 256 (docs/PERFORMANCE.md).
+faster at head dim 256 (docs/PERFORMANCE.md, "Prefill attention").
 
 FlashInfer builds its kernels on first use (JIT, ~2 min a head dim on the H200, cached
 under ``~/.cache/flashinfer`` after): a stage builds and runs its head dim once at start

@@ -252,7 +252,7 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
 # (context 1024, heads 16/2/256, graphed, the pipelined key loop) chose the target: at
 # batch 16 and 64, decode and a verify of D = 4, the fastest share count was the least
 # that gives every SM a program (8, 2, 8, 2 shares); at batch 256 none splits
-# (docs/PERFORMANCE.md, eleventh session).
+# (docs/PERFORMANCE.md, "Decode attention").
 _PROGRAMS_PER_SM = 1
 _MAX_SPLITS = 32
 

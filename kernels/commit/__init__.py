@@ -27,8 +27,8 @@ def commit_accept(state: torch.Tensor, scratch: torch.Tensor, req_pool_indices: 
 
 def commit_accept_conv_replay(conv: torch.Tensor, conv_scratch: torch.Tensor, pending: torch.Tensor, slot: torch.Tensor,
                               req_pool_indices: torch.Tensor, accept_lengths: torch.Tensor) -> None:
-    """The replay design's commit of one micro-batch in every layer ``l`` (DESIGN.md
-    sections 4 and 7)::
+    """The replay design's commit of one micro-batch in every layer ``l`` (docs/DESIGN.md,
+    "Commit rule")::
 
         conv[l, row] = conv_scratch[l, row, accept_length - 1]
         pending[l, row] = accept_length;  slot[l, row] = 1 - slot[l, row]

@@ -1,4 +1,4 @@
-"""Plain-torch commit of accepted verify state (DESIGN.md section 4)."""
+"""Plain-torch commit of accepted verify state (docs/DESIGN.md, "Commit rule")."""
 from __future__ import annotations
 
 import torch
@@ -32,7 +32,7 @@ def commit_accept_conv_replay_ref(
     req_pool_indices: torch.Tensor,
     accept_lengths: torch.Tensor,
 ) -> None:
-    """The whole commit of the replay design (DESIGN.md sections 4 and 7): the two reference
+    """The whole commit of the replay design (docs/DESIGN.md, "Commit rule"): the two reference
     commits composed, for exactly the named rows of every layer ``l``::
 
         conv[l, row] = conv_scratch[l, row, accept_length - 1]    # commit_accept_ref

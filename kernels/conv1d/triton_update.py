@@ -14,7 +14,7 @@ stage's pools keep each window column-major in memory (``[W - 1, C]`` behind the
 or stores is ``BC`` consecutive channels. Against windows stored ``[C, W - 1]``, whose
 column loads step over ``W - 1`` elements, that made the kernel 1.2x (decode) to 1.5x
 (verify, D = 4) faster at batch 64 and 1.4x to 1.7x at batch 256 on the H200 (one layer,
-C = 8192, bf16; ``kernels/bench_conv_update.py``, docs/PERFORMANCE.md, eleventh session).
+C = 8192, bf16; ``kernels/bench_conv_update.py``, docs/PERFORMANCE.md, "Conv window update").
 ``x`` may be a column slice of a larger projection output (unit channel stride): no copy.
 """
 from __future__ import annotations

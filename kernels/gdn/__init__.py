@@ -79,7 +79,7 @@ def gdn_recurrent(q, k, v, g, beta, state, req_pool_indices, scratch=None, scale
     return fn(q, k, v, g, beta, state, req_pool_indices, scratch, scale)
 
 
-# ---- replay commit (DESIGN.md section 7): step inputs at stable rows, replayed in the next verify
+# ---- replay commit (docs/DESIGN.md, "Commit rule"): step inputs at stable rows, replayed in the next verify
 from .naive_replay import (  # noqa: E402
     ReplayBuffers,
     alloc_replay_buffers,

@@ -1,4 +1,4 @@
-"""Plain-torch GDN verify with the *replay* commit (DESIGN.md section 7): the reference for
+"""Plain-torch GDN verify with the *replay* commit (docs/DESIGN.md, "Commit rule"): the reference for
 ``triton_replay.py``.
 
 The copy design (``naive.recurrent_gated_delta_rule_ref`` with a scratch, then

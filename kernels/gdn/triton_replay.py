@@ -1,4 +1,4 @@
-"""Triton GDN verify with the replay commit (DESIGN.md section 7): the GPU path of
+"""Triton GDN verify with the replay commit (docs/DESIGN.md, "Commit rule"): the GPU path of
 ``naive_replay.py``.
 
 The verify of a row first replays that row's accepted steps of the previous round onto the

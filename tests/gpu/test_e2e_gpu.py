@@ -1,6 +1,6 @@
 """End to end on CUDA, stages sharing one GPU (in one process, micro-batches interleaved):
 fp32 greedy tokens identical to PP1 without speculation (divergence only at near-ties of
-the reference, DESIGN.md section 6); bf16 at least 99% of tokens identical. On CUDA the
+the reference, docs/DESIGN.md, "Correctness"); bf16 at least 99% of tokens identical. On CUDA the
 stages commit with the replay design by default; the copy design is checked too.
 
 The references run eagerly (``cuda_graph_max_bs=0``); every pipeline under test replays

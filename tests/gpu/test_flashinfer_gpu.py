@@ -173,7 +173,7 @@ def test_bf16_flashinfer_prefill_matches_triton_to_rounding(fa, dev, monkeypatch
     Token agreement is not the criterion: it measured 84% on the H200 (12 prompts x 48
     tokens), and on CPU one flip at a near-tie early in one request costs ~8% of it, with
     ~1% of this model's bf16 positions within 0.05 of a tie. These two checks have not run
-    on a GPU yet (docs/PERFORMANCE.md)."""
+    on a GPU yet (docs/PERFORMANCE.md, "Prefill attention")."""
     from transformers import AutoTokenizer
 
     from ppspec.router.llm import LLM

@@ -16,6 +16,9 @@ Timing definitions (the ones vLLM's serving benchmark uses):
 Output tokens are the server's ``usage.completion_tokens`` (we request
 ``stream_options.include_usage``); failing that, the generated text counted with
 ``--tokenizer``, or as whitespace words.
+
+Every timestamp is read from ``clock`` (``time.perf_counter``), the one clock of the client and
+the runner, so a test can inject its own.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from dataclasses import dataclass, field
 import httpx
 
 _SSE_FIELDS = ("data:", "event:", "id:", "retry:", ":")
+
+clock = time.perf_counter  # seconds; module-level so that tests can replace it
 
 
 @dataclass
@@ -40,7 +45,7 @@ class RequestResult:
     parts: list[str] = field(default_factory=list)  # generated text, chunk by chunk
     prompt_tokens: int | None = None  # server usage
     completion_tokens: int | None = None  # server usage
-    start: float = 0.0  # perf_counter at send
+    start: float = 0.0  # clock() at send, seconds
     non_openai: bool = False  # the answer was not an OpenAI-style response at all
 
     @property
@@ -112,7 +117,7 @@ async def stream_request(
 ) -> RequestResult:
     """POST ``payload`` with ``stream: true`` and time the server-sent events."""
     r = RequestResult()
-    r.start = st = time.perf_counter()
+    r.start = st = clock()
     last = st
     seen_event = False
     try:
@@ -164,7 +169,7 @@ async def stream_request(
                     r.completion_tokens = usage.get("completion_tokens", r.completion_tokens)
                 text = _chunk_text(chunk, chat)
                 if text:
-                    ts = time.perf_counter()
+                    ts = clock()
                     if r.num_chunks == 0:
                         r.ttft = ts - st
                     else:

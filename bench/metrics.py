@@ -122,11 +122,13 @@ def spec_decode_summary(before: dict | None, after: dict | None, error: str | No
     return out
 
 
-def compute_results(results, samples, duration: float, counter_source: str, count_tokens) -> dict:
+def compute_results(results, samples, duration: float, counter_source: str, count_tokens,
+                    start: float = 0.0) -> dict:
     """Aggregate per-request ``RequestResult``s into the benchmark's figures.
 
     ``samples`` are the ``SampleRequest``s in the same order; ``count_tokens`` counts
-    the tokens of a text when the server reported no usage.
+    the tokens of a text when the server reported no usage; ``start`` is the run's start on
+    the requests' clock (seconds): each row's ``send_s`` is its request's send time after it.
     """
     ttfts, tpots, itls, e2els = [], [], [], []
     total_in = total_out = completed = chunks = 0
@@ -138,6 +140,7 @@ def compute_results(results, samples, duration: float, counter_source: str, coun
             "output_len": sample.output_len,
             "success": res.success,
             "error": res.error,
+            "send_s": res.start - start,
         }
         if res.success:
             completed += 1

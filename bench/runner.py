@@ -13,7 +13,6 @@ import datetime
 import math
 import random
 import sys
-import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import httpx
 from tqdm import tqdm
 
 from ppspec.bench import BenchError
+from ppspec.bench import client as client_mod
 from ppspec.bench.client import RequestResult, _snippet, describe_http_error, error_message, stream_request
 from ppspec.bench.dataset import SampleRequest
 from ppspec.bench.metrics import DEFAULT_PREFIX, compute_results, parse_spec_counters, spec_decode_summary
@@ -179,7 +179,7 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
         pbar = tqdm(total=len(samples), disable=not cfg.progress, unit="req", desc="ppspec bench", file=sys.stderr)
 
         async def one(sample: SampleRequest, due: float) -> RequestResult:
-            delay = start + due - time.perf_counter()
+            delay = start + due - client_mod.clock()
             if delay > 0:
                 await asyncio.sleep(delay)
             payload = build_payload(cfg.endpoint, model, sample, sample.output_len, cfg)
@@ -191,18 +191,18 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
             pbar.update(1)
             return res
 
-        start = time.perf_counter()
+        start = client_mod.clock()
         try:
             results = await asyncio.gather(*(one(s, t) for s, t in zip(samples, offsets)))
         finally:
             pbar.close()
-        duration = time.perf_counter() - start
+        duration = client_mod.clock() - start
 
         after, err_after = (None, None)
         if before is not None:
             after, err_after = await scrape_spec_counters(client, root, headers, cfg.metrics_prefix)
 
-    figures = compute_results(results, samples, duration, counter_source, count_tokens)
+    figures = compute_results(results, samples, duration, counter_source, count_tokens, start)
     errors: list[str] = []
     for r in results:
         if r.error and r.error not in errors:

@@ -86,8 +86,14 @@ def test_stop_string_finishes_count_as_stop(cluster):
     r = client.completions.create(model=model, prompt="The quick brown", max_tokens=300, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
-    time.sleep(0.5)
-    after = metric_values(c.url)
     key = lambda reason: ("ppspec:request_success_total", (("finished_reason", reason),))  # noqa: E731
+    running = ("ppspec:num_requests_running", ())
+    deadline = time.monotonic() + 60  # the engine finishes the stopped request in the background
+    while True:
+        after = metric_values(c.url)
+        if after.get(key("stop"), 0) > before.get(key("stop"), 0) and after.get(running, 0) == 0:
+            break
+        assert time.monotonic() < deadline, "the stopped request never finished"
+        time.sleep(0.05)
     assert after.get(key("stop"), 0) - before.get(key("stop"), 0) == 1
     assert after.get(key("abort"), 0) == before.get(key("abort"), 0)

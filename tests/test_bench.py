@@ -36,11 +36,10 @@ from ppspec.bench.runner import arrival_offsets, normalize_base_url
 
 FIRST = 0.050  # s to the first content chunk
 GAP = 0.020  # s between chunks
-# Client-side figures include loopback and scheduling delays (the test machine may be
-# shared and busy): a single latency may exceed the stub's by up to SLACK, never fall
-# short of it by more than EARLY; averages of gaps are held to a few ms.
-SLACK = 0.030
-EARLY = 0.001
+# No test asserts a wall-clock window: the client's figures are checked against the times
+# the stub recorded on the same clock (a client latency cannot be shorter than the stub's
+# own, as the client stamps before sending and after receiving), and the arithmetic of the
+# figures against timestamps injected into ``compute_results``.
 MODEL = "stub-model"
 
 # Counters of the stub's /metrics: a baseline, and what each finished request adds.
@@ -61,6 +60,9 @@ class Stub:
         self.mode = mode  # "openai" | "html" | "html-completions" | "unknown-model"
         self.requests: list[dict] = []  # bodies of POSTs
         self.arrivals: list[float] = []  # perf_counter at each POST (same clock as the client)
+        # per prompt: perf_counter at its POST and at the sends of its text chunks
+        self.times: dict[str, tuple[float, list[float]]] = {}
+        self.open = self.max_open = 0  # streams open now / at most at once
         self.done = 0
         self.lock = threading.Lock()
 
@@ -134,7 +136,13 @@ class Stub:
             with self.lock:
                 self.requests.append(req)
                 self.arrivals.append(time.perf_counter())
-            return await self.stream(req, path.endswith("chat/completions"), send)
+                self.open += 1
+                self.max_open = max(self.max_open, self.open)
+            try:
+                return await self.stream(req, path.endswith("chat/completions"), send)
+            finally:
+                with self.lock:
+                    self.open -= 1
         return await reply(404, "application/json", b'{"detail": "Not Found"}')
 
     async def stream(self, req, chat, send):
@@ -152,8 +160,11 @@ class Stub:
             await event({"object": "chat.completion.chunk",
                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         sent, i = 0, 0
+        sends: list[float] = []
+        self.times[prompt] = (t0, sends)  # the test request's entry is replaced by the run's
         while sent < m:
             await asyncio.sleep(max(0.0, t0 + FIRST + i * GAP - time.perf_counter()))
+            sends.append(time.perf_counter())
             k = min(self.k, m - sent)
             text = "tok " * k
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
@@ -236,14 +247,23 @@ def run_bench(url, dataset, tmp_path, *extra, name="result.json", progress=False
     return json.loads(out.read_text())
 
 
-def assert_near(value, expected, tol):
-    assert value is not None and abs(value - expected) <= tol, f"{value} not within {tol} of {expected}"
+def prompt_of(stub, q):
+    """The prompt of a result row: the dataset's prompts differ in their number of words."""
+    by_words = {len(p.split()): p for p in (x.get("prompt") or x["messages"][0]["content"] for x in stub.requests)}
+    return by_words[q["input_tokens"]]
 
 
-def assert_latency(value_ms, expected_s):
-    """A client-side latency: at least the stub's, at most SLACK more."""
-    lo, hi = (expected_s - EARLY) * 1e3, (expected_s + SLACK) * 1e3
-    assert value_ms is not None and lo <= value_ms <= hi, f"{value_ms} ms not in [{lo}, {hi}]"
+def assert_after_stub(r, stub):
+    """Each request's TTFT and e2e are at least the stub's own, from its POST to its first /
+    last text chunk (recorded on the client's clock: the client stamps before sending and after
+    receiving), which in turn are at least the stub's schedule (less a timer's early firing);
+    e2e = TTFT + sum(ITL)."""
+    for q in r["requests"]:
+        arrived, sends = stub.times[prompt_of(stub, q)]
+        assert q["ttft_ms"] >= (sends[0] - arrived) * 1e3 and sends[0] - arrived >= FIRST - 1e-3
+        assert q["e2el_ms"] >= (sends[-1] - arrived) * 1e3
+        assert q["chunks"] == len(sends) and len(q["itl_ms"]) == len(sends) - 1
+        assert math.isclose(q["e2el_ms"], q["ttft_ms"] + sum(q["itl_ms"]), rel_tol=1e-9)
 
 
 @pytest.fixture(autouse=True)
@@ -330,6 +350,37 @@ def test_percentiles_and_summary():
     assert summarize_ms([]) == {"mean": None, "std": None, "p50": None, "p90": None, "p99": None}
 
 
+def test_figures_from_injected_timestamps():
+    """TTFT, ITL, TPOT, e2e, throughput and concurrency are computed from the recorded
+    timestamps alone: here injected, two waves of two requests of the stub's shape."""
+    from ppspec.bench.client import RequestResult
+    from ppspec.bench.dataset import SampleRequest
+    from ppspec.bench.metrics import compute_results
+
+    m, results, t0 = 10, [], 100.0
+    for i, start in enumerate((0.0, 0.001, 0.230, 0.232)):
+        chunks = [start + FIRST + j * GAP + 0.001 * i for j in range(m)]
+        r = RequestResult(success=True, start=t0 + start, num_chunks=m, completion_tokens=m, prompt_tokens=5 + i,
+                          ttft=chunks[0] - start, e2el=chunks[-1] - start,
+                          itl=[b - a for a, b in zip(chunks, chunks[1:])])
+        results.append(r)
+    samples = [SampleRequest(prompt=f"p{i}", prompt_len=5 + i, output_len=m, reference_len=m) for i in range(4)]
+    duration = 0.232 + FIRST + (m - 1) * GAP + 0.003
+    f = compute_results(results, samples, duration, "server", None, start=t0)
+    e2e = [FIRST + (m - 1) * GAP + 0.001 * i for i in range(4)]
+    ttft = [FIRST + 0.001 * i for i in range(4)]
+    assert f["completed"] == 4 and f["total_output_tokens"] == 4 * m and f["total_input_tokens"] == 26
+    assert f["ttft_ms"]["mean"] == pytest.approx(sum(ttft) / 4 * 1e3)
+    assert f["ttft_ms"]["p50"] == pytest.approx(percentile(sorted(ttft), 50) * 1e3)
+    assert f["e2el_ms"]["mean"] == pytest.approx(sum(e2e) / 4 * 1e3)
+    assert f["itl_ms"]["mean"] == pytest.approx(GAP * 1e3) and f["itl_ms"]["p99"] == pytest.approx(GAP * 1e3)
+    assert f["tpot_ms"]["mean"] == pytest.approx(GAP * 1e3)
+    assert f["mean_concurrency"] == pytest.approx(sum(e2e) / duration)
+    assert f["request_throughput"] == pytest.approx(4 / duration)
+    assert f["output_throughput"] == pytest.approx(4 * m / duration)
+    assert [q["send_s"] for q in f["_per_request"]] == pytest.approx([0.0, 0.001, 0.230, 0.232])
+
+
 def test_metrics_parsing_and_summary():
     stub = Stub()
     before = parse_spec_counters(stub.metrics_text())
@@ -403,28 +454,18 @@ def test_one_token_chunks_concurrency(dataset, tmp_path):
     assert r["tokens_per_chunk"] == 1.0
     for q in r["requests"]:
         assert q["output_tokens"] == m and q["chunks"] == m and len(q["itl_ms"]) == m - 1
-        assert math.isclose(q["e2el_ms"], q["ttft_ms"] + sum(q["itl_ms"]), rel_tol=1e-9)
         assert math.isclose(q["tpot_ms"], (q["e2el_ms"] - q["ttft_ms"]) / (m - 1), rel_tol=1e-9)
-    # timings: TTFT = 50 ms, ITL = TPOT = 20 ms, e2e = 50 + 9 * 20 = 230 ms
-    ms = 1e3
-    for q in r["requests"]:
-        assert_latency(q["ttft_ms"], FIRST)
-        assert_latency(q["e2el_ms"], FIRST + (m - 1) * GAP)
-    assert_latency(r["ttft_ms"]["mean"], FIRST)
-    assert_latency(r["ttft_ms"]["p50"], FIRST)
-    assert_near(r["itl_ms"]["p50"], GAP * ms, 5)
-    assert_near(r["itl_ms"]["mean"], GAP * ms, 3)
-    assert_near(r["tpot_ms"]["mean"], GAP * ms, 3)
-    assert_near(r["tpot_ms"]["p50"], GAP * ms, 3)
-    assert_latency(r["e2el_ms"]["mean"], FIRST + (m - 1) * GAP)
+    # timings against the stub's recorded ones; at most 2 streams open at once, so the run
+    # lasts at least two requests back to back, and the mean concurrency is at most 2
+    assert_after_stub(r, stub)
+    assert 1 <= stub.max_open <= 2
+    e2e = sorted(q["e2el_ms"] for q in r["requests"])
+    assert r["duration_s"] * 1e3 >= e2e[0] + e2e[1]
+    assert r["mean_concurrency"] <= 2.0 + 1e-9
     assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
-    # throughput: two waves of two requests, ~ 2 * 230 ms
-    e2e = FIRST + (m - 1) * GAP
-    assert 2 * e2e - 0.005 <= r["duration_s"] <= 2 * e2e + 0.15
     assert math.isclose(r["request_throughput"], n / r["duration_s"])
     assert math.isclose(r["output_throughput"], n * m / r["duration_s"])
     assert math.isclose(r["input_throughput"], r["total_input_tokens"] / r["duration_s"])
-    assert_near(r["mean_concurrency"], 2.0, 0.35)
     # speculative-decoding counters: only the n benchmark requests (not the test request)
     sd = r["spec_decode"]
     assert sd["num_drafts"] == n * PER_REQ["drafts"] and sd["num_accepted_tokens"] == n * PER_REQ["accepted"]
@@ -447,14 +488,13 @@ def test_multi_token_chunks_chat_no_usage(dataset, tmp_path):
     assert r["tokens_per_chunk"] == m / 4
     for q in r["requests"]:
         assert q["chunks"] == 4 and len(q["itl_ms"]) == 3 and q["output_tokens"] == m
-    ms = 1e3
-    # the role-only first chunk arrives at once but does not count: TTFT is still 50 ms
-    assert_latency(r["ttft_ms"]["mean"], FIRST)
-    assert_near(r["itl_ms"]["mean"], GAP * ms, 3)  # per chunk
-    assert_near(r["tpot_ms"]["mean"], 3 * GAP / (m - 1) * ms, 1.5)  # 60 ms over 9 tokens
-    assert_latency(r["e2el_ms"]["mean"], FIRST + 3 * GAP)
-    # all at once: duration ~ one request
-    assert FIRST + 3 * GAP - 0.005 <= r["duration_s"] <= FIRST + 3 * GAP + 0.1
+    # the role-only first chunk arrives at once but does not count: TTFT is at least the stub's
+    # wait for the first text chunk
+    assert_after_stub(r, stub)
+    for q in r["requests"]:
+        assert math.isclose(q["tpot_ms"], (q["e2el_ms"] - q["ttft_ms"]) / (m - 1), rel_tol=1e-9)
+    # all at once: no request waited for another
+    assert stub.max_open <= n and r["duration_s"] * 1e3 >= max(q["e2el_ms"] for q in r["requests"])
     # /metrics without spec-decode counters: nulls, no error
     sd = r["spec_decode"]
     assert sd["mean_accept_length"] is None and sd["acceptance_per_position"] is None
@@ -469,13 +509,12 @@ def test_poisson_arrivals_follow_seed(dataset, tmp_path):
                       "--max-output-len", "4", progress=True)
     assert r["request_rate"] == rate and r["completed"] == n
     expected = arrival_offsets(n, rate, seed)
-    got = stub.arrivals[1:]  # [0] is the test request
-    # The schedule's start is not observable here, and the first request may itself arrive
-    # late; take the least-late request as the reference: every arrival then lies within
-    # scheduling jitter (this machine is shared and loaded) after its scheduled offset.
-    base = min(g - e for g, e in zip(got, expected))
-    for g, e in zip(got, expected):
-        assert 0 <= g - e - base <= 0.15, (g - base, e)
+    # each request was sent no earlier than its offset after the run's start (the runner's
+    # recorded send times; a timer may fire up to the clock's resolution early), and the
+    # sends came in the schedule's order (the sleeping tasks wake in deadline order)
+    sends = [q["send_s"] for q in r["requests"]]
+    assert all(t >= e - 1e-3 for t, e in zip(sends, expected)), (sends, expected)
+    assert sorted(range(n), key=sends.__getitem__) == sorted(range(n), key=expected.__getitem__)
     assert expected == arrival_offsets(n, rate, seed) and expected != arrival_offsets(n, rate, seed + 1)
     assert r["duration_s"] >= expected[-1] + FIRST + 3 * GAP - 0.005
     assert r["spec_decode"]["mean_accept_length"] is None
@@ -609,10 +648,11 @@ def test_host_split_of_a_step_adds_up(capsys):
     """``profile_host --case 1b`` (here its CPU check on the demo checkpoint, the graphs'
     padded path run eagerly): per step the host time before the launch, the launch to the
     step's end and the commit are positive where they exist and add up to the wall time; a
-    decode commits nothing, a verify round does."""
+    decode commits nothing, a verify round does. One timed step, so that each column is that
+    step's own split (medians of several need not add up) and the check holds at any load."""
     from ppspec.bench.profile_host import main as profile_host
 
-    profile_host(["--case", "1b", "--device", "cpu", "--batch", "4", "--steps", "3"])
+    profile_host(["--case", "1b", "--device", "cpu", "--batch", "4", "--steps", "1"])
     rows = {}
     for line in capsys.readouterr().out.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -622,8 +662,8 @@ def test_host_split_of_a_step_adds_up(capsys):
     for mode, (wall, before, after, commit) in rows.items():
         assert 0 < before < wall and 0 < after < wall
         assert (commit > 0) == (mode == "verify")
-        # medians of each column: they add up to the median wall within the steps' spread
-        assert before + after + commit == pytest.approx(wall, rel=0.25)
+        # the printed columns are rounded to 1 us each
+        assert before + after + commit == pytest.approx(wall, abs=2.5e-3)
 
 
 

@@ -179,23 +179,17 @@ def test_unreachable_stage_at_start_names_it(random_ref):
 
 def test_stage_death_gives_503_and_health_names_the_stage(random_ref, tmp_path):
     path, prompts, _, _ = random_ref
-    with Cluster(path, 3, "none", log_dir=str(tmp_path), router_args=["--step-timeout", "20"]) as c:
+    # a step timeout far past the client's: the requests can only end through the stage's death
+    with Cluster(path, 3, "none", log_dir=str(tmp_path), router_args=["--step-timeout", "3600"]) as c:
         async def scenario():
-            async with httpx.AsyncClient(timeout=60) as client:
-                async def one(p):
-                    t0 = time.monotonic()
-                    r = await client.post(c.url + "/v1/completions", json=dict(
-                        prompt=p, max_tokens=1500, temperature=0.0, ignore_eos=True))
-                    return r, time.monotonic() - t0
-                tasks = [asyncio.ensure_future(one(p)) for p in prompts[:8]]
+            async with httpx.AsyncClient(timeout=120) as client:
+                tasks = [asyncio.ensure_future(client.post(c.url + "/v1/completions", json=dict(
+                    prompt=p, max_tokens=1500, temperature=0.0, ignore_eos=True))) for p in prompts[:8]]
                 await asyncio.sleep(3.0)
-                killed = time.monotonic()
                 c.kill("stage1")
-                res = await asyncio.gather(*tasks)
-                return res, time.monotonic() - killed
-        res, elapsed = asyncio.run(scenario())
-        assert elapsed < 20, f"requests hung {elapsed:.1f}s after the stage died"
-        for r, _ in res:
+                return await asyncio.gather(*tasks)
+        res = asyncio.run(scenario())
+        for r in res:
             assert r.status_code == 503, r.text
             assert r.json()["error"]["type"] == "service_unavailable"
         assert c.procs["router"].poll() is None, "the router died with the stage"

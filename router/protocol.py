@@ -2,9 +2,9 @@
 
 Requests are pydantic v2 models in strict mode (``"5"`` is not an int, ``1.5`` is not an
 int, ``NaN`` is not a float) that forbid unknown fields: a malformed body is a 400 with an
-OpenAI-style error body (``router/api.py`` converts pydantic's errors). Semantic checks that
+OpenAI-style error body (``router/api/errors.py`` converts pydantic's errors). Semantic checks that
 need the tokenizer or the context limit (prompt length, token id range) happen in
-``router/api.py``; range checks of the sampling knobs are repeated by
+``router/api/handlers.py`` and ``router/api/fanout.py``; range checks of the sampling knobs are repeated by
 ``SamplingParams.validate``.
 
 Responses are plain pydantic models in OpenAI's shapes. ppspec extensions

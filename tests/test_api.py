@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP layer (router/api.py), driven by the official ``openai`` client.
+"""The OpenAI-compatible HTTP layer (router/api/), driven by the official ``openai`` client.
 
 The engine is a fake that really generates: it walks the token ids of a fixed text (with
 multi-byte characters and EOS markers) from a position drawn from (prompt, seed), a few
@@ -880,6 +880,30 @@ def test_unknown_model_404(client):
     assert e.value.body["code"] == "model_not_found" and "gpt-5" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}], stream=True)
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "Hello", "model": "\ud800"},
+    {"prompt": "Hello", "model": "a\udfff\ud800b"},
+    {"prompt": "Hello", "\ud800": 1},
+    {"prompt": "Hello", "stop": ["\udc80"]},
+    {"prompt": "Hello", "logit_bias": {"\ud800": 1}},
+])
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_lone_surrogates_in_any_field_get_a_4xx_that_renders(server, path, body):
+    """A JSON string may hold a lone surrogate, which UTF-8 cannot encode: an error message
+    quoting it must still render (a 4xx, not a 500), and the connection keeps serving."""
+    if path == "chat/completions":
+        body = {k: v for k, v in body.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=server) as http:  # one keep-alive connection for both requests
+        r = http.post(f"/v1/{path}", content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code in (400, 404), r.text
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error"
+        if r.status_code == 404:
+            assert err["code"] == "model_not_found" and "\\ud800" in err["message"]
+        ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_api_key_401(engine):

@@ -1,0 +1,176 @@
+"""The app factory (``build_app``: routes, error handlers, the guard) and the uvicorn runner (``serve_http``)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import make_asgi_app
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..protocol import AsyncEngine, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from ..tool_calls import check_parser
+from ..types import EngineError
+from .errors import STATUS_TYPES, engine_error_response, error_body, error_response, validation_message
+from .guard import DEFAULT_MAX_REQUEST_BYTES, Guard
+from .handlers import OpenAIHandlers
+
+log = logging.getLogger("ppspec.router.api")
+
+DEFAULT_MAX_TOKENS_CAP: int | None = None
+"""Cap on the default ``max_tokens`` of a request that gives none: None means the context
+left after the prompt (vLLM's default; KV pages are taken as the sequence grows, so a
+large default reserves nothing)."""
+
+
+def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None, *,
+              max_tokens_cap: int | None = DEFAULT_MAX_TOKENS_CAP, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              registry: Any = None, tool_call_parser: str | None = None) -> FastAPI:
+    """The OpenAI-compatible ASGI app in front of ``engine``.
+
+    served_model_name: the model id clients use (default ``engine.model_name``); another
+    ``model`` gets 404. api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>``
+    (401 otherwise); ``/health`` and ``/metrics`` stay open for probes and scrapers.
+    max_tokens_cap: default ``max_tokens`` is min(context limit - prompt tokens, this);
+    None: the context limit - prompt tokens.
+    max_request_bytes: larger request bodies get 413. registry: the prometheus_client
+    registry ``/metrics`` exports (default: the global one). tool_call_parser: how tool
+    calls are read from generated text (``router.tool_calls``, e.g. ``hermes``); None: a
+    chat request with ``tools`` gets 400. Raises ValueError for an unknown parser.
+    """
+    from prometheus_client import REGISTRY
+
+    check_parser(tool_call_parser)
+    server = OpenAIHandlers(engine, served_model_name or engine.model_name, max_tokens_cap, tool_call_parser)
+    app = FastAPI(title="ppspec", summary="OpenAI-compatible API of the ppspec router",
+                  docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(EngineError)
+    async def _on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return engine_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if status == 400 and message == "There was an error parsing the body":
+            message = "request body could not be parsed (is it UTF-8 JSON?)"
+        return error_response(status, message, STATUS_TYPES.get(status, "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _on_crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat(body, request)
+
+    def _card() -> ModelCard:
+        return ModelCard(id=server.model_name, max_model_len=int(engine.max_model_len))
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return Response(ModelList(data=[_card()]).model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        server.check_model(model_id)
+        return Response(_card().model_dump_json(), media_type="application/json")
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read the status alone
+    async def health() -> JSONResponse:
+        try:
+            ok, detail = engine.health()
+        except Exception as exc:  # noqa: BLE001 - a failing health check is "down"
+            ok, detail = False, f"health check failed: {type(exc).__name__}: {exc}"
+        if ok:
+            return JSONResponse({"status": "ok", "detail": detail})
+        body = {"status": "unavailable", "detail": detail, **error_body(detail, "service_unavailable")}
+        return JSONResponse(body, status_code=503)
+
+    app.mount("/metrics", _read_only(make_asgi_app(registry=REGISTRY if registry is None else registry)))
+    # Serve "/metrics" itself, not only "/metrics/" (a Mount matches "/metrics/..." only).
+    app.routes[-1].path_regex = re.compile(r"^/metrics(?P<path>.*)$")  # type: ignore[attr-defined]
+
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes)
+    return app
+
+
+def _read_only(inner: Callable) -> Callable:
+    """An ASGI app that passes GET and HEAD to ``inner`` and answers 405 (with ``Allow``)
+    to any other method: prometheus_client's exporter answers every method alike."""
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+            resp = error_response(405, f"method {scope['method']} is not allowed on {scope['path']} (GET or HEAD)",
+                                  "invalid_request_error")
+            resp.headers["allow"] = "GET, HEAD"
+            await resp(scope, receive, send)
+            return
+        await inner(scope, receive, send)
+
+    return app
+
+
+async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
+                     shutdown: asyncio.Event | None = None, on_exit: Callable[[], None] | None = None,
+                     drain_seconds: float = 1.0, **uvicorn_kwargs: Any) -> None:
+    """Serve ``app`` with uvicorn until SIGINT / SIGTERM (main thread) or ``shutdown`` is set.
+
+    Uses ``loop="uvloop"``: run this coroutine on a uvloop event loop, e.g.
+    ``uvloop.run(serve_http(app, host, port))``, so that the engine and the server share it.
+    On exit, in-flight responses get uvicorn's graceful-shutdown time
+    (``timeout_graceful_shutdown``, seconds, in ``uvicorn_kwargs``). Extra keyword arguments
+    go to ``uvicorn.Config``. When the port cannot be bound, uvicorn logs the error and
+    raises ``SystemExit(3)``.
+
+    ``on_exit`` runs on the event loop at the first SIGINT / SIGTERM, ``drain_seconds``
+    before the server starts closing: the engine ends its requests there, so that open
+    streams still carry the error event and ``[DONE]`` instead of being cut off.
+    """
+    import uvicorn
+
+    loop = asyncio.get_running_loop()
+    if "uvloop" not in type(loop).__module__:
+        log.warning("serve_http is running on %s, not uvloop", type(loop).__name__)
+    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level, **uvicorn_kwargs)
+
+    class _Uvicorn(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame):  # a signal handler: hand the work to the loop
+            if on_exit is None or self.draining:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            loop.call_soon_threadsafe(on_exit)
+            loop.call_soon_threadsafe(loop.call_later, drain_seconds, super().handle_exit, sig, frame)
+
+    server = _Uvicorn(config)
+    watcher = None
+    if shutdown is not None:
+        async def _stop_when_asked() -> None:
+            await shutdown.wait()
+            server.should_exit = True
+
+        watcher = asyncio.ensure_future(_stop_when_asked())
+    try:
+        await server.serve()
+    finally:
+        if watcher is not None:
+            watcher.cancel()

@@ -1,0 +1,344 @@
+"""The OpenAI endpoints' logic: ``/v1/completions`` and ``/v1/chat/completions``.
+
+A request is prepared (prompt tokenized or chat rendered, one ``Sub`` per choice: nothing
+runs until every check passed), run by a ``Fanout``, and answered as one JSON body or as
+server-sent events by :meth:`OpenAIHandlers._sse`, the one SSE writer of both endpoints (each
+endpoint gives it a function from ``Event`` to chunks). A streaming response sends its
+headers once every choice has produced its first output, so that errors raised before any
+token (queue full, stage down, context length) still get their HTTP status; an error after
+that is an error event, then ``[DONE]``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterable
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from ..detokenize import TokenPieces
+from ..protocol import (
+    AsyncEngine,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from ..tool_calls import ToolCallStream, parse_tool_calls
+from ..types import EngineError, InvalidRequestError
+from .errors import APIError, check_utf8, error_body
+from .fanout import ClientGone, Event, Fanout, Runner, Sub, check_ids, make_subs, unless_disconnected
+from .logprobs import chat_logprobs, completion_logprobs
+from .tokenize import TokenizerPool
+
+log = logging.getLogger("ppspec.router.api")
+
+_Chunks = tuple[Callable[[Event], Iterable[BaseModel]], Callable[[UsageInfo], BaseModel]]
+"""An endpoint's stream shape: the chunks of one event, and the usage chunk."""
+
+
+@dataclass
+class Prepared:
+    """A validated generation request, ready to run."""
+
+    request_id: str
+    prompts: list[list[int]]
+    prompt_texts: list[str] | None  # for echo
+    subs: list[Sub]
+
+
+class OpenAIHandlers:
+    """The endpoints' logic over one engine (``build_app`` wires it to routes)."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_tokens_cap: int | None,
+                 tool_call_parser: str | None):
+        self.engine = engine
+        self.runner = Runner(engine)
+        self.tokenizer = engine.tokenizer  # decoding, on the event loop
+        self.tokens = TokenizerPool(self.tokenizer)  # encoding and chat rendering, on workers
+        self.model_name = served_model_name
+        self.max_tokens_cap = max_tokens_cap
+        self.tool_call_parser = tool_call_parser
+        self.pieces = TokenPieces(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        """Raise ``APIError`` 404 (code ``model_not_found``) unless ``name`` is None or the served name."""
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                           param="model", code="model_not_found")
+
+    def _subs(self, body, request_id: str, prompts: list[list[int]], logprobs: int | None, param: str) -> list[Sub]:
+        return make_subs(body, request_id, prompts, logprobs, param, vocab_size=self.vocab_size,
+                         max_model_len=int(self.engine.max_model_len), max_tokens_cap=self.max_tokens_cap)
+
+    # -- preparing -------------------------------------------------------------------------
+
+    async def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        """Tokenize the prompt(s) and build one engine request per choice.
+
+        Raises ``APIError`` (404 unknown model), ``InvalidRequestError`` (empty prompt, ids
+        outside the vocabulary, text that is not UTF-8, bad sampling values) and
+        ``ContextLengthError`` (prompt tokens + max_tokens over ``engine.max_model_len``).
+        """
+        self.check_model(body.model)
+        p = body.prompt
+        texts: list[str] | None = None
+        if isinstance(p, str):
+            texts = [p]
+        elif isinstance(p[0], str):
+            texts = list(p)  # type: ignore[arg-type]
+        if texts is not None:
+            for t in texts:
+                check_utf8(t, "prompt")
+            try:
+                prompts = await self.tokens.encode(texts)
+            except Exception as exc:  # noqa: BLE001
+                raise InvalidRequestError(f"prompt could not be tokenized: {exc}", param="prompt") from None
+        else:
+            prompts = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]  # type: ignore[arg-type]
+        for ids in prompts:
+            if not ids:
+                raise InvalidRequestError("prompt is empty (it encodes to no tokens)", param="prompt")
+            check_ids(ids, "prompt", self.vocab_size)
+        if body.echo and texts is None:
+            texts = [self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        subs = self._subs(body, request_id, prompts, body.logprobs, "prompt")
+        return Prepared(request_id, prompts, texts, subs)
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        """Render the messages with the chat template (generation prompt added) and build one
+        engine request per choice. Raises as ``prepare_completion``, and
+        ``InvalidRequestError`` when the template fails or the model has none."""
+        self.check_model(body.model)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        messages = [m.to_template() for m in body.messages]
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                check_utf8(m["content"], "messages")
+        if body.tools_in_use and self.tool_call_parser is None:
+            raise InvalidRequestError("tools need a server started with --tool-call-parser (e.g. hermes)",
+                                      param="tools")
+        try:
+            ids = await self.tokens.render_chat(messages, body.tools if body.tools_in_use else None)
+        except Exception as exc:  # noqa: BLE001 - template errors (raise_exception, bad roles)
+            raise InvalidRequestError(f"messages could not be rendered with the chat template: {exc}",
+                                      param="messages") from None
+        if not ids:
+            raise InvalidRequestError("messages render to an empty prompt", param="messages")
+        logprobs = None
+        if body.logprobs:
+            logprobs = body.top_logprobs or 0
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        subs = self._subs(body, request_id, [ids], logprobs, "messages")
+        return Prepared(request_id, [ids], None, subs)
+
+    def usage(self, prepared: Prepared, completion_tokens: int) -> UsageInfo:
+        prompt_tokens = sum(len(p) for p in prepared.prompts)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    # -- endpoints -------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """``POST /v1/completions``: JSON, or server-sent events when ``stream``. Raises
+        ``EngineError`` subclasses (turned into OpenAI error bodies by the app)."""
+        prepared = await self.prepare_completion(body)
+        fanout = Fanout(self.runner, prepared.subs, body.stop_list, body.skip_special_tokens, body.logprobs is not None)
+        if body.stream:
+            return await self._stream(request, fanout, prepared, body.include_usage,
+                                      *self._completion_chunks(body, prepared))
+        events = await self._collect(request, fanout)
+        if events is None:
+            return Response(status_code=499)
+        choices, total = [], 0
+        for sub in prepared.subs:
+            evs = [e for e in events if e.index == sub.index]
+            ids = [t for e in evs for t in e.token_ids]
+            records = [r for e in evs for r in e.tokens]
+            total += len(ids)
+            text = "".join(e.text for e in evs)
+            prefix = prepared.prompt_texts[sub.prompt_index] if body.echo and prepared.prompt_texts else ""
+            choices.append(CompletionChoice(
+                index=sub.index, text=prefix + text,
+                logprobs=None if body.logprobs is None else completion_logprobs(self.pieces, records, body.logprobs,
+                                                                                len(prefix)),
+                finish_reason=evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
+                token_ids=ids if body.return_token_ids else None,
+                prompt_token_ids=sub.prompt_ids if body.return_token_ids else None))
+        resp = CompletionResponse(id=prepared.request_id, model=self.model_name, choices=choices,
+                                  usage=self.usage(prepared, total))
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """``POST /v1/chat/completions``; as ``completions``."""
+        prepared = await self.prepare_chat(body)
+        fanout = Fanout(self.runner, prepared.subs, body.stop_list, body.skip_special_tokens, body.logprobs)
+        if body.stream:
+            return await self._stream(request, fanout, prepared, body.include_usage, *self._chat_chunks(body, prepared))
+        events = await self._collect(request, fanout)
+        if events is None:
+            return Response(status_code=499)
+        k = body.top_logprobs or 0
+        choices, total = [], 0
+        for sub in prepared.subs:
+            evs = [e for e in events if e.index == sub.index]
+            ids = [t for e in evs for t in e.token_ids]
+            records = [r for e in evs for r in e.tokens]
+            total += len(ids)
+            content, calls = "".join(e.text for e in evs), []
+            if body.tools_in_use:
+                content, calls = parse_tool_calls(content)
+            choices.append(ChatChoice(
+                index=sub.index, message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                logprobs=chat_logprobs(self.pieces, records, k) if body.logprobs else None,
+                finish_reason="tool_calls" if calls else evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
+                token_ids=ids if body.return_token_ids else None))
+        resp = ChatCompletionResponse(id=prepared.request_id, model=self.model_name, choices=choices,
+                                      usage=self.usage(prepared, total),
+                                      prompt_token_ids=prepared.prompts[0] if body.return_token_ids else None)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    # -- streamed chunks of each endpoint --------------------------------------------------
+
+    def _completion_chunks(self, body: CompletionRequest, prepared: Prepared) -> _Chunks:
+        created = int(time.time())
+
+        def chunks(ev: Event) -> Iterable[BaseModel]:
+            sub = prepared.subs[ev.index]
+            prefix = ""
+            if ev.first and body.echo and prepared.prompt_texts:
+                prefix = prepared.prompt_texts[sub.prompt_index]
+            text = prefix + ev.text
+            # tokens whose text is held back (a possible stop string) make no chunk unless
+            # the client asked for their ids or logprobs
+            carries = body.return_token_ids or body.logprobs is not None
+            if not (text or ev.finish_reason or (carries and (ev.token_ids or ev.first))):
+                return
+            choice = CompletionChoice(
+                index=ev.index, text=text,
+                logprobs=None if body.logprobs is None else completion_logprobs(self.pieces, ev.tokens, body.logprobs),
+                finish_reason=ev.finish_reason, stop_reason=ev.stop_reason,
+                token_ids=ev.token_ids if body.return_token_ids else None,
+                prompt_token_ids=sub.prompt_ids if (body.return_token_ids and ev.first) else None)
+            yield CompletionChunk(id=prepared.request_id, created=created, model=self.model_name, choices=[choice])
+
+        def usage_chunk(usage: UsageInfo) -> BaseModel:
+            return CompletionChunk(id=prepared.request_id, created=created, model=self.model_name, choices=[],
+                                   usage=usage)
+
+        return chunks, usage_chunk
+
+    def _chat_chunks(self, body: ChatCompletionRequest, prepared: Prepared) -> _Chunks:
+        created = int(time.time())
+        k = body.top_logprobs or 0
+        sent_prompt_ids = False
+        calls_of = {sub.index: ToolCallStream() for sub in prepared.subs} if body.tools_in_use else {}
+
+        def chunks(ev: Event) -> Iterable[BaseModel]:
+            nonlocal sent_prompt_ids
+            text, calls, finish = ev.text, [], ev.finish_reason
+            if ev.index in calls_of:  # content up to a tool call; the calls when the choice ends
+                text = calls_of[ev.index].feed(text)
+                if finish:
+                    rest, calls = calls_of[ev.index].finish()
+                    text += rest
+                    finish = "tool_calls" if calls else finish
+            if ev.first:
+                prompt_ids = None
+                if body.return_token_ids and not sent_prompt_ids:
+                    prompt_ids, sent_prompt_ids = prepared.prompts[0], True
+                yield ChatCompletionChunk(
+                    id=prepared.request_id, created=created, model=self.model_name,
+                    choices=[ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=""))],
+                    prompt_token_ids=prompt_ids)
+            if not (text or finish or ((body.return_token_ids or body.logprobs) and ev.token_ids)):
+                return
+            deltas = [{"index": i, **c} for i, c in enumerate(calls)] or None
+            choice = ChatStreamChoice(
+                index=ev.index, delta=ChatDelta(content=text or None, tool_calls=deltas),
+                logprobs=chat_logprobs(self.pieces, ev.tokens, k) if body.logprobs else None,
+                finish_reason=finish, stop_reason=ev.stop_reason,
+                token_ids=ev.token_ids if body.return_token_ids else None)
+            yield ChatCompletionChunk(id=prepared.request_id, created=created, model=self.model_name,
+                                      choices=[choice])
+
+        def usage_chunk(usage: UsageInfo) -> BaseModel:
+            return ChatCompletionChunk(id=prepared.request_id, created=created, model=self.model_name, choices=[],
+                                       usage=usage)
+
+        return chunks, usage_chunk
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def _collect(self, request: Request, fanout: Fanout) -> list[Event] | None:
+        """All events of a non-streaming request; None when the client went away."""
+        fanout.start()
+        try:
+            return await unless_disconnected(request, fanout.collect())
+        except ClientGone:
+            log.info("client disconnected; aborted %d request(s)", len(fanout.subs))
+            return None
+        finally:
+            await fanout.close()
+
+    async def _stream(self, request: Request, fanout: Fanout, prepared: Prepared, include_usage: bool,
+                      chunks: Callable[[Event], Iterable[BaseModel]],
+                      usage_chunk: Callable[[UsageInfo], BaseModel]) -> Response:
+        fanout.start()
+        try:
+            buffered = await unless_disconnected(request, fanout.prime())
+        except ClientGone:
+            await fanout.close()
+            return Response(status_code=499)
+        except BaseException:
+            await fanout.close()
+            raise
+        # close() runs both when the generator ends (its finally) and after the response
+        # (background), which also covers a client gone before the body started.
+        return EventSourceResponse(self._sse(fanout, prepared, buffered, chunks, usage_chunk if include_usage else None),
+                                   background=BackgroundTask(fanout.close))
+
+    async def _sse(self, fanout: Fanout, prepared: Prepared, buffered: list[Event],
+                   chunks: Callable[[Event], Iterable[BaseModel]],
+                   usage_chunk: Callable[[UsageInfo], BaseModel] | None) -> AsyncIterator[str]:
+        """The one SSE writer: ``chunks(event)`` of every event, ``usage_chunk`` (when not
+        None) after the last, an error event if a choice fails, then ``[DONE]``."""
+        total = 0
+
+        async def events() -> AsyncIterator[Event]:
+            for ev in buffered:
+                yield ev
+            while not fanout.done:
+                yield await fanout.next()
+
+        try:
+            async for ev in events():
+                total += len(ev.token_ids)
+                for chunk in chunks(ev):
+                    yield chunk.model_dump_json()
+            if usage_chunk is not None:
+                yield usage_chunk(self.usage(prepared, total)).model_dump_json()
+        except EngineError as exc:
+            log.warning("stream %s ended by %s: %s", prepared.request_id, type(exc).__name__, exc.message)
+            yield json.dumps(error_body(exc.message, exc.error_type, exc.param, exc.code))
+        finally:
+            await fanout.close()
+        yield "[DONE]"

@@ -1,0 +1,57 @@
+"""Log-probabilities in OpenAI's two shapes: completions' legacy lists, chat's ``content`` entries.
+
+JSON has no -inf: a log-probability below ``LOGPROB_FLOOR`` (or -inf / NaN) is reported as it.
+"""
+from __future__ import annotations
+
+import math
+
+from ..detokenize import TokenPieces
+from ..protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from .fanout import TokenRecord
+
+LOGPROB_FLOOR = -9999.0
+"""Log-probabilities below this (and -inf / NaN) are reported as this value (JSON has no -inf)."""
+
+
+def finite(x: float | None) -> float:
+    if x is None or math.isnan(x) or x < LOGPROB_FLOOR:
+        return LOGPROB_FLOOR
+    return float(x)
+
+
+def completion_logprobs(pieces: TokenPieces, records: list[TokenRecord], k: int,
+                        base_offset: int = 0) -> CompletionLogprobs:
+    """``records`` with their ``k`` top alternatives; offsets shifted by ``base_offset`` characters."""
+    out = CompletionLogprobs()
+    for r in records:
+        text, _ = pieces(r.token_id)
+        out.tokens.append(text)
+        out.text_offset.append(base_offset + r.offset)
+        if r.logprob is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(finite(r.logprob.logprob))
+        top: dict[str, float] = {}
+        for tid, lp in r.logprob.top[:k]:
+            top.setdefault(pieces(int(tid))[0], finite(lp))
+        # OpenAI: the sampled token's logprob is always there (up to logprobs + 1 entries)
+        top.setdefault(text, finite(r.logprob.logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(pieces: TokenPieces, records: list[TokenRecord], k: int) -> ChatChoiceLogprobs:
+    content = []
+    for r in records:
+        text, raw = pieces(r.token_id)
+        lp = r.logprob
+        tops = []
+        if lp is not None:
+            for tid, value in lp.top[:k]:
+                t_text, t_raw = pieces(int(tid))
+                tops.append(ChatTopLogprob(token=t_text, logprob=finite(value), bytes=t_raw))
+        content.append(ChatTokenLogprob(token=text, logprob=finite(None if lp is None else lp.logprob),
+                                        bytes=raw, top_logprobs=tops))
+    return ChatChoiceLogprobs(content=content)

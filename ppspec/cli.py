@@ -19,7 +19,7 @@ SUBCOMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: ppspec <command> [options]", "", "commands:"]
+    lines = ["usage: ppspec <command> [options]   (ppspec --version: the version)", "", "commands:"]
     lines += [f"  {name:<10} {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from ppspec import __version__
+
+        print(f"ppspec {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

@@ -123,10 +123,12 @@ class TextStream:
     that is a proper prefix of some stop string; ``finish()`` returns everything left.
     A stop string counts only when a token after the first ``min_tokens`` completes it
     (vLLM's rule: ``min_tokens`` holds back stop strings as it holds back EOS).
+    ``include_stop``: the text is cut after the stop string instead (vLLM's
+    ``include_stop_str_in_output``).
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: list[str],
-                 skip_special_tokens: bool = True, min_tokens: int = 0):
+                 skip_special_tokens: bool = True, min_tokens: int = 0, include_stop: bool = False):
         self.decoder = IncrementalDecoder(tokenizer, prompt_ids, skip_special_tokens)
         self.min_tokens, self.num_tokens = min_tokens, 0
         self.stops = [s for s in stops if s]
@@ -134,6 +136,7 @@ class TextStream:
         self.text = ""  # all text so far (cut at the stop string once one matched)
         self.sent = 0  # characters of self.text already returned
         self.stop_str: str | None = None
+        self.include_stop = include_stop
 
     @property
     def stopped(self) -> bool:
@@ -159,7 +162,7 @@ class TextStream:
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:
-            self.text = self.text[:best[0]]
+            self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
             self.stop_str = best[1]
         return self.stopped
 

@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP schemas, and the engine interface the HTTP layer uses.
 
 Requests are pydantic v2 models in strict mode (``"5"`` is not an int, ``1.5`` is not an
-int, ``NaN`` is not a float) that forbid unknown fields: a malformed body is a 400 with an
+int, ``NaN`` is not a float) that accept and ignore unknown fields (named in one warning
+line per request), as vLLM does: a malformed body is a 400 with an
 OpenAI-style error body (``router/api/errors.py`` converts pydantic's errors). Semantic checks that
 need the tokenizer or the context limit (prompt length, token id range) happen in
 ``router/api/handlers.py`` and ``router/api/fanout.py``; range checks of the sampling knobs are repeated by
@@ -105,15 +106,50 @@ class AsyncEngine(Protocol):
 # --------------------------------------------------------------------------------------
 
 
-class _Request(BaseModel):
-    """Strict request model: unknown fields, wrong JSON types and non-finite floats are rejected."""
+REFUSED_FIELDS = frozenset({
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "prompt_logprobs", "use_beam_search",
+})
+"""Fields of vLLM's API that change what the output must be and that ppspec does not
+implement: refused (400) rather than ignored, so a client never gets output that silently
+disregards them. (A field implemented later is declared on its model and leaves this set's reach.)"""
 
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+class _Request(BaseModel):
+    """Strict request model: wrong JSON types and non-finite floats are rejected (400).
+    Unknown fields are accepted and ignored, as vLLM does (clients such as guidellm or the
+    OpenAI SDK send fields of their own): :func:`ignored_fields` names them, for the one
+    warning line the HTTP layer logs per request; those in ``REFUSED_FIELDS`` are a 400."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self):
+        for name in self.model_extra or {}:
+            if name in REFUSED_FIELDS:
+                raise ValueError(f"{name} is not supported")
+        return self
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the unknown (ignored) fields of a request and of the models it
+    holds, e.g. ``["metadata", "messages.0.foo"]``."""
+    names = [prefix + str(k) for k in (model.model_extra or {})]
+    for key in type(model).model_fields:
+        value = getattr(model, key)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, _Request):
+                names += ignored_fields(item, f"{prefix}{key}." + ("" if i is None else f"{i}."))
+    return names
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
     """Send one last chunk (``choices: []``) with the request's ``usage`` before ``[DONE]``."""
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk also carries the ``usage`` so far (completion tokens counted over
+    all choices); with ``include_usage`` the last chunk still has the totals."""
 
 
 class _GenerationRequest(_Request):
@@ -158,6 +194,8 @@ class _GenerationRequest(_Request):
     """vLLM's extension: > 1 discourages tokens of the prompt and the output (1 = off)."""
     logit_bias: Optional[dict[str, float]] = None
     """Token id (as a string, as OpenAI) -> bias in [-100, 100], added to its logit."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: keep the stop string that ended a choice at the end of its text."""
 
     @field_validator("stop")
     @classmethod
@@ -212,6 +250,10 @@ class _GenerationRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -312,6 +354,14 @@ class ResponseFormat(_Request):
     """Only plain text; structured output is not supported."""
 
 
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
+"""``apply_chat_template``'s own arguments: not template variables a request may set."""
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
@@ -329,11 +379,27 @@ class ChatCompletionRequest(_GenerationRequest):
     naming a function is not supported."""
     parallel_tool_calls: Optional[bool] = None
     """Accepted; the model may call several tools in one message either way."""
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    """Extra variables for the chat template, e.g. ``{"enable_thinking": false}`` (Qwen3 /
+    Qwen3.5 templates); names of ``apply_chat_template``'s own arguments are refused."""
+    add_generation_prompt: bool = True
+    """Open an assistant turn after the messages (the template's generation prompt)."""
+    continue_final_message: bool = False
+    """Render the last message (an assistant turn) open-ended, so that the completion
+    continues it; needs ``add_generation_prompt: false``."""
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be an assistant message")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (a request field or "
+                             "the server's own argument of apply_chat_template)")
         if isinstance(self.tool_choice, dict):
             raise ValueError("tool_choice naming a function is not supported (only \"auto\" or \"none\")")
         for t in self.tools or []:
@@ -346,6 +412,36 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def tools_in_use(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` encoded as ``/v1/completions`` does, or
+    ``messages`` rendered as ``/v1/chat/completions`` does; exactly one of them."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[bool] = None
+    """Default: true for a prompt, false for messages (the template writes them)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _check_tokenize(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt or messages: give exactly one of them")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's): token ids to text (special tokens kept)."""
+
+    model: Optional[str] = None
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 # --------------------------------------------------------------------------------------
@@ -517,3 +613,13 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -13,12 +14,20 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import make_asgi_app
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..protocol import AsyncEngine, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from ..protocol import (
+    AsyncEngine,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from ..tool_calls import check_parser
 from ..types import EngineError
-from .errors import STATUS_TYPES, engine_error_response, error_body, error_response, validation_message
+from .errors import STATUS_TYPES, engine_error_response, error_body, error_response, renderable, validation_message
 from .guard import DEFAULT_MAX_REQUEST_BYTES, Guard
-from .handlers import OpenAIHandlers
+from .handlers import ACCESS_KEY, OpenAIHandlers
 
 log = logging.getLogger("ppspec.router.api")
 
@@ -93,6 +102,20 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         server.check_model(model_id)
         return Response(_card().model_dump_json(), media_type="application/json")
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return Response((await server.tokenize(body)).model_dump_json(), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return Response((await server.detokenize(body)).model_dump_json(), media_type="application/json")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from ppspec import __version__
+
+        return JSONResponse({"version": __version__})
+
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read the status alone
     async def health() -> JSONResponse:
         try:
@@ -109,7 +132,44 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     app.routes[-1].path_regex = re.compile(r"^/metrics(?P<path>.*)$")  # type: ignore[attr-defined]
 
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(AccessLog)  # outermost: the guard's 401 / 413 get their line too
     return app
+
+
+access_log = logging.getLogger("ppspec.router.access")
+
+
+class AccessLog:
+    """One log line per HTTP request, when its response has been sent (a stream: at its
+    end): client, method, path, status, prompt / completion tokens (generation endpoints;
+    ``-`` elsewhere) and the latency from the request's arrival, e.g.
+    ``127.0.0.1:50312 "POST /v1/chat/completions" 200 prompt_tokens=12 completion_tokens=40 0.532s``.
+    Handlers leave the token counts in ``scope[ACCESS_KEY]``."""
+
+    def __init__(self, app: Any, clock: Callable[[], float] = time.perf_counter):
+        self.app, self.clock = app, clock
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = self.clock()
+        record: dict[str, Any] = {"status": None}
+        scope[ACCESS_KEY] = record
+
+        async def send_and_note(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                record["status"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            client = scope.get("client")
+            tokens = " ".join(f"{k}={record[k]}" for k in ("prompt_tokens", "completion_tokens") if k in record)
+            access_log.info('%s "%s %s" %s %s %.3fs', f"{client[0]}:{client[1]}" if client else "-", scope["method"],
+                            renderable(scope.get("path", "")), record["status"] or 500, tokens or "-",
+                            self.clock() - start)
 
 
 def _read_only(inner: Callable) -> Callable:
@@ -149,6 +209,7 @@ async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
     loop = asyncio.get_running_loop()
     if "uvloop" not in type(loop).__module__:
         log.warning("serve_http is running on %s, not uvloop", type(loop).__name__)
+    uvicorn_kwargs.setdefault("access_log", False)  # the app's AccessLog writes one line per request
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level, **uvicorn_kwargs)
 
     class _Uvicorn(uvicorn.Server):

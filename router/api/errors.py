@@ -69,6 +69,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return f"request body is not valid JSON: {ctx.get('error', 'decode error')}", None
+    if first.get("type") == "string_unicode":  # a lone surrogate in a field name or value
+        where = ".".join(loc) or "a field name"
+        return f"{where}: not valid UTF-8 text (a lone surrogate)", (loc[0] if loc else None)
     if not loc and first.get("type") == "missing":
         return "request body is missing: expected a JSON object (Content-Type: application/json)", None
     if not loc and isinstance(first.get("input"), (bytes, str)):

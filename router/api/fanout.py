@@ -158,12 +158,12 @@ class Fanout:
     request. Events come out per choice in order; choices interleave.
     """
 
-    def __init__(self, runner: Runner, subs: list[Sub], stops: list[str], skip_special_tokens: bool,
-                 want_logprobs: bool):
+    def __init__(self, runner: Runner, subs: list[Sub], body: _GenerationRequest, want_logprobs: bool):
         self.runner = runner
         self.subs = subs
-        self.stops = stops
-        self.skip_special_tokens = skip_special_tokens
+        self.stops = body.stop_list
+        self.skip_special_tokens = body.skip_special_tokens
+        self.include_stop = body.include_stop_str_in_output
         self.want_logprobs = want_logprobs
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
@@ -211,7 +211,7 @@ class Fanout:
     async def _pump(self, sub: Sub) -> None:
         runner = self.runner
         stream = TextStream(runner.tokenizer, sub.prompt_ids, self.stops, self.skip_special_tokens,
-                            sub.params.min_tokens)
+                            sub.params.min_tokens, self.include_stop)
         first, finished, last_token = True, False, None
         it: Any = None
         try:

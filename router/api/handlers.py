@@ -37,19 +37,44 @@ from ..protocol import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
+    _GenerationRequest,
+    ignored_fields,
 )
 from ..tool_calls import ToolCallStream, parse_tool_calls
 from ..types import EngineError, InvalidRequestError
-from .errors import APIError, check_utf8, error_body
+from .errors import APIError, check_utf8, error_body, renderable
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, check_ids, make_subs, unless_disconnected
 from .logprobs import chat_logprobs, completion_logprobs
 from .tokenize import TokenizerPool
 
 log = logging.getLogger("ppspec.router.api")
 
+ACCESS_KEY = "ppspec.access"
+"""ASGI scope key of the dict where a handler leaves what the access-log line reports."""
+
 _Chunks = tuple[Callable[[Event], Iterable[BaseModel]], Callable[[UsageInfo], BaseModel]]
 """An endpoint's stream shape: the chunks of one event, and the usage chunk."""
+
+
+def warn_ignored(body: _GenerationRequest, path: str) -> None:
+    """One warning line naming the fields of ``body`` that were ignored (unknown to ppspec)."""
+    names = ignored_fields(body)
+    if names:
+        log.warning("%s: ignored unknown request field%s: %s", path, "s" if len(names) > 1 else "",
+                    ", ".join(renderable(n) for n in names))
+
+
+def note_usage(request: Request, usage: UsageInfo) -> UsageInfo:
+    """Record the request's token counts for its access-log line (``app.AccessLog``)."""
+    record = request.scope.get(ACCESS_KEY)
+    if record is not None:
+        record["prompt_tokens"], record["completion_tokens"] = usage.prompt_tokens, usage.completion_tokens
+    return usage
 
 
 @dataclass
@@ -97,6 +122,7 @@ class OpenAIHandlers:
         ``ContextLengthError`` (prompt tokens + max_tokens over ``engine.max_model_len``).
         """
         self.check_model(body.model)
+        warn_ignored(body, "/v1/completions")
         p = body.prompt
         texts: list[str] | None = None
         if isinstance(p, str):
@@ -127,6 +153,7 @@ class OpenAIHandlers:
         engine request per choice. Raises as ``prepare_completion``, and
         ``InvalidRequestError`` when the template fails or the model has none."""
         self.check_model(body.model)
+        warn_ignored(body, "/v1/chat/completions")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         messages = [m.to_template() for m in body.messages]
@@ -137,7 +164,9 @@ class OpenAIHandlers:
             raise InvalidRequestError("tools need a server started with --tool-call-parser (e.g. hermes)",
                                       param="tools")
         try:
-            ids = await self.tokens.render_chat(messages, body.tools if body.tools_in_use else None)
+            template_kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt,
+                               "continue_final_message": body.continue_final_message}
+            ids = await self.tokens.render_chat(messages, body.tools if body.tools_in_use else None, template_kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors (raise_exception, bad roles)
             raise InvalidRequestError(f"messages could not be rendered with the chat template: {exc}",
                                       param="messages") from None
@@ -161,10 +190,9 @@ class OpenAIHandlers:
         """``POST /v1/completions``: JSON, or server-sent events when ``stream``. Raises
         ``EngineError`` subclasses (turned into OpenAI error bodies by the app)."""
         prepared = await self.prepare_completion(body)
-        fanout = Fanout(self.runner, prepared.subs, body.stop_list, body.skip_special_tokens, body.logprobs is not None)
+        fanout = Fanout(self.runner, prepared.subs, body, body.logprobs is not None)
         if body.stream:
-            return await self._stream(request, fanout, prepared, body.include_usage,
-                                      *self._completion_chunks(body, prepared))
+            return await self._stream(request, fanout, prepared, body, *self._completion_chunks(body, prepared))
         events = await self._collect(request, fanout)
         if events is None:
             return Response(status_code=499)
@@ -184,15 +212,15 @@ class OpenAIHandlers:
                 token_ids=ids if body.return_token_ids else None,
                 prompt_token_ids=sub.prompt_ids if body.return_token_ids else None))
         resp = CompletionResponse(id=prepared.request_id, model=self.model_name, choices=choices,
-                                  usage=self.usage(prepared, total))
+                                  usage=note_usage(request, self.usage(prepared, total)))
         return Response(resp.model_dump_json(), media_type="application/json")
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         """``POST /v1/chat/completions``; as ``completions``."""
         prepared = await self.prepare_chat(body)
-        fanout = Fanout(self.runner, prepared.subs, body.stop_list, body.skip_special_tokens, body.logprobs)
+        fanout = Fanout(self.runner, prepared.subs, body, body.logprobs)
         if body.stream:
-            return await self._stream(request, fanout, prepared, body.include_usage, *self._chat_chunks(body, prepared))
+            return await self._stream(request, fanout, prepared, body, *self._chat_chunks(body, prepared))
         events = await self._collect(request, fanout)
         if events is None:
             return Response(status_code=499)
@@ -212,9 +240,36 @@ class OpenAIHandlers:
                 finish_reason="tool_calls" if calls else evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
                 token_ids=ids if body.return_token_ids else None))
         resp = ChatCompletionResponse(id=prepared.request_id, model=self.model_name, choices=choices,
-                                      usage=self.usage(prepared, total),
+                                      usage=note_usage(request, self.usage(prepared, total)),
                                       prompt_token_ids=prepared.prompts[0] if body.return_token_ids else None)
         return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """``POST /tokenize``: the token ids ``/v1/completions`` (``prompt``) or
+        ``/v1/chat/completions`` (``messages``) would run on."""
+        self.check_model(body.model)
+        if body.prompt is not None:
+            check_utf8(body.prompt, "prompt")
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = (await self.tokens.encode([body.prompt], add_special))[0]
+        else:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequestError("this model has no chat template", param="messages")
+            messages = [m.to_template() for m in body.messages or []]
+            kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt,
+                      "continue_final_message": body.continue_final_message}
+            try:
+                ids = await self.tokens.render_chat(messages, None, kwargs)
+            except Exception as exc:  # noqa: BLE001 - template errors
+                raise InvalidRequestError(f"messages could not be rendered with the chat template: {exc}",
+                                          param="messages") from None
+        return TokenizeResponse(count=len(ids), max_model_len=int(self.engine.max_model_len), tokens=ids)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """``POST /detokenize``: the text of ``tokens`` (special tokens kept)."""
+        self.check_model(body.model)
+        check_ids(body.tokens, "tokens", self.vocab_size)
+        return DetokenizeResponse(prompt=await self.tokens.decode(body.tokens, skip_special_tokens=False))
 
     # -- streamed chunks of each endpoint --------------------------------------------------
 
@@ -299,7 +354,7 @@ class OpenAIHandlers:
         finally:
             await fanout.close()
 
-    async def _stream(self, request: Request, fanout: Fanout, prepared: Prepared, include_usage: bool,
+    async def _stream(self, request: Request, fanout: Fanout, prepared: Prepared, body: _GenerationRequest,
                       chunks: Callable[[Event], Iterable[BaseModel]],
                       usage_chunk: Callable[[UsageInfo], BaseModel]) -> Response:
         fanout.start()
@@ -313,14 +368,16 @@ class OpenAIHandlers:
             raise
         # close() runs both when the generator ends (its finally) and after the response
         # (background), which also covers a client gone before the body started.
-        return EventSourceResponse(self._sse(fanout, prepared, buffered, chunks, usage_chunk if include_usage else None),
-                                   background=BackgroundTask(fanout.close))
+        sse = self._sse(request, fanout, prepared, buffered, chunks, usage_chunk if body.include_usage else None,
+                        body.continuous_usage)
+        return EventSourceResponse(sse, background=BackgroundTask(fanout.close))
 
-    async def _sse(self, fanout: Fanout, prepared: Prepared, buffered: list[Event],
+    async def _sse(self, request: Request, fanout: Fanout, prepared: Prepared, buffered: list[Event],
                    chunks: Callable[[Event], Iterable[BaseModel]],
-                   usage_chunk: Callable[[UsageInfo], BaseModel] | None) -> AsyncIterator[str]:
-        """The one SSE writer: ``chunks(event)`` of every event, ``usage_chunk`` (when not
-        None) after the last, an error event if a choice fails, then ``[DONE]``."""
+                   usage_chunk: Callable[[UsageInfo], BaseModel] | None, continuous_usage: bool) -> AsyncIterator[str]:
+        """The one SSE writer: ``chunks(event)`` of every event (each with the usage so far
+        when ``continuous_usage``), ``usage_chunk`` (when not None) after the last, an error
+        event if a choice fails, then ``[DONE]``."""
         total = 0
 
         async def events() -> AsyncIterator[Event]:
@@ -333,6 +390,8 @@ class OpenAIHandlers:
             async for ev in events():
                 total += len(ev.token_ids)
                 for chunk in chunks(ev):
+                    if continuous_usage:
+                        chunk.usage = self.usage(prepared, total)
                     yield chunk.model_dump_json()
             if usage_chunk is not None:
                 yield usage_chunk(self.usage(prepared, total)).model_dump_json()
@@ -340,5 +399,6 @@ class OpenAIHandlers:
             log.warning("stream %s ended by %s: %s", prepared.request_id, type(exc).__name__, exc.message)
             yield json.dumps(error_body(exc.message, exc.error_type, exc.param, exc.code))
         finally:
+            note_usage(request, self.usage(prepared, total))
             await fanout.close()
         yield "[DONE]"

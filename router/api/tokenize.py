@@ -22,7 +22,7 @@ TOKENIZE_WORKERS = 4
 
 
 class TokenizerPool:
-    """``encode`` and ``render_chat`` of ``tokenizer`` (a Hugging Face tokenizer), run off the event loop."""
+    """``encode``, ``decode`` and ``render_chat`` of ``tokenizer`` (a Hugging Face tokenizer), run off the event loop."""
 
     def __init__(self, tokenizer: Any, workers: int = TOKENIZE_WORKERS):
         self.tokenizer = tokenizer
@@ -51,19 +51,29 @@ class TokenizerPool:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def encode(self, texts: list[str]) -> list[list[int]]:
+    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text, special tokens (BOS) added as the tokenizer does."""
-        return await self._run(self._encode, texts)
+        return await self._run(self._encode, texts, add_special_tokens)
 
-    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of ``messages`` rendered by the chat template, generation prompt added."""
-        return await self._run(self._render_chat, messages, tools)
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template. ``template_kwargs``: more
+        arguments of ``apply_chat_template`` (``add_generation_prompt``, default True;
+        ``continue_final_message``; template variables such as ``enable_thinking``)."""
+        return await self._run(self._render_chat, messages, tools, template_kwargs or {})
 
-    def _encode(self, texts: list[str]) -> list[list[int]]:
-        return [list(self._encoder.encode(t, add_special_tokens=True)) for t in texts]
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return await self._run(self._decode, ids, skip_special_tokens)
 
-    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True, "return_dict": False}
+    def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [list(self._encoder.encode(t, add_special_tokens=add_special_tokens)) for t in texts]
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self._encoder.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any]) -> list[int]:
+        kwargs: dict[str, Any] = {"add_generation_prompt": True, **template_kwargs, "tokenize": True,
+                                  "return_dict": False}
         if tools:
             kwargs["tools"] = tools
         if self._sanitize_kw:

@@ -1,0 +1,207 @@
+"""API features real clients use (issue 29): unknown fields accepted with one warning line,
+``stream_options.continuous_usage_stats``, ``include_stop_str_in_output``, chat template
+arguments (``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``),
+``/tokenize``, ``/detokenize``, ``/version``, ``ppspec --version`` and the access log.
+
+The engine is test_api's ``FakeEngine`` (it records each request's prompt ids and what it
+generated); expected values come from that record and from the tokenizer itself.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import openai
+import pytest
+
+import ppspec
+from ppspec.cli import main as cli_main
+from ppspec.router.api import build_app
+from test_api import FakeEngine, make_tokenizer, run_server
+
+MODEL = "features-test"
+# a template with a variable of its own, as Qwen3's ``enable_thinking``
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if not (continue_final_message and loop.last) %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = make_tokenizer()
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return FakeEngine(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with run_server(build_app(engine, served_model_name=MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(autouse=True)
+def _fresh(engine):
+    engine.reset()
+
+
+def _post(server, path, body):
+    return httpx.post(f"{server}{path}", content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=30)
+
+
+def test_unknown_fields_are_ignored_with_one_warning(server, engine, caplog):
+    body = {"prompt": "hi", "max_tokens": 3, "seed": 1, "metadata": {"k": "v"}, "store": False,
+            "service_tier": "auto", "priority": 3}
+    with caplog.at_level(logging.WARNING, logger="ppspec.router.api"):
+        r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    lines = [rec.getMessage() for rec in caplog.records if "ignored unknown" in rec.getMessage()]
+    assert lines == ["/v1/completions: ignored unknown request fields: metadata, store, service_tier, priority"]
+    # the answer is the one without them
+    plain = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "seed": 1})
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+    caplog.clear()
+    chat = {"messages": [{"role": "user", "content": "hi", "foo": 1}], "max_tokens": 2, "reasoning_effort": "low",
+            "stream": True, "stream_options": {"include_usage": True, "bar": True}}
+    with caplog.at_level(logging.WARNING, logger="ppspec.router.api"):
+        r = _post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    lines = [rec.getMessage() for rec in caplog.records if "ignored unknown" in rec.getMessage()]
+    assert lines == ["/v1/chat/completions: ignored unknown request fields: reasoning_effort, "
+                     "stream_options.bar, messages.0.foo"]
+
+
+def _events(text):
+    return [json.loads(line[len("data: "):]) for line in text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats(server, engine, tokenizer, path):
+    body = {"max_tokens": 20, "seed": 3, "temperature": 1.0, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body |= {"prompt": "the fox"} if path.endswith("/completions") and "chat" not in path else \
+        {"messages": [{"role": "user", "content": "the fox"}]}
+    r = _post(server, path, body)
+    assert r.status_code == 200, r.text
+    events = _events(r.text)
+    prompt_tokens = len(next(iter(engine.calls.values()))[0])
+    seen = 0
+    tokens_so_far = 0
+    for ev in events[:-1]:
+        assert ev["choices"], "only the last chunk has no choices"
+        usage = ev["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["completion_tokens"] >= tokens_so_far  # never goes back
+        tokens_so_far = usage["completion_tokens"]
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+        seen += 1
+    assert seen >= 2
+    total = sum(len(ids) for ids in engine.outputs.values())
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == total
+    assert tokens_so_far == total  # the last chunk of a choice carries the count with it
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(server, engine, tokenizer, stream):
+    base = {"prompt": "stop test", "max_tokens": 120, "seed": 11, "temperature": 1.0}
+    full = _post(server, "/v1/completions", base | {"ignore_eos": True}).json()["choices"][0]["text"]
+    words = [w for w in full.split() if len(w) >= 4]
+    stop = words[1]
+    cut = full[:full.index(stop)]
+    for include, expected in ((False, cut), (True, cut + stop)):
+        body = base | {"ignore_eos": True, "stop": [stop], "include_stop_str_in_output": include, "stream": stream}
+        r = _post(server, "/v1/completions", body)
+        if stream:
+            evs = _events(r.text)
+            text = "".join(c["text"] for ev in evs for c in ev["choices"])
+            last = [c for ev in evs for c in ev["choices"] if c["finish_reason"]][-1]
+        else:
+            text, last = r.json()["choices"][0]["text"], r.json()["choices"][0]
+        assert text == expected
+        assert last["finish_reason"] == "stop" and last["stop_reason"] == stop
+
+
+def test_chat_template_arguments_reach_the_template(server, engine, tokenizer):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    cases = [
+        ({}, {"add_generation_prompt": True}),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, {"add_generation_prompt": True,
+                                                                 "enable_thinking": False}),
+        ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+        ({"add_generation_prompt": False, "continue_final_message": True},
+         {"add_generation_prompt": False, "continue_final_message": True}),
+    ]
+    for fields, kwargs in cases:
+        engine.reset()
+        r = _post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2} | fields)
+        assert r.status_code == 200, r.text
+        expected = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False, **kwargs)
+        assert engine.only_call()[1] == list(expected), fields
+        # /tokenize renders the same
+        tok = _post(server, "/tokenize", {"messages": msgs} | fields).json()
+        assert tok["tokens"] == list(expected) and tok["count"] == len(expected)
+    rendered = tokenizer.decode(engine.only_call()[1])
+    assert rendered.endswith("Hello, I am")  # continued, not closed
+    thinking_off = tokenizer.decode(_post(server, "/tokenize", {"messages": msgs[:1], "chat_template_kwargs": {
+        "enable_thinking": False}}).json()["tokens"])
+    assert thinking_off.endswith("<think>\n\n</think>\n\n")
+
+
+def test_tokenize_detokenize_version(server, engine, tokenizer):
+    text = "Café crème ✓ — the fox 🦊"
+    r = _post(server, "/tokenize", {"prompt": text, "model": MODEL}).json()
+    assert r["tokens"] == tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == engine.max_model_len
+    ids = r["tokens"] + [tokenizer.eos_token_id]
+    back = _post(server, "/detokenize", {"tokens": ids}).json()
+    assert back == {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+    assert _post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
+    assert _post(server, "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}).status_code == 400
+    assert _post(server, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
+    assert httpx.get(f"{server}/version").json() == {"version": ppspec.__version__}
+
+
+def test_cli_version(capsys):
+    assert cli_main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"ppspec {ppspec.__version__}"
+
+
+def test_access_log_line_per_request(server, engine, caplog):
+    with caplog.at_level(logging.INFO, logger="ppspec.router.access"):
+        ok = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "seed": 2})
+        bad = _post(server, "/v1/completions", {"prompt": "hi", "temperature": -1})
+        streamed = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 3, "stream": True})
+        httpx.get(f"{server}/health")
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "ppspec.router.access"]
+    assert len(lines) == 4, lines
+    usage = ok.json()["usage"]
+    assert f'"POST /v1/completions" 200 prompt_tokens={usage["prompt_tokens"]} ' \
+           f'completion_tokens={usage["completion_tokens"]} ' in lines[0]
+    assert bad.status_code == 400 and '"POST /v1/completions" 400 - ' in lines[1]
+    assert streamed.status_code == 200
+    chat_tokens = sum(len(v) for v in engine.outputs.values()) - usage["completion_tokens"]
+    assert f'"POST /v1/chat/completions" 200 prompt_tokens=' in lines[2]
+    assert f"completion_tokens={chat_tokens} " in lines[2]
+    assert '"GET /health" 200 - ' in lines[3]
+    assert all(line.endswith("s") and line.startswith("127.0.0.1:") for line in lines)
+
+
+def test_openai_client_with_extra_body(server, engine):
+    """The SDK's ``extra_body`` (how clients send vLLM's fields) reaches the server."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, metadata={"a": "b"}, store=False,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "include_stop_str_in_output": True})
+    assert out.choices[0].finish_reason in ("stop", "length")

@@ -20,8 +20,12 @@ class SamplingParams:
     below ``proto.messages.GREEDY_BELOW`` (1e-5, as vLLM) it is greedy too.
     top_p: nucleus mass in (0, 1]; top_k: keep the k most likely tokens (0 or -1 = all);
     min_p: drop tokens whose probability is below ``min_p * max_prob`` (0 = off).
-    seed: per-request seed; sampling is a pure function of (seed, output position), so the
-    same seed gives the same tokens whatever the batch, PP split or speculation.
+    seed: per-request seed (the router draws one when None). Each output position's token
+    is the Gumbel-max pick of the processed distribution under noise keyed by (seed,
+    position), and a draft is accepted only when it equals that pick
+    (``stage_server.sampler``), so the same seed gives the same tokens whatever the batch,
+    PP split, preemption or speculation (none, ngram, mtp), as far as the logits are the
+    same (one device and dtype: another GPU or bf16 may round a near-tie the other way).
     max_tokens: completion tokens at most; min_tokens: EOS / stop ids are masked until
     this many tokens exist. stop_token_ids: extra ids that end the request (EOS is added by
     the engine unless ignore_eos). logprobs: None, or the number of top log-probabilities

@@ -1,20 +1,32 @@
 """Sampling and speculative acceptance on the last stage.
 
 One function covers every mode: a prefill or plain decode is a verify of ``D = 1`` with no
-draft. Drafts are deterministic (n-gram lookup, argmax MTP), so the draft distribution is
-one-hot and speculative rejection sampling (Leviathan et al., "Fast Inference from
-Transformers via Speculative Decoding", ICML 2023, Algorithm 1) reduces to: accept draft
-``d`` with probability ``p(d)``; on rejection sample from ``p`` with ``d`` removed,
-renormalised; after the last accepted draft sample a bonus token from ``p``. The output
-distribution equals the target's (tested with a chi-square test).
+draft. Every output position ``t`` of a request has one target token, fixed before any
+draft is judged: greedy, the argmax of the processed logits; sampled, the Gumbel-max pick
+``argmax_v p_t(v) / E[v]`` where ``p_t`` are the processed probabilities (penalties, bias,
+temperature, top-k, top-p, min-p) and ``E[v]`` are i.i.d. Exp(1) noise drawn from a
+counter-based hash of ``(seed, t, v)`` (:func:`exponential_noise`; ``p / E`` is the
+exponential-race form of Gumbel-max: ``log p - log E`` with ``-log E`` Gumbel). A draft is
+accepted exactly when it equals its position's target token; the first mismatch (or the
+bonus position past the last draft) emits its target token.
 
-Sampling is a pure function of ``(seed, output position)``: each draw uses a generator
-seeded from the request's seed and the index of the token it produces, so results do not
-depend on batch composition or on which process samples.
+Why the output is the target's distribution: the pick at a position is an exact sample of
+``p_t`` (Gumbel-max), and it is the token plain sampling would emit there, since the noise
+depends on ``(seed, t, v)`` only. Drafts are deterministic (n-gram lookup, argmax MTP), so a
+draft ``d`` is accepted with probability ``p_t(d)``, and on rejection the emitted token is
+``p_t`` conditioned on ``!= d``, i.e. ``p_t`` with ``d`` removed, renormalised: the
+acceptance probability and residual of speculative rejection sampling (Leviathan et al.,
+"Fast Inference from Transformers via Speculative Decoding", ICML 2023, Algorithm 1, with a
+one-hot draft distribution). So the tokens are the same with speculation none, ngram or
+mtp, at any batch and PP size (tested token for token and with a chi-square test), as long
+as the verify's logits equal the decode's (the greedy path's condition too).
+
+The noise is integer arithmetic on the logits' device, so it is the same on the CPU and on
+CUDA and costs no host transfer: only ``[B, D]`` token ids cross to the host.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,13 +35,48 @@ from ppspec.proto.messages import SamplingSpec
 _MASK64 = (1 << 64) - 1
 
 
-def _generator(seed: int, position: int, kind: int) -> torch.Generator:
-    g = torch.Generator()
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + kind) & _MASK64
-    # the CPU generator (mt19937) keeps the low 32 bits of its seed: fold the high half in,
-    # or seeds 2^32 apart would sample alike
-    g.manual_seed(x ^ (x >> 32))
-    return g
+def _s64(c: int) -> int:
+    """A uint64 constant as the int64 of the same bits (torch has no uint64 arithmetic)."""
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GAMMA, _M1, _M2 = _s64(0x9E3779B97F4A7C15), _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)  # logical shift of int64 bits (>> is arithmetic)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser (Steele et al., "Fast splittable pseudorandom number
+    generators", OOPSLA 2014) on int64 tensors; multiplication wraps mod 2^64 on CPU and CUDA."""
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` on a Python int (the row keys)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def exponential_noise(seed: int, positions: list[int], vocab: int, device) -> torch.Tensor:
+    """I.i.d. Exp(1) noise, a pure function of ``(seed, output position, token id)``.
+
+    Row ``i`` is the SplitMix64 stream keyed by ``(seed, positions[i])``: element ``v`` is
+    ``mix(key + (v + 1) * gamma)``, its top 53 bits ``u`` in (0, 1), ``-log(u)``.
+
+    Returns ``[len(positions), vocab]`` float64 on ``device``.
+    """
+    keys = torch.tensor([_s64(_mix_int((seed & _MASK64) ^ _mix_int(p + 0x632BE59BD9B4E019))) for p in positions],
+                        dtype=torch.int64, device=device)
+    z = _mix(keys[:, None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA)
+    u = (_shr(z, 11).double() + 0.5) * (2.0 ** -53)
+    return -torch.log(u)
 
 
 def filter_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
@@ -145,53 +192,41 @@ def verify_and_sample(
     Returns:
         One :class:`AcceptResult` per request, ``1 <= len(tokens) <= num_drafts + 1``.
 
-    ``logits`` may live on the GPU: greedy acceptance needs only the argmax, so only
-    ``[B, D]`` token ids cross to the host, plus the logit rows of the requests that sample
-    or ask for logprobs (sampling draws from CPU generators, so results do not depend on
-    the device). At a 248K vocabulary, batch 32 and D = 4 that is 512 bytes against 127 MB.
+    Every position's target token (argmax, or the seeded Gumbel-max pick; module
+    docstring) is computed on the logits' device; only ``[B, D]`` token ids cross to the
+    host, plus the logit rows of the requests that ask for logprobs. At a 248K vocabulary,
+    batch 32 and D = 4 that is 512 bytes against 127 MB.
     """
     B, D, V = logits.shape
     drafts_l = drafts.tolist() if drafts.numel() else [[] for _ in range(B)]
     drafts_l = [row[: num_drafts[b]] for b, row in enumerate(drafts_l)]
     logits = adjust_logits(logits, drafts_l, specs, output_lens)
-    greedy_targets = logits.argmax(-1).tolist()  # [B][D], one transfer for the batch
-    host = [b for b, spec in enumerate(specs) if spec.temperature != 0.0 or spec.logprobs is not None]
-    moved = logits[torch.tensor(host, dtype=torch.long, device=logits.device)].float().cpu() if host else None
-    host_row = {b: moved[i] for i, b in enumerate(host)}  # [D, V] fp32 on the host
+    targets = logits.argmax(-1)  # [B, D]
+    sampled = [b for b, spec in enumerate(specs) if spec.temperature != 0.0]
+    if sampled:
+        targets = targets.clone()
+        for b in sampled:  # the positions a request may emit: its drafts' and the bonus
+            spec, n = specs[b], num_drafts[b] + 1
+            probs = filter_probs(logits[b, :n].float(), spec).double()
+            noise = exponential_noise(spec.seed, list(range(output_lens[b], output_lens[b] + n)), V, logits.device)
+            targets[b, :n] = (probs / noise).argmax(-1)
+    targets_l = targets.tolist()  # [B][D], one transfer for the batch
+    lp_rows = [b for b, spec in enumerate(specs) if spec.logprobs is not None]
+    moved = logits[torch.tensor(lp_rows, dtype=torch.long, device=logits.device)].float().cpu() if lp_rows else None
+    host_row = {b: moved[i] for i, b in enumerate(lp_rows)}  # [D, V] fp32 on the host
     results = []
     for b, spec in enumerate(specs):
-        m, out0 = num_drafts[b], output_lens[b]
-        tokens: list[int] = []
-        if spec.temperature == 0.0:
-            tg = greedy_targets[b]
-            j = 0
-            while j < m and drafts_l[b][j] == tg[j]:
-                j += 1
-            tokens = tg[: j + 1]
-        else:
-            probs = filter_probs(host_row[b][: m + 1], spec)
-            for j in range(m + 1):
-                if j < m:
-                    d = drafts_l[b][j]
-                    u = torch.rand((), generator=_generator(spec.seed, out0 + j, 1)).item()
-                    if u < probs[j, d].item():
-                        tokens.append(d)
-                        continue
-                    residual = probs[j].clone()
-                    residual[d] = 0.0
-                    if residual.sum() <= 0:  # p was one-hot on the draft: cannot reject it
-                        tokens.append(d)
-                        continue
-                    tok = torch.multinomial(residual / residual.sum(), 1, generator=_generator(spec.seed, out0 + j, 2))
-                else:
-                    tok = torch.multinomial(probs[j], 1, generator=_generator(spec.seed, out0 + j, 0))
-                tokens.append(int(tok))
-                break
-        res = AcceptResult(tokens)
+        # the one acceptance rule: drafts while each equals its position's target, then
+        # the target of the first position that differs (or of the bonus position)
+        tg, m = targets_l[b], num_drafts[b]
+        j = 0
+        while j < m and drafts_l[b][j] == tg[j]:
+            j += 1
+        res = AcceptResult(tg[: j + 1])
         if spec.logprobs is not None:
-            lp = torch.log_softmax(host_row[b][: len(tokens)], dim=-1)
+            lp = torch.log_softmax(host_row[b][: len(res.tokens)], dim=-1)
             res.logprobs = []
-            for j, t in enumerate(tokens):
+            for j, t in enumerate(res.tokens):
                 top = []
                 if spec.logprobs > 0:
                     v, i = lp[j].topk(spec.logprobs)

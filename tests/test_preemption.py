@@ -69,9 +69,8 @@ def test_short_pool_preempts_and_outputs_match_an_unbounded_pool(ckpt, reference
 
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_seeded_sampling_is_the_same_after_a_preemption(ckpt, spec):
-    """Seeded draws depend on the round's drafts (accept / resample against plain
-    sampling): a recomputed request keeps the MTP drafts it had, so its next round is the
-    verify it would have been."""
+    """A seeded token depends on (seed, output position) alone: a recomputed request
+    samples the tokens of an unpreempted run."""
     torch.set_num_threads(1)
     p = SamplingParams(temperature=0.8, top_k=20, max_tokens=40, ignore_eos=True, seed=11)
     ref = [o.token_ids for o in LLM(ckpt, max_rows=8, speculative_algorithm=spec).generate(PROMPTS, p)]

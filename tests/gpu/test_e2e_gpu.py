@@ -96,6 +96,38 @@ def test_fp32_penalties_on_cuda_identical_to_pp1_on_cuda(prompts):
     assert any(a.token_ids != b.token_ids for a, b in zip(outs, plain)), "the penalties changed nothing"
 
 
+@pytest.mark.parametrize("pp,spec", [(2, "mtp"), (4, "ngram")])
+def test_fp32_seeded_sampling_on_cuda_identical_to_pp1_without_speculation(prompts, pp, spec):
+    """Seeded sampling (temperature 0.8, top-p / top-k variants) with graphs and
+    speculation gives the tokens of PP1 without speculation, request for request: each
+    position's token is the Gumbel-max pick under noise keyed by (seed, position)
+    (``stage_server/sampler.py``). Half the requests are greedy, so batches mix the fused
+    greedy round's requests with sampled ones; the greedy ones keep their tokens too."""
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    ps = [_ids(x) for x in prompts]
+    variants = [dict(top_p=0.95), dict(top_k=40), dict()]
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=100 + i,
+                             **variants[i % 3]) for i in range(len(ps))]
+    ref = [o.token_ids for o in LLM(DEMO, device="cuda", max_rows=N).generate(ps, params)]
+    outs = [o.token_ids for o in LLM(DEMO, device="cuda", pp_size=pp, speculative_algorithm=spec,
+                                     max_rows=N).generate(ps, params)]
+    diff = [i for i in range(len(ps)) if outs[i] != ref[i]]
+    assert not diff, diff
+    greedy = [o.token_ids for o in LLM(DEMO, device="cuda", max_rows=N).generate(
+        ps, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert all(ref[i] != greedy[i] for i in range(1, len(ps), 2)), "sampling gave the greedy tokens"
+
+
+def test_sampling_noise_is_the_same_on_cuda_and_cpu():
+    """The noise is integer arithmetic (then one log): CUDA and the CPU agree."""
+    from ppspec.stage_server.sampler import exponential_noise
+
+    cpu = exponential_noise(2**63 + 5, [0, 7, 1000], 248320, "cpu")
+    assert torch.allclose(exponential_noise(2**63 + 5, [0, 7, 1000], 248320, "cuda").cpu(), cpu, rtol=1e-14, atol=0)
+
+
 def _check_near_ties(outs, ref, gaps):
     for i, (o, r) in enumerate(zip(outs, ref)):
         if o.token_ids != r:

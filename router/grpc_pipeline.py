@@ -40,7 +40,7 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "busy_seconds": r.busy_seconds, "pending_commits": r.pending_commits, "commit_design": r.commit_design,
         "prefill_attention": r.prefill_attention, "instance_id": r.instance_id, "next_instance_id": r.next_instance_id,
         "routers": {x.router_id: x.idle_seconds for x in r.routers}, "owner_router_id": r.owner_router_id,
-        "not_serving": r.not_serving, "replaced": r.replaced,
+        "not_serving": r.not_serving, "replaced": r.replaced, "warmup_seconds": r.warmup_seconds,
     }
 
 

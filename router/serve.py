@@ -157,6 +157,23 @@ def healthy(url: str) -> bool:
         return False
 
 
+def stage_warmup_seconds(addresses: list[str]) -> list[float]:
+    """Each stage's warm-up time (seconds, from its Info; ``stage_server.warmup``); NaN for
+    a stage that does not answer."""
+    import grpc
+
+    from ppspec.proto.stubs import pb, pb_grpc
+
+    out = []
+    for addr in addresses:
+        with grpc.insecure_channel(addr) as ch:
+            try:
+                out.append(pb_grpc.StageStub(ch).Info(pb.InfoRequest(), timeout=5.0).warmup_seconds)
+            except grpc.RpcError:
+                out.append(float("nan"))
+    return out
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
     """Poll ``url``/health until 200. False when ``proc`` exits or ``timeout`` (s) passes."""
     deadline = time.monotonic() + timeout
@@ -261,7 +278,9 @@ def main(argv: list[str]) -> int:
                     return 2  # a child refused its settings (a usage error, its line above): so does serve
                 return 0 if stop["sig"] and not dead else 1
             time.sleep(0.25)
-        print(f"ppspec serve: PP{n}, speculative {a.speculative_algorithm}, ready at {url}/v1", flush=True)
+        warm = stage_warmup_seconds([f"{a.host}:{p}" for p in ports])
+        print(f"ppspec serve: PP{n}, speculative {a.speculative_algorithm}, warm-up {max(warm):.1f} s (per stage: "
+              f"{', '.join(f'{s:.1f}' for s in warm)}), ready at {url}/v1", flush=True)
         while stop["sig"] is None:
             dead = kids.dead()
             if dead:

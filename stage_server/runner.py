@@ -272,6 +272,7 @@ class StageRunner:
         self._last_verify_rows: list[int] = []      # FAULT_STALE_ROWS
         self.busy_seconds = 0.0
         self.graph_bytes = 0  # device memory the captured graphs took (bytes)
+        self.warmup_seconds = 0.0  # stage_server.warmup.warm_up, run by the stage server
         log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
         self.graphs: dict[str, StepGraphs] = {}
         self.mtp_graphs: dict[str, StepGraphs] = {}
@@ -409,6 +410,7 @@ class StageRunner:
             "eos_token_ids": list(self.cfg.eos_token_ids),
             "memory_bytes": self.memory_report(),
             "busy_seconds": self.busy_seconds,
+            "warmup_seconds": self.warmup_seconds,
         }
 
     # ------------------------------------------------------------------ layout

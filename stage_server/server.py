@@ -40,6 +40,7 @@ from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 from .config import CheckpointError
 from .pools import PoolExhaustedError
 from .runner import RowStateError, brief
+from .warmup import warm_up
 
 log = logging.getLogger("ppspec.stage")
 
@@ -338,7 +339,7 @@ class StageServicer(pb_grpc.StageServicer):
             max_context=i["max_context"], num_speculative_steps=i["num_speculative_steps"], has_mtp=i["has_mtp"],
             vocab_size=i["vocab_size"], eos_token_ids=i["eos_token_ids"], memory_bytes=i["memory_bytes"],
             busy_seconds=i["busy_seconds"], pending_commits=len(self.pending), commit_design=i["commit_design"],
-            prefill_attention=i["prefill_attention"],
+            prefill_attention=i["prefill_attention"], warmup_seconds=i["warmup_seconds"],
         )
 
 
@@ -375,6 +376,9 @@ async def serve_stage(args) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
         return 2
+    # before the port opens: the router (and /health) sees this stage only once it is warm
+    runner.warmup_seconds = warm_up(runner)
+    log.info("stage %d: warm-up took %.2f s", args.pp_rank, runner.warmup_seconds)
     last = args.pp_rank == args.pp_size - 1
     interceptors = []
     delay = float(os.environ.get("PPSPEC_INJECT_DELAY_MS", "0") or 0)
@@ -440,7 +444,7 @@ async def serve_stage(args) -> int:
     print(
         f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
         f"listening on {args.host}:{bound}; commit design {runner.commit_design}; prefill attention "
-        f"{runner.prefill_attention}; pools (bytes): {mem}",
+        f"{runner.prefill_attention}; warm-up {runner.warmup_seconds:.2f} s; pools (bytes): {mem}",
         flush=True,
     )
     loop = asyncio.get_running_loop()

@@ -1,10 +1,17 @@
 """The router's engine: the scheduler driven over a pipeline, one asyncio task per lane.
 
 Each lane (micro-batch slot) loops: form a micro-batch, send it through the pipeline,
-process the last stage's result, then — without waiting — send ``CommitAccept`` for that
-micro-batch's rows and round to every stage and release finished rows. Stages order a
-commit before the next verify of the same rows, so the lane goes straight on to its next
-round, and up to ``num_lanes`` micro-batches are in flight at once.
+apply the last stage's result to the scheduler, then — without waiting — send
+``CommitAccept`` for that micro-batch's rows and round to every stage and release
+finished rows. Stages order a commit before the next verify of the same rows, so the
+lane goes straight on to its next round.
+
+Overlap with compute (docs/DESIGN.md, "Scheduling"): there is one more lane than stages
+by default, so while micro-batch i runs the router has already formed and sent micro-batch
+i + 1 of another lane, and a stage that finishes one finds the next queued instead of
+waiting for the router. What a result means to clients (tokens to the request streams,
+whose detokenization, stop-string search and SSE writing follow, and the metrics) is
+handed to one output task through a queue, after the lane has sent its next micro-batch.
 
 Implements the ``AsyncEngine`` shape the HTTP layer (``router.api``) serves.
 """
@@ -48,7 +55,8 @@ class Engine:
         model_name: served model id. tokenizer: the checkpoint's HF tokenizer.
         speculative_algorithm: ``none``, ``ngram`` or ``mtp``, or None to infer it from
             the stages (an MTP head on the last stage: mtp; drafts without one: ngram).
-        num_micro_batches: lanes in flight (default: the number of stages).
+        num_micro_batches: lanes, micro-batches in flight at most (default: stages + 1,
+            so that a stage has the next micro-batch queued when it finishes one).
         wedge_timeout: seconds a micro-batch may stay outstanding before ``health``
             reports the pipeline wedged.
         stall_timeout: seconds a stage may fail the pipeline's health checks while
@@ -81,6 +89,9 @@ class Engine:
         self._stopping = False  # _stop_lanes: the lane loops end
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        # (batch, result, update, seconds in flight) of each processed micro-batch, for the
+        # output task; None wakes it to end
+        self._outbox: asyncio.Queue = asyncio.Queue()
         self.max_model_len = 0
         self.stage_infos: list[dict] = []
 
@@ -102,7 +113,7 @@ class Engine:
             raise ValueError(f"stage layer ranges {ranges} do not chain over {infos[0]['num_layers']} layers")
         self.spec = spec
         self.max_model_len = min(i["max_context"] for i in infos)
-        lanes = self.num_micro_batches or len(infos)
+        lanes = self.num_micro_batches or len(infos) + 1
         kv_tokens, page_size = kv_budget(infos)
         self.scheduler = Scheduler(
             max_rows=min(i["max_rows"] for i in infos), kv_tokens=kv_tokens, page_size=page_size,
@@ -127,6 +138,7 @@ class Engine:
         self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(lanes)]
         self._tasks.append(asyncio.ensure_future(self._stats_loop()))
         self._tasks.append(asyncio.ensure_future(self._stall_watch()))
+        self._tasks.append(asyncio.ensure_future(self._output_loop()))
 
     # ------------------------------------------------------------------ client side
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -188,7 +200,9 @@ class Engine:
 
     def _deliver(self, out: RequestOutput) -> None:
         q = self.queues.get(out.request_id)
-        if self.metrics and out.new_token_ids:
+        if self.metrics and out.new_token_ids and out.request_id in self.queues:
+            # (a request ended since its micro-batch came back, by an abort or a stop string
+            # the HTTP layer matched: counted already)
             self.metrics.on_tokens(out.request_id, len(out.new_token_ids))
         if out.finished:
             self._finished(out.request_id, out)
@@ -252,16 +266,30 @@ class Engine:
                 self._fail(f"{type(e).__name__}: {e}")
                 continue
             started = self.outstanding.pop(lane, None)
-            self._set_in_flight()
-            if self.metrics and started is not None:
-                self.metrics.on_pipeline_step("verify" if batch.mode == "verify" else "forward", time.monotonic() - started)
             up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
-            self._record(batch, res, up)
             if up.commit is not None or up.release_rows:
                 self._spawn(self._commit_and_release(up))
-            for out in up.outputs:
-                self._deliver(out)
+            # the lane forms and sends its next micro-batch before anything else of this one
+            self._outbox.put_nowait((batch, res, up, None if started is None else time.monotonic() - started))
             self._wake.set()
+
+    async def _output_loop(self) -> None:
+        """Deliver each processed micro-batch's outputs to the request streams and record
+        its metrics, off the lanes' path (in the order the results came)."""
+        while True:
+            item = await self._outbox.get()
+            if item is None:
+                return
+            batch, res, up, seconds = item
+            try:
+                self._set_in_flight()
+                if self.metrics and seconds is not None:
+                    self.metrics.on_pipeline_step("verify" if batch.mode == "verify" else "forward", seconds)
+                self._record(batch, res, up)
+                for out in up.outputs:
+                    self._deliver(out)
+            except Exception:  # noqa: BLE001  (a metrics error must not stop every stream)
+                log.exception("delivering micro-batch %d round %d failed", batch.micro_batch_id, batch.round)
 
     async def _commit_and_release(self, up: Update) -> None:
         try:

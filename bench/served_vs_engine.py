@@ -1,0 +1,259 @@
+"""What serving costs against the engine in one process: ``python -m ppspec.bench.served_vs_engine``.
+
+The same prompts (ShareGPT first turns, every request ``--max-tokens`` long, greedy,
+``ignore_eos``) go through ``LLM.generate`` (one process, no gRPC, at most ``--max-rows``
+running) and through ``ppspec serve`` at each ``--pp`` with the ``ppspec bench`` client
+(``bench.runner``); it prints the ratios of issue 25's table:
+
+- served / engine output tok/s at concurrency ``--concurrency`` (64) and at 1;
+- served TPOT at concurrency 1 against the engine's time per round (a decode step, or a
+  verify round with speculation) at batch 1;
+- PPk against PP1: tok/s at concurrency 64, TPOT at 1, TTFT of a ``--long-prompt`` token prompt;
+- the first request after ``/health`` turned 200 against the same request in steady state.
+
+GPU (the H200 of docs/PERFORMANCE.md)::
+
+    python -m ppspec.bench.gpu_bench --make-1b /tmp/qwen35-1b
+    python -m ppspec.bench.served_vs_engine --model /tmp/qwen35-1b --device cuda --dtype bfloat16
+    python -m ppspec.bench.served_vs_engine --device cuda --dtype bfloat16 --spec mtp --pp 1
+
+``--tiny`` (CPU) writes a random checkpoint of 4 layers and hidden size 64, so that compute is
+negligible and the figures are the system's own overhead per round: served against in
+process, at PP 1, 2 and 4. ``--baseline-pythonpath DIR`` serves a second time with another
+checkout's packages first on ``PYTHONPATH`` (a folder holding a ``ppspec`` package that
+maps that checkout, see ``--help``), in the same run, for an A/B of a change.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
+from ppspec.bench.runner import RunConfig, run_benchmark
+
+# compute negligible: what a round costs is the system's own work
+TINY_SHAPE = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=16384)
+
+
+def make_tiny(path: str) -> str:
+    import torch
+
+    from ppspec.bench.gpu_bench import make_random_checkpoint
+
+    make_random_checkpoint(torch, path, "cpu", mtp=True, **TINY_SHAPE)
+    return path
+
+
+# ------------------------------------------------------------------ the engine in one process
+def engine_figures(a, prompts: list[list[int]]) -> dict:
+    """``LLM.generate`` of every prompt at once (tok/s), and of one prompt alone: tok/s and
+    the median seconds of a round after its prefill (``round_s``)."""
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    if a.device == "cpu":
+        import torch
+
+        torch.set_num_threads(a.num_threads)
+    llm = LLM(a.model, speculative_algorithm=a.spec, device=a.device, dtype=a.dtype, max_rows=a.max_rows,
+              max_batch_size=a.max_rows, kv_tokens=a.kv_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # its first steps (allocations, kernels) are not timed
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    batch_tok_s = sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0)
+    rounds, solo = [], []
+    for p in prompts[: a.solo_prompts]:
+        t0 = time.perf_counter()
+        rid = llm.add_request(p, params)
+        times = []
+        while llm.has_unfinished():
+            t = time.perf_counter()
+            llm.step()
+            times.append(time.perf_counter() - t)
+        solo.append(len(llm.completions.pop(rid).token_ids) / (time.perf_counter() - t0))
+        rounds += times[1:]  # after the prefill
+    del llm
+    return {"tok_s": batch_tok_s, "solo_tok_s": statistics.median(solo), "round_s": statistics.median(rounds)}
+
+
+# ------------------------------------------------------------------ served
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _timed_request(url: str, prompt, max_tokens: int) -> float:
+    """Seconds of one non-streamed greedy completion."""
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", timeout=600, json={
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+    return time.perf_counter() - t0
+
+
+def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "ppspec.cli", "serve", "--model", a.model, "--pp-size", str(pp),
+           "--speculative-algorithm", a.spec, "--device", a.device, "--dtype", a.dtype, "--port", str(port),
+           "--max-rows", str(a.max_rows), "--max-batch-size", str(a.max_rows), "--kv-tokens", str(a.kv_tokens),
+           "--served-model-name", "m"]
+    if a.device == "cpu":
+        cmd += ["--num-threads", str(a.num_threads)]
+    cmd += a.serve_args.split()
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-pp{pp}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + a.startup_timeout
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ppspec serve PP{pp} did not start; its log: {log.name}")
+            time.sleep(0.2)
+        first_prompt = samples[0].prompt
+        first = _timed_request(url, first_prompt, 32)  # the first request after /health turned 200
+        steady = statistics.median(_timed_request(url, first_prompt, 32) for _ in range(5))
+        cfg = dict(base_url=url, progress=False, test_request=False, ignore_eos=True)
+        count = lambda s: len(s.split())  # noqa: E731  (the served usage counts the tokens)
+        full = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
+        solo = asyncio.run(run_benchmark(RunConfig(max_concurrency=1, **cfg), samples[: a.solo_prompts], count, "words"))
+        long_ids = [(7 * i) % 8000 + 100 for i in range(a.long_prompt)]
+        ttft = statistics.median(_timed_request(url, long_ids, 1) for _ in range(3))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    return {"tok_s": full["output_throughput"], "solo_tok_s": solo["output_throughput"],
+            "tpot_s": solo["tpot_ms"]["mean"] / 1e3, "long_ttft_s": ttft, "first_s": first, "steady_s": steady,
+            "failed": full["failed"] + solo["failed"]}
+
+
+# ------------------------------------------------------------------ report
+def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
+    fmt = lambda x, f="{:.2f}": "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f.format(x)  # noqa: E731
+    names = list(served)
+    lines = [f"model {a.model}, {a.device} {a.dtype}, speculative {a.spec}; {a.num_prompts} prompts x {a.max_tokens} "
+             f"tokens; engine: LLM.generate, at most {a.max_rows} running", "",
+             f"engine: {eng['tok_s']:.1f} tok/s all prompts, {eng['solo_tok_s']:.1f} tok/s one request, "
+             f"{eng['round_s'] * 1e3:.2f} ms per round at batch 1", ""]
+    head = "| figure | target (H200) | " + " | ".join(names) + " |"
+    lines += [head, "|---|---|" + "---|" * len(names)]
+
+    def row(label, target, fn):
+        vals = []
+        for n in names:
+            try:
+                vals.append(fmt(fn(served[n])))
+            except (KeyError, ZeroDivisionError, TypeError):
+                vals.append("-")
+        lines.append(f"| {label} | {target} | " + " | ".join(vals) + " |")
+
+    pps = sorted(next(iter(served.values())))
+    base = pps[0]
+    row(f"served / engine tok/s, PP{base}, concurrency {a.concurrency}", ">= 0.9", lambda s: s[base]["tok_s"] / eng["tok_s"])
+    row(f"served / engine tok/s, PP{base}, concurrency 1", ">= 0.8 (MTP)", lambda s: s[base]["solo_tok_s"] / eng["solo_tok_s"])
+    row(f"served TPOT / engine round, PP{base}, concurrency 1", "<= 1.15", lambda s: s[base]["tpot_s"] / eng["round_s"])
+    for pp in pps[1:]:
+        row(f"PP{pp} / PP{base} tok/s, concurrency {a.concurrency}", ">= 0.95", lambda s, pp=pp: s[pp]["tok_s"] / s[base]["tok_s"])
+        row(f"PP{pp} / PP{base} TPOT, concurrency 1", "<= 1.1", lambda s, pp=pp: s[pp]["tpot_s"] / s[base]["tpot_s"])
+        row(f"PP{pp} / PP{base} TTFT, {a.long_prompt}-token prompt", "<= 1.1",
+            lambda s, pp=pp: s[pp]["long_ttft_s"] / s[base]["long_ttft_s"])
+    for pp in pps:
+        row(f"first request after /health / steady state, PP{pp}", "<= 2", lambda s, pp=pp: s[pp]["first_s"] / s[pp]["steady_s"])
+    lines += ["", "| absolute | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for pp in pps:
+        for key, label, scale, f in (("tok_s", f"tok/s c{a.concurrency}", 1, "{:.1f}"), ("solo_tok_s", "tok/s c1", 1, "{:.1f}"),
+                                     ("tpot_s", "TPOT c1 (ms)", 1e3, "{:.2f}"),
+                                     ("long_ttft_s", f"TTFT {a.long_prompt} tokens (ms)", 1e3, "{:.0f}")):
+            lines.append(f"| PP{pp} {label} | " + " | ".join(fmt(served[n][pp][key] * scale, f) for n in names) + " |")
+        # the system's own cost of a round at batch 1: served TPOT less the engine's round
+        lines.append(f"| PP{pp} overhead per round c1 (ms) | " + " | ".join(
+            fmt((served[n][pp]["tpot_s"] - eng["round_s"]) * 1e3) for n in names) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ppspec.bench.served_vs_engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint (default: the demo model; with --tiny, made)")
+    ap.add_argument("--tiny", action="store_true", help="CPU: a random 4-layer hidden-64 checkpoint")
+    ap.add_argument("--spec", default="none", choices=["none", "ngram", "mtp"])
+    ap.add_argument("--pp", default="1,2,4")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-input-len", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-rows", type=int, default=64)
+    ap.add_argument("--kv-tokens", type=int, default=131072)
+    ap.add_argument("--solo-prompts", type=int, default=4, help="requests run alone (concurrency 1)")
+    ap.add_argument("--long-prompt", type=int, default=8000, help="tokens of the TTFT prompt")
+    ap.add_argument("--num-threads", type=int, default=1,
+                    help="CPU: torch threads of the engine and of each stage (more than the free cores spin)")
+    ap.add_argument("--serve-args", default="", help="more arguments for ppspec serve")
+    ap.add_argument("--baseline-pythonpath", default=None,
+                    help="also serve with this folder first on PYTHONPATH (another checkout's ppspec), named 'baseline'")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    a = ap.parse_args(argv)
+    if a.tiny:
+        a.model = a.model or make_tiny(os.path.join(tempfile.mkdtemp(), "tiny"))
+    if a.model is None:
+        from ppspec.router.llm import DEMO_MODEL
+
+        a.model = DEMO_MODEL
+    counter = TokenCounter(a.model)
+    samples = sample_sharegpt(load_sharegpt(), a.num_prompts, 0, counter, max_input_len=a.max_input_len)
+    for s in samples:  # every request the same length, as LLM.generate runs them
+        s.output_len = a.max_tokens
+    tok = counter.tokenizer if hasattr(counter, "tokenizer") else None
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(a.model)
+    prompts = [tok.encode(s.prompt) for s in samples]
+    print(f"engine in one process ({a.model}) ...", file=sys.stderr, flush=True)
+    eng = engine_figures(a, prompts)
+    served: dict[str, dict[int, dict]] = {}
+    runs = [("served", None)] + ([("baseline", a.baseline_pythonpath)] if a.baseline_pythonpath else [])
+    for pp in (int(x) for x in a.pp.split(",")):
+        for name, path in runs:  # interleaved: the A/B sees the same machine load
+            print(f"{name} PP{pp} ...", file=sys.stderr, flush=True)
+            served.setdefault(name, {})[pp] = served_figures(a, pp, samples, path)
+    print(report(a, eng, served))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

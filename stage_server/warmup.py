@@ -1,5 +1,4 @@
-"""A stage's warm-up: every kind of step serving meets, run once before the stage serves
-(docs/DESIGN.md, "Warm start").
+"""A stage's warm-up: every kind of step serving meets, run once before the stage serves.
 
 A Triton kernel compiles on its first launch with a new specialisation (a constexpr, an
 integer argument divisible by 16 or equal to 1), FlashInfer plans on its first prefill, and

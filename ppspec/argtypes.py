@@ -124,6 +124,18 @@ def stage_devices(device: str, n: int, spread_cuda: bool = True) -> list[str]:
     return [device] * n
 
 
+DATA_PLANES = ("auto", "shm", "cuda_ipc", "bytes")
+
+
+def add_data_plane_arg(ap) -> None:
+    """``--data-plane`` of ``ppspec stage`` and ``ppspec serve`` (stage_server/dataplane.py)."""
+    ap.add_argument("--data-plane", default="auto", choices=DATA_PLANES,
+                    help="how hidden states go to the next stage: auto (shm between CPU stages, cuda_ipc between "
+                         "CUDA stages, of one host), shm, cuda_ipc, or bytes (inline in the gRPC message); a hop "
+                         "the next stage cannot take that way falls back to bytes (Info, the log and the router's "
+                         "/health say so)")
+
+
 def add_cuda_graph_args(ap: argparse.ArgumentParser) -> None:
     """``--cuda-graph-max-bs N`` and ``--disable-cuda-graph`` (SGLang's names), read back
     by :func:`cuda_graph_max_bs`."""

@@ -41,6 +41,7 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "prefill_attention": r.prefill_attention, "instance_id": r.instance_id, "next_instance_id": r.next_instance_id,
         "routers": {x.router_id: x.idle_seconds for x in r.routers}, "owner_router_id": r.owner_router_id,
         "not_serving": r.not_serving, "replaced": r.replaced, "warmup_seconds": r.warmup_seconds,
+        "transport": r.transport, "transport_detail": r.transport_detail,
     }
 
 
@@ -71,6 +72,7 @@ class GrpcPipeline:
         self.on_restart = None  # f(stage, detail): a stage answers as another process
         self.on_displaced = None  # f(detail): another router claimed the stages
         self._chain_bad_since: float | None = None
+        self.data_plane = ""  # the hops' transports as the stages last said (/health)
 
     def _error(self, stage: int | None, e: grpc.aio.AioRpcError, what: str) -> StageDownError:
         """The error a failed call raises. A stage that denied this router (another router
@@ -307,6 +309,10 @@ class GrpcPipeline:
         reclaim = [k for k, i in enumerate(infos) if i is not None and not i["owner_router_id"]] if self.claimed else []
         if any(i is None for i in infos):
             return reclaim
+        plane = data_plane(infos)
+        if plane != self.data_plane:
+            (log.warning if "fell back" in plane else log.info)("%s", plane)
+            self.data_plane = plane
         err = chain_error(infos, self.addresses)
         now = time.monotonic()
         if not err:
@@ -325,13 +331,25 @@ class GrpcPipeline:
     def health(self) -> tuple[bool, str]:
         if self.down:
             return False, "; ".join(self.down[k] for k in sorted(self.down))
-        return True, f"{len(self.addresses)} stages serving"
+        return True, f"{len(self.addresses)} stages serving" + (f"; {self.data_plane}" if self.data_plane else "")
 
     async def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
         for c in self.channels:
             await c.close()
+
+
+def data_plane(infos: list[dict]) -> str:
+    """How hidden states go from stage to stage, as the stages say (their Info): one
+    transport for every hop, or each hop's, with why a hop fell back to bytes."""
+    hops = [(k, i["transport"], i["transport_detail"]) for k, i in enumerate(infos[:-1])]
+    if not hops:
+        return ""
+    if len({t for _, t, _ in hops}) == 1 and not any(d for *_, d in hops):
+        return f"data plane: {hops[0][1]}"
+    return "data plane: " + "; ".join(
+        f"stage {k} -> {k + 1} {t or 'not attached'}" + (f" (fell back: {d})" if d else "") for k, t, d in hops)
 
 
 def chain_error(infos: list[dict], addresses: list[str]) -> str:

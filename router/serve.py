@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 
 from ppspec.argtypes import (
-    add_cuda_graph_args, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_finite_float, positive_float,
+    add_cuda_graph_args, add_data_plane_arg, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_finite_float, positive_float,
     positive_int, stage_devices,
 )
 
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-budget-gb", type=positive_finite_float, default=None, help="GiB per stage (weights, pools and CUDA graphs)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
+    add_data_plane_arg(ap)
     add_cuda_graph_args(ap)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--served-model-name", default=None)
@@ -237,7 +238,7 @@ def main(argv: list[str]) -> int:
                 "--port", str(ports[k]), "--max-rows", str(a.max_rows), "--kv-tokens", str(a.kv_tokens),
                 "--speculative-algorithm", a.speculative_algorithm,
                 "--speculative-num-steps", str(a.speculative_num_steps), "--dtype", a.dtype,
-                "--device", devices[k], "--num-threads", str(threads),
+                "--device", devices[k], "--num-threads", str(threads), "--data-plane", a.data_plane,
             ]
             if k + 1 < n:
                 argv_k += ["--next-stage", f"{a.host}:{ports[k + 1]}"]

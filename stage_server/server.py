@@ -3,7 +3,8 @@
 Compute runs on one worker thread, off the event loop, in the order this server admits
 it. A non-last stage relays each step to the next stage with its hidden states and
 returns the next stage's answer, so activations go stage to stage and the last stage's
-result travels back up the chain to the router.
+result travels back up the chain to the router. The hidden states travel on the data plane
+agreed with the next stage (``dataplane.py``: shared memory, CUDA IPC, or inline bytes).
 
 **Ordering.** ``CommitAccept(mb, r)`` and ``Verify(mb, r + 1)`` come from different
 senders (the router, the previous stage) and may arrive in either order. A verify marks
@@ -32,11 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ppspec.argtypes import add_cuda_graph_args, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
-from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_to_pb, step_from_pb, tensor_to_pb
+from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
+from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_to_pb, step_from_pb
 from ppspec.proto.messages import PREFILL, VERIFY
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
+from . import dataplane
 from .config import CheckpointError
 from .pools import PoolExhaustedError
 from .runner import RowStateError, brief
@@ -74,8 +76,13 @@ class StageServicer(pb_grpc.StageServicer):
     # another router owns that stage (a takeover reached it first)
     REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.PERMISSION_DENIED)
+    # a relay that ended with one of these may have had no answer from the next stage, which
+    # may still read the data-plane slot: the slot is retired, not reused
+    UNANSWERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                  grpc.StatusCode.UNKNOWN)
 
-    def __init__(self, runner, next_stage: str | None, relay_timeout: float = 600.0, order_timeout: float = 600.0):
+    def __init__(self, runner, next_stage: str | None, relay_timeout: float = 600.0, order_timeout: float = 600.0,
+                 data_plane: str = "auto"):
         self.runner = runner
         self.next_stage = next_stage
         self.relay_timeout, self.order_timeout = relay_timeout, order_timeout
@@ -93,6 +100,12 @@ class StageServicer(pb_grpc.StageServicer):
         # once the new owner has left (a paused router must not come back to the stage)
         self.replaced: dict[str, str] = {}
         self.cond = asyncio.Condition()
+        # data plane: what this stage offers its next stage, the link agreed (bytes until the
+        # attach), and the links of the stages that send to this one
+        self.data_plane = dataplane.choose(data_plane, str(runner.device))
+        self.link = dataplane.BytesLink()
+        self.transport_detail = ""
+        self.receiver = dataplane.Receiver(str(runner.device))
         self._next = None
         if next_stage:
             self._channel = grpc.aio.insecure_channel(next_stage, options=GRPC_OPTIONS + RECONNECT_OPTIONS)
@@ -162,6 +175,11 @@ class StageServicer(pb_grpc.StageServicer):
         await self._check_router(request.router_id, context, what)
         try:
             inp = step_from_pb(request)
+            if request.HasField("hidden_ref"):  # on the data plane: checked against this step
+                inp.hidden_states = await self._compute(self.receiver.read, request.hidden_ref,
+                                                        request.micro_batch_id, request.round)
+        except dataplane.NotAttachedError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {rank}: {e}")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}")
         if (inp.mode == VERIFY) != verify:
@@ -180,29 +198,97 @@ class StageServicer(pb_grpc.StageServicer):
         if why:
             await self._unmark(rows, verify)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        link = self.link  # the link this step's tensor goes on (a re-attach may replace it meanwhile)
         try:
-            out = await self._compute(self.runner.step, inp)
+            out, sent = await self._compute(self._run, inp, link)
         except Exception as e:
             await self._unmark(rows, verify)
             await self._fail(context, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
         if self._next is None:
             out.stage_seconds = [out.compute_seconds]
             return result_to_pb(out)
-        request.hidden_states.CopyFrom(tensor_to_pb(out.hidden_states))
+        sent.fill(request)
         call = self._next.Verify if verify else self._next.Forward
+        answered = False  # by the next stage: then it is done with the data-plane slot
         try:
             res = await call(request, timeout=self.relay_timeout)
+            answered = True
         except grpc.aio.AioRpcError as e:
             code = e.code()
+            answered = code not in self.UNANSWERED
             if code in self.REFUSED:
                 await self._undo(inp, verify)
+            if code == grpc.StatusCode.FAILED_PRECONDITION and "AttachDataPlane" in (e.details() or ""):
+                self.next_instance_id = ""  # the next stage lost this link: the wiring check attaches again
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 msg = f"stage {rank + 1} at {self.next_stage}: {e.details()}"
             else:
                 msg = e.details()
             await context.abort(code, msg)
+        finally:
+            link.done(sent, answered)
         res.stage_seconds[:] = [out.compute_seconds] + list(res.stage_seconds)
         return res
+
+    def _run(self, inp, link) -> tuple:
+        """On the compute thread: the step, then (not on the last stage) its hidden states
+        into ``link`` (ordered after the kernels that wrote them)."""
+        out = self.runner.step(inp)
+        if self._next is None:
+            return out, None
+        try:
+            return out, link.put(out.hidden_states, inp.micro_batch_id, inp.round)
+        except (OSError, ValueError) as e:  # e.g. /dev/shm full: this step goes as bytes
+            log.warning("stage %d: %s data plane failed (%s); micro-batch %d goes as bytes", self.runner.pp_rank,
+                        link.transport, e, inp.micro_batch_id)
+            return out, dataplane.BytesLink().put(out.hidden_states, inp.micro_batch_id, inp.round)
+
+    async def AttachDataPlane(self, request: pb.AttachRequest, context):
+        transport, detail = await self._compute(self.receiver.attach, request)
+        level = logging.INFO if not detail else logging.WARNING
+        log.log(level, "stage %d: the previous stage (instance %s) offered %s: %s%s", self.runner.pp_rank,
+                request.sender_id, request.transport, transport, f" ({detail})" if detail else "")
+        return pb.AttachReply(transport=transport, detail=detail)
+
+    async def attach_next(self) -> None:
+        """Agree on the data plane with the next stage (at start, and whenever it is a new
+        process: its mappings of this stage's slots died with the old one). Falls back to
+        bytes and says why when the next stage refuses the offer or has no data plane.
+
+        Raises:
+            grpc.aio.AioRpcError: the next stage did not answer (try again later).
+        """
+        rank, offer = self.runner.pp_rank, self.data_plane
+        link = dataplane.BytesLink() if offer == "bytes" else dataplane.SlotLink(offer, self.instance_id,
+                                                                                 str(self.runner.device))
+        req = pb.AttachRequest(sender_id=self.instance_id, host_id=dataplane.host_id(), transport=offer)
+        probe = None
+        try:
+            if offer != "bytes":
+                probe, req.nonce = await self._compute(dataplane.make_probe, link)
+                req.probe.CopyFrom(probe.ref)
+            try:
+                reply = await self._next.AttachDataPlane(req, timeout=10.0)
+                transport, detail = reply.transport, reply.detail
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                transport, detail = "bytes", "the next stage has no data plane (an older ppspec)"
+        except BaseException:
+            link.close()
+            raise
+        if probe is not None:
+            link.done(probe, answered=True)
+        if transport != offer:
+            link.close()
+            link = dataplane.BytesLink()
+        old, self.link, self.transport_detail = self.link, link, detail
+        old.close()
+        if detail:
+            log.warning("stage %d: data plane to stage %d at %s: bytes (fell back from %s: %s)", rank, rank + 1,
+                        self.next_stage, offer, detail)
+        else:
+            log.info("stage %d: data plane to stage %d at %s: %s", rank, rank + 1, self.next_stage, transport)
 
     async def _undo(self, inp, verify: bool) -> None:
         """A later stage refused a step this stage ran: drop a verify's pending marks (its
@@ -340,6 +426,7 @@ class StageServicer(pb_grpc.StageServicer):
             vocab_size=i["vocab_size"], eos_token_ids=i["eos_token_ids"], memory_bytes=i["memory_bytes"],
             busy_seconds=i["busy_seconds"], pending_commits=len(self.pending), commit_design=i["commit_design"],
             prefill_attention=i["prefill_attention"], warmup_seconds=i["warmup_seconds"],
+            transport="" if self._next is None else self.link.transport, transport_detail=self.transport_detail,
         )
 
 
@@ -387,7 +474,10 @@ async def serve_stage(args) -> int:
     # no SO_REUSEPORT (gRPC's default on Linux): a second stage on a served port must fail,
     # not share the port and take over the first one's traffic unnoticed
     server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)], interceptors=interceptors)
-    servicer = StageServicer(runner, None if last else args.next_stage)
+    servicer = StageServicer(runner, None if last else args.next_stage, data_plane=args.data_plane)
+    swept = dataplane.sweep_dead_segments()
+    if swept:
+        log.info("stage %d: removed %d shared-memory segments of dead processes", args.pp_rank, len(swept))
     pb_grpc.add_StageServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -412,6 +502,16 @@ async def serve_stage(args) -> int:
     else:
         await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
 
+        async def attached() -> bool:
+            try:
+                await servicer.attach_next()
+                return True
+            except grpc.aio.AioRpcError as e:
+                servicer.next_instance_id = ""
+                servicer.not_serving = f"the next stage at {args.next_stage} did not attach: {e.code().name}"
+                await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+                return False
+
         async def check_next() -> None:
             # at start a wrong next stage ends this one; later (the next stage died, or
             # restarted with other settings) this stage stops serving until it is right
@@ -429,6 +529,8 @@ async def serve_stage(args) -> int:
                     servicer.next_instance_id = ""
                     servicer.not_serving = err
                     await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+                elif instance != servicer.next_instance_id and not await attached():
+                    pass  # the next stage went away meanwhile: try again next period
                 else:
                     if instance != servicer.next_instance_id and not first:
                         log.info("stage %d: the next stage at %s is a new process (%s)", runner.pp_rank,
@@ -456,6 +558,7 @@ async def serve_stage(args) -> int:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2)
     servicer.executor.shutdown(wait=False, cancel_futures=True)
+    servicer.link.close()
     if wiring_error:
         print(f"ppspec stage {args.pp_rank}: {wiring_error[0]}", file=sys.stderr)
         return 2
@@ -525,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit: copy (per-step state scratch) or replay (step inputs, replayed "
                          "by the next verify); default replay on CUDA, copy on CPU")
+    add_data_plane_arg(ap)
     add_cuda_graph_args(ap)
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)

@@ -33,9 +33,11 @@ class Cluster:
     """``pp`` stage processes plus a router, each a ``python -m ppspec.cli`` child."""
 
     def __init__(self, model, pp, spec="none", steps=3, fault=None, delay_ms=0, max_rows=48,
-                 kv_tokens=32768, router_args=(), log_dir=None, commit_design=None):
+                 kv_tokens=32768, router_args=(), log_dir=None, commit_design=None, data_plane=None, stage_env=None):
         self.model, self.pp, self.spec, self.steps = model, pp, spec, steps
-        self.commit_design = commit_design
+        # data_plane: one --data-plane for every stage, a list (one per stage), or None (the
+        # default, auto); stage_env: {pp_rank: extra environment of that stage}
+        self.commit_design, self.data_plane, self.stage_env = commit_design, data_plane, stage_env or {}
         self.fault, self.delay_ms, self.max_rows, self.kv_tokens = fault, delay_ms, max_rows, kv_tokens
         self.router_args = list(router_args)
         self.stage_ports = [free_port() for _ in range(pp)]
@@ -51,7 +53,7 @@ class Cluster:
                                             preexec_fn=_die_with_parent)
 
     def start_stage(self, k):
-        env = dict(os.environ, PPSPEC_INJECT_DELAY_MS=str(self.delay_ms), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PPSPEC_INJECT_DELAY_MS=str(self.delay_ms), OMP_NUM_THREADS="1", **self.stage_env.get(k, {}))
         argv = ["stage", "--model", self.model, "--pp-rank", str(k), "--pp-size", str(self.pp),
                 "--port", str(self.stage_ports[k]), "--max-rows", str(self.max_rows),
                 "--kv-tokens", str(self.kv_tokens), "--speculative-algorithm", self.spec,
@@ -62,6 +64,9 @@ class Cluster:
             argv += ["--inject-fault", self.fault]
         if self.commit_design:
             argv += ["--commit-design", self.commit_design]
+        plane = self.data_plane[k] if isinstance(self.data_plane, (list, tuple)) else self.data_plane
+        if plane:
+            argv += ["--data-plane", plane]
         self._spawn(f"stage{k}", argv, env)
 
     def start_router(self, name="router", port=None):

@@ -70,10 +70,12 @@ def divergences(outs, ref, gaps):
 @pytest.mark.parametrize("pp", [2, 3, 4])
 @pytest.mark.parametrize("spec", ["none", "ngram", "mtp"])
 def test_pipeline_matches_pp1_without_speculation(reference, pp, spec, tmp_path):
+    """Over the default data plane: shared memory between stages (stage_server/dataplane.py)."""
     path, prompts, ref, gaps = reference
     with Cluster(path, pp, spec, log_dir=str(tmp_path)) as c:
         outs = complete(c.url, prompts)
         infos = c.wait_rows_free()
+        assert [i.transport for i in infos] == ["shm"] * (pp - 1) + [""]
     real, ties = divergences(outs, ref, gaps)
     print(f"PP{pp} {spec}: {ties} near-tie divergences of {len(prompts)} requests")
     assert not real, f"divergences beyond near-ties at (request, position) {real}"
@@ -224,7 +226,52 @@ def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
             time.sleep(0.5)
         outs = complete(c.url, prompts[:6], max_tokens=32)
         c.wait_rows_free()
+        # the new stage 1 rejoined the data plane: stage 0 attached to it again
+        assert c.stage_infos()[0].transport == "shm"
+        assert "data plane: shm" in httpx.get(c.url + "/health", timeout=5).text
+        with open(tmp_path / "stage0.log") as f:
+            assert f.read().count(": data plane to stage 1 at") == 2
     real, _ = divergences(outs, ref[:6], gaps[:6])
+    assert not real, real
+
+
+def _segments(pids):
+    """Data-plane segments in /dev/shm made by ``pids``."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith("ppspec-") and n.split("-")[1] in pids]
+
+
+def _mapped_segments(pid) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("/dev/shm/ppspec-" in line for line in f)
+
+
+def test_each_hop_on_its_data_plane_and_no_segment_left(random_ref, tmp_path):
+    """PP4 with a hop per transport: 0 -> 1 shared memory, 1 -> 2 inline bytes (``--data-plane
+    bytes``), 2 -> 3 falls back to bytes (stage 3 acts as if on another host). Greedy tokens
+    are PP1's; Info, the router's /health and the stage log say how each hop runs. The
+    stages map their slots while /dev/shm lists none (unlinked once mapped), and none is
+    left after they stop."""
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 4, "mtp", log_dir=str(tmp_path), data_plane=[None, "bytes", None, None],
+                 stage_env={3: {"PPSPEC_HOST_ID": "elsewhere/1"}}) as c:
+        outs = complete(c.url, prompts[:8], max_tokens=32)
+        infos = c.wait_rows_free()
+        assert [(i.transport, bool(i.transport_detail)) for i in infos] == [
+            ("shm", False), ("bytes", False), ("bytes", True), ("", False)]
+        assert infos[2].transport_detail.startswith("the next stage is on another host (elsewhere/1; this stage is on")
+        health = httpx.get(c.url + "/health", timeout=5).json()["detail"]
+        assert ("data plane: stage 0 -> 1 shm; stage 1 -> 2 bytes; stage 2 -> 3 bytes (fell back: the next stage "
+                "is on another host (elsewhere/1;") in health, health
+        with open(tmp_path / "stage2.log") as f:
+            assert "data plane to stage 3" in f.read()
+        pids = {str(c.procs[f"stage{k}"].pid) for k in range(4)}
+        assert _mapped_segments(c.procs["stage0"].pid) >= 1 and _mapped_segments(c.procs["stage1"].pid) >= 1
+        assert _segments(pids) == []
+        for k in range(4):
+            c.kill(f"stage{k}", signal.SIGTERM)
+        assert all(c.procs[f"stage{k}"].wait(30) == 0 for k in range(4))
+        assert _segments(pids) == []
+    real, _ = divergences(outs, ref[:8], gaps[:8])
     assert not real, real
 
 

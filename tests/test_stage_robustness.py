@@ -568,3 +568,49 @@ def test_a_router_the_stages_deny_goes_down_for_good(st):
     assert "router router-new took this stage over" in why, why
     assert len(told) == 1 and told[0] == why
     assert st.state() == [(0, 0, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(shape=[10, 2 * HIDDEN]), "shape [20, 64] in the slot, [10, 128] in the step"),
+    (dict(dtype="float16"), "dtype float32 in the slot, 'float16' in the step"),
+    (dict(micro_batch_id=2), "micro-batch 1 round 1 in the slot, micro-batch 2 round 1 in the step"),
+    (dict(round=5), "micro-batch 1 round 1 in the slot, micro-batch 1 round 5 in the step"),
+    (dict(seq=1000), "sequence number"),
+    (dict(sender_id="nobody"), "no data-plane link from stage instance 'nobody'"),
+])
+def test_a_data_plane_tensor_that_does_not_match_its_step_is_refused(st, change, fragment):
+    """Stage 0 sends to stage 1 through shared memory. A tensor on that data plane whose slot
+    header disagrees with the step naming it (shape, dtype, micro-batch, round, sequence
+    number), or from a sender that never attached, is refused by stage 1 before anything
+    changes; the same slot under its true step then runs."""
+    import torch
+
+    from ppspec.stage_server import dataplane as dp
+    from test_dataplane import tampered
+
+    assert st.s0.Info(pb.InfoRequest(), timeout=TIMEOUT).transport == "shm"
+    link = dp.SlotLink("shm", "robust" + os.urandom(3).hex(), "cpu")
+    try:
+        probe, nonce = dp.make_probe(link)
+        reply = st.s1.AttachDataPlane(pb.AttachRequest(sender_id=link.sender_id, host_id=dp.host_id(),
+                                                       transport="shm", probe=probe.ref, nonce=nonce), timeout=TIMEOUT)
+        assert (reply.transport, reply.detail) == ("shm", "")
+        link.done(probe, answered=True)
+        sent = link.put(torch.randn(20, HIDDEN), 1, 1)  # for prefill([0]): micro-batch 1, round 1
+
+        def step(**change):
+            m = step_to_pb(prefill([0]))
+            for k in ("micro_batch_id", "round"):
+                if k in change:
+                    setattr(m, k, change.pop(k))
+            m.hidden_ref.CopyFrom(tampered(sent.ref, **change))
+            return m
+
+        code = PRE if "sender_id" in change else INV
+        expect(call(st.s1.Forward, step(**change)), code, "stage 1: hidden_ref", fragment)
+        assert st.state() == [(0, 0, 0), (0, 0, 0)]
+        expect(call(st.s1.Forward, step()), "OK")
+        assert st.state()[1][0] == 1  # stage 1 holds the row
+        expect(call(st.s1.Release, pb.ReleaseRequest(req_pool_indices=[0])), "OK")
+    finally:
+        link.close()

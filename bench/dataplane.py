@@ -1,0 +1,125 @@
+"""Per-hop time of hidden states between two stage processes: ``python -m ppspec.bench.dataplane``.
+
+A receiver process serves ``Forward`` the way a stage takes its hidden states (inline
+bytes decoded by ``proto.codec``, or a ``TensorRef`` read from shared memory by
+``stage_server.dataplane.Receiver``) and answers at once; this process sends each tensor
+the way a stage relays one (``BytesLink`` or ``SlotLink.put``, the gRPC call, the slot
+given back). Prints the median milliseconds per hop and the effective GB/s of each size
+and transport; no model runs, so what is left is the data plane's own cost.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = {  # name: (tokens, hidden, dtype)
+    "demo decode, 64 requests": (64, 256, "float32"),
+    "demo prefill, 2048 tokens": (2048, 256, "float32"),
+    "1.46B prefill chunk, 512 tokens bf16": (512, 2048, "bfloat16"),
+    "8000 tokens x 2048 fp32": (8000, 2048, "float32"),
+}
+
+
+async def _serve(port: int) -> None:
+    import grpc
+
+    from ppspec.proto.codec import GRPC_OPTIONS, tensor_from_pb
+    from ppspec.proto.stubs import pb, pb_grpc
+    from ppspec.stage_server.dataplane import Receiver
+
+    rx = Receiver("cpu")
+
+    class Sink(pb_grpc.StageServicer):
+        async def Forward(self, request, context):
+            if request.HasField("hidden_ref"):
+                h = rx.read(request.hidden_ref, request.micro_batch_id, request.round)
+            else:
+                h = tensor_from_pb(request.hidden_states)
+            return pb.StepResult(micro_batch_id=request.micro_batch_id, stage_seconds=[float(h.shape[0])])
+
+        async def AttachDataPlane(self, request, context):
+            transport, detail = rx.attach(request)
+            return pb.AttachReply(transport=transport, detail=detail)
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_StageServicer_to_server(Sink(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+async def _measure(port: int, iters: int) -> list[tuple[str, str, float, float]]:
+    import grpc
+    import torch
+
+    from ppspec.proto.codec import GRPC_OPTIONS
+    from ppspec.proto.stubs import pb, pb_grpc
+    from ppspec.stage_server import dataplane as dp
+
+    rows = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
+        stub = pb_grpc.StageStub(ch)
+        shm = dp.SlotLink("shm", "bench", "cpu")
+        probe, nonce = dp.make_probe(shm)
+        reply = await stub.AttachDataPlane(pb.AttachRequest(sender_id="bench", host_id=dp.host_id(), transport="shm",
+                                                            probe=probe.ref, nonce=nonce))
+        assert reply.transport == "shm", reply.detail
+        shm.done(probe, answered=True)
+        try:
+            for name, (tokens, hidden, dtype) in SIZES.items():
+                h = torch.randn(tokens, hidden).to(getattr(torch, dtype))
+                for link in (dp.BytesLink(), shm):
+                    times = []
+                    for i in range(iters + 2):  # the first two warm the slot and the channel
+                        req = pb.StepRequest(micro_batch_id=i, round=i, mode="decode")
+                        t0 = time.perf_counter()
+                        sent = link.put(h, i, i)
+                        sent.fill(req)
+                        res = await stub.Forward(req)
+                        link.done(sent, answered=True)
+                        times.append(time.perf_counter() - t0)
+                        assert res.stage_seconds[0] == tokens
+                    ms = statistics.median(times[2:]) * 1e3
+                    rows.append((name, link.transport, ms, h.numel() * h.element_size() / ms / 1e6))
+        finally:
+            shm.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ppspec.bench.dataplane", description=__doc__)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the receiver process
+    a = ap.parse_args(argv)
+    if a.serve is not None:
+        asyncio.run(_serve(a.serve))
+        return 0
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rx = subprocess.Popen([sys.executable, "-m", "ppspec.bench.dataplane", "--serve", str(port)],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout.readline().strip() == "ready"
+        rows = asyncio.run(_measure(port, a.iters))
+    finally:
+        rx.terminate()
+        rx.wait()
+    print(f"{'tensor':40s} {'transport':>9s} {'ms/hop':>9s} {'GB/s':>7s}")
+    for name, transport, ms, gbs in rows:
+        print(f"{name:40s} {transport:>9s} {ms:9.3f} {gbs:7.2f}")
+    by = {(n, t): ms for n, t, ms, _ in rows}
+    for name in SIZES:
+        print(f"{name}: shm {by[(name, 'bytes')] / by[(name, 'shm')]:.1f}x faster than bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -136,6 +136,32 @@ def add_data_plane_arg(ap) -> None:
                          "/health say so)")
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows every option's default: ``(default: X)`` is appended to a help text
+    that does not already say its default (an option whose default is None says it in
+    words: "default: the checkpoint's"); a flag's default is "off"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings or action.required:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""``--dtype`` choices; ``auto`` is :func:`resolve_dtype`'s pick for the device."""
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype a stage on ``device`` runs in: ``auto`` is bfloat16 on CUDA (as vLLM's
+    ``auto`` for bf16 checkpoints) and float32 on the CPU (bf16 matmuls are slow there)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 def add_cuda_graph_args(ap: argparse.ArgumentParser) -> None:
     """``--cuda-graph-max-bs N`` and ``--disable-cuda-graph`` (SGLang's names), read back
     by :func:`cuda_graph_max_bs`."""

@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 
 from ppspec.argtypes import (
-    add_cuda_graph_args, add_data_plane_arg, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_finite_float, positive_float,
+    DTYPES, DefaultsHelpFormatter, add_cuda_graph_args, add_data_plane_arg, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_finite_float, positive_float,
     positive_int, stage_devices,
 )
 
@@ -66,34 +66,53 @@ def listen_error(host: str, port: int) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ppspec serve", description="start N pipeline stages and the router")
+    """Every option has help text; ``--help`` shows each default (vLLM's names are aliases)."""
+    ap = argparse.ArgumentParser(prog="ppspec serve", description="start N pipeline stages and the router",
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the bundled demo model)")
-    ap.add_argument("--pp-size", type=positive_int, default=1)
-    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
-    ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=port, default=8000)
+    ap.add_argument("--pp-size", type=positive_int, default=1, help="pipeline stages (one process each)")
+    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"],
+                    help="drafts: none, ngram (prompt lookup) or mtp (the checkpoint's MTP head)")
+    ap.add_argument("--speculative-num-steps", type=positive_int, default=3,
+                    help="drafts per round (a verify checks K + 1 tokens)")
+    ap.add_argument("--host", default="127.0.0.1", help="address of the HTTP API (and of the stages)")
+    ap.add_argument("--port", type=port, default=8000, help="port of the HTTP API")
     ap.add_argument("--stage-ports", type=port_list, default=None, help="comma-separated stage ports (default: free ports)")
-    ap.add_argument("--max-rows", type=positive_int, default=64)
-    ap.add_argument("--kv-tokens", type=positive_int, default=65536)
-    ap.add_argument("--max-context", type=positive_int, default=None)
-    ap.add_argument("--num-micro-batches", type=positive_int, default=None)
-    ap.add_argument("--max-batch-size", type=positive_int, default=64)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--max-rows", "--max-num-seqs", type=positive_int, default=64,
+                    help="concurrent requests (rows of every pool)")
+    ap.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache of each stage, in tokens")
+    ap.add_argument("--max-context", "--max-model-len", type=positive_int, default=None,
+                    help="longest prompt + completion in tokens (default: the checkpoint's)")
+    ap.add_argument("--num-micro-batches", type=positive_int, default=None,
+                    help="micro-batches in flight (default: the number of stages + 1)")
+    ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
+    ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
+    ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES,
+                    help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--device", type=device_list, default="cpu",
                     help="cpu, cuda (stage k on cuda:k), or a comma-separated device per stage")
-    ap.add_argument("--memory-budget-gb", type=positive_finite_float, default=None, help="GiB per stage (weights, pools and CUDA graphs)")
+    ap.add_argument("--memory-budget-gb", type=positive_finite_float, default=None,
+                    help="GiB per stage (weights, pools and CUDA graphs; default: no limit)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
     add_data_plane_arg(ap)
     add_cuda_graph_args(ap)
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--api-key", default=None, help="bearer key required on /v1/* (default: none)")
+    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder's name)")
+    ap.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                     help="read tool calls from chat output (the chat API's tools); default: tools are refused")
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch threads per stage (0: cores / stages)")
-    ap.add_argument("--startup-timeout", type=positive_float, default=300.0)
-    ap.add_argument("--wedge-timeout", type=positive_float, default=60.0)
+    ap.add_argument("--startup-timeout", type=positive_float, default=300.0,
+                    help="seconds to wait for every stage and the router")
+    ap.add_argument("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take")
+    ap.add_argument("--wedge-timeout", type=positive_float, default=60.0,
+                    help="seconds a micro-batch may stay outstanding before /health says 503")
+    ap.add_argument("--stall-timeout", type=positive_float, default=10.0,
+                    help="seconds a stage may fail its health checks with micro-batches in flight before those "
+                         "requests fail (503)")
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -150,6 +169,48 @@ class Children:
                     p.wait()
 
 
+def stage_argv(a: argparse.Namespace, k: int, ports: list[int], device: str, threads: int) -> list[str]:
+    """``ppspec stage`` arguments of stage ``k`` of ``ppspec serve``'s options ``a``."""
+    n = a.pp_size
+    argv = [
+        "stage", "--model", a.model, "--pp-rank", str(k), "--pp-size", str(n), "--host", a.host,
+        "--port", str(ports[k]), "--max-rows", str(a.max_rows), "--kv-tokens", str(a.kv_tokens),
+        "--speculative-algorithm", a.speculative_algorithm,
+        "--speculative-num-steps", str(a.speculative_num_steps), "--dtype", a.dtype,
+        "--device", device, "--num-threads", str(threads), "--data-plane", a.data_plane,
+    ]
+    if k + 1 < n:
+        argv += ["--next-stage", f"{a.host}:{ports[k + 1]}"]
+    if a.max_context:
+        argv += ["--max-context", str(a.max_context)]
+    if a.memory_budget_gb:
+        argv += ["--memory-budget-gb", str(a.memory_budget_gb)]
+    if a.commit_design:
+        argv += ["--commit-design", a.commit_design]
+    argv += cuda_graph_argv(a)
+    if a.inject_fault:
+        argv += ["--inject-fault", a.inject_fault]
+    return argv
+
+
+def router_argv(a: argparse.Namespace, ports: list[int]) -> list[str]:
+    """``ppspec router`` arguments of ``ppspec serve``'s options ``a`` (stages at ``ports``)."""
+    argv = [
+        "router", "--model", a.model, "--stages", ",".join(f"{a.host}:{p}" for p in ports),
+        "--host", a.host, "--port", str(a.port), "--speculative-algorithm", a.speculative_algorithm,
+        "--max-batch-size", str(a.max_batch_size), "--connect-timeout", str(a.startup_timeout),
+        "--wedge-timeout", str(a.wedge_timeout), "--chunk-size", str(a.chunk_size),
+        "--max-waiting", str(a.max_waiting), "--step-timeout", str(a.step_timeout),
+        "--stall-timeout", str(a.stall_timeout), "--log-level", "warning",
+    ]
+    for flag, value in (("--num-micro-batches", a.num_micro_batches), ("--api-key", a.api_key),
+                        ("--served-model-name", a.served_model_name), ("--tool-call-parser", a.tool_call_parser),
+                        ("--chat-template", a.chat_template)):
+        if value:
+            argv += [flag, str(value)]
+    return argv
+
+
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
@@ -201,6 +262,14 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"ppspec serve: {e}", file=sys.stderr)
         return 2
+    if a.chat_template:
+        from .server import load_chat_template
+
+        try:
+            load_chat_template(a.chat_template)
+        except ValueError as e:
+            print(f"ppspec serve: {e}", file=sys.stderr)
+            return 2
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         print(f"ppspec serve: {a.model}: no config.json (is this a checkpoint folder?)", file=sys.stderr)
         return 2
@@ -233,39 +302,8 @@ def main(argv: list[str]) -> int:
         signal.signal(hup, on_signal)
     try:
         for k in range(n):
-            argv_k = py + [
-                "stage", "--model", a.model, "--pp-rank", str(k), "--pp-size", str(n), "--host", a.host,
-                "--port", str(ports[k]), "--max-rows", str(a.max_rows), "--kv-tokens", str(a.kv_tokens),
-                "--speculative-algorithm", a.speculative_algorithm,
-                "--speculative-num-steps", str(a.speculative_num_steps), "--dtype", a.dtype,
-                "--device", devices[k], "--num-threads", str(threads), "--data-plane", a.data_plane,
-            ]
-            if k + 1 < n:
-                argv_k += ["--next-stage", f"{a.host}:{ports[k + 1]}"]
-            if a.max_context:
-                argv_k += ["--max-context", str(a.max_context)]
-            if a.memory_budget_gb:
-                argv_k += ["--memory-budget-gb", str(a.memory_budget_gb)]
-            if a.commit_design:
-                argv_k += ["--commit-design", a.commit_design]
-            argv_k += cuda_graph_argv(a)
-            if a.inject_fault:
-                argv_k += ["--inject-fault", a.inject_fault]
-            kids.start(f"stage {k}", argv_k)
-        router = py + [
-            "router", "--model", a.model, "--stages", ",".join(f"{a.host}:{p}" for p in ports),
-            "--host", a.host, "--port", str(a.port), "--speculative-algorithm", a.speculative_algorithm,
-            "--max-batch-size", str(a.max_batch_size), "--connect-timeout", str(a.startup_timeout),
-            "--wedge-timeout", str(a.wedge_timeout), "--log-level", "warning",
-        ]
-        if a.num_micro_batches:
-            router += ["--num-micro-batches", str(a.num_micro_batches)]
-        if a.api_key:
-            router += ["--api-key", a.api_key]
-        if a.served_model_name:
-            router += ["--served-model-name", a.served_model_name]
-        if a.tool_call_parser:
-            router += ["--tool-call-parser", a.tool_call_parser]
+            kids.start(f"stage {k}", py + stage_argv(a, k, ports, devices[k], threads))
+        router = py + router_argv(a, ports)
         kids.start("router", router)
         url = f"http://{a.host}:{a.port}"
         deadline = time.monotonic() + a.startup_timeout

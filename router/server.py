@@ -4,28 +4,46 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
-from ppspec.argtypes import address_list, port, positive_float, positive_int
+from ppspec.argtypes import DefaultsHelpFormatter, address_list, port, positive_float, positive_int
 
 from .llm import DEMO_MODEL
 from .tool_calls import TOOL_CALL_PARSERS
 
 
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: the text of the file ``value`` names, or ``value`` itself when it
+    is a Jinja template (holds ``{{`` or ``{%``), as vLLM reads it. Raises ValueError."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value}: cannot read it ({e})") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ppspec router", description="OpenAI-compatible router in front of ppspec stages")
+    ap = argparse.ArgumentParser(prog="ppspec router", description="OpenAI-compatible router in front of ppspec stages",
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (its tokenizer and chat template)")
-    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder's name)")
+    ap.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     ap.add_argument("--stages", type=address_list, required=True, help="comma-separated host:port of the stages, in PP-rank order")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=port, default=8000)
+    ap.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
+    ap.add_argument("--port", type=port, default=8000, help="port of the HTTP API")
     ap.add_argument("--speculative-algorithm", default=None, choices=["none", "ngram", "mtp"],
                     help="checked against the stages (default: what the stages run)")
     ap.add_argument("--num-micro-batches", type=positive_int, default=None, help="micro-batches in flight (default: stages)")
     ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
-    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--api-key", default=None, help="bearer key required on /v1/* (default: none)")
     ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                     help="read tool calls from chat output (the chat API's tools); default: tools are refused")
     ap.add_argument("--connect-timeout", type=positive_float, default=300.0,
@@ -37,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stall-timeout", type=positive_float, default=10.0,
                     help="seconds a stage may fail its health checks with micro-batches in flight before "
                          "those requests fail (503) instead of waiting for --step-timeout")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-level", default="info", help="uvicorn's log level")
     return ap
 
 
@@ -58,12 +76,19 @@ async def run_router(args) -> int:
         print(f"ppspec router: {err}", file=sys.stderr)
         return 2
     try:
+        chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+    except ValueError as e:
+        print(f"ppspec router: {e}", file=sys.stderr)
+        return 2
+    try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         # The context limit is the stages' (checked per request); silence the tokenizer's own.
         tokenizer.model_max_length = 1 << 62
     except (OSError, ValueError) as e:
         print(f"ppspec router: cannot load the tokenizer of {args.model}: {e}", file=sys.stderr)
         return 2
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     pipeline = GrpcPipeline(addresses, step_timeout=args.step_timeout)
     try:
         await pipeline.wait_ready(args.connect_timeout)

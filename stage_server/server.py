@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_to_pb, step_from_pb
+from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import PREFILL, VERIFY
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
@@ -456,7 +457,7 @@ async def serve_stage(args) -> int:
         runner = StageRunner(
             args.model, args.pp_rank, args.pp_size, max_rows=args.max_rows, kv_tokens=args.kv_tokens,
             num_speculative_steps=steps, use_mtp=spec == "mtp", max_context=args.max_context,
-            dtype=getattr(torch, args.dtype), device=args.device, fault=args.inject_fault,
+            dtype=getattr(torch, resolve_dtype(args.dtype, args.device)), device=args.device, fault=args.inject_fault,
             memory_budget=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
             commit_design=args.commit_design, strict_lengths=True, cuda_graph_max_bs=cuda_graph_max_bs(args),
         )
@@ -616,12 +617,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=port, default=50051)
     ap.add_argument("--next-stage", type=address, default=None,
                     help="host:port of stage pp_rank + 1 (every stage but the last)")
-    ap.add_argument("--max-rows", type=positive_int, default=64, help="request rows (concurrent requests)")
+    ap.add_argument("--max-rows", "--max-num-seqs", type=positive_int, default=64,
+                    help="request rows (concurrent requests)")
     ap.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache budget in tokens")
-    ap.add_argument("--max-context", type=positive_int, default=None, help="context limit in tokens")
+    ap.add_argument("--max-context", "--max-model-len", type=positive_int, default=None,
+                    help="context limit in tokens (default: the checkpoint's)")
     ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
     ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="auto", choices=DTYPES,
+                    help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--device", type=device, default="cpu")
     ap.add_argument("--memory-budget-gb", type=positive_finite_float, default=None,
                     help="GiB this stage may use for weights, pools and CUDA graphs (stages sharing a GPU)")
@@ -635,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``ppspec stage`` options, checked together (argparse's usage error, exit 2, otherwise)."""
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.pp_rank >= args.pp_size:
@@ -648,6 +653,11 @@ def main(argv: list[str]) -> int:
         ap.error("--next-stage is required on every stage but the last")
     if args.next_stage and _same_endpoint(args.next_stage, f"{args.host}:{args.port}"):
         ap.error(f"--next-stage {args.next_stage} is this stage's own address")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop

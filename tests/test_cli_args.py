@@ -1,6 +1,7 @@
 """Bad command-line values are one usage error (exit 2, no traceback) for every subcommand."""
 from __future__ import annotations
 
+import argparse
 import socket
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 CASES = [
-    (["serve", "--max-rows", "0"], "--max-rows: must be >= 1"),
+    (["serve", "--max-rows", "0"], "--max-rows/--max-num-seqs: must be >= 1"),
     (["serve", "--max-batch-size", "0"], "--max-batch-size: must be >= 1"),
     (["serve", "--port", "99999"], "--port: a TCP port is in [1, 65535]"),
     (["serve", "--stage-ports", "abc"], "--stage-ports: expected a TCP port"),
@@ -16,7 +17,7 @@ CASES = [
     (["serve", "--device", "gpu"], "--device: expected cpu, cuda or cuda:N"),
     (["serve", "--num-threads", "-3"], "--num-threads: must be >= 0"),
     (["serve", "--speculative-num-steps", "0"], "--speculative-num-steps: must be >= 1"),
-    (["serve", "--max-context", "0"], "--max-context: must be >= 1"),
+    (["serve", "--max-context", "0"], "--max-context/--max-model-len: must be >= 1"),
     (["serve", "--num-micro-batches", "0"], "--num-micro-batches: must be >= 1"),
     (["serve", "--startup-timeout", "-1"], "--startup-timeout: must be > 0"),
     (["serve", "--memory-budget-gb", "inf"], "--memory-budget-gb: must be a finite number > 0"),
@@ -132,3 +133,75 @@ def test_llm_takes_a_device_per_stage():
     assert [o.token_ids for o in llm.generate(prompts, p)] == ref
     with pytest.raises(ValueError, match="lists 3 devices for 2 stages"):
         LLM(pp_size=2, device="cpu,cpu,cpu")
+
+
+def _help_of(parser, action) -> str:
+    return parser._get_formatter()._get_help_string(action) % vars(action) if action.help else ""
+
+
+def test_every_serve_and_router_option_has_help_and_shows_its_default():
+    from ppspec.router.serve import build_parser as serve_parser
+    from ppspec.router.server import build_parser as router_parser
+
+    for parser in (serve_parser(), router_parser()):
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or action.dest == "help" or action.required:
+                continue
+            text = _help_of(parser, action)
+            assert text and "default" in text, (parser.prog, action.option_strings, text)
+        assert "(default: None)" not in parser.format_help(), parser.prog  # a None default says it in words
+
+
+def test_vllm_option_names_are_aliases():
+    from ppspec.router.serve import build_parser as serve_parser
+    from ppspec.stage_server.server import build_parser as stage_parser
+
+    for parser in (serve_parser(), stage_parser()):
+        a = parser.parse_args(["--max-model-len", "1000", "--max-num-seqs", "8"])
+        assert (a.max_context, a.max_rows) == (1000, 8)
+        assert parser.parse_args([]).dtype == "auto"
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():
+    from ppspec.argtypes import resolve_dtype
+
+    assert [resolve_dtype("auto", d) for d in ("cpu", "cuda", "cuda:3")] == ["float32", "bfloat16", "bfloat16"]
+    assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype("float32", "cuda:0") == "float32"
+
+
+def test_serve_passes_the_router_and_stage_options_through(tmp_path):
+    """The command lines serve gives its children parse with the children's own parsers
+    and carry serve's values."""
+    from ppspec.router.serve import build_parser as serve_parser
+    from ppspec.router.serve import router_argv, stage_argv
+    from ppspec.router.server import build_parser as router_parser
+    from ppspec.stage_server.server import build_parser as stage_parser
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    a = serve_parser().parse_args(["--pp-size", "2", "--chunk-size", "64", "--max-waiting", "9", "--step-timeout",
+                                   "7.5", "--stall-timeout", "3", "--chat-template", str(template), "--max-model-len",
+                                   "512", "--max-num-seqs", "4", "--device", "cuda"])
+    r = router_parser().parse_args(router_argv(a, [5001, 5002])[1:])
+    assert (r.chunk_size, r.max_waiting, r.step_timeout, r.stall_timeout) == (64, 9, 7.5, 3.0)
+    assert r.chat_template == str(template) and r.stages == ["127.0.0.1:5001", "127.0.0.1:5002"]
+    for k, dev in enumerate(["cuda:0", "cuda:1"]):
+        s = stage_parser().parse_args(stage_argv(a, k, [5001, 5002], dev, 1)[1:])
+        assert (s.pp_rank, s.device, s.dtype, s.max_context, s.max_rows) == (k, dev, "auto", 512, 4)
+
+
+def test_chat_template_option(tmp_path):
+    from ppspec.router.server import load_chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(str(f)) == "{{ messages[0]['content'] }}"
+    assert load_chat_template("{% for m in messages %}x{% endfor %}").startswith("{% for")
+    with pytest.raises(ValueError, match="no such file, and not a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    from cluster import free_port
+
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", "router", "--stages", "127.0.0.1:1", "--port",
+                        str(free_port()), "--chat-template", str(tmp_path / "missing.jinja")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--chat-template" in p.stderr and "no such file" in p.stderr, p.stderr

@@ -206,6 +206,124 @@ def test_k8s_router(tmp_path):
     assert _flag(argv, "--port") == config["PPSPEC_ROUTER_PORT"]
 
 
+# ------------------------------------------------------------------ every command line parses
+
+
+def parse_ppspec(argv: list[str]):
+    """``argv`` (``stage ...`` or ``router ...``) through the real argument parsers and
+    their checks, as the program would read it; fails the test naming the line otherwise."""
+    from ppspec.router.server import build_parser as router_parser
+    from ppspec.stage_server.server import parse_args as stage_args
+
+    assert argv[0] in ("stage", "router"), argv
+    try:
+        return stage_args(argv[1:]) if argv[0] == "stage" else router_parser().parse_args(argv[1:])
+    except SystemExit as e:
+        pytest.fail(f"ppspec {' '.join(argv)}: refused (exit {e.code}; the reason is on stderr)")
+
+
+def _compose_services(files: list[str]) -> dict:
+    args = [a for f in files for a in ("-f", f)]
+    proc = run([tool("docker-compose"), *args, "config"], cwd=DEPLOY)
+    ok(proc)
+    return yaml.safe_load(proc.stdout)["services"]
+
+
+def test_compose_commands_parse_and_cuda_stages_run_on_the_gpu_in_bf16():
+    cpu, cuda = (_compose_services(files) for files in COMPOSE_SETS)
+    for services, variant in ((cpu, "cpu"), (cuda, "cuda")):
+        commands = {name: svc["command"] for name, svc in services.items()
+                    if svc.get("command", [None])[0] in ("stage", "router")}
+        assert sorted(commands) == ["router", "stage0", "stage1"]
+        for name, cmd in commands.items():
+            args = parse_ppspec(cmd)
+            if cmd[0] == "stage":
+                want = ("cuda", "bfloat16") if variant == "cuda" else ("cpu", "auto")
+                assert (args.device, args.dtype) == want, (variant, name)
+    for name in ("stage0", "stage1"):  # the overlay's command is the base one on the GPU, nothing else
+        assert cuda[name]["command"] == cpu[name]["command"] + ["--device", "cuda", "--dtype", "bfloat16"]
+
+
+def _kustomize_by_hand(folder: Path) -> list[dict]:
+    """The objects ``kubectl apply -k folder`` applies (our kustomizations only list resources)."""
+    docs = []
+    for res in load(folder / "kustomization.yaml")["resources"]:
+        target = (folder / res).resolve()
+        docs += _kustomize_by_hand(target) if target.is_dir() else list(yaml.safe_load_all(target.read_text()))
+    return docs
+
+
+def _rendered(variant: str) -> list[dict]:
+    by_hand = _kustomize_by_hand(K8S / variant)
+    kubectl = shutil.which("kubectl")
+    if kubectl:  # kustomize's own rendering, when installed, gives the same objects
+        proc = run([kubectl, "kustomize", str(K8S / variant)])
+        ok(proc)
+        rendered = list(yaml.safe_load_all(proc.stdout))
+        key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+        assert sorted(rendered, key=key) == sorted(by_hand, key=key)
+    return by_hand
+
+
+def _documented_extra_args() -> dict[str, list[str]]:
+    """The example values of PPSPEC_{STAGE,ROUTER}_EXTRA_ARGS that the ConfigMap's comments
+    and deploy/README.md give, by variable."""
+    examples: dict[str, list[str]] = {"PPSPEC_STAGE_EXTRA_ARGS": [], "PPSPEC_ROUTER_EXTRA_ARGS": []}
+    lines = (K8S / "common" / "configmap.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r'#.*e\.g\. "([^"]+)"', line)
+        if m:
+            var = next(lines[j].split(":")[0].strip() for j in range(i + 1, len(lines)) if not lines[j].strip()
+                       .startswith("#"))
+            examples[var].append(m.group(1))
+    readme = " ".join((DEPLOY / "README.md").read_text().split())
+    for var, value in re.findall(r"`(PPSPEC_(?:STAGE|ROUTER)_EXTRA_ARGS)`[^`]*?e\.g\. `([^`]+)`", readme):
+        examples[var].append(value)
+    assert all(len(v) == 2 for v in examples.values()), examples  # one in each place
+    return examples
+
+
+@pytest.mark.parametrize("variant", ["cpu", "cuda"])
+def test_k8s_commands_parse_with_the_documented_extra_args(variant, tmp_path):
+    """Each overlay, rendered, run as its pods would (the containers' shell commands with the
+    ConfigMap's environment and each documented EXTRA_ARGS example, a stand-in ``ppspec``
+    printing its arguments), gives stage and router command lines the programs accept."""
+    docs = _rendered(variant)
+    (config,) = [d["data"] for d in docs if d["kind"] == "ConfigMap"]
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    (router,) = [d for d in docs if d["kind"] == "Deployment"]
+    fake = tmp_path / "ppspec"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    path = f"{tmp_path}:{os.environ['PATH']}"
+    examples = _documented_extra_args()
+    n = int(config["PPSPEC_PP_SIZE"])
+    for extra in [""] + examples["PPSPEC_STAGE_EXTRA_ARGS"]:
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        for rank in range(n):
+            env = {**os.environ, **config, "PPSPEC_STAGE_EXTRA_ARGS": extra,
+                   "HOSTNAME": f"{sts['metadata']['name']}-{rank}", "PATH": path}
+            proc = run(container["command"] + container["args"], env=env)
+            ok(proc)
+            args = parse_ppspec(proc.stdout.split())
+            assert args.pp_rank == rank and args.pp_size == n
+            want = ("cuda", "bfloat16") if variant == "cuda" else ("cpu", "auto")
+            assert (args.device, args.dtype) == want
+    for extra in [""] + examples["PPSPEC_ROUTER_EXTRA_ARGS"]:
+        (container,) = router["spec"]["template"]["spec"]["containers"]
+        env = {**os.environ, **config, "PPSPEC_ROUTER_EXTRA_ARGS": extra, "PATH": path}
+        proc = run(container["command"] + container["args"], env=env)
+        ok(proc)
+        args = parse_ppspec(proc.stdout.split())
+        assert args.stages == config["PPSPEC_STAGES"].split(",")
+
+
+def test_a_router_given_stage_options_is_refused():
+    """What the deploy files once passed the router: the check above would catch it."""
+    with pytest.raises(pytest.fail.Exception, match="refused"):
+        parse_ppspec(["router", "--stages", "a:1", "--speculative-num-steps", "3"])
+
+
 # ------------------------------------------------------------------ Prometheus config
 
 def test_promtool_check_config():

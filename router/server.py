@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=port, default=8000, help="port of the HTTP API")
     ap.add_argument("--speculative-algorithm", default=None, choices=["none", "ngram", "mtp"],
                     help="checked against the stages (default: what the stages run)")
-    ap.add_argument("--num-micro-batches", type=positive_int, default=None, help="micro-batches in flight (default: stages)")
+    ap.add_argument("--num-micro-batches", type=positive_int, default=None, help="micro-batches in flight (default: stages + 1)")
     ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")

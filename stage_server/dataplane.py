@@ -64,9 +64,9 @@ class NotAttachedError(DataPlaneError):
 
 
 def host_id() -> str:
-    """This host as the data plane tells hosts apart: hostname and kernel boot id (two
-    containers of one host share the boot id; shared memory between them still needs a
-    shared ``/dev/shm``, which the attach probes)."""
+    """``hostname/boot id``. Stages are on one host when their kernel boot ids agree (two
+    containers of one host have other hostnames but one kernel); whether they share
+    ``/dev/shm`` (or can open each other's CUDA IPC handles) the attach's probe finds out."""
     if os.environ.get("PPSPEC_HOST_ID"):  # test aid: a stage that acts as if on another host
         return os.environ["PPSPEC_HOST_ID"]
     try:
@@ -315,7 +315,7 @@ class _Inbox:
     def __init__(self, transport: str, device: str):
         self.transport, self.device = transport, device
         self.segments: dict[int, Segment] = {}
-        self.cuda: dict[int, tuple[bytes, torch.Tensor, object]] = {}  # slot -> (handle, buffer, event)
+        self.cuda: dict[int, tuple[tuple, torch.Tensor, object]] = {}  # slot -> (handle key, buffer, event)
 
 
 class Receiver:
@@ -342,7 +342,7 @@ class Receiver:
             return "bytes", ""
         if offer not in ("shm", "cuda_ipc"):
             return "bytes", f"the next stage knows no transport {offer!r}"
-        if req.host_id != self.host:
+        if req.host_id.rsplit("/", 1)[-1] != self.host.rsplit("/", 1)[-1]:
             return "bytes", f"the next stage is on another host ({self.host}; this stage is on {req.host_id})"
         if offer == "cuda_ipc" and not self.device.startswith("cuda"):
             return "bytes", f"the next stage runs on {self.device}, not on a CUDA device"
@@ -352,8 +352,9 @@ class Receiver:
             got = got.to("cpu") if got.device.type != "cpu" else got
             if bytes(got.view(torch.uint8).numpy().tobytes()) != req.nonce:
                 return "bytes", "the next stage reads another nonce in the probe slot (another shared memory?)"
-        except (OSError, RuntimeError, DataPlaneError) as e:
-            return "bytes", f"the next stage cannot open this stage's {offer} buffer: {e}"
+        except Exception as e:  # noqa: BLE001 - whatever fails here, the hop goes as bytes and says why
+            return "bytes", (f"the next stage cannot open this stage's {offer} buffer: {e} (do the stages share "
+                             f"/dev/shm, or for CUDA IPC the IPC namespace? see deploy/README.md)")
         with self.lock:
             self.inboxes.pop(req.sender_id, None)
             self.inboxes[req.sender_id] = inbox
@@ -415,9 +416,10 @@ class Receiver:
 
     def _read_cuda(self, inbox: _Inbox, ref, nbytes: int, dtype, shape) -> torch.Tensor:
         c = ref.cuda
+        key = (c.handle, c.offset_bytes, c.size_bytes)  # two buffers may share one allocation's handle
         cached = inbox.cuda.get(ref.slot)
-        if cached is None or cached[0] != c.handle:
-            cached = (c.handle, *import_cuda(c))
+        if cached is None or cached[0] != key:
+            cached = (key, *import_cuda(c))
             inbox.cuda[ref.slot] = cached
         _, buf, event = cached
         if nbytes > buf.numel():

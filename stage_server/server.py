@@ -260,24 +260,24 @@ class StageServicer(pb_grpc.StageServicer):
             grpc.aio.AioRpcError: the next stage did not answer (try again later).
         """
         rank, offer = self.runner.pp_rank, self.data_plane
-        link = dataplane.BytesLink() if offer == "bytes" else dataplane.SlotLink(offer, self.instance_id,
-                                                                                 str(self.runner.device))
         req = pb.AttachRequest(sender_id=self.instance_id, host_id=dataplane.host_id(), transport=offer)
-        probe = None
-        try:
-            if offer != "bytes":
+        link, probe, transport, detail = dataplane.BytesLink(), None, "bytes", ""
+        if offer != "bytes":
+            try:
+                link = dataplane.SlotLink(offer, self.instance_id, str(self.runner.device))
                 probe, req.nonce = await self._compute(dataplane.make_probe, link)
                 req.probe.CopyFrom(probe.ref)
-            try:
-                reply = await self._next.AttachDataPlane(req, timeout=10.0)
-                transport, detail = reply.transport, reply.detail
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                transport, detail = "bytes", "the next stage has no data plane (an older ppspec)"
-        except BaseException:
-            link.close()
-            raise
+            except Exception as e:  # noqa: BLE001 - no shared memory here, no IPC export: bytes, and why
+                link.close()
+                link, req.transport, detail = dataplane.BytesLink(), "bytes", f"this stage cannot export {offer}: {e}"
+        try:
+            reply = await self._next.AttachDataPlane(req, timeout=10.0)
+            transport, detail = reply.transport, detail or reply.detail
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                link.close()
+                raise
+            detail = "the next stage has no data plane (an older ppspec)"
         if probe is not None:
             link.done(probe, answered=True)
         if transport != offer:

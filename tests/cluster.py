@@ -14,6 +14,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "models", "qwen35-demo")
 
 
+# ``ppspec`` as a child process: installed, or a bare checkout (the GPU machine runs the
+# system python on one) with the repository's folders mapped under the ppspec namespace,
+# as tests/gpu/conftest.py maps them
+PPSPEC = [sys.executable, "-c", """import sys
+root = sys.argv.pop(1)
+try:
+    import ppspec.stage_server
+except ImportError:
+    sys.path.insert(0, root)
+    import ppspec
+    ppspec.__path__.append(root)
+from ppspec.cli import main
+sys.exit(main(sys.argv[1:]))""", REPO]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -30,14 +45,16 @@ def _die_with_parent() -> None:
 
 
 class Cluster:
-    """``pp`` stage processes plus a router, each a ``python -m ppspec.cli`` child."""
+    """``pp`` stage processes plus a router, each a ``ppspec`` child (:data:`PPSPEC`)."""
 
     def __init__(self, model, pp, spec="none", steps=3, fault=None, delay_ms=0, max_rows=48,
-                 kv_tokens=32768, router_args=(), log_dir=None, commit_design=None, data_plane=None, stage_env=None):
+                 kv_tokens=32768, router_args=(), log_dir=None, commit_design=None, data_plane=None, stage_env=None,
+                 stage_args=()):
         self.model, self.pp, self.spec, self.steps = model, pp, spec, steps
         # data_plane: one --data-plane for every stage, a list (one per stage), or None (the
         # default, auto); stage_env: {pp_rank: extra environment of that stage}
         self.commit_design, self.data_plane, self.stage_env = commit_design, data_plane, stage_env or {}
+        self.stage_args = list(stage_args)  # more options of every stage (--device cuda:0, ...)
         self.fault, self.delay_ms, self.max_rows, self.kv_tokens = fault, delay_ms, max_rows, kv_tokens
         self.router_args = list(router_args)
         self.stage_ports = [free_port() for _ in range(pp)]
@@ -48,7 +65,7 @@ class Cluster:
 
     def _spawn(self, name, argv, env=None):
         out = open(os.path.join(self.log_dir, f"{name}.log"), "w") if self.log_dir else subprocess.DEVNULL
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "ppspec.cli"] + argv, env=env,
+        self.procs[name] = subprocess.Popen(PPSPEC + argv, env=env,
                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                             preexec_fn=_die_with_parent)
 
@@ -67,7 +84,7 @@ class Cluster:
         plane = self.data_plane[k] if isinstance(self.data_plane, (list, tuple)) else self.data_plane
         if plane:
             argv += ["--data-plane", plane]
-        self._spawn(f"stage{k}", argv, env)
+        self._spawn(f"stage{k}", argv + self.stage_args, env)
 
     def start_router(self, name="router", port=None):
         self._spawn(name, ["router", "--model", self.model, "--stages", self.stages, "--port", str(port or self.port),

@@ -113,6 +113,11 @@ def test_attach_falls_back_to_bytes_and_says_why(link_and_receiver):
     assert rx.attach(pb.AttachRequest(**{**base, "nonce": b"wrong"}, transport="shm"))[0] == "bytes"
     assert rx.attach(pb.AttachRequest(**base, transport="bytes")) == ("bytes", "")
     assert "x" not in rx.inboxes
+    # another container of this host: another hostname, the same kernel; the probe decides
+    probe2, nonce2 = dp.make_probe(link)  # (the wrong nonce's attach mapped and unlinked the first)
+    same_kernel = "container-b/" + dp.host_id().rsplit("/", 1)[1]
+    assert rx.attach(pb.AttachRequest(sender_id="x", host_id=same_kernel, probe=probe2.ref, nonce=nonce2,
+                                      transport="shm")) == ("shm", "")
     link.done(probe, answered=True)
 
 

@@ -116,11 +116,16 @@ class Segment:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, PAYLOAD_OFFSET + capacity)
+                # reserve the pages now: a write past a full tmpfs would be SIGBUS, this is ENOSPC
+                os.posix_fallocate(fd, 0, PAYLOAD_OFFSET + capacity)
             size = os.fstat(fd).st_size
             if size < PAYLOAD_OFFSET:
                 raise DataPlaneError(f"shared-memory segment {name} is {size} bytes, smaller than its header")
             self.mem = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                os.unlink(self.path)
+            raise
         finally:
             os.close(fd)
         self.capacity = size - PAYLOAD_OFFSET
@@ -215,6 +220,7 @@ class SlotLink:
         self.lock = threading.Lock()  # put runs on the compute thread, done on the event loop
         self.free: list[Slot] = []
         self.slots = 0  # slot indices handed out
+        self.spare: list[int] = []  # indices of retired slots, for their next segment
         self.seq = 0
         self.live: list[Segment] = []  # every segment made, to unlink at close
         self._gen = 0
@@ -230,25 +236,36 @@ class SlotLink:
         capacity = max(MIN_SLOT_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         slot = Slot(index, self._segment(capacity))
         if self.transport == "cuda_ipc":
-            with torch.cuda.device(self.device):  # the event belongs to the current device
-                slot.device_buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-                slot.event = torch.cuda.Event(interprocess=True)
-                slot.exported = export_cuda(slot.device_buf, slot.event)
+            try:
+                with torch.cuda.device(self.device):  # the event belongs to the current device
+                    slot.device_buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+                    slot.event = torch.cuda.Event(interprocess=True)
+                    slot.exported = export_cuda(slot.device_buf, slot.event)
+            except BaseException:
+                slot.seg.unlink()
+                raise
         return slot
 
     def _take(self, nbytes: int) -> Slot:
         with self.lock:
             fits = [s for s in self.free if self._capacity(s) >= nbytes]
-            if fits:
-                slot = fits[0]
+            if fits:  # the smallest that fits: large slots stay free for large tensors
+                slot = min(fits, key=self._capacity)
                 self.free.remove(slot)
                 return slot
             if self.free:  # too small: the same index gets a larger buffer
                 old = self.free.pop()
                 old.seg.unlink()
-                return self._new_slot(old.index, nbytes)
-            self.slots += 1
-            return self._new_slot(self.slots - 1, nbytes)
+                index = old.index
+            elif self.spare:
+                index = self.spare.pop()
+            else:
+                index, self.slots = self.slots, self.slots + 1
+            try:
+                return self._new_slot(index, nbytes)
+            except BaseException:  # e.g. /dev/shm full (ENOSPC): the index waits for the next try
+                self.spare.append(index)
+                raise
 
     @staticmethod
     def _capacity(slot: Slot) -> int:
@@ -287,8 +304,9 @@ class SlotLink:
         with self.lock:
             if answered:
                 self.free.append(sent.slot)
-            else:
+            else:  # the index gets a new segment (the receiver then drops its old mapping)
                 sent.slot.seg.unlink()
+                self.spare.append(sent.slot.index)
 
     def close(self) -> None:
         with self.lock:

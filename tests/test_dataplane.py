@@ -63,6 +63,9 @@ def test_slots_in_flight_are_not_reused_and_unanswered_ones_retire(link_and_rece
     assert [s.index for s in link.free] == [sb.ref.slot]
     sc = link.put(a, 3, 1)
     assert sc.ref.slot == sb.ref.slot
+    sd = link.put(b, 4, 1)  # the retired index, on a new segment the receiver maps in its place
+    assert sd.ref.slot == sa.ref.slot and sd.ref.shm_name != sa.ref.shm_name
+    assert torch.equal(rx.read(sd.ref, 4, 1), b)
 
 
 def tampered(ref, **change):
@@ -135,3 +138,23 @@ def test_close_unlinks_segments_never_opened_and_dead_processes_are_swept():
     open(os.path.join(dp.SHM_DIR, name), "wb").close()
     assert name in dp.sweep_dead_segments()
     assert not os.path.exists(os.path.join(dp.SHM_DIR, name))
+
+
+def test_a_full_dev_shm_fails_the_put_cleanly_and_the_next_put_works(monkeypatch):
+    """No room in /dev/shm for a slot: put raises OSError (the stage then sends that step
+    as bytes), leaves no segment behind, and a later put gets the slot index back."""
+    link = dp.SlotLink("shm", "f" + os.urandom(4).hex(), "cpu")
+    real = os.posix_fallocate
+
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space left"):
+        link.put(torch.ones(8, 64), 1, 0)
+    assert ours(link) == [] and link.spare == [0]
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    sent = link.put(torch.ones(8, 64), 2, 0)
+    assert sent.ref.slot == 0 and len(ours(link)) == 1
+    link.close()
+    assert ours(link) == []

@@ -205,7 +205,8 @@ def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
     them), then comes back on its port: the router abandons the failed rounds' commits,
     releases every row and serves again, with the same greedy tokens as before. Meanwhile
     stage 0 reports not serving (it cannot relay), so the router resumes only once stage
-    0's own channel reaches the new stage 1, not at the first step it relays."""
+    0's own channel reaches the new stage 1, not at the first step it relays. Stage 0 attaches
+    to the new stage 1 (shared memory again), and no segment of either is left in /dev/shm."""
     path, prompts, ref, gaps = random_ref
     with Cluster(path, 2, "mtp", log_dir=str(tmp_path), router_args=["--step-timeout", "20"]) as c:
         async def scenario():
@@ -216,6 +217,7 @@ def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
                 c.kill("stage1")
                 return await asyncio.gather(*tasks)
         assert all(r.status_code == 503 for r in asyncio.run(scenario()))
+        killed = str(c.procs["stage1"].pid)
         c.procs["stage1"].wait(10)
         wait_health(c.url, 503, f"stage 0 (127.0.0.1:{c.stage_ports[0]}) is not serving: the next stage at "
                                 f"127.0.0.1:{c.stage_ports[1]} does not answer", timeout=30)
@@ -231,6 +233,7 @@ def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
         assert "data plane: shm" in httpx.get(c.url + "/health", timeout=5).text
         with open(tmp_path / "stage0.log") as f:
             assert f.read().count(": data plane to stage 1 at") == 2
+        assert _segments({killed, str(c.procs["stage0"].pid), str(c.procs["stage1"].pid)}) == []
     real, _ = divergences(outs, ref[:6], gaps[:6])
     assert not real, real
 

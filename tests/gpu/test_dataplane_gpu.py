@@ -55,7 +55,7 @@ async def _complete(url, prompts):
 def test_fp32_stages_sharing_a_gpu_over_cuda_ipc_identical_to_pp1(reference, pp, plane, tmp_path):
     prompts, ref, gaps = reference
     c = Cluster(DEMO, pp, "none", max_rows=N, kv_tokens=16384, log_dir=str(tmp_path), data_plane=plane,
-                stage_args=["--device", "cuda:0", "--memory-budget-gb", "12"], router_args=["--step-timeout", "300"])
+                stage_args=["--device", "cuda:0", "--dtype", "float32", "--memory-budget-gb", "12"], router_args=["--step-timeout", "300"])
     try:
         c.start(timeout=600)  # each stage compiles its kernels and captures its graphs before serving
         outs = asyncio.run(_complete(c.url, prompts))

@@ -2,7 +2,7 @@
 hidden states handed from stage to stage as device buffers exported by CUDA IPC (an
 interprocess event orders the receiver's copy after the sender's), fp32 greedy tokens
 identical to PP1 without speculation in one process (divergence only at near-ties of the
-reference, DESIGN.md section 6). The same prompts over inline bytes give the same tokens."""
+reference, docs/DESIGN.md, "Correctness"). The same prompts over inline bytes give the same tokens."""
 import asyncio
 import os
 import sys

@@ -535,9 +535,11 @@ class ChatChoiceLogprobs(_Response):
 
 
 class ChatResponseMessage(_Response):
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls", "reasoning_content"})
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    """The thinking, with ``--reasoning-parser`` (vLLM's field)."""
     tool_calls: Optional[list[dict[str, Any]]] = None
 
 
@@ -563,9 +565,10 @@ class ChatCompletionResponse(_Response):
 
 
 class ChatDelta(_Response):
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"content", "role", "tool_calls"})
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"content", "role", "tool_calls", "reasoning_content"})
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # each with its "index"
 
 

@@ -26,6 +26,7 @@ from ppspec.argtypes import (
 from ppspec.stage_server.config import CheckpointError, load_config
 
 from .llm import DEMO_MODEL
+from .reasoning import REASONING_PARSERS
 from .tool_calls import TOOL_CALL_PARSERS
 
 
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                     help="read tool calls from chat output (the chat API's tools); default: tools are refused")
+    ap.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                    help="split chat output's thinking into reasoning_content (qwen3: <think>...</think>); "
+                         "default: it stays content")
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch threads per stage (0: cores / stages)")
     ap.add_argument("--startup-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for every stage and the router")
@@ -205,7 +209,7 @@ def router_argv(a: argparse.Namespace, ports: list[int]) -> list[str]:
     ]
     for flag, value in (("--num-micro-batches", a.num_micro_batches), ("--api-key", a.api_key),
                         ("--served-model-name", a.served_model_name), ("--tool-call-parser", a.tool_call_parser),
-                        ("--chat-template", a.chat_template)):
+                        ("--chat-template", a.chat_template), ("--reasoning-parser", a.reasoning_parser)):
         if value:
             argv += [flag, str(value)]
     return argv

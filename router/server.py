@@ -10,6 +10,7 @@ import sys
 from ppspec.argtypes import DefaultsHelpFormatter, address_list, port, positive_float, positive_int
 
 from .llm import DEMO_MODEL
+from .reasoning import REASONING_PARSERS
 from .tool_calls import TOOL_CALL_PARSERS
 
 
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=None, help="bearer key required on /v1/* (default: none)")
     ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                     help="read tool calls from chat output (the chat API's tools); default: tools are refused")
+    ap.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                    help="split chat output's thinking into reasoning_content (qwen3: <think>...</think>); "
+                         "default: it stays content")
     ap.add_argument("--connect-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for the stages at start (a CUDA stage's first start on a machine "
                          "builds FlashInfer's prefill kernel: minutes)")
@@ -110,7 +114,7 @@ async def run_router(args) -> int:
         await pipeline.leave()  # it asked the stages' Info: they need not count it
         return 2
     app = build_app(engine, name, api_key=args.api_key, registry=metrics.registry,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     print(f"ppspec router: {len(addresses)} stages, speculative {engine.spec}, "
           f"serving {name} on http://{args.host}:{args.port}", flush=True)
     try:

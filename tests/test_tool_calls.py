@@ -103,15 +103,34 @@ def test_arguments_given_as_a_string_pass_through_and_no_content_is_none():
 @pytest.mark.parametrize("text", [CALLS_TEXT, "x < y and a <tool but not a call", "ends with <tool_ca",
                                   '<tool_call>{"name": broken</tool_call>'])
 @pytest.mark.parametrize("step", [1, 2, 5])
-def test_stream_releases_content_and_holds_the_calls(text, step):
+def test_stream_releases_content_and_streams_the_calls(text, step):
     s = ToolCallStream()
-    out = "".join(s.feed(text[i:i + step]) for i in range(0, len(text), step))
-    rest, calls = s.finish()
+    out, deltas = "", []
+    for i in range(0, len(text), step):
+        content, d = s.feed(text[i:i + step])
+        out, deltas = out + content, deltas + d
+    rest, more = s.finish()
+    calls = _joined(deltas + more)
     want_content, want_calls = parse_tool_calls(text)
     if want_calls:
-        assert out + rest == "I will look that up.\n" and [_args(c) for c in calls] == [_args(c) for c in want_calls]
+        assert out + rest == "I will look that up.\n" and calls == [_args(c) for c in want_calls]
     else:
         assert out + rest == text and calls == []  # nothing lost, nothing repeated
+
+
+def _joined(deltas):
+    """(name, arguments object) of each call in streamed tool-call deltas; checks their shape:
+    a call's first delta has its id, type and name, the next only argument pieces."""
+    calls = {}
+    for d in deltas:
+        if d["index"] not in calls:
+            assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["name"]
+            assert d["index"] == len(calls)
+            calls[d["index"]] = [d["function"]["name"], ""]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+        calls[d["index"]][1] += d["function"]["arguments"]
+    return [(name, json.loads(args)) for name, args in calls.values()]
 
 
 def test_tools_need_a_parser(engine):
@@ -167,3 +186,82 @@ def test_calls_come_back_as_tool_calls_streamed_and_not(engine, tokenizer):
         assert r.choices[0].message.content == "It is sunny." and r.choices[0].message.tool_calls is None
         assert r.choices[0].finish_reason == "stop"
         assert "<tool_call>get_weather</tool_call>" in tokenizer.decode(engine.prompts[-1])
+
+
+# --------------------------------------------------------------------------------------
+# qwen3_coder (the XML format of Qwen3-Coder / Qwen3-Next / Qwen3.5 templates)
+# --------------------------------------------------------------------------------------
+
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array"}, "note": {"type": "string"}}}}}
+XML_TEXT = ("Checking both.\n<tool_call>\n<function=forecast>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+            "<parameter=hours>\n[6, 18]\n</parameter>\n<parameter=note>\n42\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n</tool_call>")
+XML_ARGS = [("forecast", {"city": "São Paulo", "days": 3, "metric": True, "hours": [6, 18], "note": "42"}),
+            ("get_weather", {"city": "Lyon"})]
+
+
+def test_qwen3_coder_whole_text_with_schema_types():
+    content, calls = parse_tool_calls(XML_TEXT, "qwen3_coder", [FORECAST, WEATHER])
+    assert content == "Checking both."
+    assert [_args(c) for c in calls] == XML_ARGS  # "42" stays a string: its schema says so
+    # a value that is not JSON for its type stays the text the model wrote
+    _, calls = parse_tool_calls(XML_TEXT.replace("\n3\n", "\nthree\n"), "qwen3_coder", [FORECAST, WEATHER])
+    assert _args(calls[0])[1]["days"] == "three"
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=forecast>\n<parameter=city>\nLyon\n</parameter>\n</tool_call>",  # no </function>
+    "<tool_call>\n<parameter=city>\nLyon\n</parameter>\n</function>\n</tool_call>",  # no function
+    "<tool_call>\n<function=forecast>\n</function>\n</tool_call> and more",  # text after
+    "<tool_call>\n<function=forecast>\n<parameter=city>\nLyon",  # cut off
+])
+def test_qwen3_coder_malformed_stays_content(text):
+    assert parse_tool_calls(text, "qwen3_coder", [FORECAST]) == (text, [])
+
+
+@pytest.mark.parametrize("parser,text,want", [
+    ("hermes", CALLS_TEXT, [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Tōkyō"})]),
+    ("qwen3_coder", XML_TEXT, XML_ARGS),
+])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_streamed_arguments_come_as_they_are_generated(parser, text, want, step):
+    """Each call's name goes out once complete and its arguments in pieces while the block
+    is still open, never all at its end; the joined pieces are the whole-text answer."""
+    s = ToolCallStream(parser, [FORECAST, WEATHER])
+    content, deltas, pieces_before_end = "", [], 0
+    for i in range(0, len(text), step):
+        c, d = s.feed(text[i:i + step])
+        content, deltas = content + c, deltas + d
+        if s.in_block:
+            pieces_before_end += sum(1 for x in d if x["function"]["arguments"])
+    rest, more = s.finish()
+    assert content + rest == text[:text.index("<tool_call>")]
+    assert _joined(deltas + more) == want
+    assert pieces_before_end >= 2
+
+
+def test_qwen3_coder_end_to_end_streamed_and_not(engine, tokenizer):
+    engine.text = XML_TEXT
+    with run_server(build_app(engine, MODEL, tool_call_parser="qwen3_coder")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Forecast?"}]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[FORECAST, WEATHER])
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking both."
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        assert got == XML_ARGS
+        calls, finish, chunks_with_args = {}, None, 0
+        for chunk in client.chat.completions.create(model=MODEL, messages=msgs, tools=[FORECAST, WEATHER],
+                                                    stream=True):
+            for c in chunk.choices:
+                for d in c.delta.tool_calls or []:
+                    calls.setdefault(d.index, ["", ""])
+                    calls[d.index][0] += d.function.name or ""
+                    calls[d.index][1] += d.function.arguments or ""
+                    chunks_with_args += bool(d.function.arguments)
+                finish = c.finish_reason or finish
+        assert finish == "tool_calls" and chunks_with_args >= 3
+        assert [(calls[i][0], json.loads(calls[i][1])) for i in sorted(calls)] == got

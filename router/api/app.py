@@ -23,6 +23,7 @@ from ..protocol import (
     ModelList,
     TokenizeRequest,
 )
+from ..reasoning import check_reasoning_parser
 from ..tool_calls import check_parser
 from ..types import EngineError
 from .errors import STATUS_TYPES, engine_error_response, error_body, error_response, renderable, validation_message
@@ -39,7 +40,8 @@ large default reserves nothing)."""
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None, *,
               max_tokens_cap: int | None = DEFAULT_MAX_TOKENS_CAP, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              registry: Any = None, tool_call_parser: str | None = None) -> FastAPI:
+              registry: Any = None, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible ASGI app in front of ``engine``.
 
     served_model_name: the model id clients use (default ``engine.model_name``); another
@@ -50,12 +52,16 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     max_request_bytes: larger request bodies get 413. registry: the prometheus_client
     registry ``/metrics`` exports (default: the global one). tool_call_parser: how tool
     calls are read from generated text (``router.tool_calls``, e.g. ``hermes``); None: a
-    chat request with ``tools`` gets 400. Raises ValueError for an unknown parser.
+    chat request with ``tools`` gets 400. reasoning_parser: how chat output's thinking is
+    split into ``reasoning_content`` (``router.reasoning``, e.g. ``qwen3``); None: it stays
+    content. Raises ValueError for an unknown parser.
     """
     from prometheus_client import REGISTRY
 
     check_parser(tool_call_parser)
-    server = OpenAIHandlers(engine, served_model_name or engine.model_name, max_tokens_cap, tool_call_parser)
+    check_reasoning_parser(reasoning_parser)
+    server = OpenAIHandlers(engine, served_model_name or engine.model_name, max_tokens_cap, tool_call_parser,
+                            reasoning_parser)
     app = FastAPI(title="ppspec", summary="OpenAI-compatible API of the ppspec router",
                   docs_url=None, redoc_url=None)
     app.state.server = server

@@ -45,8 +45,9 @@ from ..protocol import (
     _GenerationRequest,
     ignored_fields,
 )
-from ..tool_calls import ToolCallStream, parse_tool_calls
+from ..reasoning import prompt_opens_reasoning
 from ..types import EngineError, InvalidRequestError
+from .chat_text import ChoiceText
 from .errors import APIError, check_utf8, error_body, renderable
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, check_ids, make_subs, unless_disconnected
 from .logprobs import chat_logprobs, completion_logprobs
@@ -85,13 +86,14 @@ class Prepared:
     prompts: list[list[int]]
     prompt_texts: list[str] | None  # for echo
     subs: list[Sub]
+    in_reasoning: bool | None = None  # chat with a reasoning parser: the prompt left <think> open
 
 
 class OpenAIHandlers:
     """The endpoints' logic over one engine (``build_app`` wires it to routes)."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, max_tokens_cap: int | None,
-                 tool_call_parser: str | None):
+                 tool_call_parser: str | None, reasoning_parser: str | None = None):
         self.engine = engine
         self.runner = Runner(engine)
         self.tokenizer = engine.tokenizer  # decoding, on the event loop
@@ -99,6 +101,7 @@ class OpenAIHandlers:
         self.model_name = served_model_name
         self.max_tokens_cap = max_tokens_cap
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.pieces = TokenPieces(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
 
@@ -177,7 +180,13 @@ class OpenAIHandlers:
             logprobs = body.top_logprobs or 0
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         subs = self._subs(body, request_id, [ids], logprobs, "messages")
-        return Prepared(request_id, [ids], None, subs)
+        in_reasoning = None
+        if self.reasoning_parser is not None and (body.chat_template_kwargs or {}).get("enable_thinking") is not False:
+            in_reasoning = prompt_opens_reasoning(self.tokenizer.decode(ids[-8:], skip_special_tokens=False))
+        return Prepared(request_id, [ids], None, subs, in_reasoning)
+
+    def _choice_text(self, body: ChatCompletionRequest, prepared: Prepared) -> ChoiceText:
+        return ChoiceText(prepared.in_reasoning, self.tool_call_parser if body.tools_in_use else None, body.tools)
 
     def usage(self, prepared: Prepared, completion_tokens: int) -> UsageInfo:
         prompt_tokens = sum(len(p) for p in prepared.prompts)
@@ -231,11 +240,10 @@ class OpenAIHandlers:
             ids = [t for e in evs for t in e.token_ids]
             records = [r for e in evs for r in e.tokens]
             total += len(ids)
-            content, calls = "".join(e.text for e in evs), []
-            if body.tools_in_use:
-                content, calls = parse_tool_calls(content)
+            reasoning, content, calls = self._choice_text(body, prepared).whole("".join(e.text for e in evs))
+            message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
             choices.append(ChatChoice(
-                index=sub.index, message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                index=sub.index, message=message,
                 logprobs=chat_logprobs(self.pieces, records, k) if body.logprobs else None,
                 finish_reason="tool_calls" if calls else evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
                 token_ids=ids if body.return_token_ids else None))
@@ -305,17 +313,18 @@ class OpenAIHandlers:
         created = int(time.time())
         k = body.top_logprobs or 0
         sent_prompt_ids = False
-        calls_of = {sub.index: ToolCallStream() for sub in prepared.subs} if body.tools_in_use else {}
+        split = {sub.index: self._choice_text(body, prepared) for sub in prepared.subs}
 
         def chunks(ev: Event) -> Iterable[BaseModel]:
             nonlocal sent_prompt_ids
-            text, calls, finish = ev.text, [], ev.finish_reason
-            if ev.index in calls_of:  # content up to a tool call; the calls when the choice ends
-                text = calls_of[ev.index].feed(text)
-                if finish:
-                    rest, calls = calls_of[ev.index].finish()
-                    text += rest
-                    finish = "tool_calls" if calls else finish
+            parts = split[ev.index]
+            reasoning, text, deltas = parts.feed(ev.text)
+            finish = ev.finish_reason
+            if finish:
+                more_reasoning, rest, more = parts.finish()
+                reasoning, text, deltas = reasoning + more_reasoning, text + rest, deltas + more
+                if finish == "stop" and parts.calls_sent:
+                    finish = "tool_calls"
             if ev.first:
                 prompt_ids = None
                 if body.return_token_ids and not sent_prompt_ids:
@@ -324,11 +333,11 @@ class OpenAIHandlers:
                     id=prepared.request_id, created=created, model=self.model_name,
                     choices=[ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=""))],
                     prompt_token_ids=prompt_ids)
-            if not (text or finish or ((body.return_token_ids or body.logprobs) and ev.token_ids)):
+            if not (text or reasoning or deltas or finish or ((body.return_token_ids or body.logprobs) and ev.token_ids)):
                 return
-            deltas = [{"index": i, **c} for i, c in enumerate(calls)] or None
+            delta = ChatDelta(content=text or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
             choice = ChatStreamChoice(
-                index=ev.index, delta=ChatDelta(content=text or None, tool_calls=deltas),
+                index=ev.index, delta=delta,
                 logprobs=chat_logprobs(self.pieces, ev.tokens, k) if body.logprobs else None,
                 finish_reason=finish, stop_reason=ev.stop_reason,
                 token_ids=ev.token_ids if body.return_token_ids else None)

@@ -12,6 +12,7 @@ import uuid
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ppspec.auth import client_interceptors
 from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_from_pb, step_to_pb
 from ppspec.proto.messages import VERIFY, StepInput, StepOutput
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
@@ -52,14 +53,17 @@ class GrpcPipeline:
         step_timeout: seconds a micro-batch may take through the whole pipeline; past it
             the step fails with StageDownError (a wedged pipeline).
         rpc_timeout: seconds for commits, releases and info.
+        key: the pipeline key (``ppspec.auth``), sent with every call; None: none sent.
     """
 
-    def __init__(self, addresses: list[str], step_timeout: float = 120.0, rpc_timeout: float = 30.0):
+    def __init__(self, addresses: list[str], step_timeout: float = 120.0, rpc_timeout: float = 30.0,
+                 key: bytes | None = None):
         if not addresses:
             raise ValueError("no stage addresses")
         self.addresses = list(addresses)
         self.step_timeout, self.rpc_timeout = step_timeout, rpc_timeout
-        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS + RECONNECT_OPTIONS) for a in self.addresses]
+        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS + RECONNECT_OPTIONS,
+                                                   interceptors=client_interceptors(key)) for a in self.addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self.health_stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
         self.down: dict[int, str] = {}
@@ -120,6 +124,21 @@ class GrpcPipeline:
                     log.warning("waiting for stage %d at %s to serve (%.0f s left)", k, self.addresses[k], deadline - now)
                     next_note = now + 10.0
                 await asyncio.sleep(0.2)
+
+    async def check_key(self) -> None:
+        """Before serving: every stage takes this router's pipeline key (or needs none). The
+        probe is a Release of no row, which changes nothing.
+
+        Raises:
+            StageDownError: naming the first stage that refused the key.
+        """
+        for k, stub in enumerate(self.stubs):
+            try:
+                await stub.Release(pb.ReleaseRequest(router_id=self.router_id), timeout=self.rpc_timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise StageDownError(f"stage {k} ({self.addresses[k]}) refused this router: "
+                                         f"{e.code().name}: {e.details()}") from None
 
     async def _infos(self, timeout: float, claim: bool = False) -> list[dict | grpc.aio.AioRpcError]:
         """Every stage's Info as this router (``claim``: taking the stages over), or the

@@ -22,7 +22,7 @@ from ppspec.argtypes import (
     DTYPES, DefaultsHelpFormatter, add_cuda_graph_args, add_data_plane_arg, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_finite_float, positive_float,
     positive_int, stage_devices,
 )
-
+from ppspec.auth import KeyFileError, read_key_file, write_temp_key
 from ppspec.stage_server.config import CheckpointError, load_config
 
 from .llm import DEMO_MODEL
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stall-timeout", type=positive_float, default=10.0,
                     help="seconds a stage may fail its health checks with micro-batches in flight before those "
                          "requests fail (503)")
+    ap.add_argument("--pipeline-key-file", default=None,
+                    help="file holding the secret the router and stages share (default: a fresh key per run, in a "
+                         "0600 temporary file removed at exit)")
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -290,6 +293,13 @@ def main(argv: list[str]) -> int:
         print(f"ppspec serve: --max-context {a.max_context} is more than the checkpoint's {cfg.max_context} tokens "
               f"(max_position_embeddings {cfg.max_position_embeddings}, with its RoPE scaling)", file=sys.stderr)
         return 2
+    if a.pipeline_key_file:  # checked here once, not by each child
+        try:
+            read_key_file(a.pipeline_key_file)
+        except KeyFileError as e:
+            print(f"ppspec serve: {e}", file=sys.stderr)
+            return 2
+    key_file = a.pipeline_key_file or write_temp_key()
     ports = a.stage_ports or [free_port(a.host) for _ in range(n)]
     threads = a.num_threads or max(1, (os.cpu_count() or 1) // n)
     py = [sys.executable, "-m", "ppspec.cli"]
@@ -306,8 +316,9 @@ def main(argv: list[str]) -> int:
         signal.signal(hup, on_signal)
     try:
         for k in range(n):
-            kids.start(f"stage {k}", py + stage_argv(a, k, ports, devices[k], threads))
-        router = py + router_argv(a, ports)
+            key = ["--pipeline-key-file", key_file]
+            kids.start(f"stage {k}", py + stage_argv(a, k, ports, devices[k], threads) + key)
+        router = py + router_argv(a, ports) + ["--pipeline-key-file", key_file]
         kids.start("router", router)
         url = f"http://{a.host}:{a.port}"
         deadline = time.monotonic() + a.startup_timeout
@@ -335,3 +346,5 @@ def main(argv: list[str]) -> int:
         return 0
     finally:
         kids.stop()
+        if key_file != a.pipeline_key_file:
+            os.unlink(key_file)

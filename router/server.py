@@ -8,6 +8,7 @@ import os
 import sys
 
 from ppspec.argtypes import DefaultsHelpFormatter, address_list, port, positive_float, positive_int
+from ppspec.auth import KeyFileError, read_key_file
 
 from .llm import DEMO_MODEL
 from .reasoning import REASONING_PARSERS
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stall-timeout", type=positive_float, default=10.0,
                     help="seconds a stage may fail its health checks with micro-batches in flight before "
                          "those requests fail (503) instead of waiting for --step-timeout")
+    ap.add_argument("--pipeline-key-file", default=None,
+                    help="file holding the secret shared with the stages, their --pipeline-key-file (default: none, "
+                         "for stages started without one)")
     ap.add_argument("--log-level", default="info", help="uvicorn's log level")
     return ap
 
@@ -93,13 +97,21 @@ async def run_router(args) -> int:
         return 2
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    pipeline = GrpcPipeline(addresses, step_timeout=args.step_timeout)
+    key = None
+    if args.pipeline_key_file:
+        try:
+            key = read_key_file(args.pipeline_key_file)
+        except KeyFileError as e:
+            print(f"ppspec router: {e}", file=sys.stderr)
+            return 2
+    pipeline = GrpcPipeline(addresses, step_timeout=args.step_timeout, key=key)
     try:
         await pipeline.wait_ready(args.connect_timeout)
+        await pipeline.check_key()
+        infos = await pipeline.info()
     except StageDownError as e:
         print(f"ppspec router: {e}", file=sys.stderr)
         return 2
-    infos = await pipeline.info()
     metrics = RouterMetrics(num_stages=len(addresses), num_spec_tokens=infos[-1]["num_speculative_steps"])
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
     engine = Engine(pipeline, model_name=name, tokenizer=tokenizer, speculative_algorithm=args.speculative_algorithm,
@@ -109,7 +121,7 @@ async def run_router(args) -> int:
                     metrics=metrics)
     try:
         await engine.start()
-    except ValueError as e:
+    except (ValueError, StageDownError) as e:
         print(f"ppspec router: {e}", file=sys.stderr)
         await pipeline.leave()  # it asked the stages' Info: they need not count it
         return 2

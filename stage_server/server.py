@@ -34,6 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
+from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, read_key_file
 from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_to_pb, step_from_pb
 from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import PREFILL, VERIFY
@@ -83,8 +84,9 @@ class StageServicer(pb_grpc.StageServicer):
                   grpc.StatusCode.UNKNOWN)
 
     def __init__(self, runner, next_stage: str | None, relay_timeout: float = 600.0, order_timeout: float = 600.0,
-                 data_plane: str = "auto"):
+                 data_plane: str = "auto", key: bytes | None = None):
         self.runner = runner
+        self.keyed = key is not None  # with a pipeline key, every mutating call names its router
         self.next_stage = next_stage
         self.relay_timeout, self.order_timeout = relay_timeout, order_timeout
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{runner.pp_rank}")
@@ -109,7 +111,8 @@ class StageServicer(pb_grpc.StageServicer):
         self.receiver = dataplane.Receiver(str(runner.device))
         self._next = None
         if next_stage:
-            self._channel = grpc.aio.insecure_channel(next_stage, options=GRPC_OPTIONS + RECONNECT_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(next_stage, options=GRPC_OPTIONS + RECONNECT_OPTIONS,
+                                                      interceptors=client_interceptors(key))
             self._next = pb_grpc.StageStub(self._channel)
 
     async def _compute(self, fn, *args):
@@ -153,9 +156,13 @@ class StageServicer(pb_grpc.StageServicer):
 
     def _denied(self, router_id: str, what: str) -> str | None:
         """Why a request from ``router_id`` is refused, or None: another router owns this
-        stage, or a claim took the stage from that router. A request that names no router
-        (a tool) is not fenced, nor one to a stage no router owns."""
+        stage, or a claim took the stage from that router. Without a pipeline key a request
+        that names no router (a tool) is not fenced, nor one to a stage no router owns; with
+        one, a request must name its router (the key says who may call, the router id which
+        caller owns the rows)."""
         rank = self.runner.pp_rank
+        if self.keyed and not router_id:
+            return f"stage {rank}: {what} names no router (router_id is empty): refused, nothing changed"
         if router_id in self.replaced:
             return (f"stage {rank}: {what} from router {router_id}, but router {self.replaced[router_id]} took this "
                     f"stage over from it: refused, nothing changed")
@@ -449,6 +456,7 @@ async def serve_stage(args) -> int:
 
     from .runner import StageRunner
 
+    key = args.pipeline_key
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     spec = args.speculative_algorithm
@@ -468,14 +476,17 @@ async def serve_stage(args) -> int:
     runner.warmup_seconds = warm_up(runner)
     log.info("stage %d: warm-up took %.2f s", args.pp_rank, runner.warmup_seconds)
     last = args.pp_rank == args.pp_size - 1
-    interceptors = []
+    interceptors = [KeyCheck(key, args.pp_rank)] if key else []  # first: a refused call waits for nothing
+    if not key:
+        log.warning("stage %d: no --pipeline-key-file: any process that reaches %s:%d can change this stage",
+                    args.pp_rank, args.host, args.port)
     delay = float(os.environ.get("PPSPEC_INJECT_DELAY_MS", "0") or 0)
     if delay > 0:
         interceptors.append(DelayInterceptor(delay, seed=args.pp_rank))
     # no SO_REUSEPORT (gRPC's default on Linux): a second stage on a served port must fail,
     # not share the port and take over the first one's traffic unnoticed
     server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)], interceptors=interceptors)
-    servicer = StageServicer(runner, None if last else args.next_stage, data_plane=args.data_plane)
+    servicer = StageServicer(runner, None if last else args.next_stage, data_plane=args.data_plane, key=key)
     swept = dataplane.sweep_dead_segments()
     if swept:
         log.info("stage %d: removed %d shared-memory segments of dead processes", args.pp_rank, len(swept))
@@ -635,6 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_plane_arg(ap)
     add_cuda_graph_args(ap)
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--pipeline-key-file", default=None,
+                    help="file holding the secret shared with the router and the other stages: calls that change "
+                         "this stage must carry it (default: none, any caller may)")
     ap.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -658,6 +672,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    args.pipeline_key = None
+    if args.pipeline_key_file:
+        try:
+            args.pipeline_key = read_key_file(args.pipeline_key_file)
+        except KeyFileError as e:
+            print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop

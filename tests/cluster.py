@@ -56,7 +56,7 @@ class Cluster:
         self.commit_design, self.data_plane, self.stage_env = commit_design, data_plane, stage_env or {}
         self.stage_args = list(stage_args)  # more options of every stage (--device cuda:0, ...)
         self.fault, self.delay_ms, self.max_rows, self.kv_tokens = fault, delay_ms, max_rows, kv_tokens
-        self.router_args = list(router_args)
+        self.router_args, self.stage_args = list(router_args), list(stage_args)
         self.stage_ports = [free_port() for _ in range(pp)]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

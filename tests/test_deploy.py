@@ -98,6 +98,10 @@ def test_compose_pipeline_wiring():
     assert router["command"][0] == "router"
     assert _flag(router["command"], "--stages") == ",".join(addresses)
     assert _flag(router["command"], "--port") == "8000"
+    # router and stages read the one pipeline key secret
+    for svc in [router, *stages.values()]:
+        assert _flag(svc["command"], "--pipeline-key-file") == "/run/secrets/pipeline_key"
+        assert [s if isinstance(s, str) else s["source"] for s in svc["secrets"]] == ["pipeline_key"]
     assert set(router["depends_on"]) == set(stages)
     # Prometheus scrapes the router; Grafana gets the provisioning and the dashboard
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
@@ -139,6 +143,18 @@ def test_k8s_kustomizations_reference_existing_files():
                 assert (target / "kustomization.yaml").exists()
 
 
+KEY_FILE = "/etc/ppspec/pipeline-key/key"
+
+
+def assert_key_mounted(pod: dict, container: dict) -> None:
+    """The pipeline key Secret (the name pipeline-key-secret.yaml gives it) at KEY_FILE's folder."""
+    secret = load(K8S / "common" / "pipeline-key-secret.yaml")
+    vols = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == os.path.dirname(KEY_FILE)]
+    assert vols[mount["name"]]["secret"]["secretName"] == secret["metadata"]["name"] and mount["readOnly"]
+    assert set(secret["stringData"]) == {os.path.basename(KEY_FILE)}
+
+
 def load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
@@ -156,6 +172,7 @@ def test_k8s_stage_ranks_and_dns_names(variant, tmp_path):
     assert service["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     pod = sts["spec"]["template"]["spec"]
     (container,) = pod["containers"]
+    assert_key_mounted(pod, container)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == int(config["PPSPEC_STAGE_PORT"])
     limits = container["resources"].get("limits", {})
@@ -181,6 +198,7 @@ def test_k8s_stage_ranks_and_dns_names(variant, tmp_path):
         assert _flag(argv, "--model") == config["PPSPEC_MODEL"]
         # the next stage is the address the router lists for rank + 1
         assert _flag(argv, "--next-stage") == (routed[rank + 1] if rank + 1 < n else None)
+        assert _flag(argv, "--pipeline-key-file") == KEY_FILE
         assert routed[rank].startswith(f"{sts['metadata']['name']}-{rank}.{service['metadata']['name']}:")
 
 
@@ -201,7 +219,8 @@ def test_k8s_router(tmp_path):
                env=dict(os.environ, **config, PATH=f"{tmp_path}:{os.environ['PATH']}"))
     ok(proc)
     argv = proc.stdout.split()
-    assert argv[0] == "router"
+    assert argv[0] == "router" and _flag(argv, "--pipeline-key-file") == KEY_FILE
+    assert_key_mounted(dep["spec"]["template"]["spec"], container)
     assert _flag(argv, "--stages") == config["PPSPEC_STAGES"]
     assert _flag(argv, "--port") == config["PPSPEC_ROUTER_PORT"]
 

@@ -502,7 +502,8 @@ def test_serve_exits_nonzero_when_a_child_dies(random_ref):
 
 def test_serve_sigterm_ends_open_requests_with_a_message(random_ref):
     """SIGTERM to ``ppspec serve``: the router ends in-flight requests itself (503 body; a
-    stream gets the error event and [DONE]) before the stages stop, and serve exits 0."""
+    stream gets the error event and [DONE]) before the stages stop, and serve exits 0,
+    removing the pipeline key it made for its children (a 0600 file they all name)."""
     path = random_ref[0]
     port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", path, "--pp-size", "2",
@@ -511,6 +512,11 @@ def test_serve_sigterm_ends_open_requests_with_a_message(random_ref):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_serving(serve, port)
+        kids = subprocess.check_output(["pgrep", "-a", "-P", str(serve.pid)], text=True).splitlines()
+        keys = {line.split("--pipeline-key-file ")[1].split()[0] for line in kids}
+        assert len(kids) == 3 and len(keys) == 1, kids
+        key_file = keys.pop()
+        assert os.stat(key_file).st_mode & 0o777 == 0o600
 
         async def scenario():
             async with httpx.AsyncClient(timeout=60) as client:
@@ -534,6 +540,7 @@ def test_serve_sigterm_ends_open_requests_with_a_message(random_ref):
         assert len(lines) >= 2 and lines[-1] == "[DONE]" and "shutting down" in lines[-2], (lines[-3:], plain.text)
         assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
         assert serve.wait(30) == 0
+        assert not os.path.exists(key_file)
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)

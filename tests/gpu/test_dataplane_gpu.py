@@ -69,3 +69,81 @@ def test_fp32_stages_sharing_a_gpu_over_cuda_ipc_identical_to_pp1(reference, pp,
         if o != r:
             j = next(j for j, (a, b) in enumerate(zip(o, r)) if a != b)
             assert gaps[i][j] < TIE, f"request {i} diverges at {j} with top-2 gap {gaps[i][j]:.2e}"
+
+
+def _cuda_sender(conn, shapes):
+    """Child process: a cuda_ipc SlotLink on cuda:0; sends the probe, then each tensor
+    (filled on the device by a kernel after a long matmul, so that an unordered read would
+    see stale data), waiting for the parent's read before the slot is given back."""
+    import torch
+
+    try:
+        from ppspec.stage_server import dataplane as dp
+    except ImportError:  # a bare checkout: map it as tests/gpu/conftest.py does (not run in this child)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        sys.path.insert(0, root)
+        import ppspec
+
+        ppspec.__path__.append(root)
+        from ppspec.stage_server import dataplane as dp
+
+    link = dp.SlotLink("cuda_ipc", "gpuchild", "cuda:0")
+    probe, nonce = dp.make_probe(link)
+    conn.send((probe.ref.SerializeToString(), nonce, dp.host_id()))
+    conn.recv()
+    link.done(probe, answered=True)
+    a = torch.randn(4096, 4096, device="cuda:0")
+    for i, shape in enumerate(shapes):
+        busy = a @ a  # queued work ahead of the tensor on the same stream
+        t = torch.full(shape, float(i + 1), device="cuda:0") + busy[0, 0] * 0
+        sent = link.put(t, i, i)
+        conn.send(sent.ref.SerializeToString())
+        conn.recv()
+        link.done(sent, answered=True)
+    conn.send((link.slots, [s.index for s in link.free]))
+    conn.recv()
+    link.close()
+
+
+def test_cuda_ipc_hop_between_two_processes():
+    """The cuda_ipc link alone, between two processes on one GPU: the probe opens, each
+    tensor arrives with its value (the receiver's stream waits for the sender's event),
+    a slot grows for a larger tensor, a mismatched shape is refused."""
+    import multiprocessing as mp
+
+    from ppspec.proto.stubs import pb
+    from ppspec.stage_server import dataplane as dp
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    shapes = [(16, 256), (2048, 256), (8000, 2048), (1, 256)]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_cuda_sender, args=(child, shapes))
+    p.start()
+    try:
+        rx = dp.Receiver("cuda:0")
+        probe, nonce, host = parent.recv()
+        req = pb.AttachRequest(sender_id="gpuchild", host_id=host, transport="cuda_ipc",
+                               probe=pb.TensorRef.FromString(probe), nonce=nonce)
+        assert rx.attach(req) == ("cuda_ipc", "")
+        parent.send("ok")
+        for i, shape in enumerate(shapes):
+            ref = pb.TensorRef.FromString(parent.recv())
+            if i == 0:
+                bad = pb.TensorRef.FromString(ref.SerializeToString())
+                bad.shape[0] += 1
+                with pytest.raises(dp.DataPlaneError, match="shape"):
+                    rx.read(bad, i, i)
+            got = rx.read(ref, i, i)
+            assert got.device.type == "cuda" and tuple(got.shape) == shape
+            assert bool((got == float(i + 1)).all()), f"tensor {i} read before the sender's copy"
+            parent.send("ok")
+        slots, free = parent.recv()
+        assert slots == 1 and free == [0]  # one relay at a time: one slot, grown in place
+        parent.send("ok")
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0

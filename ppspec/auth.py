@@ -1,13 +1,13 @@
 """The pipeline key: a secret shared by a router and its stages.
 
-Every call that changes a stage (``Forward``, ``Verify``, ``CommitAccept``, ``Release``, and
-``Info`` when it claims the stage or leaves it) carries the key in the gRPC metadata entry
-:data:`METADATA_KEY`; a stage started with ``--pipeline-key-file`` refuses a call without it
-(``UNAUTHENTICATED``) in a server interceptor, before the request is even parsed, so no row
-is read. Read-only ``Info`` and the health service stay open. The key is compared in
-constant time (``hmac.compare_digest``). It travels in the clear on an insecure channel: it
-keeps out any process that can reach a stage's port, not one that can read the traffic
-(docs/DESIGN.md, "Router ownership"; README, "Security").
+Every call that changes a stage (``Forward``, ``Verify``, ``CommitAccept``, ``Release``,
+``AttachDataPlane``, and ``Info`` when it claims the stage or leaves it) carries the key in
+the gRPC metadata entry :data:`METADATA_KEY`; a stage started with ``--pipeline-key-file``
+refuses a call without it (``UNAUTHENTICATED``) in a server interceptor, before the request
+is even parsed, so no row is read. Read-only ``Info`` and the health service stay open. The
+key is compared in constant time (``hmac.compare_digest``). It travels in the clear on an
+insecure channel: it keeps out any process that can reach a stage's port, not one that can
+read the traffic (docs/DESIGN.md, "Router ownership"; README, "Security").
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from ppspec.proto.stubs import STAGE_SERVICE
 METADATA_KEY = "ppspec-pipeline-key-bin"  # "-bin": the value is bytes, any key file works
 # the stage methods that change something whatever their request says ("Info" only when it
 # claims or leaves: checked on the parsed request)
-MUTATING = frozenset(f"/{STAGE_SERVICE}/{m}" for m in ("Forward", "Verify", "CommitAccept", "Release"))
+MUTATING = frozenset(f"/{STAGE_SERVICE}/{m}" for m in ("Forward", "Verify", "CommitAccept", "Release",
+                                                       "AttachDataPlane"))
 INFO = f"/{STAGE_SERVICE}/Info"
 
 

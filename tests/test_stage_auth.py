@@ -1,6 +1,6 @@
 """The pipeline key (``ppspec.auth``): a stage started with ``--pipeline-key-file`` refuses
-every call that would change it (Forward, Verify, CommitAccept, Release, an Info that
-claims or leaves) without the key or with a wrong one (UNAUTHENTICATED), and with the key a
+every call that would change it (Forward, Verify, CommitAccept, Release, AttachDataPlane,
+an Info that claims or leaves) without the key or with a wrong one (UNAUTHENTICATED), and with the key a
 call that names no router (PERMISSION_DENIED); each refusal changes nothing (rows, KV
 pages, pending commits, owner), and the request that held the rows finishes with the
 tokens it gives untouched. Read-only Info and health stay open. A router with a wrong key
@@ -164,6 +164,7 @@ def test_calls_without_the_key_change_nothing(make_ckpt, tmp_path):
                 cases.append((s, "Release", pb.ReleaseRequest(req_pool_indices=everything, router_id=rid), rid))
                 cases.append((s, "Release", pb.ReleaseRequest(req_pool_indices=everything, router_id=rid,
                                                               abandon=True), rid))
+            cases.append((s, "AttachDataPlane", pb.AttachRequest(sender_id="intruder", transport="bytes"), "intruder"))
             cases.append((s, "Info", pb.InfoRequest(router_id="intruder", claim=True), "intruder"))
             cases.append((s, "Info", pb.InfoRequest(router_id="owner", leaving=True), "owner"))
         for s, name, req, rid in cases:
@@ -172,7 +173,7 @@ def test_calls_without_the_key_change_nothing(make_ckpt, tmp_path):
                 assert code == UNAUTH, (name, rid, key, code, msg)
                 assert "pipeline key" in msg and "refused" in msg, msg
                 assert st.state() == held, (name, rid, key)
-            if rid == "" and name != "Info":  # with the key, a call must name its router
+            if rid == "" and name not in ("Info", "AttachDataPlane"):  # with the key, a call must name its router
                 code, msg = call(getattr(s, name), req)
                 assert code == DENIED and "names no router" in msg, (name, code, msg)
                 assert st.state() == held, (name, "empty router id")

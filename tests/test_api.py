@@ -1139,25 +1139,3 @@ def test_chat_history_holding_a_returned_message_dump(client, engine, tokenizer)
         assert tokenizer.decode(prompt) == (
             f"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n{first.choices[0].message.content}<|im_end|>\n"
             "<|im_start|>user\nThen?<|im_end|>\n<|im_start|>assistant\n")
-
-
-def test_a_long_prompt_does_not_hold_up_shorter_ones(server, tokenizer):
-    """Prompts are encoded on several worker threads (each with its own tokenizer copy; the
-    Rust encode releases the GIL): a short request sent while a ~0.9 MB prompt is being
-    encoded (about a second here) is answered before it."""
-    long_prompt = "hello world, this is a long prompt. " * 25000
-
-    async def run():
-        async with httpx.AsyncClient(base_url=server, timeout=120) as c:
-            long = asyncio.ensure_future(c.post("/v1/completions", json=dict(model=MODEL, prompt=long_prompt,
-                                                                              max_tokens=5)))
-            await asyncio.sleep(0.3)  # the long prompt has reached a worker
-            shorts = await asyncio.gather(*(c.post("/v1/completions", json=dict(model=MODEL, prompt=f"hi {i}",
-                                                                                 max_tokens=3)) for i in range(3)))
-            pending = not long.done()
-            return shorts, pending, await long
-
-    shorts, pending, long = asyncio.run(run())
-    assert all(r.status_code == 200 for r in shorts), [r.text for r in shorts]
-    assert pending, "the short requests waited for the long prompt's encoding"
-    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"

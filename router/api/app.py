@@ -27,6 +27,7 @@ from ..reasoning import check_reasoning_parser
 from ..tool_calls import check_parser
 from ..types import EngineError
 from .errors import STATUS_TYPES, engine_error_response, error_body, error_response, renderable, validation_message
+from .edge import READ_TIMEOUT_S, edge_protocol
 from .guard import DEFAULT_MAX_REQUEST_BYTES, Guard
 from .handlers import ACCESS_KEY, OpenAIHandlers
 
@@ -196,7 +197,8 @@ def _read_only(inner: Callable) -> Callable:
 
 async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
                      shutdown: asyncio.Event | None = None, on_exit: Callable[[], None] | None = None,
-                     drain_seconds: float = 1.0, **uvicorn_kwargs: Any) -> None:
+                     drain_seconds: float = 1.0, read_timeout: float = READ_TIMEOUT_S,
+                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **uvicorn_kwargs: Any) -> None:
     """Serve ``app`` with uvicorn until SIGINT / SIGTERM (main thread) or ``shutdown`` is set.
 
     Uses ``loop="uvloop"``: run this coroutine on a uvloop event loop, e.g.
@@ -216,6 +218,8 @@ async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
     if "uvloop" not in type(loop).__module__:
         log.warning("serve_http is running on %s, not uvloop", type(loop).__name__)
     uvicorn_kwargs.setdefault("access_log", False)  # the app's AccessLog writes one line per request
+    # read deadline (seconds per request), strict framing, JSON refusals: router/api/edge.py
+    uvicorn_kwargs.setdefault("http", edge_protocol(read_timeout, max_request_bytes))
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level, **uvicorn_kwargs)
 
     class _Uvicorn(uvicorn.Server):

@@ -51,7 +51,7 @@ from .chat_text import ChoiceText
 from .errors import APIError, check_utf8, error_body, renderable
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, check_ids, make_subs, unless_disconnected
 from .logprobs import chat_logprobs, completion_logprobs
-from .tokenize import TokenizerPool
+from .tokenize import PromptTooLong, TokenizerPool
 
 log = logging.getLogger("ppspec.router.api")
 
@@ -136,7 +136,9 @@ class OpenAIHandlers:
             for t in texts:
                 check_utf8(t, "prompt")
             try:
-                prompts = await self.tokens.encode(texts)
+                prompts = await self.tokens.encode(texts, max_tokens=int(self.engine.max_model_len))
+            except PromptTooLong as exc:  # refused by its length alone, no worker taken
+                raise InvalidRequestError(str(exc), param="prompt", code="context_length_exceeded") from None
             except Exception as exc:  # noqa: BLE001
                 raise InvalidRequestError(f"prompt could not be tokenized: {exc}", param="prompt") from None
         else:
@@ -169,7 +171,10 @@ class OpenAIHandlers:
         try:
             template_kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt,
                                "continue_final_message": body.continue_final_message}
-            ids = await self.tokens.render_chat(messages, body.tools if body.tools_in_use else None, template_kwargs)
+            ids = await self.tokens.render_chat(messages, body.tools if body.tools_in_use else None, template_kwargs,
+                                                max_tokens=int(self.engine.max_model_len))
+        except PromptTooLong as exc:
+            raise InvalidRequestError(str(exc), param="messages", code="context_length_exceeded") from None
         except Exception as exc:  # noqa: BLE001 - template errors (raise_exception, bad roles)
             raise InvalidRequestError(f"messages could not be rendered with the chat template: {exc}",
                                       param="messages") from None

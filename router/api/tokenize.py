@@ -20,6 +20,25 @@ log = logging.getLogger("ppspec.router.api")
 TOKENIZE_WORKERS = 4
 """Threads that tokenize prompts and render chats, each with its own tokenizer copy."""
 
+SHORT_CHARS = 16384
+"""Texts up to this many characters (a request's total) are short: longer ones run on all
+workers but one, so a short request never queues behind long encodes."""
+
+
+class PromptTooLong(ValueError):
+    """A text whose character count alone proves it cannot fit the context (no tokenizer work done)."""
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token stands for: the longest vocabulary entry
+    (byte-level BPE: one character per byte, so a text of ``c`` characters has at least
+    ``c / bound`` tokens), times 4 when a normalizer runs first (NFC can merge up to about
+    four code points into one)."""
+    vocab = tokenizer.get_vocab()
+    longest = max((len(t) for t in vocab), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return max(1, longest) * (4 if backend is not None and backend.normalizer is not None else 1)
+
 
 class TokenizerPool:
     """``encode``, ``decode`` and ``render_chat`` of ``tokenizer`` (a Hugging Face tokenizer), run off the event loop."""
@@ -34,6 +53,10 @@ class TokenizerPool:
             workers = 1
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ppspec-tokenize",
                                            initializer=self._init_worker, initargs=(workers > 1,))
+        # long texts take at most workers - 1 threads: one is always free for short ones
+        self._long = asyncio.Semaphore(max(1, workers - 1))
+        self._short_lane = workers > 1
+        self.max_token_chars = max_token_chars(tokenizer)
         try:
             sig = inspect.signature(tokenizer.apply_chat_template)
             self._sanitize_kw = "sanitize_control_tokens" in sig.parameters
@@ -48,19 +71,39 @@ class TokenizerPool:
         """This worker thread's tokenizer."""
         return self._local.encoder
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _run(self, fn: Callable[..., Any], *args: Any, chars: int = 0) -> Any:
+        loop = asyncio.get_running_loop()
+        if chars <= SHORT_CHARS or not self._short_lane:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        async with self._long:
+            return await loop.run_in_executor(self.executor, fn, *args)
 
-    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids of each text, special tokens (BOS) added as the tokenizer does."""
-        return await self._run(self._encode, texts, add_special_tokens)
+    def check_fits(self, chars: int, max_tokens: int | None) -> None:
+        """Raise :class:`PromptTooLong` when ``chars`` characters are more tokens than
+        ``max_tokens`` whatever they are (``max_token_chars``); None: no limit."""
+        if max_tokens is not None and chars > max_tokens * self.max_token_chars:
+            raise PromptTooLong(
+                f"This model's maximum context length is {max_tokens} tokens. However, the prompt has {chars} "
+                f"characters, at least {-(-chars // self.max_token_chars)} tokens (no token of this tokenizer stands "
+                f"for more than {self.max_token_chars} characters). Please reduce the prompt.")
+
+    async def encode(self, texts: list[str], add_special_tokens: bool = True,
+                     max_tokens: int | None = None) -> list[list[int]]:
+        """Token ids of each text, special tokens (BOS) added as the tokenizer does. A text
+        that cannot fit ``max_tokens`` raises :class:`PromptTooLong` before any encoding."""
+        for t in texts:
+            self.check_fits(len(t), max_tokens)
+        return await self._run(self._encode, texts, add_special_tokens, chars=sum(map(len, texts)))
 
     async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                          template_kwargs: dict[str, Any] | None = None, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template. ``template_kwargs``: more
         arguments of ``apply_chat_template`` (``add_generation_prompt``, default True;
-        ``continue_final_message``; template variables such as ``enable_thinking``)."""
-        return await self._run(self._render_chat, messages, tools, template_kwargs or {})
+        ``continue_final_message``; template variables such as ``enable_thinking``). Message
+        texts that cannot fit ``max_tokens`` raise :class:`PromptTooLong` before rendering."""
+        chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        self.check_fits(chars, max_tokens)
+        return await self._run(self._render_chat, messages, tools, template_kwargs or {}, chars=chars)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self._run(self._decode, ids, skip_special_tokens)

@@ -1,0 +1,243 @@
+"""The HTTP edge (``router/api/edge.py``, ``router/api/tokenize.py``): no client can stall the
+server or another client. The real ``serve_http`` (uvicorn with ``EdgeProtocol``) in front of
+the app on the fake engine of ``tests/test_api.py``; raw sockets for the framing cases. No
+wall-clock window is asserted: each answer must come before a generous bound (the read
+timeout plus many times a recorded baseline round trip), and the server serves afterwards."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster import free_port
+from ppspec.router.api import build_app
+from ppspec.router.api.app import serve_http
+from test_api import MODEL, FakeEngine, make_tokenizer
+
+READ_TIMEOUT = 1.0
+MAX_BODY = 1 << 20
+
+
+class EdgeServer:
+    """``serve_http`` on a free port in a thread of its own, stopped through its ``shutdown`` event."""
+
+    def __init__(self, engine):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = build_app(engine, served_model_name=MODEL, max_request_bytes=MAX_BODY)
+        self.loop = asyncio.new_event_loop()
+        self.stop = asyncio.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, daemon=True, args=(serve_http(
+            self.app, "127.0.0.1", self.port, log_level="warning", shutdown=self.stop, read_timeout=READ_TIMEOUT,
+            max_request_bytes=MAX_BODY),))
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.thread.is_alive() and time.monotonic() < deadline, "serve_http did not start"
+            time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def edge(tokenizer):
+    engine = FakeEngine(tokenizer)
+    with EdgeServer(engine) as srv:
+        srv.engine = engine
+        yield srv
+
+
+def completion_ok(url) -> float:
+    """One normal request; returns its round trip in seconds."""
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json=dict(model=MODEL, prompt="hello", max_tokens=3), timeout=30)
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t0
+
+
+def raw(port, data: bytes, bound: float, then: bytes = b"") -> bytes:
+    """Send ``data`` (then ``then`` after the first answer bytes, if any) on a fresh
+    connection and read until the server closes it, failing past ``bound`` seconds."""
+    with socket.create_connection(("127.0.0.1", port), timeout=bound) as s:
+        s.sendall(data)
+        out = b""
+        deadline = time.monotonic() + bound
+        while True:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                raise AssertionError(f"no close within {bound:.1f} s; got {out[:200]!r}") from None
+            except ConnectionResetError:
+                return out
+            if not chunk:
+                return out
+            out += chunk
+
+
+def parse(reply: bytes) -> tuple[int, dict]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"content-type: application/json" in head.lower(), head
+    return status, json.loads(body)
+
+
+CASES = {
+    # name: (bytes sent, status, a fragment of the error message)
+    "headers never end": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app", 408, "did not arrive"),
+    "nothing sent": (b"", 408, "did not arrive"),
+    "body shorter than Content-Length": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        b'{"model": ', 408, "request body did not arrive"),
+    "Content-Length over the limit": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000000000\r\n\r\n", 413, "larger than 1048576 bytes"),
+    "Content-Length and Transfer-Encoding": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 400, "ambiguous"),
+    "malformed request line": (b"GARBAGE\r\n\r\n", 400, "malformed HTTP request"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_framing_and_stalls_are_answered_and_the_server_serves_on(edge, case):
+    data, status, fragment = CASES[case]
+    base = completion_ok(edge.url)
+    bound = READ_TIMEOUT + 5.0 + 20 * base  # generous: a hang shows as no answer at all
+    reply = raw(edge.port, data, bound)
+    got, body = parse(reply)
+    assert got == status and fragment in body["error"]["message"], (got, body)
+    assert body["error"]["type"] == "invalid_request_error"
+    assert reply.count(b"HTTP/1.1 ") == 1, reply  # nothing after the refusal was served
+    completion_ok(edge.url)
+
+
+def test_a_slow_but_steady_client_is_still_bounded(edge):
+    """A client dribbling header bytes keeps no connection past the read deadline."""
+    base = completion_ok(edge.url)
+    with socket.create_connection(("127.0.0.1", edge.port)) as s:
+        t0 = time.monotonic()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        out = b""
+        for _ in range(int((READ_TIMEOUT + 5.0 + 20 * base) / 0.1)):
+            try:
+                s.sendall(b"X-Pad: 1\r\n")
+            except OSError:
+                break
+            s.settimeout(0.1)
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                continue
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert out.startswith(b"HTTP/1.1 408"), (out[:100], time.monotonic() - t0)
+    completion_ok(edge.url)
+
+
+def test_a_prompt_too_long_in_characters_takes_no_tokenizer_worker(edge):
+    """Four ~0.9 MB prompts against a 384-token context: each refused (400,
+    context_length_exceeded) from its length alone, no encode run; a normal request
+    meanwhile is served."""
+    pool = edge.app.state.server.tokens
+    encoded, orig = [], pool._encode
+    pool._encode = lambda texts, add: encoded.append(sum(map(len, texts))) or orig(texts, add)
+    long_prompt = "hello world, this is a long prompt. " * 25000
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=edge.url, timeout=60) as c:
+                longs = [c.post("/v1/completions", json=dict(model=MODEL, prompt=long_prompt, max_tokens=5))
+                         for _ in range(4)]
+                chat = c.post("/v1/chat/completions", json=dict(model=MODEL, max_tokens=5, messages=[
+                    {"role": "user", "content": long_prompt}]))
+                short = c.post("/v1/completions", json=dict(model=MODEL, prompt="hi", max_tokens=3))
+                return await asyncio.gather(*longs, chat, short)
+
+        *refused, short = asyncio.run(run())
+    finally:
+        pool._encode = orig
+    for r in refused:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert f"no token of this tokenizer stands for more than {pool.max_token_chars} characters" in r.text
+    assert short.status_code == 200 and max(encoded) < 100, encoded
+
+
+def test_the_character_bound_never_refuses_a_prompt_that_fits(tokenizer):
+    """``max_token_chars`` bounds every token of the vocabulary (and added tokens), so a
+    text that fits is never refused by its length: the densest texts, runs of the longest
+    token, encode to at least len / bound tokens."""
+    from ppspec.router.api.tokenize import TokenizerPool
+
+    pool = TokenizerPool(tokenizer, workers=1)
+    vocab = tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    text = tokenizer.convert_tokens_to_string([longest]) * 50
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    assert len(text) <= n * pool.max_token_chars
+    pool.check_fits(len(text), n)  # fits exactly: not refused
+    with pytest.raises(ValueError, match="maximum context length is 3 tokens"):
+        pool.check_fits(3 * pool.max_token_chars + 1, 3)
+    pool.executor.shutdown()
+
+
+def test_long_encodes_leave_a_worker_to_short_requests(tokenizer):
+    """With a context that admits them, long prompts (over SHORT_CHARS) run on all
+    tokenizer workers but one, so a short request never queues behind them: with more long
+    prompts than workers in flight, the recorded encode spans never overlap more than
+    workers - 1 long ones, and the short request is answered."""
+    from ppspec.router.api.tokenize import SHORT_CHARS, TOKENIZE_WORKERS
+
+    engine = FakeEngine(tokenizer)
+    engine.max_model_len = 1 << 24
+    with EdgeServer(engine) as srv:
+        pool = srv.app.state.server.tokens
+        spans, began, orig = [], [], pool._encode
+
+        def timed(texts, add):
+            t0 = time.monotonic()
+            began.append(t0)
+            out = orig(texts, add)
+            spans.append((sum(map(len, texts)), t0, time.monotonic()))
+            return out
+
+        pool._encode = timed
+        long_prompt = "hello world, this is a long prompt. " * (4 * SHORT_CHARS // 36)
+        assert len(long_prompt) > SHORT_CHARS
+
+        async def run():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as c:
+                longs = [asyncio.ensure_future(c.post("/v1/completions", json=dict(
+                    model=MODEL, prompt=long_prompt, max_tokens=5))) for _ in range(TOKENIZE_WORKERS + 1)]
+                while not began:
+                    await asyncio.sleep(0.01)
+                short = await c.post("/v1/completions", json=dict(model=MODEL, prompt="hi", max_tokens=3))
+                return short, await asyncio.gather(*longs)
+
+        short, longs = asyncio.run(run())
+    assert short.status_code == 200 and all(r.status_code == 200 for r in longs), [r.text for r in longs]
+    long_spans = [(t0, t1) for n, t0, t1 in spans if n > SHORT_CHARS]
+    assert len(long_spans) == TOKENIZE_WORKERS + 1
+    most = max(sum(a <= t0 < b for a, b in long_spans) for t0, _ in long_spans)
+    assert most <= TOKENIZE_WORKERS - 1, long_spans

@@ -1,11 +1,12 @@
 """Per-hop time of hidden states between two stage processes: ``python -m ppspec.bench.dataplane``.
 
 A receiver process serves ``Forward`` the way a stage takes its hidden states (inline
-bytes decoded by ``proto.codec``, or a ``TensorRef`` read from shared memory by
-``stage_server.dataplane.Receiver``) and answers at once; this process sends each tensor
-the way a stage relays one (``BytesLink`` or ``SlotLink.put``, the gRPC call, the slot
-given back). Prints the median milliseconds per hop and the effective GB/s of each size
-and transport; no model runs, so what is left is the data plane's own cost.
+bytes decoded by ``proto.codec`` and moved to its device, or a ``TensorRef`` read by
+``stage_server.dataplane.Receiver``) and answers once the tensor is on its device; this
+process sends each tensor the way a stage relays one (``BytesLink`` or ``SlotLink.put``, the
+gRPC call, the slot given back). Prints the median milliseconds per hop and the effective
+GB/s of each size and transport; no model runs, so what is left is the data plane's own
+cost. ``--device cuda:0``: both processes on that GPU, ``cuda_ipc`` against bytes.
 """
 from __future__ import annotations
 
@@ -24,21 +25,24 @@ SIZES = {  # name: (tokens, hidden, dtype)
 }
 
 
-async def _serve(port: int) -> None:
+async def _serve(port: int, device: str) -> None:
     import grpc
+    import torch
 
     from ppspec.proto.codec import GRPC_OPTIONS, tensor_from_pb
     from ppspec.proto.stubs import pb, pb_grpc
     from ppspec.stage_server.dataplane import Receiver
 
-    rx = Receiver("cpu")
+    rx = Receiver(device)
 
     class Sink(pb_grpc.StageServicer):
         async def Forward(self, request, context):
             if request.HasField("hidden_ref"):
                 h = rx.read(request.hidden_ref, request.micro_batch_id, request.round)
             else:
-                h = tensor_from_pb(request.hidden_states)
+                h = tensor_from_pb(request.hidden_states).to(device)
+            if h.is_cuda:
+                torch.cuda.synchronize(h.device)  # the hop ends with the tensor on the device
             return pb.StepResult(micro_batch_id=request.micro_batch_id, stage_seconds=[float(h.shape[0])])
 
         async def AttachDataPlane(self, request, context):
@@ -53,7 +57,7 @@ async def _serve(port: int) -> None:
     await server.wait_for_termination()
 
 
-async def _measure(port: int, iters: int) -> list[tuple[str, str, float, float]]:
+async def _measure(port: int, iters: int, device: str) -> list[tuple[str, str, float, float]]:
     import grpc
     import torch
 
@@ -64,19 +68,21 @@ async def _measure(port: int, iters: int) -> list[tuple[str, str, float, float]]
     rows = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
         stub = pb_grpc.StageStub(ch)
-        shm = dp.SlotLink("shm", "bench", "cpu")
+        shm = dp.SlotLink(dp.choose("auto", device), "bench", device)
         probe, nonce = dp.make_probe(shm)
-        reply = await stub.AttachDataPlane(pb.AttachRequest(sender_id="bench", host_id=dp.host_id(), transport="shm",
-                                                            probe=probe.ref, nonce=nonce))
-        assert reply.transport == "shm", reply.detail
+        reply = await stub.AttachDataPlane(pb.AttachRequest(sender_id="bench", host_id=dp.host_id(),
+                                                            transport=shm.transport, probe=probe.ref, nonce=nonce))
+        assert reply.transport == shm.transport, reply.detail
         shm.done(probe, answered=True)
         try:
             for name, (tokens, hidden, dtype) in SIZES.items():
-                h = torch.randn(tokens, hidden).to(getattr(torch, dtype))
+                h = torch.randn(tokens, hidden).to(device=device, dtype=getattr(torch, dtype))
                 for link in (dp.BytesLink(), shm):
                     times = []
                     for i in range(iters + 2):  # the first two warm the slot and the channel
                         req = pb.StepRequest(micro_batch_id=i, round=i, mode="decode")
+                        if h.is_cuda:
+                            torch.cuda.synchronize(h.device)  # the hop starts with the tensor made
                         t0 = time.perf_counter()
                         sent = link.put(h, i, i)
                         sent.fill(req)
@@ -94,21 +100,22 @@ async def _measure(port: int, iters: int) -> list[tuple[str, str, float, float]]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ppspec.bench.dataplane", description=__doc__)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--device", default="cpu", help="cpu (shm against bytes) or cuda:N (cuda_ipc against bytes)")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the receiver process
     a = ap.parse_args(argv)
     if a.serve is not None:
-        asyncio.run(_serve(a.serve))
+        asyncio.run(_serve(a.serve, a.device))
         return 0
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rx = subprocess.Popen([sys.executable, "-m", "ppspec.bench.dataplane", "--serve", str(port)],
+    rx = subprocess.Popen([sys.executable, "-m", "ppspec.bench.dataplane", "--serve", str(port), "--device", a.device],
                           stdout=subprocess.PIPE, text=True)
     try:
         assert rx.stdout.readline().strip() == "ready"
-        rows = asyncio.run(_measure(port, a.iters))
+        rows = asyncio.run(_measure(port, a.iters, a.device))
     finally:
         rx.terminate()
         rx.wait()
@@ -116,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, transport, ms, gbs in rows:
         print(f"{name:40s} {transport:>9s} {ms:9.3f} {gbs:7.2f}")
     by = {(n, t): ms for n, t, ms, _ in rows}
+    plane = rows[-1][1]
     for name in SIZES:
-        print(f"{name}: shm {by[(name, 'bytes')] / by[(name, 'shm')]:.1f}x faster than bytes")
+        print(f"{name}: {plane} {by[(name, 'bytes')] / by[(name, plane)]:.1f}x faster than bytes")
     return 0
 
 

@@ -614,3 +614,32 @@ def test_a_data_plane_tensor_that_does_not_match_its_step_is_refused(st, change,
         expect(call(st.s1.Release, pb.ReleaseRequest(req_pool_indices=[0])), "OK")
     finally:
         link.close()
+
+
+def test_a_stage_whose_data_plane_link_was_pushed_out_attaches_again(st):
+    """Stage 1 keeps the links of its last MAX_SENDERS senders: four others attaching push
+    stage 0's out. Stage 0's next step is refused (FAILED_PRECONDITION, stage 0 undoes its
+    part: nothing held anywhere) and has stage 0 attach again at its next wiring check; the
+    steps after run."""
+    from ppspec.stage_server import dataplane as dp
+
+    links = [dp.SlotLink("shm", f"other{i}" + os.urandom(3).hex(), "cpu") for i in range(dp.MAX_SENDERS)]
+    try:
+        for link in links:
+            probe, nonce = dp.make_probe(link)
+            reply = st.s1.AttachDataPlane(pb.AttachRequest(sender_id=link.sender_id, host_id=dp.host_id(),
+                                                           transport="shm", probe=probe.ref, nonce=nonce),
+                                          timeout=TIMEOUT)
+            assert reply.transport == "shm"
+    finally:
+        for link in links:
+            link.close()
+    expect(call(st.s0.Forward, step_to_pb(prefill([0]))), PRE, "stage 1: hidden_ref", "must attach first")
+    assert st.state() == [(0, 0, 0), (0, 0, 0)]
+    deadline = time.monotonic() + 30
+    while call(st.s0.Forward, step_to_pb(prefill([0])))[0] != "OK":
+        assert time.monotonic() < deadline, "stage 0 did not attach again"
+        assert st.state() == [(0, 0, 0), (0, 0, 0)]
+        time.sleep(0.5)
+    assert st.s0.Info(pb.InfoRequest(), timeout=TIMEOUT).transport == "shm"
+    st.release([0])

@@ -78,7 +78,8 @@ def step_to_pb(s: StepInput) -> "pb.StepRequest":
                 **({} if x.repetition_penalty == 1.0 else {"repetition_penalty": x.repetition_penalty}),
                 output_token_ids=x.output_token_ids, output_token_counts=x.output_token_counts,
                 prompt_token_ids=x.prompt_token_ids, logit_bias_ids=x.logit_bias_ids,
-                logit_bias_values=x.logit_bias_values,
+                logit_bias_values=x.logit_bias_values, grammar=x.grammar,
+                grammar_accepted_ids=x.grammar_accepted_ids,
             )
             for x in s.sampling
         ],
@@ -104,7 +105,7 @@ def step_from_pb(m: "pb.StepRequest") -> StepInput:
                 x.min_tokens, list(x.banned_until_min), x.presence_penalty, x.frequency_penalty,
                 x.repetition_penalty if x.HasField("repetition_penalty") else 1.0,
                 list(x.output_token_ids), list(x.output_token_counts), list(x.prompt_token_ids),
-                list(x.logit_bias_ids), list(x.logit_bias_values),
+                list(x.logit_bias_ids), list(x.logit_bias_values), x.grammar, list(x.grammar_accepted_ids),
             )
             for x in m.sampling
         ],

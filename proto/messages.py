@@ -59,6 +59,11 @@ class SamplingSpec:
     prompt_token_ids: list[int] = field(default_factory=list)
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
+    # Structured output (``stage_server/grammar.py``): the request's grammar (xgrammar EBNF),
+    # sent only in the step that starts its row, with the outputs a preempted request
+    # already generated (the grammar accepts them before its first sample).
+    grammar: str = ""
+    grammar_accepted_ids: list[int] = field(default_factory=list)
 
     @property
     def penalized(self) -> bool:

@@ -107,8 +107,8 @@ class AsyncEngine(Protocol):
 
 
 REFUSED_FIELDS = frozenset({
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "prompt_logprobs", "use_beam_search",
+    "structural_tag",  # of structured_outputs (router/structured.py builds the other kinds)
 })
 """Fields of vLLM's API that change what the output must be and that ppspec does not
 implement: refused (400) rather than ignored, so a client never gets output that silently
@@ -150,6 +150,43 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
     """vLLM's: every chunk also carries the ``usage`` so far (completion tokens counted over
     all choices); with ``include_usage`` the last chunk still has the totals."""
+
+
+class JsonSchemaSpec(_Request):
+    """``response_format.json_schema`` (OpenAI)."""
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    """The JSON schema the output must validate against."""
+    strict: Optional[bool] = None
+    """Accepted; the output always follows the schema (no properties beyond it)."""
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    """``json_object``: any JSON object; ``json_schema``: one that validates against
+    ``json_schema.schema`` (``router/structured.py`` builds the grammar)."""
+    json_schema: Optional[JsonSchemaSpec] = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema, as an object or
+    its text), ``regex``, ``choice``, ``grammar`` (xgrammar EBNF, or Lark), ``json_object``."""
+
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = Field(None, min_length=1)
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+    """Accepted: JSON output is always compact here (``", "`` and ``": "``, no newlines)."""
 
 
 class _GenerationRequest(_Request):
@@ -196,6 +233,15 @@ class _GenerationRequest(_Request):
     """Token id (as a string, as OpenAI) -> bias in [-100, 100], added to its logit."""
     include_stop_str_in_output: bool = False
     """vLLM's: keep the stop string that ended a choice at the end of its text."""
+    # structured output (router/structured.py): at most one of these, or tool_choice
+    # "required" / a named function
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    """vLLM's older names of ``structured_outputs.json``, ``.regex``, ``.choice``, ``.grammar``."""
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = Field(None, min_length=1)
+    guided_grammar: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -349,9 +395,13 @@ def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**fn, "arguments": args}}
 
 
-class ResponseFormat(_Request):
-    type: Literal["text"]
-    """Only plain text; structured output is not supported."""
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 TEMPLATE_ARGUMENTS = frozenset({
@@ -370,13 +420,14 @@ class ChatCompletionRequest(_GenerationRequest):
     """Return per-token log-probabilities in ``choices[i].logprobs.content``."""
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     """Top alternatives per token; needs ``logprobs: true``."""
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict[str, Any]]] = None
     """Functions the model may call (``{"type": "function", "function": {"name", ...}}``),
     rendered by the chat template; needs a server started with ``--tool-call-parser``."""
-    tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
-    """``"auto"`` (the default with tools) or ``"none"`` (the tools are not rendered);
-    naming a function is not supported."""
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    """``"auto"`` (the default with tools), ``"none"`` (the tools are not rendered),
+    ``"required"`` (one or more calls) or ``{"type": "function", "function": {"name": ...}}``
+    (one call of that function): those two constrain the output to calls in the parser's
+    format (``router/structured.py``)."""
     parallel_tool_calls: Optional[bool] = None
     """Accepted; the model may call several tools in one message either way."""
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -400,13 +451,18 @@ class ChatCompletionRequest(_GenerationRequest):
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (a request field or "
                              "the server's own argument of apply_chat_template)")
-        if isinstance(self.tool_choice, dict):
-            raise ValueError("tool_choice naming a function is not supported (only \"auto\" or \"none\")")
         for t in self.tools or []:
             fn = t.get("function")
             if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
                     or not fn["name"]:
                 raise ValueError('tools: each must be {"type": "function", "function": {"name": ..., ...}}')
+        if self.tool_choice not in (None, "none", "auto"):
+            names = [t["function"]["name"] for t in self.tools or []]
+            if not names:
+                raise ValueError("tool_choice \"required\" or naming a function needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                 f"among the tools ({', '.join(names)})")
         return self
 
     @property

@@ -39,6 +39,9 @@ class SamplingParams:
     transformers); in [1/128, 128], where fp32 logits cannot overflow. logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to the
     logits (OpenAI). All apply before temperature and the filters
     (``stage_server.sampler.adjust_logits``), with speculation as without.
+    grammar: structured output, xgrammar EBNF text (``router.structured`` builds it from
+    ``response_format`` and the like); the last stage masks every verified position with
+    it (``stage_server/grammar.py``). It ends the output with EOS, so not with ``ignore_eos``.
     """
 
     temperature: float = 1.0
@@ -56,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    grammar: str | None = None
 
     def validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the bad field (a wrong type included: a
@@ -122,6 +126,12 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias must map token ids (integers >= 0) to biases in [-100, 100]",
                                       param="logit_bias")
         self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise InvalidRequestError(f"grammar must be a non-empty string (xgrammar EBNF) or None, got {self.grammar!r}",
+                                      param="grammar")
+        if self.grammar is not None and self.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be combined with structured output: the grammar ends the "
+                                      "output with EOS", param="ignore_eos")
 
     @property
     def greedy(self) -> bool:

@@ -32,6 +32,7 @@ from ppspec.kernels.checks import known
 from ppspec.kernels.gdn import replay_flush, replay_reset
 from ppspec.proto.messages import REPETITION_PENALTY_RANGE, SamplingSpec, StepInput, StepOutput
 
+from .grammar import GrammarRows
 from .sampler import verify_and_sample
 
 
@@ -263,6 +264,8 @@ class StageRunner:
             self.flashinfer_prefill = fi_attention.build_at_start(
                 device, dtype, c.head_dim, c.num_attention_heads, c.num_key_value_heads, page_size)
         self.rows_in_use: set[int] = set()
+        # structured output: the grammar matcher of each constrained row (stage_server/grammar.py)
+        self.grammars = GrammarRows(model_dir, c.vocab_size, list(c.eos_token_ids)) if self.is_last else None
         self.strict_lengths = strict_lengths
         self.row_lens: dict[int, int] = {}  # tokens each row in use holds (committed)
         self._verify_open: dict[int, tuple[int, int]] = {}  # row -> (seq_len, most tokens a commit accepts)
@@ -530,6 +533,9 @@ class StageRunner:
         for b, spec in enumerate(inp.sampling):
             if not self._sampling_ok(spec):
                 self._check_sampling(b, spec)  # raises, naming the field
+            if (spec.grammar or spec.grammar_accepted_ids) and not (mode == PREFILL and seq[b] == 0 and spec.grammar):
+                raise ValueError(f"sampling[{b}]: grammar comes in the prefill that starts a row (seq_lens 0), "
+                                 f"grammar_accepted_ids only with it")
         if inp.output_lens and min(inp.output_lens) < 0:
             raise ValueError(f"output_lens must be >= 0, got {brief(inp.output_lens)}")
         if hidden and not self.is_first:
@@ -543,7 +549,7 @@ class StageRunner:
                 and (s.logprobs is None or 0 <= s.logprobs <= V) and s.min_tokens >= 0
                 and (not s.banned_until_min or (min(s.banned_until_min) >= 0 and max(s.banned_until_min) < V))
                 and not (s.penalized or s.logit_bias_ids or s.output_token_ids or s.prompt_token_ids
-                         or s.logit_bias_values or s.output_token_counts))  # those: the full check
+                         or s.logit_bias_values or s.output_token_counts or s.grammar_accepted_ids))  # those: the full check
 
     def _check_sampling(self, b: int, spec: SamplingSpec) -> None:
         V = self.cfg.vocab_size
@@ -570,6 +576,7 @@ class StageRunner:
                    f"got {spec.repetition_penalty}")
         else:
             for name, ids, vals in (("output_token_ids", spec.output_token_ids, spec.output_token_counts),
+                                    ("grammar_accepted_ids", list(set(spec.grammar_accepted_ids)), None),
                                     ("prompt_token_ids", spec.prompt_token_ids, None),
                                     ("logit_bias_ids", spec.logit_bias_ids, spec.logit_bias_values)):
                 if any(not 0 <= t < V for t in ids) or len(set(ids)) != len(ids):
@@ -664,6 +671,8 @@ class StageRunner:
         self.row_lens.pop(r, None)
         self._verify_open.pop(r, None)
         self.broken_rows.discard(r)
+        if self.grammars is not None:
+            self.grammars.drop(r)
         if self.kv:
             self.kv.release(r)
         if self.mtp_kv:
@@ -689,7 +698,10 @@ class StageRunner:
         t0 = time.perf_counter()
         self.check_input(inp)
         out = StepOutput(inp.micro_batch_id, inp.round)
+        grammars = self._prepare_grammars(inp)
         with self._applying(inp):
+            if grammars:
+                self.grammars.install(grammars)
             graphs = self._greedy_round_graphs(inp)
             if graphs is not None:
                 self._run_greedy_round(graphs, inp, out)
@@ -702,6 +714,15 @@ class StageRunner:
         out.compute_seconds = time.perf_counter() - t0
         self.busy_seconds += out.compute_seconds
         return out
+
+    def _prepare_grammars(self, inp: StepInput) -> dict:
+        """Matchers for the grammars of requests this step starts (last stage), compiled
+        before any pool is touched. Raises ValueError (nothing changed)."""
+        if self.grammars is None or not any(s.grammar for s in inp.sampling):
+            return {}
+        new = [b for b, s in enumerate(inp.sampling) if s.grammar]
+        return self.grammars.prepare([inp.req_pool_indices[b] for b in new], [inp.sampling[b].grammar for b in new],
+                                     [inp.sampling[b].grammar_accepted_ids for b in new])
 
     @torch.inference_mode()
     def forward_hidden(self, inp: StepInput) -> tuple[BatchMeta, torch.Tensor]:
@@ -771,8 +792,15 @@ class StageRunner:
             drafts, num_drafts = ids[:, 1:], inp.num_drafts or [0] * B
         specs = inp.sampling or [_GREEDY] * B  # read only: one shared default
         output_lens = inp.output_lens or [0] * B
-        results = verify_and_sample(logits, drafts, num_drafts, specs, output_lens)
+        rows = inp.req_pool_indices
+        mask = None
+        if self.grammars.constrained(rows):
+            drafts_l = [row[: num_drafts[b]] for b, row in enumerate(drafts.tolist())] if drafts.numel() else [[]] * B
+            mask = self.grammars.token_mask(rows, drafts_l, sample, logits.shape[1])
+        results = verify_and_sample(logits, drafts, num_drafts, specs, output_lens, mask)
         out.output_ids = [r.tokens if sample[b] else [] for b, r in enumerate(results)]
+        if mask is not None:
+            self.grammars.advance(rows, mask, out.output_ids)
         if any(s.logprobs is not None for s in specs):
             out.logprobs = [r.logprobs if sample[b] else None for b, r in enumerate(results)]
         if self.use_mtp:
@@ -791,10 +819,12 @@ class StageRunner:
     def _greedy_round_graphs(self, inp: StepInput) -> StepGraphs | None:
         """The fused round's graphs when this step may take them: last stage with MTP, a
         decode or verify small enough, and every request greedy with no logprobs, no
-        min_tokens ban in force, no penalty and no logit_bias (those need the host sampler:
-        the fused round takes the raw logits' argmax)."""
+        min_tokens ban in force, no penalty, no logit_bias and no grammar (those need the
+        host sampler: the fused round takes the raw logits' argmax)."""
         graphs = self.round_graphs.get(inp.mode)
         if graphs is None or graphs.bucket(len(inp.req_pool_indices)) is None:
+            return None
+        if self.grammars.constrained(inp.req_pool_indices):  # the grammar's mask is the host sampler's
             return None
         out_lens = inp.output_lens or [0] * len(inp.req_pool_indices)
         for spec, n in zip(inp.sampling, out_lens):

@@ -32,6 +32,8 @@ import torch
 
 from ppspec.proto.messages import SamplingSpec
 
+from .grammar import TokenMask
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -177,6 +179,7 @@ def verify_and_sample(
     num_drafts: list[int],
     specs: list[SamplingSpec],
     output_lens: list[int],
+    token_mask: TokenMask | None = None,
 ) -> list[AcceptResult]:
     """Accept drafts and sample the next token for every request of a batch.
 
@@ -188,6 +191,9 @@ def verify_and_sample(
         num_drafts: valid drafts per request (``<= D - 1``; the rest is padding never accepted).
         specs: sampling spec per request. output_lens: tokens generated before this step
             (the output index of the first token produced here).
+        token_mask: the grammar's allowed tokens at every position of the constrained
+            requests (structured output, ``grammar.GrammarRows.token_mask``), applied after
+            :func:`adjust_logits`: a draft it refuses is rejected, the bonus token obeys it.
 
     Returns:
         One :class:`AcceptResult` per request, ``1 <= len(tokens) <= num_drafts + 1``.
@@ -201,6 +207,8 @@ def verify_and_sample(
     drafts_l = drafts.tolist() if drafts.numel() else [[] for _ in range(B)]
     drafts_l = [row[: num_drafts[b]] for b, row in enumerate(drafts_l)]
     logits = adjust_logits(logits, drafts_l, specs, output_lens)
+    if token_mask is not None:
+        logits = token_mask.apply(logits)
     targets = logits.argmax(-1)  # [B, D]
     sampled = [b for b, spec in enumerate(specs) if spec.temperature != 0.0]
     if sampled:

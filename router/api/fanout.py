@@ -68,7 +68,7 @@ def check_ids(ids: list[int], param: str, vocab_size: int) -> None:
 
 
 def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logprobs: int | None, param: str,
-                    max_model_len: int, max_tokens_cap: int | None) -> SamplingParams:
+                    max_model_len: int, max_tokens_cap: int | None, grammar: str | None = None) -> SamplingParams:
     """SamplingParams of one choice; raises ContextLengthError / InvalidRequestError."""
     limit = int(max_model_len)
     requested = body.requested_max_tokens
@@ -96,15 +96,18 @@ def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logp
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=body.logit_bias_ids,
+        grammar=grammar,
     )
     params.validate()
     return params
 
 
 def make_subs(body: _GenerationRequest, request_id: str, prompts: list[list[int]], logprobs: int | None,
-              param: str, *, vocab_size: int, max_model_len: int, max_tokens_cap: int | None) -> list[Sub]:
+              param: str, *, vocab_size: int, max_model_len: int, max_tokens_cap: int | None,
+              grammar: str | None = None) -> list[Sub]:
     """One ``Sub`` per (prompt, choice), request ids ``{request_id}-{index}``. ``param``
-    names the prompt's field (``prompt`` / ``messages``) in errors. Raises
+    names the prompt's field (``prompt`` / ``messages``) in errors; ``grammar``: the
+    structured output's (``router/structured.py``), every choice's. Raises
     ``InvalidRequestError`` / ``ContextLengthError`` before anything runs."""
     for s in body.stop_list:
         check_utf8(s, "stop")
@@ -113,7 +116,7 @@ def make_subs(body: _GenerationRequest, request_id: str, prompts: list[list[int]
     subs = []
     for p, ids in enumerate(prompts):
         for i in range(body.n):
-            params = sampling_params(body, len(ids), i, logprobs, param, max_model_len, max_tokens_cap)
+            params = sampling_params(body, len(ids), i, logprobs, param, max_model_len, max_tokens_cap, grammar)
             index = p * body.n + i
             subs.append(Sub(index, p, f"{request_id}-{index}", ids, params))
     return subs

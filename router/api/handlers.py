@@ -49,6 +49,7 @@ from ..reasoning import prompt_opens_reasoning
 from ..types import EngineError, InvalidRequestError
 from .chat_text import ChoiceText
 from .errors import APIError, check_utf8, error_body, renderable
+from ..structured import request_grammar
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, check_ids, make_subs, unless_disconnected
 from .logprobs import chat_logprobs, completion_logprobs
 from .tokenize import PromptTooLong, TokenizerPool
@@ -113,7 +114,8 @@ class OpenAIHandlers:
 
     def _subs(self, body, request_id: str, prompts: list[list[int]], logprobs: int | None, param: str) -> list[Sub]:
         return make_subs(body, request_id, prompts, logprobs, param, vocab_size=self.vocab_size,
-                         max_model_len=int(self.engine.max_model_len), max_tokens_cap=self.max_tokens_cap)
+                         max_model_len=int(self.engine.max_model_len), max_tokens_cap=self.max_tokens_cap,
+                         grammar=request_grammar(body, self.tool_call_parser))
 
     # -- preparing -------------------------------------------------------------------------
 

@@ -1,0 +1,180 @@
+"""Structured output: a request's constraint as one grammar, before any row is taken.
+
+The forms clients send, each turned into an xgrammar ``Grammar`` whose EBNF text travels
+to the last stage (``SamplingParams.grammar``; ``stage_server/grammar.py`` masks every
+verified position with it):
+
+* ``response_format``: ``{"type": "json_object"}`` (any JSON object) or ``{"type":
+  "json_schema", "json_schema": {"schema": ...}}`` (OpenAI);
+* vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+  ``json_object``) and its older ``guided_json``, ``guided_regex``, ``guided_choice``,
+  ``guided_grammar``;
+* ``tool_choice`` ``"required"`` (one or more calls) or naming a function (one call of it),
+  with ``tools``: calls in the format of the server's ``--tool-call-parser``, each call's
+  arguments following its function's ``parameters`` schema (:data:`TOOL_CALL_FORMATS`).
+
+A constraint the grammar library cannot build (a JSON schema it does not support, a regex
+or EBNF that does not parse) is an ``InvalidRequestError`` (HTTP 400) naming the field and
+xgrammar's reason. At most one constraint per request.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+from .tool_calls import END, START
+from .types import InvalidRequestError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .protocol import _GenerationRequest
+
+_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[17:44:23] /project/cpp/x.cc:94: "
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its C++ source location."""
+    return _NATIVE_PREFIX.sub("", str(e).strip()).strip()
+
+
+def _xgrammar():
+    import xgrammar
+
+    return xgrammar
+
+
+def _schema(value: Any, param: str) -> dict | bool:
+    """A JSON schema given as an object or as its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidRequestError(f"{param}: the JSON schema is not valid JSON: {e}", param=param.split(".")[0]) from None
+    if not isinstance(value, (dict, bool)):
+        raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(value).__name__}",
+                                  param=param.split(".")[0])
+    return value
+
+
+def _json_grammar(schema: dict | bool | None):
+    """JSON following ``schema`` (None: any JSON object), written compactly (``", "`` and
+    ``": "`` between items, no other whitespace): with free whitespace a model can fill its
+    tokens with newlines and never close the object (the demo model does)."""
+    if schema is None:
+        schema = {"type": "object"}
+    return _xgrammar().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def _choice_grammar(choices: list[str]):
+    # EBNF string literals take JSON's escapes (\" \\ \n \uXXXX)
+    return _xgrammar().Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
+
+
+def _ebnf_or_lark(text: str):
+    xgr = _xgrammar()
+    try:
+        return xgr.Grammar.from_ebnf(text)
+    except RuntimeError as ebnf_error:
+        try:
+            return xgr.Grammar.from_lark(text)
+        except Exception:  # noqa: BLE001 - report the EBNF reading, the documented form
+            raise ebnf_error from None
+
+
+def _hermes_calls(tools: list[dict], name: str | None, parallel: bool):
+    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, one per
+    line (``router/tool_calls.py`` reads them back): only the named function, once, when
+    ``name`` is given; else one or more of any tool (one when not ``parallel``)."""
+    xgr = _xgrammar()
+    from xgrammar import structural_tag as st
+
+    tags = []
+    for t in tools:
+        fn = t["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        args = st.GrammarFormat(grammar=str(_json_grammar(params)))  # compact, as response_format
+        tags.append(st.TagFormat(begin=f'{START}\n{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "arguments": ',
+                                 content=args, end=f"}}\n{END}"))
+    fmt = st.TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True,
+                                     stop_after_first=name is not None or not parallel)
+    return xgr.Grammar.from_structural_tag(xgr.StructuralTag(format=fmt))
+
+
+TOOL_CALL_FORMATS = {"hermes": _hermes_calls}
+"""Grammar of the calls ``tool_choice`` forces, per ``--tool-call-parser``."""
+
+
+def _constraints(body: "_GenerationRequest", tool_call_parser: str | None) -> list[tuple[str, Any]]:
+    """``(param, build)`` of every constraint the request asks for; ``build()`` makes the
+    grammar (raising xgrammar's errors)."""
+    found = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", lambda: _json_grammar(None)))
+    elif rf is not None and rf.type == "json_schema":
+        schema = _schema(rf.json_schema.schema_, "response_format.json_schema.schema")
+        found.append(("response_format", lambda s=schema: _json_grammar(s)))
+    so = body.structured_outputs
+    if so is not None:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(so, k) is not None]
+        given += ["json_object"] if so.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs: give exactly one of json, regex, choice, grammar, "
+                                      f"json_object (got {', '.join(k.rstrip('_') for k in given) or 'none'})",
+                                      param="structured_outputs")
+        kind = given[0]
+        if kind == "json_":
+            schema = _schema(so.json_, "structured_outputs.json")
+            found.append(("structured_outputs", lambda s=schema: _json_grammar(s)))
+        elif kind == "json_object":
+            found.append(("structured_outputs", lambda: _json_grammar(None)))
+        elif kind == "regex":
+            found.append(("structured_outputs", lambda: _xgrammar().Grammar.from_regex(so.regex)))
+        elif kind == "choice":
+            found.append(("structured_outputs", lambda: _choice_grammar(so.choice)))
+        else:
+            found.append(("structured_outputs", lambda: _ebnf_or_lark(so.grammar)))
+    if body.guided_json is not None:
+        schema = _schema(body.guided_json, "guided_json")
+        found.append(("guided_json", lambda s=schema: _json_grammar(s)))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", lambda: _xgrammar().Grammar.from_regex(body.guided_regex)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", lambda: _choice_grammar(body.guided_choice)))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", lambda: _ebnf_or_lark(body.guided_grammar)))
+    choice = getattr(body, "tool_choice", None)  # chat only
+    if choice not in (None, "none", "auto"):
+        fmt = TOOL_CALL_FORMATS.get(tool_call_parser or "")
+        if fmt is None:
+            raise InvalidRequestError(
+                f"tool_choice {'required' if choice == 'required' else 'naming a function'} needs a server started "
+                f"with --tool-call-parser {' or '.join(TOOL_CALL_FORMATS)}", param="tool_choice")
+        name = None if choice == "required" else choice.function.name
+        parallel = body.parallel_tool_calls is not False
+        found.append(("tool_choice", lambda: fmt(body.tools, name, parallel)))
+    return found
+
+
+def request_grammar(body: "_GenerationRequest", tool_call_parser: str | None = None) -> str | None:
+    """The grammar (xgrammar EBNF text) of the request's structured output, or None.
+
+    Raises ``InvalidRequestError`` (HTTP 400, before anything is allocated): more than one
+    constraint, or one the grammar library cannot build (its reason in the message)."""
+    found = _constraints(body, tool_call_parser)
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidRequestError(f"give one structured output constraint, got {', '.join(p for p, _ in found)}",
+                                  param=found[1][0])
+    param, build = found[0]
+    try:
+        grammar = build()
+    except (RuntimeError, ValueError) as e:  # xgrammar's parse / conversion errors
+        raise InvalidRequestError(f"{param}: the grammar library (xgrammar) cannot use it: {_reason(e)}",
+                                  param=param) from None
+    return str(grammar)

@@ -1,0 +1,187 @@
+"""Structured output on the last stage: one grammar matcher per constrained row, and the
+token mask of every verified position of a speculative round.
+
+The router turns a request's ``response_format`` / ``structured_outputs`` / ``tool_choice``
+into a grammar (``router/structured.py``: xgrammar's EBNF text) and sends it once, in the
+step that starts the request's row (``SamplingSpec.grammar``, with the outputs a preempted
+request already generated in ``grammar_accepted_ids``). This stage compiles it against the
+checkpoint's tokenizer (xgrammar's compiler; its cache makes a repeated schema free) and
+keeps a matcher for the row, keyed by ``req_pool_index``, until the row is released.
+
+A verify of ``D`` positions judges draft ``j`` by the logits of position ``j``, which
+follow the drafts before it. So the mask of position ``j`` is the grammar's after the
+drafts ``< j``: the matcher accepts the drafts one by one, filling each position's mask
+first, then rolls them back (:meth:`GrammarRows.token_mask`). A draft the grammar refuses
+is masked at its own position, so the verify rejects it (its logit is -inf: greedy never
+picks it, sampling gives it probability 0), and the bonus or resampled token is drawn from
+the masked logits. Positions after a refused draft are never reached and stay unmasked.
+Only the tokens the verify emits advance the matcher (:meth:`GrammarRows.advance`): the
+same tokens the router appends to the request, so a round's rejected drafts never reach
+the grammar's state.
+
+A position where the grammar allows no token (after the ``min_tokens`` ban of EOS, say,
+once the grammar is complete) allows EOS alone: the request ends with ``finish_reason``
+``stop`` and the stage logs why, never a NaN from a softmax over nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("ppspec.stage")
+
+COMPILE_CACHE_BYTES = 256 << 20
+"""Compiled grammars the stage keeps (xgrammar's cache, bytes): a schema sent again is not
+compiled again."""
+
+
+def _xgrammar():
+    """xgrammar, imported on the first constrained request (it takes about a second)."""
+    import xgrammar
+
+    return xgrammar
+
+
+@dataclass
+class TokenMask:
+    """The grammar's mask of one micro-batch (:meth:`GrammarRows.token_mask`).
+
+    ``batch``: positions in the micro-batch of the constrained requests; ``bitmask``
+    ``[len(batch), D, ceil(V / 32)]`` int32 on the host, bit ``v % 32`` of word ``v // 32``
+    set when token ``v`` is allowed (xgrammar's layout; all ones where unconstrained);
+    ``fallback``: the token a position with nothing allowed gets (EOS). ``dead`` is set by
+    :meth:`apply`: ``[len(batch), D]`` bool, the positions that had nothing allowed."""
+
+    batch: list[int]
+    bitmask: torch.Tensor
+    fallback: int
+    dead: torch.Tensor | None = None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[B, D, V]`` (any float dtype, any device) with the grammar's
+        disallowed tokens at -inf for the constrained requests: a copy (the caller's
+        logits stay as they were)."""
+        B, D, V = logits.shape
+        idx = torch.tensor(self.batch, dtype=torch.long, device=logits.device)
+        rows = logits.index_select(0, idx)  # [b, D, V], a copy
+        bits = self.bitmask.to(logits.device, non_blocking=True)
+        _xgrammar().apply_token_bitmask_inplace(rows.view(-1, V), bits.view(-1, bits.shape[-1]), vocab_size=V,
+                                                backend="torch_native")
+        # nothing allowed (the grammar's end under a min_tokens ban, or a grammar that
+        # cannot go on): EOS alone, so the request stops instead of sampling from nothing
+        self.dead = torch.isneginf(rows).all(-1)  # [b, D]
+        rows[..., self.fallback] = torch.where(self.dead, torch.zeros((), dtype=rows.dtype, device=rows.device),
+                                               rows[..., self.fallback])
+        return logits.index_copy(0, idx, rows)
+
+
+class GrammarRows:
+    """The grammar matchers of the rows of constrained requests, on the last stage.
+
+    Args:
+        model_dir: the checkpoint (its tokenizer gives the token strings the grammar matches).
+        vocab_size: the logits' width (``V``; may exceed the tokenizer's length).
+        eos_token_ids: tokens that end a request: the grammar's stop tokens; the first is the
+            token of a dead end.
+    """
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]):
+        self.model_dir, self.vocab_size = model_dir, vocab_size
+        self.eos = list(eos_token_ids)
+        self.matchers: dict = {}  # req_pool_index -> xgrammar.GrammarMatcher
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self):
+        """xgrammar's compiler over the checkpoint's tokenizer, made on first use."""
+        with self._lock:
+            if self._compiler is None:
+                from transformers import AutoTokenizer
+
+                xgr = _xgrammar()
+                try:
+                    tok = AutoTokenizer.from_pretrained(self.model_dir)
+                except Exception as e:  # noqa: BLE001 - no tokenizer files, a broken one
+                    raise ValueError(f"grammar: the checkpoint's tokenizer ({self.model_dir}) does not load, so "
+                                     f"no grammar can be matched: {e}") from None
+                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
+            return self._compiler
+
+    def prepare(self, rows: list[int], grammars: list[str], accepted: list[list[int]]) -> dict:
+        """Matchers for requests starting on ``rows``: ``grammars[i]`` (xgrammar EBNF)
+        compiled, then advanced over ``accepted[i]`` (the outputs of a preempted request).
+        Nothing is installed (:meth:`install` does, once the step runs).
+
+        Raises ValueError naming the row: a grammar that does not compile, or outputs it
+        does not accept."""
+        if not self.eos:
+            raise ValueError("grammar: the checkpoint names no EOS token, which a grammar needs to end the output")
+        xgr = _xgrammar()
+        out = {}
+        for r, text, ids in zip(rows, grammars, accepted):
+            try:
+                m = xgr.GrammarMatcher(self.compiler.compile_grammar(text))
+            except RuntimeError as e:
+                raise ValueError(f"grammar of row {r} does not compile: {e}") from None
+            for k, t in enumerate(ids):
+                if not m.accept_token(t):
+                    raise ValueError(f"grammar_accepted_ids of row {r}: token {k} ({t}) does not match the grammar")
+            out[r] = m
+        return out
+
+    def install(self, matchers: dict) -> None:
+        self.matchers.update(matchers)
+
+    def drop(self, row: int) -> None:
+        self.matchers.pop(row, None)
+
+    def constrained(self, rows: list[int]) -> bool:
+        return bool(self.matchers) and any(r in self.matchers for r in rows)
+
+    def token_mask(self, rows: list[int], drafts: list[list[int]], sample: list[bool], D: int) -> TokenMask | None:
+        """The mask of every verified position of the micro-batch's constrained requests
+        (those with a matcher that sample): position ``j`` after drafts ``< j`` (see the
+        module docstring). None when no request is constrained."""
+        batch = [b for b, r in enumerate(rows) if r in self.matchers and sample[b]]
+        if not batch:
+            return None
+        xgr = _xgrammar()
+        bitmask = xgr.allocate_token_bitmask(len(batch) * D, self.vocab_size)  # all ones
+        for k, b in enumerate(batch):
+            m = self.matchers[rows[b]]
+            taken = 0
+            for j in range(len(drafts[b]) + 1):
+                if m.is_terminated():  # ended by an EOS: nothing more is allowed
+                    bitmask[k * D + j].zero_()
+                    break
+                m.fill_next_token_bitmask(bitmask, k * D + j)
+                if j == len(drafts[b]) or not m.accept_token(drafts[b][j]):
+                    break  # a refused draft is masked at its own position: no later one is reached
+                taken += 1
+            if taken:
+                m.rollback(taken)
+        return TokenMask(batch, bitmask.view(len(batch), D, -1), self.eos[0])
+
+    def advance(self, rows: list[int], mask: TokenMask, emitted: list[list[int]]) -> None:
+        """Advance the matchers of ``mask``'s requests by the tokens the verify emitted
+        (``emitted[b]``: accepted drafts then the bonus or resampled token)."""
+        dead = mask.dead.tolist() if mask.dead is not None else None
+        for k, b in enumerate(mask.batch):
+            m = self.matchers[rows[b]]
+            for j, t in enumerate(emitted[b]):
+                if m.is_terminated():  # it ended at an EOS: the router drops what follows
+                    break
+                if dead is not None and dead[k][j]:
+                    log.warning("row %d: the grammar allows no token at this position (its end, with EOS banned "
+                                "by min_tokens, or no continuation): the output ends here with EOS", rows[b])
+                    break
+                if not m.accept_token(t):
+                    # never from the masked logits; the request ends with this round
+                    log.warning("row %d: token %d does not match the grammar; the output ends here", rows[b], t)
+                    break

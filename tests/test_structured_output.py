@@ -1,0 +1,231 @@
+"""Structured output: the grammar's token mask at every verified position of a speculative
+round (``stage_server/grammar.py``), and the request forms that become a grammar
+(``router/structured.py``).
+
+The reference of a masked verify is plain torch: at each position the allowed tokens are
+found by offering every token id to a fresh xgrammar matcher that has accepted the prefix
+(not the bitmask the stage fills and rolls back), the logits of the others set to -inf,
+then greedy acceptance as without a grammar.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from ppspec.proto.codec import step_from_pb, step_to_pb
+from ppspec.proto.messages import SamplingSpec
+from ppspec.router.llm import DEMO_MODEL, LLM
+from ppspec.router.protocol import ChatCompletionRequest, CompletionRequest
+from ppspec.router.scheduler import Scheduler
+from ppspec.router.structured import request_grammar
+from ppspec.router.types import InvalidRequestError, SamplingParams
+from ppspec.stage_server.grammar import GrammarRows
+from ppspec.stage_server.sampler import verify_and_sample
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+V = 8192  # the demo checkpoint's vocabulary
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def grammar():
+    return request_grammar(CompletionRequest(prompt="x", response_format={"type": "json_schema",
+                                                                           "json_schema": {"name": "p", "schema": SCHEMA}}))
+
+
+@pytest.fixture(scope="module")
+def compiled(grammar):
+    return GrammarRows(DEMO_MODEL, V, [EOS]).compiler.compile_grammar(grammar)
+
+
+def _allowed(compiled, prefix: list[int]) -> torch.Tensor:
+    """``[V]`` bool: the tokens a fresh matcher that accepted ``prefix`` accepts next."""
+    m = xgr.GrammarMatcher(compiled)
+    for t in prefix:
+        assert m.accept_token(t)
+    ok = torch.zeros(V, dtype=torch.bool)
+    for t in range(V):
+        f = m.fork()
+        ok[t] = f.accept_token(t)
+    return ok
+
+
+def _masked_greedy(logits, drafts, allowed_at):
+    """Greedy verify of one request over masked logits: ``allowed_at(prefix)``."""
+    out = []
+    for j in range(len(drafts) + 1):
+        row = logits[j].masked_fill(~allowed_at(out), float("-inf"))
+        target = int(row.argmax())
+        out.append(target)
+        if j == len(drafts) or drafts[j] != target:
+            return out
+    return out
+
+
+def test_the_verify_accepts_a_draft_only_where_the_mask_allows_it(tok, grammar, compiled):
+    """Request 0's drafts are valid JSON and the raw argmax at their positions: all
+    accepted, and its bonus token, whose raw argmax the grammar refuses, is the best
+    allowed one. Request 1's second draft is the raw argmax but leaves the grammar: it is
+    rejected there. Request 2 is unconstrained: the same logits accept every draft."""
+    torch.manual_seed(0)
+    text = tok.encode('{"name": "bob", "age": 3')
+    D = 4
+    prefix = text[:6]  # what each constrained request generated before this round: {"name": "bob
+    logits = torch.randn(3, D, V)
+    drafts = torch.tensor([text[6:9], [text[6], tok.encode("!")[0], text[8]], text[6:9]])  # ", "age
+    for b in range(3):
+        for j in range(D - 1):
+            logits[b, j, drafts[b, j]] = 20.0  # each draft is the raw argmax at its position
+    logits[:, D - 1, tok.encode("!")[0]] = 30.0  # the bonus position's raw argmax: outside JSON here
+    rows = GrammarRows(DEMO_MODEL, V, [EOS])
+    rows.install(rows.prepare([5, 9], [grammar, grammar], [prefix, prefix]))
+    mask = rows.token_mask([5, 9, 11], drafts.tolist(), [True] * 3, D)
+    assert mask.batch == [0, 1]
+    got = verify_and_sample(logits, drafts, [3, 3, 3], [SamplingSpec()] * 3, [6] * 3, mask)
+    ref = [_masked_greedy(logits[b], drafts[b].tolist(), lambda out: _allowed(compiled, prefix + out)) for b in range(2)]
+    assert [r.tokens for r in got[:2]] == ref
+    assert got[0].tokens[:3] == text[6:9] and got[0].tokens[3] != tok.encode("!")[0]  # bonus masked
+    assert got[1].tokens == [text[6], ref[1][1]] and ref[1][1] != tok.encode("!")[0]  # draft 1 rejected
+    assert got[2].tokens == drafts[2].tolist() + [tok.encode("!")[0]]  # unconstrained: the raw argmax
+    # the matchers advanced by the emitted tokens alone: their next mask is a fresh matcher's
+    rows.advance([5, 9, 11], mask, [r.tokens for r in got])
+    for row, r in zip((5, 9), got):
+        bm = xgr.allocate_token_bitmask(1, V)
+        rows.matchers[row].fill_next_token_bitmask(bm)
+        logits1 = torch.zeros(1, V)
+        xgr.apply_token_bitmask_inplace(logits1, bm)
+        assert torch.equal(logits1[0] == 0, _allowed(compiled, prefix + r.tokens))
+
+
+def test_sampled_rounds_never_leave_the_grammar(tok, grammar, compiled):
+    """Temperature 1 over random logits with random drafts: every emitted token is one the
+    grammar accepts (a refused draft is never accepted: its probability is 0)."""
+    torch.manual_seed(1)
+    rows = GrammarRows(DEMO_MODEL, V, [EOS])
+    rows.install(rows.prepare([0], [grammar], [[]]))
+    ref = xgr.GrammarMatcher(compiled)
+    valid = tok.encode('{"name": "al", "age": 7}')
+    for rnd in range(12):
+        D = 4
+        drafts = [valid[(rnd + k) % len(valid)] if k % 2 else int(torch.randint(V, ())) for k in range(D - 1)]
+        logits = torch.randn(1, D, V) * 4
+        mask = rows.token_mask([0], [drafts], [True], D)
+        out = verify_and_sample(logits, torch.tensor([drafts]), [D - 1], [SamplingSpec(temperature=1.0, seed=rnd)],
+                                [rnd], mask)[0].tokens
+        rows.advance([0], mask, [out])
+        for t in out:
+            assert ref.accept_token(t), (rnd, out)
+        if ref.is_terminated():
+            break
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_dead_end_ends_with_eos(tok, temperature):
+    """A complete output allows EOS alone; under a min_tokens ban of EOS nothing is allowed
+    there: the position gives EOS (the request stops) instead of sampling from nothing."""
+    done = request_grammar(CompletionRequest(prompt="x", guided_choice=["yes"]))
+    rows = GrammarRows(DEMO_MODEL, V, [EOS])
+    rows.install(rows.prepare([2, 3], [done, done], [tok.encode("yes")] * 2))
+    mask = rows.token_mask([2, 3], [[], []], [True, True], 1)
+    specs = [SamplingSpec(temperature=temperature, seed=1, min_tokens=10, banned_until_min=[EOS]),
+             SamplingSpec(temperature=temperature, seed=1)]
+    logits = torch.randn(2, 1, V)
+    logits[:, 0, EOS] = -50.0  # the model would rather go on
+    got = verify_and_sample(logits, torch.zeros(2, 0, dtype=torch.long), [0, 0], specs, [1, 1], mask)
+    assert [r.tokens for r in got] == [[EOS], [EOS]] and mask.dead.tolist() == [[True], [False]]
+    rows.advance([2, 3], mask, [r.tokens for r in got])  # logs the dead end, raises nothing
+
+
+def test_the_router_sends_the_grammar_once_with_a_preempted_requests_outputs(grammar):
+    """In the prefill chunk that starts the row, not after; after a preemption the new row
+    gets it again with every output so far (the grammar accepts them before sampling)."""
+    def wire(batch):
+        return step_from_pb(step_to_pb(batch.step_input([EOS]))).sampling[0]
+
+    s = Scheduler(max_rows=2, kv_tokens=1000, max_context=100, chunk_size=4)
+    req = s.add("a", list(range(3, 9)), SamplingParams(temperature=0, max_tokens=8, grammar=grammar))
+    b = s.schedule(0)
+    assert (wire(b).grammar, wire(b).grammar_accepted_ids) == (grammar, [])
+    s.process(b, [[]])  # the prompt's first chunk
+    for out in ([40], [41]):  # its second chunk, then a decode
+        b = s.schedule(0)
+        assert wire(b).grammar == ""
+        s.process(b, [out])
+    s._preempt(req)
+    s.free(s.take_preempted())
+    b = s.schedule(0)
+    assert b.seq_lens == [0] and (wire(b).grammar, wire(b).grammar_accepted_ids) == (grammar, [40, 41])
+
+
+def test_request_forms_become_one_grammar():
+    kinds = {
+        "response_format": dict(response_format={"type": "json_object"}),
+        "structured_outputs.json": dict(structured_outputs={"json": json.dumps(SCHEMA)}),
+        "structured_outputs.regex": dict(structured_outputs={"regex": "[a-c]{2}"}),
+        "structured_outputs.choice": dict(structured_outputs={"choice": ["a", "b"]}),
+        "structured_outputs.grammar": dict(structured_outputs={"grammar": 'root ::= "x" | "y"'}),
+        "guided_json": dict(guided_json=SCHEMA), "guided_regex": dict(guided_regex="[0-9]+"),
+        "guided_choice": dict(guided_choice=["x"]), "guided_grammar": dict(guided_grammar='root ::= "z"'),
+    }
+    for name, kw in kinds.items():
+        g = request_grammar(CompletionRequest(prompt="x", **kw))
+        assert isinstance(g, str) and "root" in g, name
+        xgr.Grammar.from_ebnf(g)  # what the stage compiles
+    assert request_grammar(CompletionRequest(prompt="x")) is None
+    assert request_grammar(CompletionRequest(prompt="x", response_format={"type": "text"})) is None
+
+
+@pytest.mark.parametrize("kw,param,words", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+     "response_format", 'Unsupported type "foo"'),
+    (dict(guided_json={"type": "string", "pattern": "[a-"}), "guided_json", "Unclosed '['"),
+    (dict(guided_json="{not json"), "guided_json", "not valid JSON"),
+    (dict(guided_regex="(?=a)b"), "guided_regex", "Lookahead"),
+    (dict(structured_outputs={"grammar": 'root ::= "a" | b'}), "structured_outputs", 'Rule "b" is not defined'),
+    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "exactly one"),
+    (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex", "one structured output"),
+])
+def test_bad_constraints_are_named(kw, param, words):
+    with pytest.raises(InvalidRequestError) as e:
+        request_grammar(CompletionRequest(prompt="x", **kw))
+    assert e.value.param == param and words in e.value.message, e.value.message
+    assert "/project/" not in e.value.message  # xgrammar's source location is not the client's business
+
+
+def test_tool_choice_needs_the_hermes_parser_and_a_known_function():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required")
+    with pytest.raises(InvalidRequestError, match="--tool-call-parser hermes"):
+        request_grammar(body, None)
+    assert request_grammar(body, "hermes")
+    with pytest.raises(ValueError, match="not among the tools"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools,
+                              tool_choice={"type": "function", "function": {"name": "g"}})
+
+
+def test_ignore_eos_is_refused_with_a_grammar(grammar):
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        SamplingParams(grammar=grammar, ignore_eos=True).validate()
+
+
+def test_choices_come_out_verbatim(tok):
+    """Choices with quotes, backslashes, newlines and non-ASCII text are escaped into the
+    grammar and come out as given."""
+    torch.set_num_threads(1)
+    choices = ['say "hi"', "back\\slash", "two\nlines", "ünïcode"]
+    g = request_grammar(CompletionRequest(prompt="x", guided_choice=choices))
+    outs = LLM(DEMO_MODEL, max_rows=2).generate([tok.encode(p) for p in ("Pick one:", "The answer is")],
+                                                SamplingParams(temperature=0, max_tokens=16, grammar=g))
+    for o in outs:
+        assert o.finish_reason == "stop" and tok.decode(o.token_ids, skip_special_tokens=True) in choices

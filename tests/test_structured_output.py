@@ -10,6 +10,9 @@ then greedy acceptance as without a grammar.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 
 import pytest
 import torch
@@ -229,3 +232,96 @@ def test_choices_come_out_verbatim(tok):
                                                 SamplingParams(temperature=0, max_tokens=16, grammar=g))
     for o in outs:
         assert o.finish_reason == "stop" and tok.decode(o.token_ids, skip_special_tokens=True) in choices
+
+
+# --------------------------------------------------------------------------------------
+# Through the API, the openai client against real pipelines
+# --------------------------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "member": {"type": "boolean"}},
+          "required": ["name", "age", "member"], "additionalProperties": False}
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                 "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_ARGS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"type": "string", "maxLength": 6}}, "required": ["tz"]}}}]
+QUESTIONS = ["Who is Alice?", "Describe a person.", "What is the weather in Paris?"]
+
+
+@pytest.fixture(scope="module")
+def pp1_none():
+    """PP1 without speculation, in process: the reference of every greedy answer."""
+    torch.set_num_threads(1)
+    llm = LLM(DEMO_MODEL, max_rows=4)
+    done = {}
+
+    def run(prompt_ids, body):
+        key = (tuple(prompt_ids), json.dumps(body, sort_keys=True))
+        if key not in done:  # each answer once for both pipelines
+            grammar = request_grammar(ChatCompletionRequest(**body), "hermes")
+            params = SamplingParams(temperature=0, max_tokens=body["max_tokens"], grammar=grammar)
+            done[key] = llm.generate([prompt_ids], params)[0].token_ids
+        return done[key]
+
+    return run
+
+
+@pytest.fixture(scope="module", params=[(2, "mtp"), (3, "ngram")], ids=["pp2-mtp", "pp3-ngram"])
+def cluster(request, tmp_path_factory):
+    from cluster import Cluster
+
+    pp, spec = request.param
+    c = Cluster(DEMO_MODEL, pp, spec, router_args=["--tool-call-parser", "hermes"],
+                log_dir=str(tmp_path_factory.mktemp("logs"))).start()
+    yield c
+    c.stop()
+
+
+def _chat(client, body):
+    return client.chat.completions.create(model=client.models.list().data[0].id, temperature=0,
+                                          extra_body={"return_token_ids": True}, **body)
+
+
+def test_openai_client_gets_schema_valid_json_and_tool_calls_with_speculation(cluster, pp1_none):
+    """Every answer parses and validates against its schema, and its greedy tokens are PP1's
+    without speculation (so speculation changed nothing, drafts leaving the grammar
+    included)."""
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    ask = [{"role": "user", "content": QUESTIONS[2]}]
+    bodies = [dict(messages=[{"role": "user", "content": q}], max_tokens=60, response_format=fmt) for q in QUESTIONS[:2]]
+    bodies += [dict(messages=ask, max_tokens=120, tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
+               dict(messages=ask, max_tokens=120, tools=TOOLS,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})]
+    with ThreadPoolExecutor(len(bodies)) as pool:  # in flight together: batched rounds
+        answers = list(pool.map(lambda body: _chat(client, body), bodies))
+    for body, r in zip(bodies, answers):
+        choice = r.choices[0]
+        if "response_format" in body:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+        else:
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+            call = choice.message.tool_calls[0].function
+            if isinstance(body["tool_choice"], dict):
+                assert call.name == "get_weather"
+            schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.name)
+            jsonschema.validate(json.loads(call.arguments), schema)
+        assert choice.model_extra["token_ids"] == pp1_none(r.model_extra["prompt_token_ids"], body)
+
+
+def test_a_bad_schema_is_a_400_before_any_row_is_taken(cluster):
+    before = [i.rows_in_use for i in cluster.stage_infos()]
+    body = {"messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}}}}}
+    r = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert "minimum greater than maximum" in r.json()["error"]["message"]
+    assert [i.rows_in_use for i in cluster.stage_infos()] == before == [0] * len(before)

@@ -234,6 +234,23 @@ def test_choices_come_out_verbatim(tok):
         assert o.finish_reason == "stop" and tok.decode(o.token_ids, skip_special_tokens=True) in choices
 
 
+def test_a_constrained_request_leaves_the_fused_greedy_round(tok):
+    """The last stage's fused greedy MTP round (CUDA graphs; on the CPU its padded path runs
+    eagerly) takes the raw logits' argmax: a micro-batch with a constrained request goes to
+    the host sampler instead, its plain requests with it. Without that the JSON breaks at
+    once (checked)."""
+    torch.set_num_threads(1)
+    g = request_grammar(CompletionRequest(prompt="x", guided_json=SCHEMA))
+    ps = [tok.encode(t) for t in ("Explain how a hash map works.", "Write a poem")]
+    params = [SamplingParams(temperature=0, max_tokens=40, grammar=g), SamplingParams(temperature=0, max_tokens=12)]
+    ref = LLM(DEMO_MODEL, max_rows=2).generate(ps, params)
+    llm = LLM(DEMO_MODEL, speculative_algorithm="mtp", max_rows=2, cuda_graph_max_bs=2)
+    assert llm.pipeline.runners[-1].round_graphs
+    outs = llm.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert outs[0].finish_reason == "stop" and set(json.loads(tok.decode(outs[0].token_ids[:-1]))) == {"name", "age"}
+
+
 # --------------------------------------------------------------------------------------
 # Through the API, the openai client against real pipelines
 # --------------------------------------------------------------------------------------

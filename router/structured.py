@@ -104,7 +104,34 @@ def _hermes_calls(tools: list[dict], name: str | None, parallel: bool):
     return xgr.Grammar.from_structural_tag(xgr.StructuralTag(format=fmt))
 
 
-TOOL_CALL_FORMATS = {"hermes": _hermes_calls}
+def _qwen3_coder_calls(tools: list[dict], name: str | None, parallel: bool):
+    """``<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...\n</function>\n</tool_call>``
+    blocks (xgrammar's ``qwen_xml`` style for the parameters), chosen as :func:`_hermes_calls`."""
+    xgr = _xgrammar()
+    from xgrammar import structural_tag as st
+
+    tags = []
+    for t in tools:
+        fn = t["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        args = st.JSONSchemaFormat(json_schema=params, style="qwen_xml", max_whitespace_cnt=MAX_XML_WHITESPACE)
+        tags.append(st.TagFormat(begin=f"{START}\n<function={fn['name']}>\n", content=args,
+                                 end=f"\n</function>\n{END}"))
+    fmt = st.TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True,
+                                     stop_after_first=name is not None or not parallel)
+    return xgr.Grammar.from_structural_tag(xgr.StructuralTag(format=fmt))
+
+
+MAX_XML_WHITESPACE = 1
+"""Whitespace characters in a row the XML calls allow around a value: the format's one
+newline, which the ``qwen3_coder`` parser strips (more would reach the arguments, and an
+enum's value would no longer match)."""
+
+TOOL_CALL_FORMATS = {"hermes": _hermes_calls, "qwen3_coder": _qwen3_coder_calls}
 """Grammar of the calls ``tool_choice`` forces, per ``--tool-call-parser``."""
 
 

@@ -25,6 +25,7 @@ from ppspec.router.llm import DEMO_MODEL, LLM
 from ppspec.router.protocol import ChatCompletionRequest, CompletionRequest
 from ppspec.router.scheduler import Scheduler
 from ppspec.router.structured import request_grammar
+from ppspec.router.tool_calls import parse_tool_calls
 from ppspec.router.types import InvalidRequestError, SamplingParams
 from ppspec.stage_server.grammar import GrammarRows
 from ppspec.stage_server.sampler import verify_and_sample
@@ -206,7 +207,7 @@ def test_bad_constraints_are_named(kw, param, words):
     assert "/project/" not in e.value.message  # xgrammar's source location is not the client's business
 
 
-def test_tool_choice_needs_the_hermes_parser_and_a_known_function():
+def test_tool_choice_needs_a_tool_call_parser_and_a_known_function():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required")
     with pytest.raises(InvalidRequestError, match="--tool-call-parser hermes"):
@@ -222,14 +223,19 @@ def test_ignore_eos_is_refused_with_a_grammar(grammar):
         SamplingParams(grammar=grammar, ignore_eos=True).validate()
 
 
-def test_choices_come_out_verbatim(tok):
+@pytest.fixture(scope="module")
+def pp1():
+    torch.set_num_threads(1)
+    return LLM(DEMO_MODEL, max_rows=4)
+
+
+def test_choices_come_out_verbatim(tok, pp1):
     """Choices with quotes, backslashes, newlines and non-ASCII text are escaped into the
     grammar and come out as given."""
-    torch.set_num_threads(1)
     choices = ['say "hi"', "back\\slash", "two\nlines", "ünïcode"]
     g = request_grammar(CompletionRequest(prompt="x", guided_choice=choices))
-    outs = LLM(DEMO_MODEL, max_rows=2).generate([tok.encode(p) for p in ("Pick one:", "The answer is")],
-                                                SamplingParams(temperature=0, max_tokens=16, grammar=g))
+    outs = pp1.generate([tok.encode(p) for p in ("Pick one:", "The answer is")],
+                        SamplingParams(temperature=0, max_tokens=16, grammar=g))
     for o in outs:
         assert o.finish_reason == "stop" and tok.decode(o.token_ids, skip_special_tokens=True) in choices
 
@@ -251,6 +257,22 @@ def test_a_constrained_request_leaves_the_fused_greedy_round(tok):
     assert outs[0].finish_reason == "stop" and set(json.loads(tok.decode(outs[0].token_ids[:-1]))) == {"name", "age"}
 
 
+def test_a_preempted_constrained_request_resumes_its_grammar(tok):
+    """A short KV pool preempts requests mid-answer; readmitted, the new row's grammar
+    accepts the outputs so far before its next sample: the answers are those of a pool
+    that never runs short, and they parse."""
+    torch.set_num_threads(1)
+    g = request_grammar(CompletionRequest(prompt="x", guided_json=SCHEMA))
+    ps = [tok.encode(f"Person number {i}:") for i in range(6)]
+    p = SamplingParams(temperature=0, max_tokens=40, grammar=g)
+    ref = [o.token_ids for o in LLM(DEMO_MODEL, max_rows=8).generate(ps, p)]
+    llm = LLM(DEMO_MODEL, max_rows=8, kv_tokens=160, speculative_algorithm="mtp")
+    outs = [o.token_ids for o in llm.generate(ps, p)]
+    assert llm.scheduler.num_preemptions > 0
+    assert outs == ref
+    for ids in outs:
+        assert set(json.loads(tok.decode(ids, skip_special_tokens=True))) == {"name", "age"}
+
 # --------------------------------------------------------------------------------------
 # Through the API, the openai client against real pipelines
 # --------------------------------------------------------------------------------------
@@ -268,11 +290,30 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 QUESTIONS = ["Who is Alice?", "Describe a person.", "What is the weather in Paris?"]
 
 
+def test_qwen3_coder_calls_parse_and_follow_the_schema(tok, pp1):
+    """``tool_choice`` with ``--tool-call-parser qwen3_coder``: XML calls (xgrammar's
+    ``qwen_xml`` parameters) that the parser reads back into arguments valid for the tool."""
+    import jsonschema
+
+    msgs = [{"role": "user", "content": QUESTIONS[2]}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    choices = ("required", {"type": "function", "function": {"name": "get_weather"}})
+    params = [SamplingParams(temperature=0, max_tokens=160, grammar=request_grammar(ChatCompletionRequest(
+        messages=msgs, tools=TOOLS, tool_choice=c, parallel_tool_calls=False), "qwen3_coder")) for c in choices]
+    for choice, out in zip(choices, pp1.generate([ids, ids], params)):
+        assert out.finish_reason == "stop"
+        content, calls = parse_tool_calls(tok.decode(out.token_ids, skip_special_tokens=True), "qwen3_coder", TOOLS)
+        assert content is None and len(calls) == 1
+        name = calls[0]["function"]["name"]
+        assert name == "get_weather" or choice == "required"
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
+
+
 @pytest.fixture(scope="module")
-def pp1_none():
+def pp1_none(pp1):
     """PP1 without speculation, in process: the reference of every greedy answer."""
-    torch.set_num_threads(1)
-    llm = LLM(DEMO_MODEL, max_rows=4)
+    llm = pp1
     done = {}
 
     def run(prompt_ids, body):

@@ -828,7 +828,6 @@ BAD_REQUESTS = [
      "response_format"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format"),
-    ("completions", {"prompt": "hi", "guided_json": {"type": "foo"}}, "guided_json"),
     ("chat/completions", {}, "messages"),
 ]
 

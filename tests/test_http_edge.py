@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import uvloop
 
 from cluster import free_port
 from ppspec.router.api import build_app
@@ -30,7 +31,7 @@ class EdgeServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = build_app(engine, served_model_name=MODEL, max_request_bytes=MAX_BODY)
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()  # as the router runs it
         self.stop = asyncio.Event()
         self.thread = threading.Thread(target=self.loop.run_until_complete, daemon=True, args=(serve_http(
             self.app, "127.0.0.1", self.port, log_level="warning", shutdown=self.stop, read_timeout=READ_TIMEOUT,

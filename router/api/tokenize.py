@@ -22,7 +22,10 @@ TOKENIZE_WORKERS = 4
 
 SHORT_CHARS = 16384
 """Texts up to this many characters (a request's total) are short: longer ones run on all
-workers but one, so a short request never queues behind long encodes."""
+workers but one, so a short request never queues behind long encodes, only behind other
+short ones (each at most SHORT_CHARS characters). A long request waits at most for the long
+encodes ahead of it, each at most the largest admissible text: the context times
+``max_token_chars`` characters, or the body limit (``guard.DEFAULT_MAX_REQUEST_BYTES``)."""
 
 
 class PromptTooLong(ValueError):

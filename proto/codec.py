@@ -68,7 +68,7 @@ def step_to_pb(s: StepInput) -> "pb.StepRequest":
         micro_batch_id=s.micro_batch_id, round=s.round, mode=s.mode,
         req_pool_indices=s.req_pool_indices, seq_lens=s.seq_lens, extend_lens=s.extend_lens,
         input_ids=s.input_ids, num_drafts=s.num_drafts, sample=s.sample, next_token_ids=s.next_token_ids,
-        output_lens=s.output_lens,
+        output_lens=s.output_lens, restore_slots=s.restore_slots, snapshot_slots=s.snapshot_slots,
         sampling=[
             pb.SamplingSpec(
                 temperature=x.temperature, top_p=x.top_p, top_k=x.top_k, min_p=x.min_p, seed=x.seed,
@@ -110,6 +110,7 @@ def step_from_pb(m: "pb.StepRequest") -> StepInput:
             for x in m.sampling
         ],
         hidden_states=_hidden_from_pb(m),
+        restore_slots=list(m.restore_slots), snapshot_slots=list(m.snapshot_slots),
     )
 
 

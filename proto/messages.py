@@ -92,6 +92,9 @@ class StepInput:
     with a sampled token (False for a prefill chunk that does not end its prompt).
     next_token_ids: the prompt token after a non-final prefill chunk (the MTP head
     conditions on it), else -1. output_lens: tokens generated before this step.
+    restore_slots / snapshot_slots: a prefill's prefix-cache slots, per request (-1: none)
+    or empty: start the row from the snapshot of its ``seq_lens`` tokens; snapshot the row
+    after the chunk.
     """
 
     micro_batch_id: int
@@ -107,6 +110,9 @@ class StepInput:
     sampling: list[SamplingSpec] = field(default_factory=list)
     output_lens: list[int] = field(default_factory=list)
     hidden_states: Any = None
+    # prefix cache (stage_server.snapshots), per request or empty: -1 for none
+    restore_slots: list[int] = field(default_factory=list)   # prefill from this snapshot's seq_lens tokens
+    snapshot_slots: list[int] = field(default_factory=list)  # snapshot the row after this chunk
 
 
 @dataclass

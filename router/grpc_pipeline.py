@@ -43,6 +43,8 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "routers": {x.router_id: x.idle_seconds for x in r.routers}, "owner_router_id": r.owner_router_id,
         "not_serving": r.not_serving, "replaced": r.replaced, "warmup_seconds": r.warmup_seconds,
         "transport": r.transport, "transport_detail": r.transport_detail,
+        "not_serving": r.not_serving, "replaced": r.replaced, "snapshot_slots": r.snapshot_slots,
+        "snapshots_in_use": r.snapshots_in_use,
     }
 
 
@@ -197,13 +199,16 @@ class GrpcPipeline:
                 raise r
         return [r.seconds for r in replies]
 
-    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False) -> None:
+    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False,
+                      snapshot_slots: list[int] = (), drop_slots: list[int] = ()) -> None:
         """Release rows on every stage. Each stage first waits for pending commits of those
-        rows, or with ``abandon`` (after a failure: no commit will come) drops them."""
-        if not rows:
+        rows, or with ``abandon`` (after a failure: no commit will come) drops them; then
+        snapshots the rows with a slot in ``snapshot_slots`` (the prefix cache), releases
+        them and drops the prefix-cache ``drop_slots``."""
+        if not rows and not drop_slots:
             return
         req = pb.ReleaseRequest(req_pool_indices=rows, micro_batch_id=micro_batch_id, round=round, abandon=abandon,
-                                router_id=self.router_id)
+                                router_id=self.router_id, snapshot_slots=snapshot_slots, drop_slots=drop_slots)
         replies = await asyncio.gather(
             *(s.Release(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
         )

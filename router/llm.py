@@ -24,6 +24,7 @@ from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device_list,
 
 from .detokenize import TextStream
 from .pipeline import InProcessPipeline
+from .prefix_cache import PrefixCache
 from .scheduler import Scheduler, kv_budget
 from .types import RequestOutput, SamplingParams
 
@@ -64,6 +65,8 @@ class LLM:
             runs eagerly; None: ``min(max_rows, 256)`` on CUDA, off on CPU (``StageRunner``).
         device: one device for every stage (``"cuda"``: the current GPU), or a
             comma-separated device per stage (``"cuda:0,cuda:1"``).
+        enable_prefix_caching: reuse the state of cached prefixes (``router.prefix_cache``),
+            with snapshots of the recurrent state in ``prefix_cache_gb`` GiB per stage.
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class LLM:
         pipeline: InProcessPipeline | None = None,
         drafter=None,
         cuda_graph_max_bs: int | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_cache_gb: float = 0.25,
     ):
         import torch
 
@@ -106,7 +111,7 @@ class LLM:
             model, pp_size, max_rows=max_rows, kv_tokens=kv_tokens, num_speculative_steps=steps,
             use_mtp=speculative_algorithm == "mtp", max_context=max_context,
             dtype=getattr(torch, dtype), device=device, fault=fault, commit_design=commit_design,
-            cuda_graph_max_bs=cuda_graph_max_bs,
+            cuda_graph_max_bs=cuda_graph_max_bs, prefix_cache_gb=prefix_cache_gb if enable_prefix_caching else 0.0,
         )
         infos = self.pipeline.info_sync()
         self.vocab_size = infos[-1]["vocab_size"]
@@ -118,6 +123,7 @@ class LLM:
             num_lanes=num_micro_batches or pp_size, max_batch_size=max_batch_size, chunk_size=chunk_size,
             speculative_algorithm=speculative_algorithm, num_steps=num_speculative_steps,
             eos_token_ids=self.eos_token_ids, drafter=drafter,
+            prefix_cache=PrefixCache(min(i["snapshot_slots"] for i in infos), page_size) if enable_prefix_caching else None,
         )
         self.max_context = self.scheduler.max_context  # the KV pool may hold less than the stages' context
         self._ids = itertools.count()
@@ -149,8 +155,7 @@ class LLM:
         """End a request (``reason``: its finish reason, ``abort`` or ``stop``) and release its
         rows on every stage."""
         rows = self.scheduler.abort(request_id, reason)
-        self.pipeline.release_sync(rows)
-        self.scheduler.free(rows)
+        self._release(rows)
         c = self.completions.get(request_id)
         if c is not None and c.finish_reason is None and request_id not in self.scheduler.requests:
             c.finish_reason = reason
@@ -177,10 +182,24 @@ class LLM:
 
     def _release_leftovers(self) -> None:
         """Rows whose release was itself interrupted (a second Ctrl-C during the clean-up)."""
-        rows = self.scheduler.releasing_rows()
+        self._release(self.scheduler.releasing_rows())
+
+    def _release(self, rows: list[int]) -> None:
+        """Release ``rows`` on every stage (a finished one snapshotted first, for the prefix
+        cache), then drop the prefix-cache slots evicted since the last call."""
+        sched = self.scheduler
         if rows:
-            self.pipeline.release_sync(rows)
-            self.scheduler.free(rows)
+            self.pipeline.release_sync(rows, sched.release_snapshots(rows))
+            sched.free(rows)
+        slots = sched.take_dropped_slots()
+        if slots:
+            self.pipeline.release_sync([], drop_slots=slots)
+            sched.slots_dropped(slots)
+
+    def flush_cache(self) -> None:
+        """Evict every cached prefix not in use now, on every stage."""
+        self.scheduler.flush_cache()
+        self._release([])
 
     def _drop_unsettled(self) -> None:
         sched = self.scheduler
@@ -197,9 +216,7 @@ class LLM:
         launched, error = [], None
         for lane in range(sched.num_lanes):
             batch = sched.schedule(lane)
-            preempted = sched.take_preempted()
-            pipe.release_sync(preempted)
-            sched.free(preempted)
+            self._release(sched.take_preempted())
             if batch is None:
                 continue
             self._unsettled += batch.requests
@@ -210,8 +227,7 @@ class LLM:
                 # rows back everywhere; the lanes already stepped are processed below, so
                 # the engine stays consistent and usable; then the error goes to the caller
                 dropped, rows = sched.fail_requests(batch.requests)
-                pipe.release_sync(rows)
-                sched.free(rows)
+                self._release(rows)
                 for r in dropped:
                     if r.request_id in self.completions:
                         self.completions[r.request_id].finish_reason = "abort"
@@ -222,8 +238,7 @@ class LLM:
             up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
             if up.commit is not None:
                 pipe.commit_accept_sync(up.commit)
-            pipe.release_sync(up.release_rows)
-            sched.free(up.release_rows)
+            self._release(up.release_rows)
             for o in up.outputs:
                 c = self.completions[o.request_id]
                 c.token_ids += o.new_token_ids

@@ -65,10 +65,12 @@ class InProcessPipeline:
         for r in self.runners:
             r.commit_accept(c.micro_batch_id, c.round, c.req_pool_indices, c.accept_lengths)
 
-    def release_sync(self, rows: list[int]) -> None:
-        if rows:
+    def release_sync(self, rows: list[int], snapshot_slots: list[int] = (), drop_slots: list[int] = ()) -> None:
+        """Release ``rows`` on every stage (``StageRunner.release``: first snapshotting those
+        with a slot in ``snapshot_slots``), then drop the prefix-cache ``drop_slots``."""
+        if rows or drop_slots:
             for r in self.runners:
-                r.release(rows)
+                r.release(rows, snapshot_slots, drop_slots)
 
     # ---- asynchronous API (the router's driver), compute on one worker thread
     async def _run(self, fn, *args):
@@ -100,13 +102,15 @@ class InProcessPipeline:
         finally:
             await self._done(c.req_pool_indices, (c.micro_batch_id, c.round))
 
-    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False) -> None:
+    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False,
+                      snapshot_slots: list[int] = (), drop_slots: list[int] = ()) -> None:
         """Free rows on every stage once their commits are applied; with ``abandon`` (no
-        commit will come: the round failed) without waiting for them."""
+        commit will come: the round failed) without waiting for them. ``snapshot_slots`` /
+        ``drop_slots``: as :meth:`release_sync`."""
         if abandon:
             await self._done(rows, None)
         await self._wait_committed(rows)
-        await self._run(self.release_sync, rows)
+        await self._run(self.release_sync, rows, snapshot_slots, drop_slots)
 
     async def _done(self, rows: list[int], key: tuple[int, int] | None) -> None:
         """Rows' pending commit settled (``key`` None: whatever round it was)."""

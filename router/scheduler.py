@@ -57,6 +57,8 @@ class Request:
     num_preemptions: int = 0
     output_counts: dict[int, int] = field(default_factory=dict)  # token -> times generated
     scheduled: bool = False  # has been in a micro-batch (a preempted one stays so)
+    restore_slot: int = -1   # prefix-cache snapshot its next prefill chunk starts from
+    cached_tokens: int = 0   # prompt tokens found in the prefix cache at its admission
 
     def __post_init__(self):
         if self.prefill_len < 0:
@@ -91,6 +93,8 @@ class ScheduledBatch:
     next_token_ids: list[int]
     rows: list[int] = field(default_factory=list)
     first: list[Request] = field(default_factory=list)  # requests in their first micro-batch
+    restore_slots: list[int] = field(default_factory=list)   # prefix cache (prefill): -1 none, or empty
+    snapshot_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         # Rows are fixed when the micro-batch forms: a request that finishes in this round
@@ -126,6 +130,7 @@ class ScheduledBatch:
             self.micro_batch_id, self.round, self.mode, self.req_pool_indices, list(self.seq_lens),
             list(self.extend_lens), list(self.input_ids), list(self.num_drafts), list(self.sample),
             list(self.next_token_ids), specs, [len(r.output_ids) for r in self.requests],
+            restore_slots=list(self.restore_slots), snapshot_slots=list(self.snapshot_slots),
         )
 
 
@@ -172,6 +177,13 @@ class Scheduler:
         speculative_algorithm: ``none``, ``ngram`` or ``mtp``; num_steps drafts per round.
         eos_token_ids: ids that end a request unless ``ignore_eos``.
         max_waiting: queue bound; beyond it ``add`` raises QueueFullError.
+        prefix_cache: a :class:`~ppspec.router.prefix_cache.PrefixCache` (None: off). An
+            admitted request starts from the deepest snapshot of its prefill tokens; prefill
+            chunks that end inside the prompt and finished requests leave snapshots. Their
+            KV pages count in the KV budget; least recently used ones are evicted before
+            any request is preempted. The driver drops evicted slots
+            (:meth:`take_dropped_slots`, then :meth:`slots_dropped`) and releases finished
+            rows with :meth:`release_snapshots`.
     """
 
     def __init__(
@@ -191,6 +203,7 @@ class Scheduler:
         ngram_min: int = 1,
         ngram_max: int = 4,
         drafter=None,
+        prefix_cache=None,
     ):
         if speculative_algorithm not in ("none", "ngram", "mtp"):
             raise ValueError(f"unknown speculative algorithm {speculative_algorithm!r}")
@@ -232,6 +245,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.rounds = [0] * num_lanes
         self._ids = itertools.count()
+        self.cache = prefix_cache
+        self._row_snapshots: dict[int, tuple[int, list[int]]] = {}  # row -> (slot, key) taken at its release
+        self._snapshots_sent: set[int] = set()  # rows whose release names their snapshot slot
 
     # ------------------------------------------------------------------ admission
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -280,10 +296,23 @@ class Scheduler:
             if req.aborted:
                 self.waiting.popleft()
                 continue
-            need = self._kv_need(req, min(self.chunk_size, req.prefill_len))
-            if self.kv_reserved + need + headroom * self.num_running > self.kv_tokens:
+            slot, req.num_computed = self.cache.lookup(req.all_ids[: req.prefill_len]) if self.cache else (-1, 0)
+            need = self._kv_need(req, min(self.chunk_size, req.prefill_len - req.num_computed))
+            short = self.kv_reserved + need + headroom * self.num_running - self.kv_tokens
+            if short > 0:
+                req.num_computed = 0
+                if self.cache and not self.num_running and not self._releasing:
+                    # the cache alone keeps it out (else it waits for running requests)
+                    self.cache.evict(short - self._dropping_tokens(), keep=slot)
                 break
             self.waiting.popleft()
+            if self.cache:
+                if slot >= 0:
+                    self.cache.use(slot)
+                req.restore_slot = slot
+                if not req.scheduled:
+                    req.cached_tokens = req.num_computed
+                    self.cache.count(len(req.prompt_ids), req.num_computed)
             req.row = self.free_rows.pop()
             req.reserved_tokens = need
             self.kv_reserved += need
@@ -299,8 +328,11 @@ class Scheduler:
         extra = self._kv_need(r, extend) - r.reserved_tokens
         if extra <= 0:
             return True
-        coming = sum(self._releasing.values())  # freed by releases already under way
+        coming = sum(self._releasing.values()) + self._dropping_tokens()  # freed by releases under way
         while self.kv_tokens - self.kv_reserved + coming < extra:
+            if self.cache and self.cache.evict(extra - (self.kv_tokens - self.kv_reserved + coming)):
+                coming = sum(self._releasing.values()) + self._dropping_tokens()
+                continue  # a cached prefix goes before a running request
             victims = [v for lane in self.lanes for v in lane
                        if v.order > r.order and not v.in_flight and v.status == RUNNING]
             if not victims:
@@ -323,6 +355,7 @@ class Scheduler:
         self._releasing[r.row] = r.reserved_tokens
         self._preempted.append(r.row)
         self._short.discard(r.request_id)
+        self._unpin(r)
         r.row, r.lane, r.reserved_tokens, r.status = -1, -1, 0, WAITING
         r.num_computed = 0
         r.prefill_len = len(r.all_ids) - 1 if r.output_ids else len(r.prompt_ids)
@@ -399,11 +432,77 @@ class Scheduler:
             ))
         return None
 
-    @staticmethod
-    def _dispatch(batch: ScheduledBatch) -> ScheduledBatch:
+    def _dispatch(self, batch: ScheduledBatch) -> ScheduledBatch:
         for r in batch.requests:
             r.in_flight = True
+        if self.cache and batch.mode == "prefill":
+            restore = [r.restore_slot for r in batch.requests]  # set until its first chunk ran
+            snap = [self._reserve_snapshot(r, s + e) if s + e < r.prefill_len else -1
+                    for r, s, e in zip(batch.requests, batch.seq_lens, batch.extend_lens)]
+            batch.restore_slots = restore if max(restore) >= 0 else []
+            batch.snapshot_slots = snap if max(snap) >= 0 else []
         return batch
+
+    # ------------------------------------------------------------------ prefix cache
+    def _reserve_snapshot(self, r: Request, length: int, from_row: bool = False) -> int:
+        """A slot for a snapshot of ``r``'s row after ``length`` tokens, charged to the KV
+        budget; -1 when no slot or no KV room is left (a snapshot is never worth a wait).
+        ``from_row``: ``r`` is finishing: the charge is taken from what its row's release
+        gives back (the snapshot keeps those pages of the row)."""
+        c = self.cache
+        if not c.free:
+            c.evict_one()  # its slot is free once dropped: the next snapshot gets it
+            return -1
+        charge = -(-length // self.page_size) * self.page_size
+        if from_row:
+            if charge > self._releasing[r.row]:
+                return -1
+        elif self.kv_reserved + charge > self.kv_tokens:
+            return -1
+        slot = c.reserve(length, r.request_id)
+        if slot >= 0 and from_row:
+            self._releasing[r.row] -= charge
+        elif slot >= 0:
+            self.kv_reserved += charge
+        return slot
+
+    def _unpin(self, r: Request) -> None:
+        if r.restore_slot >= 0:
+            self.cache.done(r.restore_slot)
+            r.restore_slot = -1
+
+    def _dropping_tokens(self) -> int:
+        return self.cache.dropping_tokens if self.cache else 0
+
+    def take_dropped_slots(self) -> list[int]:
+        """Evicted prefix-cache slots: the driver drops them on every stage (Release
+        ``drop_slots``), then :meth:`slots_dropped`."""
+        return self.cache.take_drops() if self.cache else []
+
+    def slots_dropped(self, slots: list[int]) -> None:
+        """Every stage dropped ``slots``: free, their KV charge back."""
+        if slots:
+            self.kv_reserved -= self.cache.dropped(slots)
+
+    def release_snapshots(self, rows: list[int]) -> list[int]:
+        """Per row the slot its release snapshots it into (-1: none), or [] when none does."""
+        slots = [self._row_snapshots[r][0] if r in self._row_snapshots else -1 for r in rows]
+        self._snapshots_sent.update(r for r in rows if r in self._row_snapshots)
+        return slots if max(slots, default=-1) >= 0 else []
+
+    def flush_cache(self) -> None:
+        """Evict every cached prefix not in use (``take_dropped_slots`` has them)."""
+        if self.cache:
+            self.cache.flush()
+
+    def clear_cache(self) -> None:
+        """The stages dropped every slot (a recovery): forget them all."""
+        if self.cache:
+            self.kv_reserved -= self.cache.clear()
+            self._row_snapshots.clear()
+            self._snapshots_sent.clear()
+            for r in self.requests.values():
+                r.restore_slot = -1
 
     def _drafts_for(self, r: Request) -> list[int]:
         if self.num_steps == 0:
@@ -436,6 +535,11 @@ class Scheduler:
         outputs, release, accept = [], [], []
         for i, r in enumerate(batch.requests):
             r.in_flight = False
+            if batch.restore_slots and batch.restore_slots[i] >= 0:
+                self._unpin(r)
+            if batch.snapshot_slots and batch.snapshot_slots[i] >= 0:  # every stage took it
+                end = batch.seq_lens[i] + batch.extend_lens[i]
+                self.cache.commit(batch.snapshot_slots[i], r.all_ids[: end + 1])
             toks = output_ids[i]
             if batch.mode == "verify" and not 1 <= len(toks) <= batch.num_drafts[i] + 1:
                 raise ValueError(f"request {r.request_id}: {len(toks)} tokens from a verify of {batch.num_drafts[i]} drafts")
@@ -494,6 +598,15 @@ class Scheduler:
         self._short.discard(r.request_id)
         self.requests.pop(r.request_id, None)
         self._releasing[r.row] = r.reserved_tokens
+        if self.cache:
+            self._unpin(r)
+            self.cache.abandon(r.request_id)  # snapshots of steps that failed
+            # the row's committed state after prompt and reply: the next turn's prefix
+            n = r.num_computed
+            if reason in ("stop", "length") and r.prefill_done and n < len(r.all_ids):
+                slot = self._reserve_snapshot(r, n, from_row=True)
+                if slot >= 0:
+                    self._row_snapshots[r.row] = (slot, r.all_ids[: n + 1])
         row, r.row = r.row, -1
         return row
 
@@ -502,6 +615,14 @@ class Scheduler:
         for row in rows:
             self.kv_reserved -= self._releasing.pop(row)
             self.free_rows.append(row)
+            if row in self._row_snapshots:
+                slot, key = self._row_snapshots.pop(row)
+                if row in self._snapshots_sent:  # the release took it on every stage
+                    self._snapshots_sent.discard(row)
+                    self.cache.commit(slot, key)
+                else:  # released without it (an abort's release): never taken
+                    self.cache.taking.pop(slot, None)
+                    self.cache.to_drop.append(slot)
 
     def releasing_rows(self) -> list[int]:
         """Rows of ended requests that :meth:`free` has not taken back yet."""
@@ -554,6 +675,9 @@ class Scheduler:
         self.waiting.clear()
         self.requests.clear()
         self._short.clear()
+        if self.cache:  # the recovery drops every slot on every stage (clear_cache)
+            for r in dropped:
+                r.restore_slot = -1
         return dropped, rows
 
     # ------------------------------------------------------------------ state

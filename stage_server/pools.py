@@ -40,6 +40,9 @@ class KVPool:
         self.page_table[max_rows] = self.pad_page
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.row_pages: dict[int, list[int]] = {}
+        # holders of each page: rows, and prefix-cache snapshots (stage_server.snapshots),
+        # which share a prefix's pages; a page is free again when its last holder lets go
+        self.refs = [0] * self.num_pages
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +72,7 @@ class KVPool:
                 at_cols.append(len(have))
                 have.append(self.free_pages.pop())
                 pages.append(have[-1])
+                self.refs[have[-1]] = 1
         if not pages:
             return
         # one host->device copy for the step's new pages (a scalar write each would be a
@@ -92,7 +96,41 @@ class KVPool:
         return [k if k > 0 else 0 for k in need]
 
     def release(self, row: int) -> None:
-        self.free_pages.extend(reversed(self.row_pages.pop(row, [])))
+        self.unhold(self.row_pages.pop(row, []))
+
+    def hold(self, pages: list[int]) -> None:
+        """One more holder (a snapshot) of ``pages``."""
+        for p in pages:
+            self.refs[p] += 1
+
+    def unhold(self, pages: list[int]) -> None:
+        """One holder fewer of ``pages``; those with none left are free."""
+        refs, free = self.refs, self.free_pages
+        for p in reversed(pages):
+            refs[p] -= 1
+            if refs[p] == 0:
+                free.append(p)
+
+    def share(self, row: int, pages: list[int], length: int) -> None:
+        """Give ``row`` (holding no page) the first ``length`` tokens of ``pages`` (a
+        snapshot's): the whole pages shared, a partial last page copied to a page of its own
+        (the row writes the positions after ``length`` there: copy on write).
+
+        Raises PoolExhaustedError (nothing taken) when the copy finds no free page."""
+        full, part = divmod(length, self.page_size)
+        if part and not self.free_pages:
+            raise PoolExhaustedError(f"KV pool: need 1 page, 0 free")
+        own = pages[:full]
+        self.hold(own)
+        if part:
+            p = self.free_pages.pop()
+            self.refs[p] = 1
+            self.k[:, p] = self.k[:, pages[full]]
+            self.v[:, p] = self.v[:, pages[full]]
+            own = own + [p]
+        self.row_pages[row] = own
+        if own:
+            self.page_table[row, : len(own)] = torch.tensor(own, dtype=torch.long).to(self.page_table.device)
 
     def slot_list(self, rows: list[int], positions: list[int]) -> list[int]:
         """Flat slot of each token on the host: ``rows`` has one entry per request, and

@@ -34,6 +34,8 @@ from ppspec.proto.messages import REPETITION_PENALTY_RANGE, SamplingSpec, StepIn
 
 from .grammar import GrammarRows
 from .sampler import verify_and_sample
+from .snapshots import (FAULT_SNAPSHOT_BEFORE_COMMIT, FAULT_SNAPSHOT_WRONG_SLOT, SnapshotPool, snapshot_nbytes,
+                        slots_for_budget)
 
 
 def on_stage_device(method):
@@ -60,6 +62,7 @@ FAULT_POSITIONAL_SCRATCH = "positional_scratch"  # scratch copied to rows 0..B-1
 #   (replay design: the commit marks rows 0..B-1, the verify's batch positions, not the real rows)
 FAULT_STALE_ROWS = "stale_rows"              # commit uses the rows of the latest verify on this stage
 FAULTS = (FAULT_SKIP_COMMIT, FAULT_POSITIONAL_SCRATCH, FAULT_STALE_ROWS)
+SNAPSHOT_FAULTS = (FAULT_SNAPSHOT_WRONG_SLOT, FAULT_SNAPSHOT_BEFORE_COMMIT)  # the prefix cache's
 
 
 class RowStateError(ValueError):
@@ -185,6 +188,7 @@ class StageRunner:
         commit_design: str | None = None,
         strict_lengths: bool = False,
         cuda_graph_max_bs: int | None = None,
+        prefix_cache_gb: float = 0.0,
     ):
         from .config import load_config
 
@@ -235,7 +239,7 @@ class StageRunner:
             raise ValueError(f"max_context {max_context} is more than the checkpoint's {cfg.max_context} tokens "
                              f"(max_position_embeddings {cfg.max_position_embeddings}, with its RoPE scaling)")
         self.max_context = max_context or cfg.max_context
-        if fault is not None and fault not in FAULTS:
+        if fault is not None and fault not in FAULTS + SNAPSHOT_FAULTS:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault = fault
         c = self.cfg
@@ -259,6 +263,16 @@ class StageRunner:
             KVPool(1, max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx + d, dtype, device)
             if self.use_mtp else None
         )
+        # prefix-cache snapshots (stage_server.snapshots): the state of up to this many
+        # prefixes; their KV pages are the KV pool's, shared
+        self.snapshots = None
+        if prefix_cache_gb:
+            budget = int(prefix_cache_gb * 2**30)
+            n = slots_for_budget(budget, snapshot_nbytes(self.state))
+            self.snapshots = SnapshotPool(n, self.state, [p for p in (self.kv, self.mtp_kv) if p], fault)
+            if pool_bytes is not None and pool_bytes + self.snapshots.nbytes > memory_budget:
+                raise ValueError(f"stage {pp_rank} needs {_gib(pool_bytes + self.snapshots.nbytes)} with "
+                                 f"{n} prefix-cache snapshots; its memory budget is {_gib(memory_budget)}")
         if self.flashinfer_prefill:
             # after the budget check: a stage that cannot start does not wait for a build
             self.flashinfer_prefill = fi_attention.build_at_start(
@@ -390,6 +404,7 @@ class StageRunner:
         if self.state:
             rep.update(self.state.nbytes)
         rep["cuda_graphs"] = self.graph_bytes
+        rep["prefix_snapshots"] = self.snapshots.nbytes if self.snapshots else 0
         return rep
 
     def info(self) -> dict:
@@ -414,6 +429,8 @@ class StageRunner:
             "memory_bytes": self.memory_report(),
             "busy_seconds": self.busy_seconds,
             "warmup_seconds": self.warmup_seconds,
+            "snapshot_slots": self.snapshots.num_slots if self.snapshots else 0,
+            "snapshots_in_use": self.snapshots.used if self.snapshots else 0,
         }
 
     # ------------------------------------------------------------------ layout
@@ -538,6 +555,11 @@ class StageRunner:
                                  f"grammar_accepted_ids only with it")
         if inp.output_lens and min(inp.output_lens) < 0:
             raise ValueError(f"output_lens must be >= 0, got {brief(inp.output_lens)}")
+        for name in ("restore_slots", "snapshot_slots"):
+            slots = getattr(inp, name)
+            if slots and (len(slots) != B or mode != PREFILL or self.snapshots is None):
+                raise ValueError(f"{name}: {len(slots)} entries in a {mode} of {B} requests on a stage "
+                                 f"{'with' if self.snapshots else 'without'} a prefix cache (prefill only, one per request)")
         if hidden and not self.is_first:
             self._check_hidden(inp.hidden_states, len(ids))
 
@@ -608,10 +630,17 @@ class StageRunner:
     def _check_rows_state(self, inp: StepInput) -> None:
         """The rows' state admits the step (in the compute order: after earlier steps and
         commits). Raises RowStateError."""
-        for r, s in zip(inp.req_pool_indices, inp.seq_lens):
+        restore = inp.restore_slots or [-1] * len(inp.req_pool_indices)
+        for r, s, slot in zip(inp.req_pool_indices, inp.seq_lens, restore):
             if r in self.broken_rows:
                 raise RowStateError(f"row {r}: a failed step left its state undefined; release the row")
-            if inp.mode == PREFILL and s == 0:
+            if slot >= 0:  # a new request from a snapshot of its first s tokens
+                if r in self.rows_in_use:
+                    raise RowStateError(f"row {r} starts a new request but is still in use (not released)")
+                if self.snapshots.lens.get(slot) != s:
+                    raise RowStateError(f"row {r}: restore of snapshot slot {slot} at seq_lens {s}, but the slot "
+                                        f"holds {self.snapshots.lens.get(slot, 'no')} tokens")
+            elif inp.mode == PREFILL and s == 0:
                 if r in self.rows_in_use:
                     raise RowStateError(f"row {r} starts a new request but is still in use (not released)")
             elif r not in self.rows_in_use:
@@ -647,9 +676,19 @@ class StageRunner:
         prefill may have half-advanced their state; a verify leaves committed state as it
         was). On success, records the rows' new lengths."""
         self._check_rows_state(inp)
-        self._reserve_pages(inp)
+        restored = []
+        if inp.restore_slots:
+            if inp.snapshot_slots:
+                self.snapshots.check(inp.snapshot_slots, "snapshot_slots", occupied=False)
+            restored = self.snapshots.restore(inp.req_pool_indices, inp.restore_slots)
+        try:
+            self._reserve_pages(inp)
+        except BaseException:
+            for r in restored:
+                self._forget(r)
+            raise
         rows = inp.req_pool_indices
-        new = [r for r, s in zip(rows, inp.seq_lens) if inp.mode == PREFILL and s == 0]
+        new = [r for r, s in zip(rows, inp.seq_lens) if inp.mode == PREFILL and s == 0] + restored
         self._touched = False
         try:
             yield
@@ -667,6 +706,8 @@ class StageRunner:
                 self.row_lens[r] = s + e
 
     def _forget(self, r: int) -> None:
+        if self.snapshots is not None:
+            self.snapshots.forget(r)
         self.rows_in_use.discard(r)
         self.row_lens.pop(r, None)
         self._verify_open.pop(r, None)
@@ -711,6 +752,9 @@ class StageRunner:
                     out.hidden_states = hidden
                 else:
                     self._last_stage(inp, meta, hidden, out)
+        if inp.snapshot_slots:  # a prefill writes the state in place: it is committed
+            self.snapshots.take(inp.req_pool_indices, inp.snapshot_slots,
+                                [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)])
         out.compute_seconds = time.perf_counter() - t0
         self.busy_seconds += out.compute_seconds
         return out
@@ -992,6 +1036,8 @@ class StageRunner:
         if not req_pool_indices:
             return
         if self.state is not None:
+            if self.snapshots is not None:
+                self.snapshots.before_commit(req_pool_indices)  # fault injection only
             self._commit_state(req_pool_indices, accept_lengths)
         for r, a in zip(req_pool_indices, accept_lengths):
             base = self._verify_open.pop(r, None)
@@ -1077,12 +1123,32 @@ class StageRunner:
             self._pos_conv[:, :B] = self.state.conv_scratch[:, meta.rows]
 
     @on_stage_device
-    def release(self, req_pool_indices: list[int]) -> None:
+    def release(self, req_pool_indices: list[int], snapshot_slots: list[int] = (),
+                drop_slots: list[int] = ()) -> None:
         """Free the rows of finished or aborted requests (their KV pages too). A row not in
-        use is no error (releasing is idempotent). Raises IndexError (nothing freed) for a
-        row outside ``[0, max_rows)``."""
+        use is no error (releasing is idempotent). ``snapshot_slots`` (one per row, -1 for
+        none): first snapshot the row's committed state, all its tokens, into that empty
+        slot (the caller releases a row only after its last verify's commit).
+        ``drop_slots``: prefix-cache snapshots to free (an empty one is no error).
+
+        Raises IndexError / ValueError (nothing freed) for a row outside ``[0, max_rows)``
+        or bad slots."""
         bad = [r for r in req_pool_indices if not 0 <= r < self.max_rows]
         if bad:
             raise IndexError(f"release: req_pool_indices {brief(bad)} outside [0, {self.max_rows})")
+        snap = [s for s in snapshot_slots if s >= 0]
+        if (snap or drop_slots) and self.snapshots is None:
+            raise ValueError("release: snapshot slots on a stage without a prefix cache")
+        if snap:
+            if len(snapshot_slots) != len(req_pool_indices):
+                raise ValueError(f"release: {len(snapshot_slots)} snapshot_slots for {len(req_pool_indices)} rows")
+            self.snapshots.check(snapshot_slots, "release: snapshot_slots", occupied=False)
+            live = [(r, s) for r, s in zip(req_pool_indices, snapshot_slots)
+                    if s >= 0 and r in self.rows_in_use and r not in self.broken_rows]
+            if live:
+                rows, slots = map(list, zip(*live))
+                self.snapshots.take(rows, slots, [self.row_lens[r] for r in rows])
+        if drop_slots:
+            self.snapshots.drop([s for s in drop_slots if 0 <= s < self.snapshots.num_slots])
         for r in req_pool_indices:
             self._forget(r)

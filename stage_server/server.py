@@ -398,7 +398,7 @@ class StageServicer(pb_grpc.StageServicer):
         await self._wait_committed(rows, context, f"release after micro-batch {request.micro_batch_id} round {request.round}")
         await self._check_router(request.router_id, context, "release")  # again, after the wait
         try:
-            await self._compute(self.runner.release, rows)
+            await self._compute(self.runner.release, rows, list(request.snapshot_slots), list(request.drop_slots))
         except Exception as e:
             await self._fail(context, e, "release")
         return pb.ReleaseReply()
@@ -435,6 +435,8 @@ class StageServicer(pb_grpc.StageServicer):
             busy_seconds=i["busy_seconds"], pending_commits=len(self.pending), commit_design=i["commit_design"],
             prefill_attention=i["prefill_attention"], warmup_seconds=i["warmup_seconds"],
             transport="" if self._next is None else self.link.transport, transport_detail=self.transport_detail,
+            prefill_attention=i["prefill_attention"], snapshot_slots=i["snapshot_slots"],
+            snapshots_in_use=i["snapshots_in_use"],
         )
 
 
@@ -468,6 +470,7 @@ async def serve_stage(args) -> int:
             dtype=getattr(torch, resolve_dtype(args.dtype, args.device)), device=args.device, fault=args.inject_fault,
             memory_budget=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
             commit_design=args.commit_design, strict_lengths=True, cuda_graph_max_bs=cuda_graph_max_bs(args),
+            prefix_cache_gb=args.prefix_cache_gb or 0.0,
         )
     except (CheckpointError, ValueError) as e:
         print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
@@ -645,6 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "by the next verify); default replay on CUDA, copy on CPU")
     add_data_plane_arg(ap)
     add_cuda_graph_args(ap)
+    ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=None,
+                    help="GiB for prefix-cache snapshots of the recurrent state (default: no prefix cache on this "
+                         "stage; their KV pages come from --kv-tokens)")
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--pipeline-key-file", default=None,
                     help="file holding the secret shared with the router and the other stages: calls that change "

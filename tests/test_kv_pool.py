@@ -21,6 +21,7 @@ def _ensure_per_page(pool: KVPool, rows, lengths) -> None:
         for _ in range(k):
             page = pool.free_pages.pop()
             pool.page_table[row, len(have)] = page
+            pool.refs[page] = 1  # one holder: the row
             have.append(page)
 
 

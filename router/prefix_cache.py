@@ -1,0 +1,231 @@
+"""The router's prefix cache: a radix tree over token ids, mapping cached prefixes to the
+snapshot slots every stage holds (``stage_server.snapshots``).
+
+A hybrid model's recurrent state cannot be cut back to a prefix, so a hit needs a
+snapshot of the state after exactly that prefix. Snapshots are taken at prefill chunk
+boundaries (a hit lands mid-prompt at chunk granularity) and when a request finishes
+(the next turn of a conversation finds its prompt and reply). A slot holds the state
+after ``n`` tokens and is filed in the tree under ``n + 1`` tokens: the MTP head's KV at
+position ``n - 1`` was computed with token ``n``, so a request may use it only if that
+token matches too; and a hit always leaves at least one token to prefill, whose logits
+the request samples from.
+
+Slots are stable ids handed to every stage. Each is in one of these states:
+
+- free: in :attr:`PrefixCache.free`;
+- taking: sent with a step or release that writes it (:meth:`reserve`), filed by
+  :meth:`commit` once every stage did (the step's result, the release's reply);
+- cached: in the tree; ``pins`` counts micro-batches that restore from it (never evicted
+  while pinned: its restore may still be on its way through the stages);
+- dropping: evicted; free again once every stage dropped it (:meth:`dropped`).
+
+KV accounting: a snapshot holds the KV pages of its tokens on every stage (shared with
+rows and other snapshots). The scheduler's KV budget charges each snapshot its pages,
+from :meth:`reserve` to :meth:`dropped`: never less than the pool really holds.
+"""
+from __future__ import annotations
+
+import itertools
+
+
+class _Node:
+    __slots__ = ("key", "children", "parent", "slot", "last_used")
+
+    def __init__(self, key: tuple[int, ...], parent: "_Node | None"):
+        self.key, self.parent = key, parent  # key: the token ids on the edge into this node
+        self.children: dict[int, _Node] = {}
+        self.slot = -1
+        self.last_used = 0
+
+
+class PrefixCache:
+    """Radix tree and slot book-keeping of ``num_slots`` snapshot slots.
+
+    Args:
+        num_slots: slots every stage holds (the smallest stage's).
+        page_size: tokens per KV page (a snapshot's KV charge is rounded up to pages).
+    """
+
+    def __init__(self, num_slots: int, page_size: int = 1):
+        if num_slots < 1:
+            raise ValueError(f"a prefix cache needs at least one snapshot slot, got {num_slots}")
+        self.num_slots, self.page_size = num_slots, max(1, page_size)
+        self.root = _Node((), None)
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.lens: dict[int, int] = {}       # slot -> tokens of state it holds (every state but free)
+        self.nodes: dict[int, _Node] = {}    # cached slot -> its node
+        self.pins: dict[int, int] = {}       # cached slot -> micro-batches restoring from it
+        self.taking: dict[int, str] = {}     # slot -> request id whose step / release writes it
+        self.to_drop: list[int] = []         # evicted, drop not sent yet
+        self.dropping: set[int] = set()      # evicted, drop sent
+        self._clock = itertools.count(1)
+        # counters (tokens): prompts looked up, and the part of them found
+        self.queried_tokens = self.hit_tokens = 0
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, tokens: list[int]) -> tuple[int, int]:
+        """The deepest cached snapshot for ``tokens``: ``(slot, n)``, the request may start
+        from the state after ``n < len(tokens)`` tokens; ``(-1, 0)`` when none. Changes
+        nothing (:meth:`use` pins the slot)."""
+        node, i, best = self.root, 0, (-1, 0)
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None or tuple(tokens[i: i + len(child.key)]) != child.key:
+                break
+            i += len(child.key)
+            node = child
+            if node.slot >= 0:
+                best = (node.slot, i - 1)
+        return best
+
+    def use(self, slot: int) -> None:
+        """A micro-batch will restore from ``slot``: pinned until :meth:`done`."""
+        self.pins[slot] = self.pins.get(slot, 0) + 1
+        self.nodes[slot].last_used = next(self._clock)
+
+    def done(self, slot: int) -> None:
+        """The restore from ``slot`` ran on every stage (or never will)."""
+        n = self.pins.get(slot, 0) - 1
+        if n > 0:
+            self.pins[slot] = n
+        else:
+            self.pins.pop(slot, None)
+
+    def count(self, queried: int, hit: int) -> None:
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+
+    # ------------------------------------------------------------------ taking and filing
+    def charge(self, slot: int) -> int:
+        """KV tokens (whole pages) the snapshot in ``slot`` holds on every stage."""
+        return -(-self.lens[slot] // self.page_size) * self.page_size
+
+    def reserve(self, length: int, request_id: str) -> int:
+        """A free slot for a snapshot of ``length`` tokens of ``request_id``'s row, or -1."""
+        if not self.free or length < 1:
+            return -1
+        slot = self.free.pop()
+        self.lens[slot], self.taking[slot] = length, request_id
+        return slot
+
+    def commit(self, slot: int, key: list[int]) -> None:
+        """Every stage holds ``slot``: file it under ``key`` (its ``length + 1`` tokens).
+        A prefix cached already keeps its slot; the new one is dropped."""
+        self.taking.pop(slot, None)
+        if len(key) != self.lens[slot] + 1:
+            raise ValueError(f"slot {slot} holds {self.lens[slot]} tokens, filed under {len(key)}")
+        node = self._insert(key)
+        if node.slot >= 0:
+            self.to_drop.append(slot)
+            return
+        node.slot = slot
+        node.last_used = next(self._clock)
+        self.nodes[slot] = node
+
+    def abandon(self, request_id: str) -> None:
+        """Slots ``request_id``'s failed steps were writing: state unknown, dropped."""
+        for slot, rid in list(self.taking.items()):
+            if rid == request_id:
+                del self.taking[slot]
+                self.to_drop.append(slot)
+
+    def _insert(self, key: list[int]) -> _Node:
+        node, i = self.root, 0
+        while i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                new = _Node(tuple(key[i:]), node)
+                node.children[key[i]] = new
+                return new
+            k = child.key
+            j = 0
+            n = min(len(k), len(key) - i)
+            while j < n and k[j] == key[i + j]:
+                j += 1
+            if j < len(k):  # split the edge after its first j tokens
+                mid = _Node(k[:j], node)
+                node.children[key[i]] = mid
+                child.key, child.parent = k[j:], mid
+                mid.children[k[j]] = child
+                child = mid
+            node, i = child, i + j
+        return node
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, tokens: int, keep: int = -1) -> int:
+        """Evict least recently used unpinned snapshots (not ``keep``) until their KV
+        charge reaches ``tokens`` (or none is left); returns the charge evicted, which
+        comes back once every stage dropped them."""
+        got = 0
+        while got < tokens:
+            slot = self._lru(keep)
+            if slot < 0:
+                break
+            got += self.charge(slot)
+            self._remove(slot)
+        return got
+
+    def evict_one(self) -> bool:
+        """Evict the least recently used unpinned snapshot (a slot for a new one)."""
+        slot = self._lru()
+        if slot >= 0:
+            self._remove(slot)
+        return slot >= 0
+
+    def flush(self) -> None:
+        """Evict every unpinned snapshot."""
+        for slot in [s for s in self.nodes if s not in self.pins]:
+            self._remove(slot)
+
+    def _lru(self, keep: int = -1) -> int:
+        best, slot = None, -1
+        for s, node in self.nodes.items():
+            if s not in self.pins and s != keep and (best is None or node.last_used < best):
+                best, slot = node.last_used, s
+        return slot
+
+    def _remove(self, slot: int) -> None:
+        node = self.nodes.pop(slot)
+        node.slot = -1
+        while node is not self.root and node.slot < 0 and not node.children:
+            del node.parent.children[node.key[0]]
+            node = node.parent
+        self.to_drop.append(slot)
+
+    def take_drops(self) -> list[int]:
+        """Evicted slots to drop on every stage (then :meth:`dropped`)."""
+        slots, self.to_drop = self.to_drop, []
+        self.dropping.update(slots)
+        return slots
+
+    def dropped(self, slots: list[int]) -> int:
+        """Every stage dropped ``slots``: free again. Returns their KV charge."""
+        tokens = 0
+        for s in slots:
+            self.dropping.discard(s)
+            tokens += self.charge(s)
+            del self.lens[s]
+            self.free.append(s)
+        return tokens
+
+    @property
+    def dropping_tokens(self) -> int:
+        return sum(self.charge(s) for s in self.dropping) + sum(self.charge(s) for s in self.to_drop)
+
+    def clear(self) -> int:
+        """Forget every slot (the stages dropped them all: a recovery). Returns the KV charge."""
+        tokens = sum(self.charge(s) for s in self.lens)
+        counts = self.queried_tokens, self.hit_tokens
+        self.__init__(self.num_slots, self.page_size)
+        self.queried_tokens, self.hit_tokens = counts
+        return tokens
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_cached(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def num_used(self) -> int:
+        """Slots not free (cached, being taken or being dropped)."""
+        return self.num_slots - len(self.free)

@@ -1,0 +1,168 @@
+"""The stage's prefix-cache snapshots: a row's state after a prefix, kept in a slot.
+
+A hybrid model's recurrent state cannot be cut back to a prefix, so the prefix cache
+(``router.prefix_cache``) keeps copies: after ``length`` tokens of a row, each linear
+layer's recurrent state and conv window, and the KV pages of those tokens (attention
+layers and the MTP head's pool), held by reference (``KVPool.hold``), not copied.
+Slots are addressed by stable ids the router hands out, never by batch position,
+exactly like rows (docs/DESIGN.md, "Prefix caching").
+
+- :meth:`SnapshotPool.take`: a prefill chunk's rows after the chunk (their state is
+  committed: a prefill writes it in place), or a finished row before its release (the
+  stage server releases a row only after its last verify's commit; the replay design's
+  pending steps are applied first).
+- :meth:`SnapshotPool.restore`: a new request's row gets a copy of the state and shares
+  the whole KV pages; a partial last page is copied (the row writes after the prefix).
+- :meth:`SnapshotPool.drop`: the pages go back to the pool when no row shares them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ppspec.kernels.gdn import replay_flush, replay_reset
+
+from .pools import KVPool, StatePool
+
+# Fault injection, for the tests that prove the prefix-cache tests catch these bugs.
+FAULT_SNAPSHOT_WRONG_SLOT = "snapshot_wrong_slot"  # restore copies another slot's state
+FAULT_SNAPSHOT_BEFORE_COMMIT = "snapshot_before_commit"  # a finished row's snapshot misses its last commit
+
+
+def snapshot_nbytes(state: StatePool | None) -> int:
+    """Bytes of one slot: every linear layer's fp32 recurrent state and conv window."""
+    if state is None:
+        return 0
+    return (state.ssm[:, 0].numel() * state.ssm.element_size() + state.conv[:, 0].numel() * state.conv.element_size())
+
+
+def slots_for_budget(budget_bytes: int, per_slot: int, max_slots: int = 4096) -> int:
+    """Slots that ``budget_bytes`` holds (``max_slots`` on a stage without linear layers).
+
+    Raises ValueError naming both numbers when the budget holds not even one."""
+    if per_slot == 0:
+        return max_slots
+    n = budget_bytes // per_slot
+    if n < 1:
+        raise ValueError(f"--prefix-cache-gb {budget_bytes / 2**30:.4g} GiB ({budget_bytes} bytes) holds no snapshot: "
+                         f"one takes {per_slot} bytes ({per_slot / 2**30:.4g} GiB) on this stage")
+    return min(n, max_slots)
+
+
+class SnapshotPool:
+    """``num_slots`` snapshots of a stage's rows.
+
+    ssm ``[L, S, HV, K, V]`` fp32 and conv ``[L, S, C, W - 1]`` (column-major, as in
+    :class:`StatePool`), ``L`` linear layers, ``S`` slots; ``lens[slot]`` tokens and
+    ``pages[slot]`` the KV pages held in each of ``kvs`` (the attention pool, the MTP
+    head's pool).
+    """
+
+    def __init__(self, num_slots: int, state: StatePool | None, kvs: list[KVPool], fault: str | None = None):
+        self.num_slots, self.state, self.kvs, self.fault = num_slots, state, kvs, fault
+        self.ssm = self.conv = None
+        if state is not None:
+            L, _, *rest = state.ssm.shape
+            self.ssm = state.ssm.new_zeros(L, num_slots, *rest)
+            conv = state.conv.transpose(-1, -2)  # [L, R, W - 1, C] storage
+            self.conv = conv.new_zeros(conv.shape[0], num_slots, *conv.shape[2:]).transpose(-1, -2)
+        self.lens: dict[int, int] = {}
+        self.pages: dict[int, list[list[int]]] = {}
+        self._precommit: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # FAULT_SNAPSHOT_BEFORE_COMMIT
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.ssm is None else self.ssm.numel() * 4 + self.conv.numel() * self.conv.element_size()
+
+    @property
+    def used(self) -> int:
+        return len(self.lens)
+
+    def check(self, slots: list[int], what: str, occupied: bool) -> None:
+        """Raise ValueError for a slot outside ``[0, num_slots)``, repeated, or (``occupied``)
+        empty / (not) holding a snapshot."""
+        real = [s for s in slots if s >= 0]
+        bad = [s for s in real if s >= self.num_slots]
+        if bad:
+            raise ValueError(f"{what}: snapshot slots {bad[:8]} outside [0, {self.num_slots})")
+        if len(set(real)) != len(real):
+            raise ValueError(f"{what}: snapshot slots repeat: {real[:16]}")
+        wrong = [s for s in real if (s in self.lens) != occupied]
+        if wrong:
+            raise ValueError(f"{what}: snapshot slots {wrong[:8]} {'hold no snapshot' if occupied else 'are in use'}")
+
+    def take(self, rows: list[int], slots: list[int], lengths: list[int]) -> None:
+        """Snapshot ``rows`` after their first ``lengths`` tokens into empty ``slots``
+        (-1: none). The rows' state must be committed: a replay design's pending steps are
+        applied here first."""
+        pick = [(r, s, n) for r, s, n in zip(rows, slots, lengths) if s >= 0]
+        if not pick:
+            return
+        rows, slots, lengths = map(list, zip(*pick))
+        st = self.state
+        if st is not None:
+            dev = st.ssm.device
+            rows_t, slots_t = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
+            if self.fault == FAULT_SNAPSHOT_BEFORE_COMMIT and any(r in self._precommit for r in rows):
+                for r, s in zip(rows, slots):
+                    ssm, conv = self._precommit.get(r, (st.ssm[:, r], st.conv[:, r]))
+                    self.ssm[:, s], self.conv[:, s] = ssm, conv
+            else:
+                if st.replay is not None:
+                    for i, bufs in enumerate(st.replay):
+                        replay_flush(st.ssm[i], bufs, rows_t)
+                self.ssm[:, slots_t] = st.ssm[:, rows_t]
+                self.conv[:, slots_t] = st.conv[:, rows_t]
+        for r, s, n in zip(rows, slots, lengths):
+            held = []
+            for kv in self.kvs:
+                pages = kv.row_pages.get(r, [])[: -(-n // kv.page_size)]
+                kv.hold(pages)
+                held.append(pages)
+            self.lens[s], self.pages[s] = n, held
+
+    def restore(self, rows: list[int], slots: list[int]) -> list[int]:
+        """Give each row (holding nothing) the snapshot in its slot (-1: none): the state
+        copied, the KV pages shared. Returns the rows restored. All or nothing: raises
+        PoolExhaustedError (a partial page found no free page) with no row changed."""
+        pick = [(r, s) for r, s in zip(rows, slots) if s >= 0]
+        done = []
+        try:
+            for r, s in pick:
+                for kv, pages in zip(self.kvs, self.pages[s]):
+                    kv.share(r, pages, self.lens[s])
+                done.append(r)
+        except BaseException:
+            for r in done + [pick[len(done)][0]]:
+                for kv in self.kvs:
+                    kv.release(r)
+            raise
+        st = self.state
+        if st is not None and pick:
+            rows_r, slots_r = [r for r, _ in pick], [s for _, s in pick]
+            if self.fault == FAULT_SNAPSHOT_WRONG_SLOT:
+                others = sorted(self.lens)
+                slots_r = [next((o for o in others if o != s), s) for s in slots_r]
+            dev = st.ssm.device
+            rows_t, slots_t = torch.tensor(rows_r, device=dev), torch.tensor(slots_r, device=dev)
+            st.ssm[:, rows_t] = self.ssm[:, slots_t]
+            st.conv[:, rows_t] = self.conv[:, slots_t]
+            if st.replay_pending is not None:
+                replay_reset(st.replay_pending, rows_t)  # the previous request's pending steps
+        return [r for r, _ in pick]
+
+    def drop(self, slots: list[int]) -> None:
+        """Free ``slots`` (an empty one is no error) and let go of their pages."""
+        for s in slots:
+            if self.lens.pop(s, None) is None:
+                continue
+            for kv, pages in zip(self.kvs, self.pages.pop(s)):
+                kv.unhold(pages)
+
+    def before_commit(self, rows: list[int]) -> None:
+        """FAULT_SNAPSHOT_BEFORE_COMMIT: remember the rows' state as the commit finds it."""
+        if self.fault == FAULT_SNAPSHOT_BEFORE_COMMIT and self.state is not None:
+            for r in rows:
+                self._precommit[r] = (self.state.ssm[:, r].clone(), self.state.conv[:, r].clone())
+
+    def forget(self, row: int) -> None:
+        self._precommit.pop(row, None)

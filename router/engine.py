@@ -23,6 +23,7 @@ import time
 from typing import AsyncIterator
 
 from .metrics import RouterMetrics
+from .prefix_cache import PrefixCache
 from .scheduler import Scheduler, Update, kv_budget
 from .types import EngineError, RequestOutput, SamplingParams, StageDownError
 
@@ -32,6 +33,12 @@ log = logging.getLogger("ppspec.router")
 # what the router scheduled by at start: a stage that comes back must still say the same
 _STAGE_SHAPE = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers", "num_speculative_steps", "has_mtp",
                 "vocab_size", "max_rows", "max_context", "kv_tokens", "eos_token_ids")
+
+
+def _all_slots(infos: list[dict]) -> dict:
+    """Release's arguments that drop every prefix-cache snapshot slot of any stage."""
+    n = max((i.get("snapshot_slots", 0) for i in infos), default=0)
+    return {"drop_slots": list(range(n))} if n else {}
 
 
 def _changed_stages(before: list[dict], now: list[dict]) -> str:
@@ -68,8 +75,10 @@ class Engine:
     def __init__(self, pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
                  num_micro_batches: int | None = None, max_batch_size: int = 64, chunk_size: int = 512,
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, enable_prefix_caching: bool = False):
         self.pipeline = pipeline
+        self.prefix_caching = enable_prefix_caching
+        self._cache_counted = (0, 0)  # prefix-cache token counters the metrics have (queried, hit)
         self.model_name, self.tokenizer = model_name, tokenizer
         self.spec = speculative_algorithm
         self.num_micro_batches = num_micro_batches
@@ -120,6 +129,7 @@ class Engine:
             max_context=self.max_model_len, num_lanes=lanes, max_batch_size=self.max_batch_size,
             chunk_size=self.chunk_size, speculative_algorithm=spec, num_steps=steps,
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
+            prefix_cache=self._prefix_cache(infos, page_size),
         )
         self.eos = last["eos_token_ids"]
         if hasattr(self.pipeline, "check_start"):  # gRPC: one router per pipeline, the relay chain
@@ -139,6 +149,39 @@ class Engine:
         self._tasks.append(asyncio.ensure_future(self._stats_loop()))
         self._tasks.append(asyncio.ensure_future(self._stall_watch()))
         self._tasks.append(asyncio.ensure_future(self._output_loop()))
+
+    def _prefix_cache(self, infos: list[dict], page_size: int) -> PrefixCache | None:
+        """The prefix cache over the stages' snapshot slots (the fewest any stage has)."""
+        if not self.prefix_caching:
+            return None
+        none = [i["pp_rank"] for i in infos if not i.get("snapshot_slots")]
+        if none:
+            raise ValueError(f"--enable-prefix-caching, but stage {none[0]} has no prefix cache: start every stage "
+                             f"with --prefix-cache-gb")
+        return PrefixCache(min(i["snapshot_slots"] for i in infos), page_size)
+
+    async def flush_cache(self) -> int:
+        """Evict every cached prefix no micro-batch uses now, on every stage (requests may
+        run meanwhile). Returns the slots dropped."""
+        if self.scheduler is None or self.scheduler.cache is None:
+            return 0
+        self.scheduler.flush_cache()
+        return await self._drop_evicted()
+
+    async def _drop_evicted(self) -> int:
+        """Drop the prefix-cache slots evicted since the last call on every stage, then
+        free them (their KV charge back). Returns how many."""
+        slots = self.scheduler.take_dropped_slots()
+        if not slots:
+            return 0
+        try:
+            await self.pipeline.release([], drop_slots=slots)
+        except (StageDownError, OSError, EngineError, ValueError) as e:
+            self._fail(f"dropping prefix-cache snapshots: {e}")  # the recovery drops every slot
+            return 0
+        self.scheduler.slots_dropped(slots)
+        self._wake.set()
+        return len(slots)
 
     # ------------------------------------------------------------------ client side
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -234,6 +277,8 @@ class Engine:
                 if self.metrics:
                     self.metrics.on_preemptions(len(preempted))
                 self._spawn(self._release_or_fail(preempted, lane, sched.rounds[lane], "release after a preemption"))
+            if sched.cache is not None and sched.cache.to_drop:
+                self._spawn(self._drop_evicted())
             if batch is None:
                 self._wake.clear()
                 try:
@@ -315,12 +360,16 @@ class Engine:
         if not rows:
             return
         try:
-            await self.pipeline.release(rows, micro_batch_id, round, abandon=abandon)
+            snap = self.scheduler.release_snapshots(rows)
+            await self.pipeline.release(rows, micro_batch_id, round, abandon=abandon,
+                                        **({"snapshot_slots": snap} if snap else {}))
         except (StageDownError, OSError, EngineError, ValueError) as e:
             self._stale_rows = self._stale_rows + rows
             self._fail(f"{what}: {e}" if what else str(e))
             return
         self.scheduler.free(rows)
+        if self.scheduler.cache is not None and self.scheduler.cache.to_drop:
+            await self._drop_evicted()
         self._wake.set()
 
     def _record(self, batch, res, up: Update) -> None:
@@ -331,6 +380,11 @@ class Engine:
             self.metrics.on_stage_rpc(k, mode, s)
         if batch.mode == "verify":
             self.metrics.on_verify_requests(up.num_drafts, up.accept_lengths)
+        c = self.scheduler.cache
+        if c is not None:
+            seen = self._cache_counted
+            self.metrics.on_prefix_cache(c.queried_tokens - seen[0], c.hit_tokens - seen[1], c.num_used / c.num_slots)
+            self._cache_counted = (c.queried_tokens, c.hit_tokens)
         self.metrics.set_queue(self.scheduler.num_running, self.scheduler.num_waiting)
 
     def _set_in_flight(self) -> None:
@@ -464,7 +518,8 @@ class Engine:
                 return
             # the failed rounds' commits will never be sent: abandon them, or a stage that
             # survived would wait for them forever
-            await self.pipeline.release(list(range(min(i["max_rows"] for i in infos))), abandon=True)
+            await self.pipeline.release(list(range(min(i["max_rows"] for i in infos))), abandon=True,
+                                        **_all_slots(infos))
             if getattr(self.pipeline, "instances", None) is not None:
                 # the stages as recovered: a restart seen here is handled, and the monitor
                 # must not take it for a new one after serving resumed
@@ -476,6 +531,7 @@ class Engine:
             return
         self._recover_error = None
         if self.failure is not None:
+            self.scheduler.clear_cache()  # every stage dropped every snapshot
             self.scheduler.free(sorted(set(self._stale_rows)))
             self._stale_rows = []
             log.info("pipeline recovered after: %s", self.failure)
@@ -486,12 +542,13 @@ class Engine:
         their commit, belong to an earlier router (killed, or restarted mid-stream). Release
         them all (abandoning those commits) before serving, or the first request on such a
         row is refused ("still in use") or waits forever for a commit that never comes."""
-        held = [(i["pp_rank"], i["rows_in_use"], i.get("pending_commits", 0)) for i in infos
-                if i["rows_in_use"] or i.get("pending_commits", 0)]
+        held = [(i["pp_rank"], i["rows_in_use"], i.get("pending_commits", 0), i.get("snapshots_in_use", 0))
+                for i in infos if i["rows_in_use"] or i.get("pending_commits", 0) or i.get("snapshots_in_use", 0)]
         if not held:
             return
-        log.warning("stages hold rows of an earlier router (stage, rows, pending commits): %s; releasing them", held)
-        await self.pipeline.release(list(range(self.scheduler.max_rows)), abandon=True)
+        log.warning("stages hold rows of an earlier router (stage, rows, pending commits, prefix snapshots): %s; "
+                    "releasing them", held)
+        await self.pipeline.release(list(range(self.scheduler.max_rows)), abandon=True, **_all_slots(infos))
 
     async def _release_own_rows(self, timeout: float = 5.0) -> None:
         """On close: give back on every stage the rows this router holds (its failed and

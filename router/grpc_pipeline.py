@@ -43,7 +43,7 @@ def _info_dict(r: pb.InfoReply) -> dict:
         "routers": {x.router_id: x.idle_seconds for x in r.routers}, "owner_router_id": r.owner_router_id,
         "not_serving": r.not_serving, "replaced": r.replaced, "warmup_seconds": r.warmup_seconds,
         "transport": r.transport, "transport_detail": r.transport_detail,
-        "not_serving": r.not_serving, "replaced": r.replaced, "snapshot_slots": r.snapshot_slots,
+        "snapshot_slots": r.snapshot_slots,
         "snapshots_in_use": r.snapshots_in_use,
     }
 

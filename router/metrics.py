@@ -30,6 +30,10 @@ pipeline (ours)
     ``ppspec:stage_commit_latency_seconds{stage}``, ``ppspec:micro_batches_in_flight``,
     ``ppspec:stage_busy_fraction{stage}``, ``ppspec:stage_pool_usage{stage,pool}`` (pool
     ``rows``, ``kv`` or ``state``; a fraction in [0, 1], like vLLM's kv_cache_usage_perc).
+prefix cache (counters as vLLM's, in tokens)
+    ``ppspec:prefix_cache_queries_total`` (prompt tokens looked up at admission),
+    ``ppspec:prefix_cache_hits_total`` (of them, found cached: hit rate = the ratio of their
+    rates) and ``ppspec:prefix_cache_usage`` (fraction of snapshot slots in use).
 
 Units: every time is in seconds; ``now`` arguments are readings of one monotonic clock
 (``time.monotonic()`` when omitted); fractions are in [0, 1].
@@ -227,6 +231,12 @@ class RouterMetrics:
         self.stage_pool_usage = Gauge(
             PREFIX + "stage_pool_usage", "Used fraction of a stage pool (rows, kv, state).", ["stage", "pool"],
             registry=reg)
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.", registry=reg)
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).", registry=reg)
+        self.prefix_cache_usage = Gauge(
+            PREFIX + "prefix_cache_usage", "Used fraction of the prefix cache's snapshot slots.", registry=reg)
 
     # ------------------------------------------------------------------ requests
 
@@ -420,6 +430,15 @@ class RouterMetrics:
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
         self.stage_pool_usage.labels(stage=str(stage), pool=pool).set(_fraction(used_fraction, "pool usage"))
+
+    def on_prefix_cache(self, queried: int, hit: int, used_fraction: float) -> None:
+        """Prompt tokens looked up and found in the prefix cache since the last call; the
+        fraction of its snapshot slots in use."""
+        if queried < 0 or hit < 0:
+            raise ValueError("queried and hit must be >= 0")
+        self.prefix_cache_queries.inc(queried)
+        self.prefix_cache_hits.inc(hit)
+        self.prefix_cache_usage.set(_fraction(used_fraction, "prefix cache usage"))
 
     def _touch_stage(self, stage: int) -> None:
         s = str(stage)

@@ -535,12 +535,21 @@ class ErrorResponse(_Response):
     error: ErrorInfo
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+    """Prompt tokens whose state the prefix cache held (not computed again)."""
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     """Prompt tokens, each prompt counted once (not once per choice)."""
     completion_tokens: int = 0
     """Generated tokens over all choices (after stop-string truncation)."""
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+    """With --enable-prefix-caching: the cached part of the prompts."""
+
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_tokens_details"})
 
 
 class CompletionLogprobs(_Response):

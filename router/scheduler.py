@@ -566,7 +566,7 @@ class Scheduler:
                 outputs.append(
                     RequestOutput(
                         r.request_id, new, reason, len(r.prompt_ids), len(r.output_ids), lps,
-                        [len(toks)] if batch.mode == "verify" else [],
+                        [len(toks)] if batch.mode == "verify" else [], r.cached_tokens,
                     )
                 )
         commit = None

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False, help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); off by default: not yet measured on the GPU")
+    ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=4.0,
+                    help="GiB per stage for prefix-cache snapshots of the recurrent state (with "
+                         "--enable-prefix-caching; their KV pages come from --kv-tokens)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES,
                     help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--device", type=device_list, default="cpu",
@@ -194,6 +198,8 @@ def stage_argv(a: argparse.Namespace, k: int, ports: list[int], device: str, thr
         argv += ["--memory-budget-gb", str(a.memory_budget_gb)]
     if a.commit_design:
         argv += ["--commit-design", a.commit_design]
+    if a.enable_prefix_caching:
+        argv += ["--prefix-cache-gb", str(a.prefix_cache_gb)]
     argv += cuda_graph_argv(a)
     if a.inject_fault:
         argv += ["--inject-fault", a.inject_fault]
@@ -210,6 +216,8 @@ def router_argv(a: argparse.Namespace, ports: list[int]) -> list[str]:
         "--max-waiting", str(a.max_waiting), "--step-timeout", str(a.step_timeout),
         "--stall-timeout", str(a.stall_timeout), "--log-level", "warning",
     ]
+    if a.enable_prefix_caching:
+        argv.append("--enable-prefix-caching")
     for flag, value in (("--num-micro-batches", a.num_micro_batches), ("--api-key", a.api_key),
                         ("--served-model-name", a.served_model_name), ("--tool-call-parser", a.tool_call_parser),
                         ("--chat-template", a.chat_template), ("--reasoning-parser", a.reasoning_parser)):

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                    help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); off by default: not yet measured on the GPU" " (every stage needs --prefix-cache-gb)")
     ap.add_argument("--api-key", default=None, help="bearer key required on /v1/* (default: none)")
     ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                     help="read tool calls from chat output (the chat API's tools); default: tools are refused")
@@ -117,7 +119,7 @@ async def run_router(args) -> int:
     engine = Engine(pipeline, model_name=name, tokenizer=tokenizer, speculative_algorithm=args.speculative_algorithm,
                     num_micro_batches=args.num_micro_batches, max_batch_size=args.max_batch_size,
                     chunk_size=args.chunk_size, max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
-                    stall_timeout=args.stall_timeout,
+                    stall_timeout=args.stall_timeout, enable_prefix_caching=args.enable_prefix_caching,
                     metrics=metrics)
     try:
         await engine.start()

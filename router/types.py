@@ -167,6 +167,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     accept_lengths: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at admission
 
     @property
     def finished(self) -> bool:

@@ -435,7 +435,7 @@ class StageServicer(pb_grpc.StageServicer):
             busy_seconds=i["busy_seconds"], pending_commits=len(self.pending), commit_design=i["commit_design"],
             prefill_attention=i["prefill_attention"], warmup_seconds=i["warmup_seconds"],
             transport="" if self._next is None else self.link.transport, transport_detail=self.transport_detail,
-            prefill_attention=i["prefill_attention"], snapshot_slots=i["snapshot_slots"],
+            snapshot_slots=i["snapshot_slots"],
             snapshots_in_use=i["snapshots_in_use"],
         )
 

@@ -81,6 +81,7 @@ class Cluster:
             argv += ["--inject-fault", self.fault]
         if self.commit_design:
             argv += ["--commit-design", self.commit_design]
+        argv += self.stage_args
         plane = self.data_plane[k] if isinstance(self.data_plane, (list, tuple)) else self.data_plane
         if plane:
             argv += ["--data-plane", plane]

@@ -199,6 +199,12 @@ def build() -> dict:
             "Stage pool usage", "Used fraction of each stage's request rows, KV cache and recurrent-state pool.",
             [("max by (stage, pool) (ppspec:stage_pool_usage)", "stage {{stage}} {{pool}}")],
             "percentunit", width=24, minimum=0, maximum=1))
+        .with_panel(series(
+            "Prefix cache", "Share of looked-up prompt tokens found in the prefix cache (--enable-prefix-caching), "
+            "and the used fraction of its snapshot slots.",
+            [(f"{rate('ppspec:prefix_cache_hits_total')} / {rate('ppspec:prefix_cache_queries_total')}", "hit rate"),
+             ("max(ppspec:prefix_cache_usage)", "snapshot slots used")],
+            "percentunit", width=24, minimum=0, maximum=1))
     )
     return json.loads(json.dumps(d.build(), cls=JSONEncoder))
 

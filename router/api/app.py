@@ -25,7 +25,7 @@ from ..protocol import (
 )
 from ..reasoning import check_reasoning_parser
 from ..tool_calls import check_parser
-from ..types import EngineError
+from ..types import EngineError, InvalidRequestError
 from .errors import STATUS_TYPES, engine_error_response, error_body, error_response, renderable, validation_message
 from .edge import READ_TIMEOUT_S, edge_protocol
 from .guard import DEFAULT_MAX_REQUEST_BYTES, Guard
@@ -116,6 +116,14 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         return Response((await server.detokenize(body)).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/cache/flush")
+    async def flush_cache() -> JSONResponse:
+        """Evict every cached prefix no running request uses, on every stage (behind the API
+        key, as all of ``/v1``; safe while requests run)."""
+        if not getattr(engine, "prefix_caching", False):
+            raise InvalidRequestError("prefix caching is off (start with --enable-prefix-caching)")
+        return JSONResponse({"flushed_snapshots": await engine.flush_cache()})
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -34,6 +34,7 @@ class Sub:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (the engine's outputs say)
 
 
 @dataclass
@@ -222,6 +223,7 @@ class Fanout:
             if inspect.isawaitable(it):
                 it = await it
             async for out in it:
+                sub.cached_tokens = max(sub.cached_tokens, getattr(out, "num_cached_tokens", 0))
                 ids: list[int] = []
                 records: list[TokenRecord] = []
                 logprobs = out.logprobs or []

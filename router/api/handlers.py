@@ -26,6 +26,7 @@ from starlette.background import BackgroundTask
 from ..detokenize import TokenPieces
 from ..protocol import (
     AsyncEngine,
+    PromptTokensDetails,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -197,8 +198,12 @@ class OpenAIHandlers:
 
     def usage(self, prepared: Prepared, completion_tokens: int) -> UsageInfo:
         prompt_tokens = sum(len(p) for p in prepared.prompts)
+        details = None
+        if getattr(self.engine, "prefix_caching", False):  # each prompt once, as prompt_tokens
+            cached = {s.prompt_index: s.cached_tokens for s in sorted(prepared.subs, key=lambda s: s.cached_tokens)}
+            details = PromptTokensDetails(cached_tokens=sum(cached.values()))
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
     # -- endpoints -------------------------------------------------------------------------
 

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefix of the spec-decode counters in /metrics (default ppspec:; vLLM uses vllm:)")
     run.add_argument("--skip-test-request", dest="test_request", action="store_false",
                      help="do not send one short request before the run")
+    run.add_argument("--multi-turn", action="store_true",
+                     help="replay whole conversations turn by turn through the chat endpoint (each turn's "
+                          "prompt is the chat so far); --num-prompts conversations, --max-concurrency at once")
+    run.add_argument("--max-turns", type=positive_int, default=4, help="user turns per conversation (--multi-turn)")
     run.add_argument("--label", help="name of this run in plots")
     run.add_argument("--output", help="write the JSON result here")
     run.add_argument("--save-detailed", action="store_true",
@@ -135,6 +139,8 @@ def run_from_args(args, argv: list[str]) -> dict:
     normalize_base_url(args.base_url)  # fail on a bad URL before loading the data set
     counter = TokenCounter(args.tokenizer)
     records = load_sharegpt(args.dataset_path)
+    if args.multi_turn:
+        return _run_multi_turn(args, argv, records, counter)
     samples = sample_sharegpt(records, args.num_prompts, args.seed, counter,
                               max_output_len=args.max_output_len, max_input_len=args.max_input_len)
     cfg = RunConfig(
@@ -161,6 +167,21 @@ def run_from_args(args, argv: list[str]) -> dict:
     return result
 
 
+def _run_multi_turn(args, argv: list[str], records: list[dict], counter) -> dict:
+    from ppspec.bench.multiturn import run_multi_turn, sample_conversations
+    from ppspec.bench.runner import RunConfig
+
+    convs = sample_conversations(records, args.num_prompts, args.seed, counter, args.max_turns, args.max_output_len,
+                                 args.max_input_len)
+    cfg = RunConfig(base_url=args.base_url, model=args.model, endpoint="chat", max_concurrency=args.max_concurrency,
+                    seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos, api_key=args.api_key,
+                    timeout=args.timeout)
+    result = asyncio.run(run_multi_turn(cfg, convs))
+    if not args.save_detailed:
+        result.pop("turns")
+    return {"label": args.label, "command": "ppspec bench " + shlex.join(_redact(argv, args.api_key)), **result}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -180,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
             print("ppspec bench: error: --base-url is required (or --plot RESULT.json ...)", file=sys.stderr)
             return 2
         result = run_from_args(args, argv)
-        print(format_summary(result))
+        if result.get("mode") == "multi-turn":
+            from ppspec.bench.multiturn import format_multi_turn
+
+            print(format_multi_turn(result))
+        else:
+            print(format_summary(result))
         if args.output:
             out = Path(args.output)
             try:

@@ -45,6 +45,7 @@ class RequestResult:
     parts: list[str] = field(default_factory=list)  # generated text, chunk by chunk
     prompt_tokens: int | None = None  # server usage
     completion_tokens: int | None = None  # server usage
+    cached_tokens: int | None = None  # server usage: prompt_tokens_details.cached_tokens (a prefix cache)
     start: float = 0.0  # clock() at send, seconds
     non_openai: bool = False  # the answer was not an OpenAI-style response at all
 
@@ -167,6 +168,9 @@ async def stream_request(
                 if isinstance(usage, dict):
                     r.prompt_tokens = usage.get("prompt_tokens", r.prompt_tokens)
                     r.completion_tokens = usage.get("completion_tokens", r.completion_tokens)
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                        r.cached_tokens = details["cached_tokens"]
                 text = _chunk_text(chunk, chat)
                 if text:
                     ts = clock()

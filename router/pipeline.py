@@ -69,8 +69,9 @@ class InProcessPipeline:
         """Release ``rows`` on every stage (``StageRunner.release``: first snapshotting those
         with a slot in ``snapshot_slots``), then drop the prefix-cache ``drop_slots``."""
         if rows or drop_slots:
+            extra = (snapshot_slots, drop_slots) if (snapshot_slots or drop_slots) else ()
             for r in self.runners:
-                r.release(rows, snapshot_slots, drop_slots)
+                r.release(rows, *extra)
 
     # ---- asynchronous API (the router's driver), compute on one worker thread
     async def _run(self, fn, *args):

@@ -297,6 +297,9 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             slot, req.num_computed = self.cache.lookup(req.all_ids[: req.prefill_len]) if self.cache else (-1, 0)
+            if self._row_snapshots and self._snapshot_coming(req):
+                req.num_computed = 0  # the next turn of a conversation whose release is under way
+                break
             need = self._kv_need(req, min(self.chunk_size, req.prefill_len - req.num_computed))
             short = self.kv_reserved + need + headroom * self.num_running - self.kv_tokens
             if short > 0:
@@ -465,6 +468,13 @@ class Scheduler:
         elif slot >= 0:
             self.kv_reserved += charge
         return slot
+
+    def _snapshot_coming(self, req: Request) -> bool:
+        """A finished row's snapshot, not filed yet (its release is under way), holds more of
+        ``req``'s prefill tokens than the cache does now: worth the wait of one release."""
+        tokens = req.all_ids[: req.prefill_len]
+        return any(req.num_computed < len(key) - 1 and tokens[: len(key)] == key
+                   for _, key in self._row_snapshots.values())
 
     def _unpin(self, r: Request) -> None:
         if r.restore_slot >= 0:

@@ -568,6 +568,7 @@ def test_dashboard_queries_on_a_real_prometheus(tmp_path):
             rm.set_stage_busy(stage, 0.5 + 0.25 * stage)
             for pool, used in (("rows", 0.5), ("kv", 0.25), ("state", 0.5)):
                 rm.set_pool_usage(stage, pool, used)
+        rm.on_prefix_cache(100, 40, 0.5)  # 40 of 100 prompt tokens cached, half the snapshot slots used
         zero_samples = prom.query(f"count_over_time({drafts}[1m])")[0]
         exporter.publish()
         prom.wait(lambda: prom.query(drafts) == [30.0]
@@ -580,6 +581,7 @@ def test_dashboard_queries_on_a_real_prometheus(tmp_path):
             assert all(math.isfinite(v) for v in values), f"panel {title!r}: {values}"
             by_title.setdefault(title, []).extend(values)
 
+        assert [round(v, 6) for v in by_title["Prefix cache"]] == [0.4, 0.5]
         # the speculation panels read back exactly what the rounds were:
         # 30 drafts, 90 draft tokens, 40 accepted (positions 20, 10, 10)
         assert by_title["Mean accept length"] == [pytest.approx(1 + 40 / 30)]

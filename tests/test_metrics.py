@@ -274,6 +274,7 @@ def test_names_are_prefixed_and_complete(rm):
         "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
         "spec_decode_accept_length", "stage_forward_latency_seconds", "stage_commit_latency_seconds",
         "micro_batches_in_flight", "stage_busy_fraction", "stage_pool_usage", "pipeline_step_latency_seconds",
+        "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_usage",
     }
     assert set(families) == {P + n for n in expected}
     # every sample a busy router exports is a name sample_names() announces

@@ -1,0 +1,72 @@
+"""``ppspec bench --multi-turn`` against a stub chat server: each turn sends the chat so
+far (the record's user messages and the server's own replies), and the hit rate is the
+stub's reported cached tokens over its prompt tokens."""
+import json
+
+from test_bench import Serve
+
+from ppspec.bench.cli import main as bench_main
+
+
+class ChatStub:
+    """Replies ``n`` words ``w<turn>`` per request; prompt tokens = words of all messages,
+    cached = words of all but the last message."""
+
+    def __init__(self):
+        self.bodies = []
+
+    async def __call__(self, scope, receive, send):
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+
+        async def reply(status, ctype, payload):
+            await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]})
+            await send({"type": "http.response.body", "body": payload})
+
+        if scope["path"] == "/v1/models":
+            return await reply(200, b"application/json", b'{"object": "list", "data": [{"id": "stub"}]}')
+        req = json.loads(body)
+        self.bodies.append(req)
+        msgs = req["messages"]
+        turn = sum(m["role"] == "user" for m in msgs) - 1
+        words = [len(m["content"].split()) for m in msgs]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(req["max_tokens"]):
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"w{turn} "}}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+        usage = {"prompt_tokens": sum(words), "completion_tokens": req["max_tokens"],
+                 "prompt_tokens_details": {"cached_tokens": sum(words[:-1])}}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                    "data: [DONE]\n\n".encode()})
+
+
+def test_multi_turn_replays_the_chat_so_far(tmp_path):
+    recs = [{"conversations": [x for t in range(3) for x in (
+        {"from": "human", "value": " ".join(f"c{i}t{t}u{j}" for j in range(4 + t))},
+        {"from": "gpt", "value": " ".join(["r"] * (5 + i))})]} for i in range(3)]
+    recs.append({"conversations": [{"from": "human", "value": "one turn only"}, {"from": "gpt", "value": "a b c d"}]})
+    data = tmp_path / "sg.json"
+    data.write_text(json.dumps(recs))
+    stub = ChatStub()
+    out = tmp_path / "r.json"
+    with Serve(stub) as s:
+        rc = bench_main(["--base-url", s.url, "--dataset-path", str(data), "--multi-turn", "--num-prompts", "3",
+                         "--max-turns", "2", "--max-concurrency", "2", "--output", str(out), "--no-progress",
+                         "--save-detailed"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["mode"] == "multi-turn" and r["completed"] == 6 and r["failed"] == 0
+    second = [b["messages"] for b in stub.bodies if len(b["messages"]) == 3]
+    assert len(second) == 3
+    for m in second:  # user, the server's reply to it, the record's next user message
+        assert [x["role"] for x in m] == ["user", "assistant", "user"]
+        assert m[1]["content"] == "w0 " * len(m[1]["content"].split())
+        assert m[2]["content"].split()[0].endswith("t1u0")
+    later = [t for t in r["turns"] if t["turn"] == 1]
+    assert r["hit_rate_later_turns"] == sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later)
+    assert 0 < r["hit_rate"] < r["hit_rate_later_turns"] < 1
+    assert r["ttft_later_turns_ms"]["mean"] > 0

@@ -78,6 +78,23 @@ class PrefixCache:
                 best = (node.slot, i - 1)
         return best
 
+    def shared_len(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` some cached sequence shares (edges count where they
+        match, snapshot or not): where a new request branches off what others sent."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            k, j = child.key, 0
+            while j < len(k) and i + j < len(tokens) and k[j] == tokens[i + j]:
+                j += 1
+            i += j
+            if j < len(k):
+                break
+            node = child
+        return i
+
     def use(self, slot: int) -> None:
         """A micro-batch will restore from ``slot``: pinned until :meth:`done`."""
         self.pins[slot] = self.pins.get(slot, 0) + 1

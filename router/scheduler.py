@@ -59,6 +59,7 @@ class Request:
     scheduled: bool = False  # has been in a micro-batch (a preempted one stays so)
     restore_slot: int = -1   # prefix-cache snapshot its next prefill chunk starts from
     cached_tokens: int = 0   # prompt tokens found in the prefix cache at its admission
+    branch_at: int = 0       # a prefill chunk ends here: the snapshot there serves the next request that shares it
 
     def __post_init__(self):
         if self.prefill_len < 0:
@@ -313,6 +314,10 @@ class Scheduler:
                 if slot >= 0:
                     self.cache.use(slot)
                 req.restore_slot = slot
+                # where it branches off a cached sequence (a shared system prompt's end): a
+                # chunk ends there, so its snapshot serves the next request sharing as much
+                shared = self.cache.shared_len(req.all_ids[: req.prefill_len])
+                req.branch_at = shared - 1 if req.num_computed < shared - 1 < req.prefill_len else 0
                 if not req.scheduled:
                     req.cached_tokens = req.num_computed
                     self.cache.count(len(req.prompt_ids), req.num_computed)
@@ -389,6 +394,8 @@ class Scheduler:
                 if budget <= 0 or len(chosen) == self.max_batch_size:
                     break
                 n = min(budget, r.prefill_len - r.num_computed)
+                if r.num_computed < r.branch_at:
+                    n = min(n, r.branch_at - r.num_computed)
                 if r.status != RUNNING or not self._grow(r, n):  # preempted by an older one, or short
                     continue
                 budget -= n

@@ -676,10 +676,10 @@ class StageRunner:
         prefill may have half-advanced their state; a verify leaves committed state as it
         was). On success, records the rows' new lengths."""
         self._check_rows_state(inp)
+        if inp.snapshot_slots:
+            self.snapshots.check(inp.snapshot_slots, "snapshot_slots", occupied=False)
         restored = []
         if inp.restore_slots:
-            if inp.snapshot_slots:
-                self.snapshots.check(inp.snapshot_slots, "snapshot_slots", occupied=False)
             restored = self.snapshots.restore(inp.req_pool_indices, inp.restore_slots)
         try:
             self._reserve_pages(inp)

@@ -198,3 +198,25 @@ def test_radix_tree_lookup_split_and_lru():
     c.done(a)
     assert c.evict(1) == 8 and c.take_drops() == [a]
     assert c.dropped([a, b]) == 12 and c.num_used == 0 and not c.root.children
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_shared_prefix_hits_where_requests_branch(ckpt, spec):
+    """Requests one after another sharing a 45-token system prompt (not a multiple of the
+    chunk): the second hits the first one's chunk snapshot (32 tokens) and ends a chunk where
+    it branches off (44, the shared tokens but the last), so the later ones hit 44."""
+    convs = conversations(4, seed=2)
+    p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(ckpt, chunk_size=CHUNK).generate(convs, p)]
+    llm = LLM(ckpt, speculative_algorithm=spec, chunk_size=CHUNK, enable_prefix_caching=True)
+    got, cached = [], []
+    for c in convs:
+        rid = llm.add_request(c, p)
+        req = llm.scheduler.requests[rid]
+        while llm.has_unfinished():
+            llm.step()
+        got.append(llm.completions.pop(rid).token_ids)
+        cached.append(req.cached_tokens)
+    assert got == ref
+    assert cached == [0, 32, 44, 44]
+    assert_all_free(llm)

@@ -97,27 +97,28 @@ def test_fp32_penalties_on_cuda_identical_to_pp1_on_cuda(prompts):
 
 
 @pytest.mark.parametrize("pp,spec", [(2, "mtp"), (4, "ngram")])
-def test_fp32_seeded_sampling_on_cuda_identical_to_pp1_without_speculation(prompts, pp, spec):
+def test_fp32_seeded_sampling_on_cuda_identical_to_pp1_without_speculation(prompts, reference, pp, spec):
     """Seeded sampling (temperature 0.8, top-p / top-k variants) with graphs and
     speculation gives the tokens of PP1 without speculation, request for request: each
     position's token is the Gumbel-max pick under noise keyed by (seed, position)
     (``stage_server/sampler.py``). Half the requests are greedy, so batches mix the fused
-    greedy round's requests with sampled ones; the greedy ones keep their tokens too."""
+    greedy round's requests with sampled ones; the greedy ones keep PP1's greedy tokens
+    (divergence only at near-ties, as the other fp32 tests)."""
     from ppspec.router.llm import LLM
     from ppspec.router.types import SamplingParams
 
+    ref_greedy, gaps = reference
     ps = [_ids(x) for x in prompts]
     variants = [dict(top_p=0.95), dict(top_k=40), dict()]
     params = [SamplingParams(temperature=0.8 if i % 2 else 0.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=100 + i,
                              **variants[i % 3]) for i in range(len(ps))]
-    ref = [o.token_ids for o in LLM(DEMO, device="cuda", max_rows=N).generate(ps, params)]
-    outs = [o.token_ids for o in LLM(DEMO, device="cuda", pp_size=pp, speculative_algorithm=spec,
-                                     max_rows=N).generate(ps, params)]
-    diff = [i for i in range(len(ps)) if outs[i] != ref[i]]
+    ref = LLM(DEMO, device="cuda", max_rows=N).generate(ps, params)
+    outs = LLM(DEMO, device="cuda", pp_size=pp, speculative_algorithm=spec, max_rows=N).generate(ps, params)
+    sampled, greedy = range(1, len(ps), 2), range(0, len(ps), 2)
+    diff = [i for i in sampled if outs[i].token_ids != ref[i].token_ids]
     assert not diff, diff
-    greedy = [o.token_ids for o in LLM(DEMO, device="cuda", max_rows=N).generate(
-        ps, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
-    assert all(ref[i] != greedy[i] for i in range(1, len(ps), 2)), "sampling gave the greedy tokens"
+    assert all(ref[i].token_ids != ref_greedy[i] for i in sampled), "sampling gave the greedy tokens"
+    _check_near_ties([outs[i] for i in greedy], [ref_greedy[i] for i in greedy], [gaps[i] for i in greedy])
 
 
 def test_sampling_noise_is_the_same_on_cuda_and_cpu():

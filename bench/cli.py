@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefix of the spec-decode counters in /metrics (default ppspec:; vLLM uses vllm:)")
     run.add_argument("--skip-test-request", dest="test_request", action="store_false",
                      help="do not send one short request before the run")
+    run.add_argument("--shared-prefix-len", type=positive_int, default=None,
+                     help="every request starts with the same system prompt of about this many tokens "
+                          "(ShareGPT text; a system message on the chat endpoint): a prefix cache's best case")
     run.add_argument("--multi-turn", action="store_true",
                      help="replay whole conversations turn by turn through the chat endpoint (each turn's "
                           "prompt is the chat so far); --num-prompts conversations, --max-concurrency at once")
@@ -133,7 +136,7 @@ def _redact(argv: list[str], secret: str | None) -> list[str]:
 
 
 def run_from_args(args, argv: list[str]) -> dict:
-    from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
+    from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt, shared_prefix
     from ppspec.bench.runner import RunConfig, normalize_base_url, run_benchmark
 
     normalize_base_url(args.base_url)  # fail on a bad URL before loading the data set
@@ -143,6 +146,11 @@ def run_from_args(args, argv: list[str]) -> dict:
         return _run_multi_turn(args, argv, records, counter)
     samples = sample_sharegpt(records, args.num_prompts, args.seed, counter,
                               max_output_len=args.max_output_len, max_input_len=args.max_input_len)
+    if args.shared_prefix_len:
+        system = shared_prefix(records, args.shared_prefix_len, counter)
+        n = counter.count(system)
+        for s in samples:
+            s.system, s.prompt_len = system, s.prompt_len + n
     cfg = RunConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint,
         request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,

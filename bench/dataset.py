@@ -141,6 +141,32 @@ class SampleRequest:
     prompt_len: int  # counted locally (tokenizer or words)
     output_len: int  # max_tokens to request: the reference reply's length, capped
     reference_len: int  # the reference reply's length, uncapped
+    system: str | None = None  # a system prompt every request shares (--shared-prefix-len)
+
+
+def shared_prefix(records: list[dict], length: int, counter: "TokenCounter") -> str:
+    """A system prompt of at least ``length`` tokens (``counter``'s), made of ShareGPT
+    replies in file order: the same text for every request of a run."""
+    parts, n = [], 0
+    for rec in records:
+        pair = first_exchange(rec)
+        if pair is None:
+            continue
+        parts.append(pair[1])
+        n += counter.count(pair[1])
+        if n >= length:
+            break
+    if n < length:
+        raise BenchError(f"the dataset holds fewer than {length} tokens of replies for --shared-prefix-len")
+    words = " ".join(parts).split()
+    lo, hi = 1, len(words)  # the fewest leading words that count ``length`` tokens
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if counter.count(" ".join(words[:mid])) >= length:
+            hi = mid
+        else:
+            lo = mid + 1
+    return " ".join(words[:lo])
 
 
 def sample_sharegpt(

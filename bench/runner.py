@@ -124,9 +124,10 @@ def build_payload(endpoint: str, model: str, sample: SampleRequest, max_tokens: 
     if cfg.ignore_eos:
         payload["ignore_eos"] = True
     if endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": sample.prompt}]
+        system = [{"role": "system", "content": sample.system}] if sample.system else []
+        payload["messages"] = system + [{"role": "user", "content": sample.prompt}]
     else:
-        payload["prompt"] = sample.prompt
+        payload["prompt"] = f"{sample.system}\n\n{sample.prompt}" if sample.system else sample.prompt
     return payload
 
 

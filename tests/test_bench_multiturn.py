@@ -70,3 +70,19 @@ def test_multi_turn_replays_the_chat_so_far(tmp_path):
     assert r["hit_rate_later_turns"] == sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later)
     assert 0 < r["hit_rate"] < r["hit_rate_later_turns"] < 1
     assert r["ttft_later_turns_ms"]["mean"] > 0
+
+
+def test_shared_prefix_is_one_system_message(tmp_path):
+    from test_bench import write_dataset
+
+    data = write_dataset(tmp_path / "sg.json")
+    stub = ChatStub()
+    out = tmp_path / "r.json"
+    with Serve(stub) as s:
+        rc = bench_main(["--base-url", s.url, "--dataset-path", str(data), "--endpoint", "chat", "--num-prompts", "4",
+                         "--shared-prefix-len", "40", "--output", str(out), "--no-progress", "--skip-test-request"])
+    assert rc == 0 and json.loads(out.read_text())["completed"] == 4
+    systems = {b["messages"][0]["content"] for b in stub.bodies}
+    assert len(systems) == 1 and all(b["messages"][0]["role"] == "system" for b in stub.bodies)
+    assert len(systems.pop().split()) == 40  # whitespace counting: the fewest words that make 40
+    assert len({b["messages"][1]["content"] for b in stub.bodies}) == 4

@@ -188,12 +188,13 @@ def test_calls_without_the_key_change_nothing(make_ckpt, tmp_path):
         st.stop()
 
 
-def test_a_missing_or_empty_key_file_stops_a_stage_naming_it(tmp_path):
+def test_a_missing_or_empty_key_file_stops_a_stage_naming_it(tmp_path, capsys):
+    from ppspec.stage_server.server import main as stage_main
+
     missing, empty = str(tmp_path / "nope"), tmp_path / "empty"
-    p = subprocess.run([sys.executable, "-m", "ppspec.cli", "stage", "--pipeline-key-file", missing,
-                        "--port", str(free_port())], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    assert p.stderr == f"ppspec stage 0: --pipeline-key-file {missing}: No such file or directory\n", p.stderr
+    assert stage_main(["--pipeline-key-file", missing, "--port", str(free_port())]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert err == f"ppspec stage 0: --pipeline-key-file {missing}: No such file or directory\n", err
     empty.write_text("\n")
     with pytest.raises(KeyFileError, match=f"--pipeline-key-file {empty}: the file is empty"):
         read_key_file(str(empty))

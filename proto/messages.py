@@ -60,8 +60,8 @@ class SamplingSpec:
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
     # Structured output (``stage_server/grammar.py``): the request's grammar (xgrammar EBNF),
-    # sent only in the step that starts its row, with the outputs a preempted request
-    # already generated (the grammar accepts them before its first sample).
+    # sent once per row, with the prefill chunk that ends its prefill, and the outputs a
+    # preempted request already generated (the grammar accepts them before its next sample).
     grammar: str = ""
     grammar_accepted_ids: list[int] = field(default_factory=list)
 

@@ -2,9 +2,10 @@
 token mask of every verified position of a speculative round.
 
 The router turns a request's ``response_format`` / ``structured_outputs`` / ``tool_choice``
-into a grammar (``router/structured.py``: xgrammar's EBNF text) and sends it once, in the
-step that starts the request's row (``SamplingSpec.grammar``, with the outputs a preempted
-request already generated in ``grammar_accepted_ids``). This stage compiles it against the
+into a grammar (``router/structured.py``: xgrammar's EBNF text) and sends it once per row,
+with the prefill chunk that ends the request's prefill (``SamplingSpec.grammar``, with the
+outputs a preempted request already generated in ``grammar_accepted_ids``), whatever the
+chunk's start (a prefix-cache hit may skip the first ones). This stage compiles it against the
 checkpoint's tokenizer (xgrammar's compiler; its cache makes a repeated schema free) and
 keeps a matcher for the row, keyed by ``req_pool_index``, until the row is released.
 

@@ -550,9 +550,9 @@ class StageRunner:
         for b, spec in enumerate(inp.sampling):
             if not self._sampling_ok(spec):
                 self._check_sampling(b, spec)  # raises, naming the field
-            if (spec.grammar or spec.grammar_accepted_ids) and not (mode == PREFILL and seq[b] == 0 and spec.grammar):
-                raise ValueError(f"sampling[{b}]: grammar comes in the prefill that starts a row (seq_lens 0), "
-                                 f"grammar_accepted_ids only with it")
+            if (spec.grammar or spec.grammar_accepted_ids) and not (mode == PREFILL and spec.grammar):
+                raise ValueError(f"sampling[{b}]: grammar comes with a prefill chunk, grammar_accepted_ids only "
+                                 f"with it")
         if inp.output_lens and min(inp.output_lens) < 0:
             raise ValueError(f"output_lens must be >= 0, got {brief(inp.output_lens)}")
         for name in ("restore_slots", "snapshot_slots"):

@@ -151,25 +151,35 @@ def test_a_dead_end_ends_with_eos(tok, temperature):
     rows.advance([2, 3], mask, [r.tokens for r in got])  # logs the dead end, raises nothing
 
 
-def test_the_router_sends_the_grammar_once_with_a_preempted_requests_outputs(grammar):
-    """In the prefill chunk that starts the row, not after; after a preemption the new row
-    gets it again with every output so far (the grammar accepts them before sampling)."""
+def test_the_router_sends_the_grammar_once_per_row_with_a_preempted_requests_outputs(grammar):
+    """With the prefill chunk that ends the prompt, not before or after; after a preemption
+    the new row gets it again, with the chunk that ends the recompute, and every output so
+    far (the grammar accepts them before the next sample)."""
     def wire(batch):
         return step_from_pb(step_to_pb(batch.step_input([EOS]))).sampling[0]
 
     s = Scheduler(max_rows=2, kv_tokens=1000, max_context=100, chunk_size=4)
     req = s.add("a", list(range(3, 9)), SamplingParams(temperature=0, max_tokens=8, grammar=grammar))
     b = s.schedule(0)
-    assert (wire(b).grammar, wire(b).grammar_accepted_ids) == (grammar, [])
-    s.process(b, [[]])  # the prompt's first chunk
-    for out in ([40], [41]):  # its second chunk, then a decode
+    assert wire(b).grammar == ""  # the prompt's first chunk
+    s.process(b, [[]])
+    b = s.schedule(0)
+    assert (wire(b).grammar, wire(b).grammar_accepted_ids) == (grammar, [])  # its last: the first sample
+    s.process(b, [[40]])
+    for out in ([41], [42]):  # decodes
         b = s.schedule(0)
         assert wire(b).grammar == ""
         s.process(b, [out])
     s._preempt(req)
     s.free(s.take_preempted())
-    b = s.schedule(0)
-    assert b.seq_lens == [0] and (wire(b).grammar, wire(b).grammar_accepted_ids) == (grammar, [40, 41])
+    got = []
+    while True:  # the recompute: prompt and outputs but the last, in chunks
+        b = s.schedule(0)
+        got.append((b.mode, wire(b).grammar, wire(b).grammar_accepted_ids))
+        if b.mode != "prefill":
+            break
+        s.process(b, [[]])
+    assert got == [("prefill", "", [])] * 1 + [("prefill", grammar, [40, 41, 42]), ("decode", "", [])]
 
 
 def test_request_forms_become_one_grammar():

@@ -283,6 +283,25 @@ def test_a_preempted_constrained_request_resumes_its_grammar(tok):
     for ids in outs:
         assert set(json.loads(tok.decode(ids, skip_special_tokens=True))) == {"name", "age"}
 
+
+def test_a_prefix_cache_hit_keeps_the_grammar(tok):
+    """A request whose prompt is cached starts its row past the hit (its prefill skips the
+    cached chunks): the grammar still reaches the stage with its last chunk, and the answer
+    is the uncached one."""
+    torch.set_num_threads(1)
+    g = request_grammar(CompletionRequest(prompt="x", guided_json=SCHEMA))
+    p = SamplingParams(temperature=0, max_tokens=40, grammar=g)
+    prompt = tok.encode("A long shared system prompt about people and their ages. " * 6 + "Who?")
+    llm = LLM(DEMO_MODEL, max_rows=2, enable_prefix_caching=True, chunk_size=32)
+    first = llm.generate([prompt], p)[0]
+    rid = llm.add_request(prompt, p)
+    llm.step()
+    assert llm.scheduler.requests[rid].cached_tokens > 0
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.completions[rid].token_ids == first.token_ids
+    assert first.finish_reason == "stop" and set(json.loads(tok.decode(first.token_ids[:-1]))) == {"name", "age"}
+
 # --------------------------------------------------------------------------------------
 # Through the API, the openai client against real pipelines
 # --------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ def _s64(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
+_NOISE_ROWS = 64  # rows of noise drawn at once (float64: 2 MB a row at a 248K vocabulary)
 _GAMMA, _M1, _M2 = _s64(0x9E3779B97F4A7C15), _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
 
 
@@ -74,9 +75,14 @@ def exponential_noise(seed: int, positions: list[int], vocab: int, device) -> to
 
     Returns ``[len(positions), vocab]`` float64 on ``device``.
     """
-    keys = torch.tensor([_s64(_mix_int((seed & _MASK64) ^ _mix_int(p + 0x632BE59BD9B4E019))) for p in positions],
+    return _noise([(seed, p) for p in positions], vocab, device)
+
+
+def _noise(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
+    """:func:`exponential_noise` of ``(seed, position)`` pairs, one row each."""
+    rows = torch.tensor([_s64(_mix_int((seed & _MASK64) ^ _mix_int(p + 0x632BE59BD9B4E019))) for seed, p in keys],
                         dtype=torch.int64, device=device)
-    z = _mix(keys[:, None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA)
+    z = _mix(rows[:, None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA)
     u = (_shr(z, 11).double() + 0.5) * (2.0 ** -53)
     return -torch.log(u)
 
@@ -212,12 +218,18 @@ def verify_and_sample(
     targets = logits.argmax(-1)  # [B, D]
     sampled = [b for b, spec in enumerate(specs) if spec.temperature != 0.0]
     if sampled:
+        # the positions a request may emit (its drafts' and the bonus), every sampled
+        # request's in one list; the noise in chunks of rows (memory: 2 x 8 bytes x V a row)
+        rows = [(b, j) for b in sampled for j in range(num_drafts[b] + 1)]
+        probs = torch.cat([filter_probs(logits[b, : num_drafts[b] + 1].float(), specs[b]) for b in sampled])
+        picks = []
+        for i in range(0, len(rows), _NOISE_ROWS):
+            part = rows[i: i + _NOISE_ROWS]
+            noise = _noise([(specs[b].seed, output_lens[b] + j) for b, j in part], V, logits.device)
+            picks.append((probs[i: i + len(part)].double() / noise).argmax(-1))
+        at = torch.tensor(rows, dtype=torch.long, device=logits.device)
         targets = targets.clone()
-        for b in sampled:  # the positions a request may emit: its drafts' and the bonus
-            spec, n = specs[b], num_drafts[b] + 1
-            probs = filter_probs(logits[b, :n].float(), spec).double()
-            noise = exponential_noise(spec.seed, list(range(output_lens[b], output_lens[b] + n)), V, logits.device)
-            targets[b, :n] = (probs / noise).argmax(-1)
+        targets[at[:, 0], at[:, 1]] = torch.cat(picks)
     targets_l = targets.tolist()  # [B][D], one transfer for the batch
     lp_rows = [b for b, spec in enumerate(specs) if spec.logprobs is not None]
     moved = logits[torch.tensor(lp_rows, dtype=torch.long, device=logits.device)].float().cpu() if lp_rows else None

@@ -16,6 +16,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench]'
+	@# xgrammar declares triton; a CPU torch has no use for it, and with triton present
+	@# transformers may route linear attention to GPU kernels (xgrammar's CPU path needs none)
+	$(BIN)/python -c 'import torch, sys; sys.exit(torch.version.cuda is not None)' && $(BIN)/pip uninstall -y -q triton || true
 	$(MAKE) proto
 	touch $@
 

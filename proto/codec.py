@@ -80,6 +80,7 @@ def step_to_pb(s: StepInput) -> "pb.StepRequest":
                 prompt_token_ids=x.prompt_token_ids, logit_bias_ids=x.logit_bias_ids,
                 logit_bias_values=x.logit_bias_values, grammar=x.grammar,
                 grammar_accepted_ids=x.grammar_accepted_ids,
+                **({} if x.prompt_logprobs is None else {"prompt_logprobs": x.prompt_logprobs}),
             )
             for x in s.sampling
         ],
@@ -106,6 +107,7 @@ def step_from_pb(m: "pb.StepRequest") -> StepInput:
                 x.repetition_penalty if x.HasField("repetition_penalty") else 1.0,
                 list(x.output_token_ids), list(x.output_token_counts), list(x.prompt_token_ids),
                 list(x.logit_bias_ids), list(x.logit_bias_values), x.grammar, list(x.grammar_accepted_ids),
+                x.prompt_logprobs if x.HasField("prompt_logprobs") else None,
             )
             for x in m.sampling
         ],
@@ -131,25 +133,26 @@ def result_to_pb(o: StepOutput) -> "pb.StepResult":
         stage_seconds=o.stage_seconds or [o.compute_seconds],
         has_logprobs=o.logprobs is not None,
     )
-    if o.logprobs is not None:
-        for lp in o.logprobs:
+    for lps, target in ((o.logprobs, m.logprobs), (o.prompt_logprobs, m.prompt_logprobs)):
+        for lp in lps or []:
             item = pb.LogprobList(present=lp is not None)
             for tok, val, top in lp or []:
                 item.items.append(pb.TokenLogprob(token=tok, logprob=val, top_ids=[i for i, _ in top],
                                                   top_logprobs=[v for _, v in top]))
-            m.logprobs.append(item)
+            target.append(item)
     return m
 
 
+def _logprob_lists(items) -> list:
+    return [[(x.token, x.logprob, list(zip(x.top_ids, x.top_logprobs))) for x in lp.items] if lp.present else None
+            for lp in items]
+
+
 def result_from_pb(m: "pb.StepResult") -> StepOutput:
-    logprobs = None
-    if m.has_logprobs:
-        logprobs = [
-            [(x.token, x.logprob, list(zip(x.top_ids, x.top_logprobs))) for x in lp.items] if lp.present else None
-            for lp in m.logprobs
-        ]
     return StepOutput(
         micro_batch_id=m.micro_batch_id, round=m.round,
         output_ids=[list(t.ids) for t in m.output_ids], drafts=[list(t.ids) for t in m.drafts],
-        logprobs=logprobs, stage_seconds=list(m.stage_seconds),
+        logprobs=_logprob_lists(m.logprobs) if m.has_logprobs else None,
+        prompt_logprobs=_logprob_lists(m.prompt_logprobs) if m.prompt_logprobs else None,
+        stage_seconds=list(m.stage_seconds),
     )

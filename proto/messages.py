@@ -64,6 +64,9 @@ class SamplingSpec:
     # preempted request already generated (the grammar accepts them before its next sample).
     grammar: str = ""
     grammar_accepted_ids: list[int] = field(default_factory=list)
+    # prefill chunks: log-probabilities of the prompt tokens the chunk's positions predict,
+    # with this many alternatives (None: none)
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -129,5 +132,6 @@ class StepOutput:
     output_ids: list[list[int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # per request: [(token, logprob, top)] per predicted prompt token, or None
     compute_seconds: float = 0.0
     stage_seconds: list[float] = field(default_factory=list)

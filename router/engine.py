@@ -311,7 +311,7 @@ class Engine:
                 self._fail(f"{type(e).__name__}: {e}")
                 continue
             started = self.outstanding.pop(lane, None)
-            up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
+            up = sched.process(batch, res.output_ids, res.drafts, res.logprobs, res.prompt_logprobs)
             if up.commit is not None or up.release_rows:
                 self._spawn(self._commit_and_release(up))
             # the lane forms and sends its next micro-batch before anything else of this one

@@ -235,7 +235,7 @@ class LLM:
                 break
         outputs = []
         for batch, res in launched:
-            up = sched.process(batch, res.output_ids, res.drafts, res.logprobs)
+            up = sched.process(batch, res.output_ids, res.drafts, res.logprobs, res.prompt_logprobs)
             if up.commit is not None:
                 pipe.commit_accept_sync(up.commit)
             self._release(up.release_rows)

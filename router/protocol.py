@@ -308,7 +308,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     """A string, a list of strings, a list of token ids, or a list of token id lists."""
     echo: bool = False
-    """Prepend the prompt text to each choice's text (not with ``logprobs``)."""
+    """Prepend the prompt text to each choice's text; with ``logprobs``, the prompt tokens'
+    log-probabilities come first too (the first token's null: nothing predicts it)."""
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     """Return the log-probability of each generated token and this many top alternatives."""
     suffix: Optional[str] = None
@@ -331,8 +332,6 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must equal n)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported")
         return self
 
 

@@ -60,8 +60,11 @@ class Request:
     restore_slot: int = -1   # prefix-cache snapshot its next prefill chunk starts from
     cached_tokens: int = 0   # prompt tokens found in the prefix cache at its admission
     branch_at: int = 0       # a prefill chunk ends here: the snapshot there serves the next request that shares it
+    prompt_lps: list | None = None  # prompt_logprobs collected so far (None once sent)
 
     def __post_init__(self):
+        if self.params.prompt_logprobs is not None:
+            self.prompt_lps = []
         if self.prefill_len < 0:
             self.prefill_len = len(self.prompt_ids)
 
@@ -128,6 +131,8 @@ class ScheduledBatch:
                 # recomputed request's next decode, needs it), whatever the chunk's start;
                 # a recomputed request's outputs are the grammar's already
                 spec.grammar, spec.grammar_accepted_ids = p.grammar, list(r.output_ids)
+            if self.mode == "prefill" and p.prompt_logprobs is not None and r.prompt_lps is not None:
+                spec.prompt_logprobs = p.prompt_logprobs  # until they are sent (a recompute asks none)
             specs.append(spec)
         return StepInput(
             self.micro_batch_id, self.round, self.mode, self.req_pool_indices, list(self.seq_lens),
@@ -299,7 +304,9 @@ class Scheduler:
             if req.aborted:
                 self.waiting.popleft()
                 continue
-            slot, req.num_computed = self.cache.lookup(req.all_ids[: req.prefill_len]) if self.cache else (-1, 0)
+            # prompt log-probabilities still to collect need every prompt position computed
+            use_cache = self.cache is not None and req.prompt_lps is None
+            slot, req.num_computed = self.cache.lookup(req.all_ids[: req.prefill_len]) if use_cache else (-1, 0)
             if self._row_snapshots and self._snapshot_coming(req):
                 req.num_computed = 0  # the next turn of a conversation whose release is under way
                 break
@@ -537,7 +544,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def process(self, batch: ScheduledBatch, output_ids: list[list[int]], drafts: list[list[int]] | None = None,
-                logprobs: list | None = None) -> Update:
+                logprobs: list | None = None, prompt_logprobs: list | None = None) -> Update:
         """Apply one step result of ``batch``.
 
         Args:
@@ -545,6 +552,8 @@ class Scheduler:
                 prefill chunk that does not end its prompt).
             drafts: MTP drafts for the next round, per request (empty lists otherwise).
             logprobs: per request, ``[(token, logprob, top)]`` per emitted token, or None.
+            prompt_logprobs: per request of a prefill chunk, the same per prompt token its
+                positions predict, or None.
         """
         if len(output_ids) != len(batch.requests):
             raise ValueError(
@@ -575,6 +584,11 @@ class Scheduler:
                 release.append(self._finish(r, r.abort_reason))
                 outputs.append(RequestOutput(r.request_id, [], r.abort_reason, len(r.prompt_ids), len(r.output_ids)))
                 continue
+            if prompt_logprobs and prompt_logprobs[i] is not None and r.prompt_lps is not None:
+                if batch.seq_lens[i] == 0:  # the prompt's first chunk (again, after a preemption)
+                    r.prompt_lps = []
+                r.prompt_lps += [TokenLogprob(t, lp, list(top)) for t, lp, top in prompt_logprobs[i]]
+                r.prompt_lps = r.prompt_lps[:len(r.prompt_ids) - 1]
             new, reason = self._append(r, toks)
             lps = None
             if logprobs and logprobs[i] is not None:
@@ -586,6 +600,7 @@ class Scheduler:
                     RequestOutput(
                         r.request_id, new, reason, len(r.prompt_ids), len(r.output_ids), lps,
                         [len(toks)] if batch.mode == "verify" else [], r.cached_tokens,
+                        self._take_prompt_logprobs(r),
                     )
                 )
         commit = None
@@ -593,6 +608,14 @@ class Scheduler:
             commit = Commit(batch.micro_batch_id, batch.round, batch.req_pool_indices, accept)
         return Update(outputs, commit, release, accept if batch.mode == "verify" else [], list(batch.num_drafts),
                       batch.micro_batch_id, batch.round)
+
+    @staticmethod
+    def _take_prompt_logprobs(r: Request) -> list[TokenLogprob] | None:
+        """The prompt log-probabilities on the request's first output, once."""
+        if r.params.prompt_logprobs is None or r.prompt_lps is None:
+            return None
+        out, r.prompt_lps = r.prompt_lps, None
+        return out
 
     def _append(self, r: Request, toks: list[int]) -> tuple[list[int], str | None]:
         new = []

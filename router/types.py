@@ -60,6 +60,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     grammar: str | None = None
+    prompt_logprobs: int | None = None
+    """None, or the number of top log-probabilities to return per prompt token (its first
+    excepted: nothing predicts it); they come with the request's first output."""
 
     def validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the bad field (a wrong type included: a
@@ -94,7 +97,7 @@ class SamplingParams:
         # numpy / torch scalars become Python numbers (a numpy seed would overflow below)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, name, float(getattr(self, name)))
-        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))
         self.stop_token_ids = [int(t) for t in ids]
@@ -112,6 +115,8 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens must be in [0, max_tokens]", param="min_tokens")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise InvalidRequestError("prompt_logprobs must be in [0, 20]", param="prompt_logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
@@ -168,6 +173,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     accept_lengths: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at admission
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With ``SamplingParams.prompt_logprobs``, on the first update: one per prompt token
+    after the first."""
 
     @property
     def finished(self) -> bool:

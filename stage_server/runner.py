@@ -569,6 +569,7 @@ class StageRunner:
         V, t = self.cfg.vocab_size, s.temperature
         return (0 <= t < math.inf and (t == 0 or (0 < s.top_p <= 1 and s.top_k >= -1 and 0 <= s.min_p <= 1))
                 and (s.logprobs is None or 0 <= s.logprobs <= V) and s.min_tokens >= 0
+                and (s.prompt_logprobs is None or 0 <= s.prompt_logprobs <= V)
                 and (not s.banned_until_min or (min(s.banned_until_min) >= 0 and max(s.banned_until_min) < V))
                 and not (s.penalized or s.logit_bias_ids or s.output_token_ids or s.prompt_token_ids
                          or s.logit_bias_values or s.output_token_counts or s.grammar_accepted_ids))  # those: the full check
@@ -586,6 +587,8 @@ class StageRunner:
             bad = f"min_p must be in [0, 1], got {spec.min_p}"
         elif spec.logprobs is not None and not 0 <= spec.logprobs <= V:
             bad = f"logprobs must be in [0, {V}] (or none), got {spec.logprobs}"
+        elif spec.prompt_logprobs is not None and not 0 <= spec.prompt_logprobs <= V:
+            bad = f"prompt_logprobs must be in [0, {V}] (or none), got {spec.prompt_logprobs}"
         elif spec.min_tokens < 0:
             bad = f"min_tokens must be >= 0, got {spec.min_tokens}"
         elif any(not 0 <= t < V for t in spec.banned_until_min):
@@ -847,6 +850,8 @@ class StageRunner:
             self.grammars.advance(rows, mask, out.output_ids)
         if any(s.logprobs is not None for s in specs):
             out.logprobs = [r.logprobs if sample[b] else None for b, r in enumerate(results)]
+        if inp.mode == PREFILL and any(s.prompt_logprobs is not None for s in specs):
+            out.prompt_logprobs = self._prompt_logprobs(inp, hidden, specs, cu)
         if self.use_mtp:
             graphs = self.mtp_graphs.get(inp.mode)
             if graphs is not None and graphs.bucket(B) is not None:
@@ -858,6 +863,33 @@ class StageRunner:
                 out.drafts = graphs.run(inp.req_pool_indices, inp.seq_lens, ids, hidden, acc)[1].tolist()
             else:
                 out.drafts = self._mtp_draft(inp, meta, hidden, out.output_ids)
+
+    def _prompt_logprobs(self, inp: StepInput, hidden: torch.Tensor, specs: list[SamplingSpec],
+                         cu: list[int]) -> list:
+        """Per request of a prefill chunk, None or ``[(token, logprob, [(id, logprob)] top-n)]``
+        for each prompt token its positions predict: the chunk's own tokens after its first,
+        then the next chunk's first (``next_token_ids``, -1 for a prompt's last chunk, whose
+        last position predicts the first output token instead). Log-probabilities of the
+        model's logits (fp32, before any penalty or bias: vLLM's prompt_logprobs)."""
+        ids = host_int64(inp.input_ids).tolist()
+        nxt = inp.next_token_ids or [-1] * len(specs)
+        out: list = []
+        for b, spec in enumerate(specs):
+            if spec.prompt_logprobs is None:
+                out.append(None)
+                continue
+            targets = ids[cu[b] + 1:cu[b + 1]] + ([nxt[b]] if nxt[b] >= 0 else [])
+            if not targets:
+                out.append([])
+                continue
+            lp = torch.log_softmax(self.model.logits(hidden[cu[b]:cu[b] + len(targets)], upcast=True).float(), dim=-1)
+            chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+            tops: list = [[] for _ in targets]
+            if spec.prompt_logprobs > 0:
+                v, i = lp.topk(spec.prompt_logprobs, dim=-1)
+                tops = [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+            out.append([(t, c, top) for t, c, top in zip(targets, chosen, tops)])
+        return out
 
     # ------------------------------------------------------------------ greedy MTP rounds in one graph
     def _greedy_round_graphs(self, inp: StepInput) -> StepGraphs | None:

@@ -819,7 +819,6 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [[]]}, "prompt"),
     ("completions", {"prompt": [1, "a"]}, "prompt"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, None),
     ("completions", {"max_tokens": 3}, "prompt"),
     ("completions", {"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 3}, None),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),

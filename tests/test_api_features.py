@@ -205,3 +205,63 @@ def test_openai_client_with_extra_body(server, engine):
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, metadata={"a": "b"}, store=False,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}, "include_stop_str_in_output": True})
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_prompt_logprobs_against_transformers(make_ckpt, stream):
+    """``echo`` with ``logprobs`` on a real engine (PP2 over in-process stages, prefill in
+    chunks of 5 tokens so that the stage's chunk boundary is crossed): the prompt tokens'
+    log-probabilities and top alternatives are transformers' on the same checkpoint."""
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ppspec.router.engine import Engine
+    from ppspec.router.pipeline import InProcessPipeline
+
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio1")
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    k = 2
+    with torch.no_grad():
+        ref = torch.log_softmax(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0].float(), dim=-1)
+    pipe = InProcessPipeline.build(path, 2, max_rows=4, kv_tokens=256)
+
+    async def run():
+        engine = Engine(pipe, model_name="t", tokenizer=tok, chunk_size=5)
+        await engine.start()
+        app = build_app(engine, "t")
+        body = dict(prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=k, stream=stream)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            r = await c.post("/v1/completions", json=body)
+        for t in engine._tasks:
+            t.cancel()
+        return r
+
+    r = asyncio.run(run())
+    assert r.status_code == 200, r.text
+    if stream:
+        choices = [c for ev in _events(r.text) for c in ev["choices"]]
+        lp = {key: [x for c in choices if c["logprobs"] for x in c["logprobs"][key]]
+              for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        text = "".join(c["text"] for c in choices)
+    else:
+        lp, text = r.json()["choices"][0]["logprobs"], r.json()["choices"][0]["text"]
+    n = len(prompt)
+    assert len(lp["token_logprobs"]) == n + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = [ref[j - 1, prompt[j]].item() for j in range(1, n)]
+    assert lp["token_logprobs"][1:n] == pytest.approx(want, abs=2e-4)
+    for j in range(1, n):
+        top = torch.topk(ref[j - 1], k)
+        want_top: dict = {}
+        for i, v in zip(top.indices.tolist(), top.values.tolist()):  # first of tokens that read alike
+            want_top.setdefault(tok.decode([i]), v)
+        want_top.setdefault(tok.decode([prompt[j]]), ref[j - 1, prompt[j]].item())
+        got = lp["top_logprobs"][j]
+        assert got.keys() == want_top.keys() and list(got.values()) == pytest.approx(list(want_top.values()), abs=2e-4)
+    assert text.startswith(tok.decode(prompt, skip_special_tokens=True))
+    assert lp["text_offset"][:n] == sorted(lp["text_offset"][:n])  # offsets walk through the prompt text

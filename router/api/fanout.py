@@ -170,6 +170,7 @@ class Fanout:
         self.include_stop = body.include_stop_str_in_output
         self.want_logprobs = want_logprobs
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # choice -> its prompt's (when asked)
         self.tasks: list[asyncio.Task] = []
         self.started: set[int] = set()
         self.finished: set[int] = set()
@@ -224,6 +225,8 @@ class Fanout:
                 it = await it
             async for out in it:
                 sub.cached_tokens = max(sub.cached_tokens, getattr(out, "num_cached_tokens", 0))
+                if out.prompt_logprobs is not None:  # on the first output, before its event
+                    self.prompt_logprobs[sub.index] = out.prompt_logprobs
                 ids: list[int] = []
                 records: list[TokenRecord] = []
                 logprobs = out.logprobs or []

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from ..detokenize import TokenPieces
+from ..detokenize import IncrementalDecoder, TokenPieces
 from ..protocol import (
     AsyncEngine,
     PromptTokensDetails,
@@ -36,6 +36,7 @@ from ..protocol import (
     ChatStreamChoice,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -51,7 +52,7 @@ from ..types import EngineError, InvalidRequestError
 from .chat_text import ChoiceText
 from .errors import APIError, check_utf8, error_body, renderable
 from ..structured import request_grammar
-from .fanout import ClientGone, Event, Fanout, Runner, Sub, check_ids, make_subs, unless_disconnected
+from .fanout import ClientGone, Event, Fanout, Runner, Sub, TokenRecord, check_ids, make_subs, unless_disconnected
 from .logprobs import chat_logprobs, completion_logprobs
 from .tokenize import PromptTooLong, TokenizerPool
 
@@ -62,6 +63,11 @@ ACCESS_KEY = "ppspec.access"
 
 _Chunks = tuple[Callable[[Event], Iterable[BaseModel]], Callable[[UsageInfo], BaseModel]]
 """An endpoint's stream shape: the chunks of one event, and the usage chunk."""
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
 def warn_ignored(body: _GenerationRequest, path: str) -> None:
@@ -154,7 +160,21 @@ class OpenAIHandlers:
             texts = [self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         subs = self._subs(body, request_id, prompts, body.logprobs, "prompt")
+        if body.echo and body.logprobs is not None:
+            for sub in subs:
+                sub.params.prompt_logprobs = body.logprobs
         return Prepared(request_id, prompts, texts, subs)
+
+    def _prompt_logprobs(self, fanout: Fanout, sub: Sub, k: int) -> CompletionLogprobs:
+        """Echo with logprobs: the prompt tokens' entries, offsets in the decoded prompt text
+        (the first token's log-probability null: nothing predicts it)."""
+        lps = fanout.prompt_logprobs.get(sub.index) or []
+        decoder = IncrementalDecoder(self.tokenizer, [], skip_special_tokens=False)
+        records, offset = [], 0
+        for j, tid in enumerate(sub.prompt_ids):
+            records.append(TokenRecord(tid, lps[j - 1] if 0 < j <= len(lps) else None, offset))
+            offset += len(decoder.push(tid))
+        return completion_logprobs(self.pieces, records, k)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         """Render the messages with the chat template (generation prompt added) and build one
@@ -213,7 +233,7 @@ class OpenAIHandlers:
         prepared = await self.prepare_completion(body)
         fanout = Fanout(self.runner, prepared.subs, body, body.logprobs is not None)
         if body.stream:
-            return await self._stream(request, fanout, prepared, body, *self._completion_chunks(body, prepared))
+            return await self._stream(request, fanout, prepared, body, *self._completion_chunks(body, prepared, fanout))
         events = await self._collect(request, fanout)
         if events is None:
             return Response(status_code=499)
@@ -225,10 +245,14 @@ class OpenAIHandlers:
             total += len(ids)
             text = "".join(e.text for e in evs)
             prefix = prepared.prompt_texts[sub.prompt_index] if body.echo and prepared.prompt_texts else ""
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(self.pieces, records, body.logprobs, len(prefix))
+                if body.echo:
+                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs), logprobs)
             choices.append(CompletionChoice(
                 index=sub.index, text=prefix + text,
-                logprobs=None if body.logprobs is None else completion_logprobs(self.pieces, records, body.logprobs,
-                                                                                len(prefix)),
+                logprobs=logprobs,
                 finish_reason=evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
                 token_ids=ids if body.return_token_ids else None,
                 prompt_token_ids=sub.prompt_ids if body.return_token_ids else None))
@@ -293,7 +317,7 @@ class OpenAIHandlers:
 
     # -- streamed chunks of each endpoint --------------------------------------------------
 
-    def _completion_chunks(self, body: CompletionRequest, prepared: Prepared) -> _Chunks:
+    def _completion_chunks(self, body: CompletionRequest, prepared: Prepared, fanout: Fanout) -> _Chunks:
         created = int(time.time())
 
         def chunks(ev: Event) -> Iterable[BaseModel]:
@@ -307,9 +331,14 @@ class OpenAIHandlers:
             carries = body.return_token_ids or body.logprobs is not None
             if not (text or ev.finish_reason or (carries and (ev.token_ids or ev.first))):
                 return
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(self.pieces, ev.tokens, body.logprobs, len(prefix))
+                if prefix:
+                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs), logprobs)
             choice = CompletionChoice(
                 index=ev.index, text=text,
-                logprobs=None if body.logprobs is None else completion_logprobs(self.pieces, ev.tokens, body.logprobs),
+                logprobs=logprobs,
                 finish_reason=ev.finish_reason, stop_reason=ev.stop_reason,
                 token_ids=ev.token_ids if body.return_token_ids else None,
                 prompt_token_ids=sub.prompt_ids if (body.return_token_ids and ev.first) else None)

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ppspec.router.serve import wait_healthy
+from ppspec.launch.serve import wait_healthy
 
 
 def _port() -> int:

@@ -1,9 +1,16 @@
 """argparse value types shared by the ``ppspec`` subcommands: a bad value is one clear
-usage error (exit code 2), never a traceback from deep inside a server."""
+usage error (exit code 2), never a traceback from deep inside a server. Also the defaults
+and checks every server's command line shares (the demo checkpoint, a free port)."""
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import re
+import socket
+
+# the bundled demo checkpoint: the default of every --model
+DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "qwen35-demo")
 
 
 def _int_at_least(lo: int, what: str):
@@ -180,3 +187,39 @@ def cuda_graph_argv(args: argparse.Namespace) -> list[str]:
     """The same options, for a child process's command line."""
     n = cuda_graph_max_bs(args)
     return [] if n is None else ["--cuda-graph-max-bs", str(n)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as the servers set it:
+    sockets of a stopped server left in TIME_WAIT do not count as in use.
+
+    Raises:
+        ValueError: ``host`` does not resolve, or is no address of this machine.
+    """
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except socket.gaierror as e:
+            raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host {host} is not an address of this machine") from None
+            return False
+    return True
+
+
+def listen_error(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` now (one line), or None."""
+    try:
+        if port_free(host, port):
+            return None
+    except ValueError as e:
+        return str(e)
+    return f"{host}:{port} is already in use (another server?); pick another --port"

@@ -9,10 +9,10 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "serve": ("ppspec.router.serve", "start N stages and the router on loopback"),
+    "serve": ("ppspec.launch.serve", "start N stages and the router on loopback"),
     "router": ("ppspec.router.server", "run the router (HTTP API + scheduler) in front of running stages"),
     "stage": ("ppspec.stage_server.server", "run one pipeline stage (gRPC)"),
-    "demo": ("ppspec.router.demo", "serve the demo model, send a few ShareGPT prompts, keep serving"),
+    "demo": ("ppspec.launch.demo", "serve the demo model, send a few ShareGPT prompts, keep serving"),
     "bench": ("ppspec.bench.cli", "serving benchmark against any OpenAI-compatible server"),
     "generate": ("ppspec.router.llm", "generate in one process (no gRPC), for quick checks"),
 }

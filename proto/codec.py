@@ -4,7 +4,7 @@ Tensors travel as raw bytes with dtype and shape: no per-element protobuf encodi
 """
 from __future__ import annotations
 
-from .messages import SamplingSpec, StepInput, StepOutput
+from .messages import Commit, Release, SamplingSpec, StageInfo, StepInput, StepOutput
 from .stubs import pb
 
 MAX_MESSAGE_BYTES = 1 << 30
@@ -156,3 +156,46 @@ def result_from_pb(m: "pb.StepResult") -> StepOutput:
         prompt_logprobs=_logprob_lists(m.prompt_logprobs) if m.prompt_logprobs else None,
         stage_seconds=list(m.stage_seconds),
     )
+
+
+def commit_to_pb(c: Commit, router_id: str = "") -> "pb.CommitRequest":
+    return pb.CommitRequest(micro_batch_id=c.micro_batch_id, round=c.round, req_pool_indices=c.req_pool_indices,
+                            accept_lengths=c.accept_lengths, router_id=router_id)
+
+
+def commit_from_pb(m: "pb.CommitRequest") -> Commit:
+    return Commit(m.micro_batch_id, m.round, list(m.req_pool_indices), list(m.accept_lengths))
+
+
+def release_to_pb(r: Release, router_id: str = "") -> "pb.ReleaseRequest":
+    return pb.ReleaseRequest(req_pool_indices=r.req_pool_indices, micro_batch_id=r.micro_batch_id, round=r.round,
+                             abandon=r.abandon, router_id=router_id, snapshot_slots=r.snapshot_slots,
+                             drop_slots=r.drop_slots)
+
+
+def release_from_pb(m: "pb.ReleaseRequest") -> Release:
+    return Release(list(m.req_pool_indices), m.micro_batch_id, m.round, m.abandon, list(m.snapshot_slots),
+                   list(m.drop_slots))
+
+
+_INFO_SCALARS = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers", "max_rows", "rows_in_use",
+                 "kv_tokens", "kv_pages_used", "kv_pages_total", "max_context", "num_speculative_steps", "has_mtp",
+                 "vocab_size", "busy_seconds", "pending_commits", "commit_design", "prefill_attention",
+                 "instance_id", "next_instance_id", "owner_router_id", "not_serving", "replaced", "warmup_seconds",
+                 "transport", "transport_detail", "snapshot_slots", "snapshots_in_use")
+
+
+def info_to_pb(i: StageInfo) -> "pb.InfoReply":
+    m = pb.InfoReply(**{k: i[k] for k in _INFO_SCALARS if k in i})
+    m.eos_token_ids.extend(i.get("eos_token_ids", []))
+    m.memory_bytes.update(i.get("memory_bytes", {}))
+    m.routers.extend(pb.RouterSeen(router_id=r, idle_seconds=t) for r, t in i.get("routers", {}).items())
+    return m
+
+
+def info_from_pb(m: "pb.InfoReply") -> StageInfo:
+    i: StageInfo = {k: getattr(m, k) for k in _INFO_SCALARS}
+    i["eos_token_ids"] = list(m.eos_token_ids)
+    i["memory_bytes"] = dict(m.memory_bytes)
+    i["routers"] = {x.router_id: x.idle_seconds for x in m.routers}
+    return i

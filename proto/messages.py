@@ -1,13 +1,15 @@
 """The stage API's messages as plain dataclasses (the in-process form of ``stage.proto``).
 
 The router builds them, stages consume them; over gRPC ``codec.py`` maps them to and from
-the protobuf messages. Only ``hidden_states`` holds a tensor, and the router never reads it:
-activations go from stage to stage.
+the protobuf messages: a step (:class:`StepInput` / :class:`StepOutput`), a
+:class:`Commit`, a :class:`Release` and a stage's :class:`StageInfo`. Only
+``hidden_states`` holds a tensor, and the router never reads it: activations go from stage
+to stage.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 
@@ -135,3 +137,69 @@ class StepOutput:
     prompt_logprobs: list | None = None  # per request: [(token, logprob, top)] per predicted prompt token, or None
     compute_seconds: float = 0.0
     stage_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Commit:
+    """Accept the verify of micro-batch ``micro_batch_id``, round ``round`` on every stage
+    (``CommitRequest``; docs/DESIGN.md, "Commit rule"): row ``req_pool_indices[i]`` keeps
+    ``accept_lengths[i]`` (in ``[1, D]``) of the tokens that verify ran."""
+
+    micro_batch_id: int
+    round: int
+    req_pool_indices: list[int]
+    accept_lengths: list[int]
+
+
+@dataclass
+class Release:
+    """Free rows of finished or aborted requests on every stage (``ReleaseRequest``), after
+    their pending commit; ``micro_batch_id`` / ``round``: where they last ran.
+    ``abandon``: no commit will come for their pending round (it failed, or the pipeline is
+    being reset): drop it instead of waiting. ``snapshot_slots`` / ``drop_slots``: the
+    prefix cache's (``StageRunner.release``)."""
+
+    req_pool_indices: list[int]
+    micro_batch_id: int = 0
+    round: int = 0
+    abandon: bool = False
+    snapshot_slots: list[int] = field(default_factory=list)  # per row: its prefix-cache slot, or -1
+    drop_slots: list[int] = field(default_factory=list)      # prefix-cache slots to drop after
+
+
+class StageInfo(TypedDict, total=False):
+    """A stage's ``Info`` (``InfoReply``): what the router schedules by, and the stage's
+    state. The runner fills the first group; the stage server adds the second."""
+
+    pp_rank: int
+    pp_size: int
+    layer_start: int
+    layer_end: int              # layers [layer_start, layer_end) of num_layers
+    num_layers: int
+    max_rows: int               # req_pool_indices range
+    rows_in_use: int
+    kv_tokens: int              # KV pool capacity in tokens (1 << 30 without attention layers)
+    kv_pages_used: int
+    kv_pages_total: int
+    max_context: int            # tokens
+    num_speculative_steps: int
+    has_mtp: bool
+    vocab_size: int
+    eos_token_ids: list[int]
+    memory_bytes: dict[str, int]
+    busy_seconds: float         # compute seconds since start
+    commit_design: str          # "copy" or "replay"
+    prefill_attention: str      # "flashinfer" or "triton"
+    warmup_seconds: float       # the warm-up at start
+    # the stage server's
+    pending_commits: int        # rows whose verify awaits its commit
+    instance_id: str            # random per process: a restart changes it
+    next_instance_id: str       # the stage it relays to ("" on the last stage)
+    routers: dict[str, float]   # router_id -> seconds since its last Info
+    owner_router_id: str        # the router that last claimed the stage
+    not_serving: str            # why it takes no step now ("" when it does)
+    replaced: bool              # another router's claim took the stage from the asking one
+    transport: str              # data plane to the next stage: "shm", "cuda_ipc", "bytes" ("" on the last)
+    transport_detail: str       # why "bytes" where the stage asked for another
+    snapshot_slots: int         # prefix-cache snapshot slots of the stage
+    snapshots_in_use: int

@@ -22,7 +22,10 @@ import logging
 import time
 from typing import AsyncIterator
 
+from ppspec.proto.messages import Release, StageInfo
+
 from .metrics import RouterMetrics
+from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler, Update, kv_budget
 from .types import EngineError, RequestOutput, SamplingParams, StageDownError
@@ -35,13 +38,13 @@ _STAGE_SHAPE = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers", 
                 "vocab_size", "max_rows", "max_context", "kv_tokens", "eos_token_ids")
 
 
-def _all_slots(infos: list[dict]) -> dict:
-    """Release's arguments that drop every prefix-cache snapshot slot of any stage."""
+def _all_slots(infos: list[StageInfo]) -> dict:
+    """Release's fields that drop every prefix-cache snapshot slot of any stage."""
     n = max((i.get("snapshot_slots", 0) for i in infos), default=0)
     return {"drop_slots": list(range(n))} if n else {}
 
 
-def _changed_stages(before: list[dict], now: list[dict]) -> str:
+def _changed_stages(before: list[StageInfo], now: list[StageInfo]) -> str:
     """'' when every stage reports the settings it started with, else what changed."""
     if len(before) != len(now):
         return f"{len(now)} stages answer, {len(before)} at start"
@@ -54,7 +57,8 @@ def _changed_stages(before: list[dict], now: list[dict]) -> str:
 
 
 class Engine:
-    """Async engine over ``pipeline`` (``GrpcPipeline`` or ``InProcessPipeline``).
+    """Async engine over ``pipeline`` (a ``router.pipeline.Pipeline``: ``GrpcPipeline`` or
+    ``InProcessPipeline``).
 
     Call :meth:`start` (reads every stage's ``Info``) before serving.
 
@@ -72,7 +76,7 @@ class Engine:
             then, not at the step RPC's timeout.
     """
 
-    def __init__(self, pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
+    def __init__(self, pipeline: Pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
                  num_micro_batches: int | None = None, max_batch_size: int = 64, chunk_size: int = 512,
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
                  metrics: RouterMetrics | None = None, enable_prefix_caching: bool = False):
@@ -102,7 +106,7 @@ class Engine:
         # output task; None wakes it to end
         self._outbox: asyncio.Queue = asyncio.Queue()
         self.max_model_len = 0
-        self.stage_infos: list[dict] = []
+        self.stage_infos: list[StageInfo] = []
 
     async def start(self) -> None:
         infos = await self.pipeline.info()
@@ -132,17 +136,15 @@ class Engine:
             prefix_cache=self._prefix_cache(infos, page_size),
         )
         self.eos = last["eos_token_ids"]
-        if hasattr(self.pipeline, "check_start"):  # gRPC: one router per pipeline, the relay chain
-            infos = await self.pipeline.check_start(infos)
-            self.pipeline.on_restart = self._on_stage_restart
-            self.pipeline.on_displaced = self._on_displaced
+        infos = await self.pipeline.check_start(infos)  # gRPC: one router per pipeline, the relay chain
+        self.pipeline.on_restart = self._on_stage_restart
+        self.pipeline.on_displaced = self._on_displaced
         if self.scheduler.context_limited_by_kv:
             log.warning("the stages' KV pool (%d tokens) holds less than their context (%d tokens): requests are "
                         "limited to %d tokens", kv_tokens, self.max_model_len, self.scheduler.max_context)
         self.max_model_len = self.scheduler.max_context
         await self._reset_stages(infos)
-        if hasattr(self.pipeline, "start_monitor"):
-            self.pipeline.start_monitor()
+        self.pipeline.start_monitor()
         self._stopping = False
         self._lane_gen = [0] * lanes
         self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(lanes)]
@@ -150,7 +152,7 @@ class Engine:
         self._tasks.append(asyncio.ensure_future(self._stall_watch()))
         self._tasks.append(asyncio.ensure_future(self._output_loop()))
 
-    def _prefix_cache(self, infos: list[dict], page_size: int) -> PrefixCache | None:
+    def _prefix_cache(self, infos: list[StageInfo], page_size: int) -> PrefixCache | None:
         """The prefix cache over the stages' snapshot slots (the fewest any stage has)."""
         if not self.prefix_caching:
             return None
@@ -361,8 +363,7 @@ class Engine:
             return
         try:
             snap = self.scheduler.release_snapshots(rows)
-            await self.pipeline.release(rows, micro_batch_id, round, abandon=abandon,
-                                        **({"snapshot_slots": snap} if snap else {}))
+            await self.pipeline.release(Release(rows, micro_batch_id, round, abandon, snapshot_slots=snap or []))
         except (StageDownError, OSError, EngineError, ValueError) as e:
             self._stale_rows = self._stale_rows + rows
             self._fail(f"{what}: {e}" if what else str(e))
@@ -486,8 +487,7 @@ class Engine:
             self.closing = True
             self._fail("the engine is closing")
         await self._release_own_rows()
-        if hasattr(self.pipeline, "leave"):
-            await self.pipeline.leave()
+        await self.pipeline.leave()
 
     async def _recover(self) -> None:
         """Once every stage serves again, release all rows everywhere and resume.
@@ -518,12 +518,9 @@ class Engine:
                 return
             # the failed rounds' commits will never be sent: abandon them, or a stage that
             # survived would wait for them forever
-            await self.pipeline.release(list(range(min(i["max_rows"] for i in infos))), abandon=True,
-                                        **_all_slots(infos))
-            if getattr(self.pipeline, "instances", None) is not None:
-                # the stages as recovered: a restart seen here is handled, and the monitor
-                # must not take it for a new one after serving resumed
-                self.pipeline.instances = [i["instance_id"] for i in infos]
+            await self.pipeline.release(Release(list(range(min(i["max_rows"] for i in infos))), abandon=True,
+                                                **_all_slots(infos)))
+            self.pipeline.recovered(infos)
         except (StageDownError, OSError, EngineError) as e:
             if str(e) != self._recover_error:
                 self._recover_error = str(e)
@@ -537,7 +534,7 @@ class Engine:
             log.info("pipeline recovered after: %s", self.failure)
             self.failure = None
 
-    async def _reset_stages(self, infos: list[dict]) -> None:
+    async def _reset_stages(self, infos: list[StageInfo]) -> None:
         """A new router owns no row: rows the stages still hold, and verifies still pending
         their commit, belong to an earlier router (killed, or restarted mid-stream). Release
         them all (abandoning those commits) before serving, or the first request on such a
@@ -548,7 +545,7 @@ class Engine:
             return
         log.warning("stages hold rows of an earlier router (stage, rows, pending commits, prefix snapshots): %s; "
                     "releasing them", held)
-        await self.pipeline.release(list(range(self.scheduler.max_rows)), abandon=True, **_all_slots(infos))
+        await self.pipeline.release(Release(list(range(self.scheduler.max_rows)), abandon=True, **_all_slots(infos)))
 
     async def _release_own_rows(self, timeout: float = 5.0) -> None:
         """On close: give back on every stage the rows this router holds (its failed and
@@ -560,11 +557,11 @@ class Engine:
         rows = sorted(set(self._stale_rows) | set(self.scheduler.releasing_rows()))
         if not rows:
             return
-        if hasattr(self.pipeline, "owns_stages") and not await self.pipeline.owns_stages():
+        if not await self.pipeline.owns_stages():
             log.warning("another router claimed the stages: this one releases nothing on close")
             return
         try:
-            await asyncio.wait_for(self.pipeline.release(rows, abandon=True), timeout)
+            await asyncio.wait_for(self.pipeline.release(Release(rows, abandon=True)), timeout)
         except (asyncio.TimeoutError, StageDownError, OSError, EngineError, ValueError) as e:
             log.warning("could not release the stages' rows on close: %s", e)
             return

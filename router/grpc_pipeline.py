@@ -13,11 +13,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ppspec.auth import client_interceptors
-from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_from_pb, step_to_pb
-from ppspec.proto.messages import VERIFY, StepInput, StepOutput
+from ppspec.proto.codec import (
+    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_to_pb, info_from_pb, release_to_pb, result_from_pb, step_to_pb,
+)
+from ppspec.proto.messages import VERIFY, Commit, Release, StageInfo, StepInput, StepOutput
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
-from .scheduler import Commit
+from .pipeline import Pipeline
 from .types import StageDownError
 
 log = logging.getLogger("ppspec.router")
@@ -31,24 +33,7 @@ CHAIN_GRACE_S = 5.0
 _CHAIN, _DISPLACED = -1, -2
 
 
-def _info_dict(r: pb.InfoReply) -> dict:
-    return {
-        "pp_rank": r.pp_rank, "pp_size": r.pp_size, "layer_start": r.layer_start, "layer_end": r.layer_end,
-        "num_layers": r.num_layers, "max_rows": r.max_rows, "rows_in_use": r.rows_in_use, "kv_tokens": r.kv_tokens,
-        "kv_pages_used": r.kv_pages_used, "kv_pages_total": r.kv_pages_total, "max_context": r.max_context,
-        "num_speculative_steps": r.num_speculative_steps, "has_mtp": r.has_mtp, "vocab_size": r.vocab_size,
-        "eos_token_ids": list(r.eos_token_ids), "memory_bytes": dict(r.memory_bytes),
-        "busy_seconds": r.busy_seconds, "pending_commits": r.pending_commits, "commit_design": r.commit_design,
-        "prefill_attention": r.prefill_attention, "instance_id": r.instance_id, "next_instance_id": r.next_instance_id,
-        "routers": {x.router_id: x.idle_seconds for x in r.routers}, "owner_router_id": r.owner_router_id,
-        "not_serving": r.not_serving, "replaced": r.replaced, "warmup_seconds": r.warmup_seconds,
-        "transport": r.transport, "transport_detail": r.transport_detail,
-        "snapshot_slots": r.snapshot_slots,
-        "snapshots_in_use": r.snapshots_in_use,
-    }
-
-
-class GrpcPipeline:
+class GrpcPipeline(Pipeline):
     """Stages at ``addresses`` (``host:port``, in PP-rank order).
 
     Args:
@@ -142,19 +127,19 @@ class GrpcPipeline:
                     raise StageDownError(f"stage {k} ({self.addresses[k]}) refused this router: "
                                          f"{e.code().name}: {e.details()}") from None
 
-    async def _infos(self, timeout: float, claim: bool = False) -> list[dict | grpc.aio.AioRpcError]:
+    async def _infos(self, timeout: float, claim: bool = False) -> list[StageInfo | grpc.aio.AioRpcError]:
         """Every stage's Info as this router (``claim``: taking the stages over), or the
         error of each stage that did not answer."""
         req = pb.InfoRequest(router_id=self.router_id, claim=claim)
         out = []
         for s in self.stubs:
             try:
-                out.append(_info_dict(await s.Info(req, timeout=timeout)))
+                out.append(info_from_pb(await s.Info(req, timeout=timeout)))
             except grpc.aio.AioRpcError as e:
                 out.append(e)
         return out
 
-    async def info(self, claim: bool = False) -> list[dict]:
+    async def info(self, claim: bool = False) -> list[StageInfo]:
         """Every stage's Info, as this router (``claim``: taking the stages over).
 
         Raises:
@@ -187,8 +172,7 @@ class GrpcPipeline:
 
     async def commit_accept(self, c: Commit) -> list[float]:
         """CommitAccept to every stage, the last included; returns each stage's seconds."""
-        req = pb.CommitRequest(micro_batch_id=c.micro_batch_id, round=c.round, router_id=self.router_id,
-                               req_pool_indices=c.req_pool_indices, accept_lengths=c.accept_lengths)
+        req = commit_to_pb(c, self.router_id)
         replies = await asyncio.gather(
             *(s.CommitAccept(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
         )
@@ -199,16 +183,14 @@ class GrpcPipeline:
                 raise r
         return [r.seconds for r in replies]
 
-    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False,
-                      snapshot_slots: list[int] = (), drop_slots: list[int] = ()) -> None:
+    async def release(self, r: Release) -> None:
         """Release rows on every stage. Each stage first waits for pending commits of those
         rows, or with ``abandon`` (after a failure: no commit will come) drops them; then
         snapshots the rows with a slot in ``snapshot_slots`` (the prefix cache), releases
         them and drops the prefix-cache ``drop_slots``."""
-        if not rows and not drop_slots:
+        if not r.req_pool_indices and not r.drop_slots:
             return
-        req = pb.ReleaseRequest(req_pool_indices=rows, micro_batch_id=micro_batch_id, round=round, abandon=abandon,
-                                router_id=self.router_id, snapshot_slots=snapshot_slots, drop_slots=drop_slots)
+        req = release_to_pb(r, self.router_id)
         replies = await asyncio.gather(
             *(s.Release(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
         )
@@ -258,7 +240,7 @@ class GrpcPipeline:
             pass
         return f"stage {k} ({self.addresses[k]}) is not serving: {why or 'see its log'}"
 
-    async def check_start(self, infos: list[dict]) -> list[dict]:
+    async def check_start(self, infos: list[StageInfo]) -> list[StageInfo]:
         """Before serving: no other router uses these stages, and each stage relays to the
         stage this router knows as the next. Another router that asked a stage within
         ``ROUTER_LEASE_S`` may be alive: it is, if it asks again while this router watches
@@ -309,7 +291,7 @@ class GrpcPipeline:
         except StageDownError:
             return True  # the stages that answer decide the next time; release what it can
 
-    def _check_infos(self, infos: list[dict | None]) -> list[int]:
+    def _check_infos(self, infos: list[StageInfo | None]) -> list[int]:
         """The monitor's reading of every stage's Info (None: no answer): restarts,
         another router's claim (this one is then down for good), the relay chain. Returns
         the stages this router claimed that own no router now (restarted): to claim again."""
@@ -348,6 +330,11 @@ class GrpcPipeline:
             self.down[_CHAIN] = err
         return reclaim
 
+    def recovered(self, infos: list[StageInfo]) -> None:
+        """The stages as the engine recovered them: a restart seen there is handled, and the
+        monitor must not take it for a new one after serving resumed."""
+        self.instances = [i["instance_id"] for i in infos]
+
     def start_monitor(self, period: float = 1.0) -> None:
         if self._monitor is None:
             self._monitor = asyncio.ensure_future(self._watch(period))
@@ -364,7 +351,7 @@ class GrpcPipeline:
             await c.close()
 
 
-def data_plane(infos: list[dict]) -> str:
+def data_plane(infos: list[StageInfo]) -> str:
     """How hidden states go from stage to stage, as the stages say (their Info): one
     transport for every hop, or each hop's, with why a hop fell back to bytes."""
     hops = [(k, i["transport"], i["transport_detail"]) for k, i in enumerate(infos[:-1])]
@@ -376,7 +363,7 @@ def data_plane(infos: list[dict]) -> str:
         f"stage {k} -> {k + 1} {t or 'not attached'}" + (f" (fell back: {d})" if d else "") for k, t, d in hops)
 
 
-def chain_error(infos: list[dict], addresses: list[str]) -> str:
+def chain_error(infos: list[StageInfo], addresses: list[str]) -> str:
     """'' when stage k relays to the stage the router knows as stage k + 1 (by instance_id),
     else what is wrong: a stage whose ``--next-stage`` is another process than the router's
     ``--stages`` names would get steps the router never sees commit or release."""

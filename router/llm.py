@@ -15,12 +15,11 @@ import argparse
 import itertools
 import logging
 import numbers
-import os
 import threading
 import sys
 from dataclasses import dataclass, field
 
-from ppspec.argtypes import add_cuda_graph_args, cuda_graph_max_bs, device_list, positive_int
+from ppspec.argtypes import DEMO_MODEL, add_cuda_graph_args, cuda_graph_max_bs, device_list, positive_int
 
 from .detokenize import TextStream
 from .pipeline import InProcessPipeline
@@ -28,7 +27,7 @@ from .prefix_cache import PrefixCache
 from .scheduler import Scheduler, kv_budget
 from .types import RequestOutput, SamplingParams
 
-DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "qwen35-demo")
+__all__ = ["DEMO_MODEL", "LLM", "Completion"]
 
 
 @dataclass

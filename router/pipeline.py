@@ -1,22 +1,81 @@
-"""The stage-client interface: how the driver reaches the pipeline's stages.
+"""The stage-client interface: how the engine reaches the pipeline's stages.
 
-Two implementations behind the same methods: :class:`InProcessPipeline` (stage runners
-in this process, for the single-process API and tests) and
+:class:`Pipeline` is the one interface; two implementations: :class:`InProcessPipeline`
+(stage runners in this process, for the single-process API and tests) and
 ``router.grpc_pipeline.GrpcPipeline`` (one gRPC process per stage). A step goes to the
 first stage and comes back from the last; a commit and a release go to every stage.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
-import time
+from typing import Callable
 
-from ppspec.proto.messages import StepInput, StepOutput
-
-from .scheduler import Commit
+from ppspec.proto.messages import Commit, Release, StageInfo, StepInput, StepOutput
 
 
-class InProcessPipeline:
+class Pipeline(abc.ABC):
+    """What the engine (``router.engine.Engine``) calls. Stages order a step or release of
+    rows after the pending commit of those rows (docs/DESIGN.md, "Ordering"), so the
+    engine sends a commit and goes on without waiting for it.
+
+    The ownership calls (one router per pipeline: ``check_start``, ``start_monitor``,
+    ``owns_stages``, ``recovered``, ``leave``) matter only where other processes can
+    reach the stages; in one process they do nothing.
+    """
+
+    # set by the engine: a stage restarted (``f(stage, detail)``), another router claimed
+    # the stages (``f(detail)``)
+    on_restart: Callable[[int, str], None] | None = None
+    on_displaced: Callable[[str], None] | None = None
+
+    @abc.abstractmethod
+    async def info(self) -> list[StageInfo]:
+        """Every stage's ``Info``, in PP-rank order."""
+
+    @abc.abstractmethod
+    async def step(self, inp: StepInput) -> StepOutput:
+        """One micro-batch through every stage: the last stage's output, with
+        ``stage_seconds`` (compute seconds per stage). Raises ValueError when a stage
+        refused it (nothing changed), StageDownError / OSError when a stage failed."""
+
+    @abc.abstractmethod
+    async def commit_accept(self, c: Commit) -> list[float] | None:
+        """``c`` applied on every stage, the last included; each stage's seconds, or None."""
+
+    @abc.abstractmethod
+    async def release(self, r: Release) -> None:
+        """Free ``r``'s rows on every stage once their pending commits are applied; with
+        ``abandon`` (no commit will come: the round failed) without waiting for them."""
+
+    @abc.abstractmethod
+    def health(self) -> tuple[bool, str]:
+        """(serving, detail)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        ...
+
+    async def check_start(self, infos: list[StageInfo]) -> list[StageInfo]:
+        """Before serving: the stages are this router's to use; returns fresh infos."""
+        return infos
+
+    def start_monitor(self) -> None:
+        """Watch the stages' health from now on."""
+
+    def recovered(self, infos: list[StageInfo]) -> None:
+        """The engine resumed serving the stages as ``infos`` describe them."""
+
+    async def owns_stages(self) -> bool:
+        """Whether no other router has claimed the stages since this one did."""
+        return True
+
+    async def leave(self) -> None:
+        """On a clean exit: tell the stages this router is gone."""
+
+
+class InProcessPipeline(Pipeline):
     """Stages as ``StageRunner`` objects in this process, chained in order.
 
     Construct from runners, or with :meth:`build` from a checkpoint (one runner per PP
@@ -47,7 +106,7 @@ class InProcessPipeline:
         return cls([StageRunner(model_dir, k, pp_size, device=devices[k], **runner_kwargs) for k in range(pp_size)])
 
     # ---- synchronous API (single-process driver)
-    def info_sync(self) -> list[dict]:
+    def info_sync(self) -> list[StageInfo]:
         return [r.info() for r in self.runners]
 
     def step_sync(self, inp: StepInput) -> StepOutput:
@@ -77,7 +136,7 @@ class InProcessPipeline:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def info(self) -> list[dict]:
+    async def info(self) -> list[StageInfo]:
         return await self._run(self.info_sync)
 
     @property
@@ -103,15 +162,12 @@ class InProcessPipeline:
         finally:
             await self._done(c.req_pool_indices, (c.micro_batch_id, c.round))
 
-    async def release(self, rows: list[int], micro_batch_id: int = 0, round: int = 0, abandon: bool = False,
-                      snapshot_slots: list[int] = (), drop_slots: list[int] = ()) -> None:
-        """Free rows on every stage once their commits are applied; with ``abandon`` (no
-        commit will come: the round failed) without waiting for them. ``snapshot_slots`` /
-        ``drop_slots``: as :meth:`release_sync`."""
-        if abandon:
+    async def release(self, r: Release) -> None:
+        rows = r.req_pool_indices
+        if r.abandon:
             await self._done(rows, None)
         await self._wait_committed(rows)
-        await self._run(self.release_sync, rows, snapshot_slots, drop_slots)
+        await self._run(self.release_sync, rows, r.snapshot_slots, r.drop_slots)
 
     async def _done(self, rows: list[int], key: tuple[int, int] | None) -> None:
         """Rows' pending commit settled (``key`` None: whatever round it was)."""
@@ -126,7 +182,3 @@ class InProcessPipeline:
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False)
-
-
-def now() -> float:
-    return time.monotonic()

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ppspec.proto.messages import SamplingSpec, StepInput
+from ppspec.proto.messages import Commit, SamplingSpec, StageInfo, StepInput
 
 from .drafter import ngram_draft
 from .types import ContextLengthError, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
@@ -140,14 +140,6 @@ class ScheduledBatch:
             list(self.next_token_ids), specs, [len(r.output_ids) for r in self.requests],
             restore_slots=list(self.restore_slots), snapshot_slots=list(self.snapshot_slots),
         )
-
-
-@dataclass
-class Commit:
-    micro_batch_id: int
-    round: int
-    req_pool_indices: list[int]
-    accept_lengths: list[int]
 
 
 @dataclass
@@ -736,7 +728,7 @@ class Scheduler:
         return bool(self.waiting) or any(self.lanes[i] for i in lanes)
 
 
-def kv_budget(infos: list[dict]) -> tuple[int, int]:
+def kv_budget(infos: list[StageInfo]) -> tuple[int, int]:
     """``(kv_tokens, page_size)`` for the scheduler from the stages' ``Info``: the smallest
     pool, and the largest page (a stage without attention layers has no KV pool)."""
     pages = [i["kv_tokens"] // i["kv_pages_total"] for i in infos if i.get("kv_pages_total")]

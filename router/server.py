@@ -7,10 +7,9 @@ import logging
 import os
 import sys
 
-from ppspec.argtypes import DefaultsHelpFormatter, address_list, port, positive_float, positive_int
+from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, address_list, listen_error, port, positive_float, positive_int
 from ppspec.auth import KeyFileError, read_key_file
 
-from .llm import DEMO_MODEL
 from .reasoning import REASONING_PARSERS
 from .tool_calls import TOOL_CALL_PARSERS
 
@@ -79,8 +78,6 @@ async def run_router(args) -> int:
     from .types import StageDownError
 
     addresses = args.stages
-    from .serve import listen_error
-
     err = listen_error(args.host, args.port)  # before anything starts or prints
     if err:
         print(f"ppspec router: {err}", file=sys.stderr)

@@ -35,7 +35,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, read_key_file
-from ppspec.proto.codec import GRPC_OPTIONS, RECONNECT_OPTIONS, result_to_pb, step_from_pb
+from ppspec.proto.codec import (
+    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, info_to_pb, release_from_pb, result_to_pb, step_from_pb,
+)
 from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import PREFILL, VERIFY
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
@@ -329,8 +331,9 @@ class StageServicer(pb_grpc.StageServicer):
         return await self._step(request, context, verify=True)
 
     async def CommitAccept(self, request: pb.CommitRequest, context):
-        rows, acc = list(request.req_pool_indices), list(request.accept_lengths)
-        key = (request.micro_batch_id, request.round)
+        c = commit_from_pb(request)
+        rows, acc = c.req_pool_indices, c.accept_lengths
+        key = (c.micro_batch_id, c.round)
         rank = self.runner.pp_rank
         what = f"commit of micro-batch {key[0]} round {key[1]}"
         await self._check_router(request.router_id, context, what)
@@ -359,7 +362,7 @@ class StageServicer(pb_grpc.StageServicer):
         def timed_commit():
             # timed on the worker thread: queueing behind other micro-batches is not commit time
             t0 = time.perf_counter()
-            self.runner.commit_accept(request.micro_batch_id, request.round, rows, acc)
+            self.runner.commit_accept(c.micro_batch_id, c.round, rows, acc)
             return time.perf_counter() - t0
 
         seconds, done = 0.0, True
@@ -383,22 +386,23 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context):
         await self._check_router(request.router_id, context, "release")
-        rows = list(request.req_pool_indices)
+        rel = release_from_pb(request)
+        rows = rel.req_pool_indices
         n = self.runner.max_rows
         bad = [r for r in rows if not 0 <= r < n]
         if bad:  # before anything, abandoned marks included, is dropped
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"stage {self.runner.pp_rank}: release: req_pool_indices {brief(bad)} outside [0, {n})")
-        if request.abandon:
+        if rel.abandon:
             async with self.cond:
                 dropped = {r: self.pending.pop(r) for r in rows if r in self.pending}
                 self.cond.notify_all()
             if dropped:
                 log.warning("release abandons the pending commits of rows %s", dropped)
-        await self._wait_committed(rows, context, f"release after micro-batch {request.micro_batch_id} round {request.round}")
+        await self._wait_committed(rows, context, f"release after micro-batch {rel.micro_batch_id} round {rel.round}")
         await self._check_router(request.router_id, context, "release")  # again, after the wait
         try:
-            await self._compute(self.runner.release, rows, list(request.snapshot_slots), list(request.drop_slots))
+            await self._compute(self.runner.release, rows, rel.snapshot_slots, rel.drop_slots)
         except Exception as e:
             await self._fail(context, e, "release")
         return pb.ReleaseReply()
@@ -406,8 +410,7 @@ class StageServicer(pb_grpc.StageServicer):
     async def Info(self, request, context):
         i = self.runner.info()
         now = time.monotonic()
-        seen = [pb.RouterSeen(router_id=r, idle_seconds=now - t) for r, t in self.routers.items()
-                if r != request.router_id and now - t < ROUTER_MEMORY_S]
+        seen = {r: now - t for r, t in self.routers.items() if r != request.router_id and now - t < ROUTER_MEMORY_S}
         if request.router_id and request.leaving:
             self.routers.pop(request.router_id, None)
             if self.owner == request.router_id:
@@ -423,21 +426,12 @@ class StageServicer(pb_grpc.StageServicer):
                     while len(self.replaced) > REPLACED_MEMORY:
                         del self.replaced[next(iter(self.replaced))]
                 self.owner = request.router_id
-        return pb.InfoReply(
-            instance_id=self.instance_id, next_instance_id=self.next_instance_id, routers=seen,
-            not_serving=self.not_serving, replaced=request.router_id in self.replaced,
-            owner_router_id=self.owner,
-            pp_rank=i["pp_rank"], pp_size=i["pp_size"], layer_start=i["layer_start"], layer_end=i["layer_end"],
-            num_layers=i["num_layers"], max_rows=i["max_rows"], rows_in_use=i["rows_in_use"],
-            kv_tokens=i["kv_tokens"], kv_pages_used=i["kv_pages_used"], kv_pages_total=i["kv_pages_total"],
-            max_context=i["max_context"], num_speculative_steps=i["num_speculative_steps"], has_mtp=i["has_mtp"],
-            vocab_size=i["vocab_size"], eos_token_ids=i["eos_token_ids"], memory_bytes=i["memory_bytes"],
-            busy_seconds=i["busy_seconds"], pending_commits=len(self.pending), commit_design=i["commit_design"],
-            prefill_attention=i["prefill_attention"], warmup_seconds=i["warmup_seconds"],
-            transport="" if self._next is None else self.link.transport, transport_detail=self.transport_detail,
-            snapshot_slots=i["snapshot_slots"],
-            snapshots_in_use=i["snapshots_in_use"],
-        )
+        return info_to_pb({
+            **i, "instance_id": self.instance_id, "next_instance_id": self.next_instance_id, "routers": seen,
+            "not_serving": self.not_serving, "replaced": request.router_id in self.replaced,
+            "owner_router_id": self.owner, "pending_commits": len(self.pending),
+            "transport": "" if self._next is None else self.link.transport, "transport_detail": self.transport_detail,
+        })
 
 
 class DelayInterceptor(grpc.aio.ServerInterceptor):
@@ -621,7 +615,7 @@ async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ppspec.router.llm import DEMO_MODEL
+    from ppspec.argtypes import DEMO_MODEL
 
     ap = argparse.ArgumentParser(prog="ppspec stage", description="run one pipeline stage (gRPC)")
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the demo model)")

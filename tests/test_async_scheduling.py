@@ -8,12 +8,13 @@ import asyncio
 
 from ppspec.proto.messages import StepInput, StepOutput
 from ppspec.router.engine import Engine
+from ppspec.router.pipeline import Pipeline
 from ppspec.router.types import SamplingParams
 
 EOS = 0
 
 
-class HeldPipeline:
+class HeldPipeline(Pipeline):
     """One stage that answers each step only when the test releases it; every call is
     logged as ``("step", micro_batch_id, round)`` / ``("result", ...)``, in order.
     Each request emits token 7 per step."""
@@ -43,8 +44,8 @@ class HeldPipeline:
     async def commit_accept(self, c) -> list[float]:
         return [0.0]
 
-    async def release(self, rows, micro_batch_id=0, round=0, abandon=False) -> None:
-        self.log.append(("release", tuple(rows)))
+    async def release(self, r) -> None:
+        self.log.append(("release", tuple(r.req_pool_indices)))
 
     def health(self):
         return True, "held"

@@ -86,7 +86,7 @@ def test_port_free_ignores_time_wait_sockets():
     """A server that stopped leaves TIME_WAIT sockets; serve must still see the port free."""
     import socket
 
-    from ppspec.router.serve import port_free
+    from ppspec.argtypes import port_free
 
     srv, port = _listener()
     assert not port_free("127.0.0.1", port)  # a listener: in use

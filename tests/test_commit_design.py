@@ -201,7 +201,7 @@ def test_commit_design_choice_and_errors(make_ckpt):
 
 
 def test_cli_options_pass_the_design():
-    from ppspec.router.serve import build_parser as serve_parser
+    from ppspec.launch.serve import build_parser as serve_parser
     from ppspec.stage_server.server import build_parser as stage_parser
 
     assert stage_parser().parse_args([]).commit_design is None

@@ -539,6 +539,7 @@ def test_a_router_the_stages_deny_goes_down_for_good(st):
     monitor would: /health says another router took over, and the engine is told once."""
     import asyncio
 
+    from ppspec.proto.messages import Release
     from ppspec.router.grpc_pipeline import GrpcPipeline
     from ppspec.router.types import StageDownError
 
@@ -554,7 +555,7 @@ def test_a_router_the_stages_deny_goes_down_for_good(st):
             with pytest.raises(StageDownError, match="PERMISSION_DENIED"):
                 await p.step(prefill([1]))
             with pytest.raises(StageDownError, match="PERMISSION_DENIED"):
-                await p.release([1])
+                await p.release(Release([1]))
             return told, p.health()
         finally:
             await p.close()

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,51 +17,15 @@ import urllib.error
 import urllib.request
 
 from ppspec.argtypes import (
-    DTYPES, DefaultsHelpFormatter, add_cuda_graph_args, add_data_plane_arg, cuda_graph_argv, device_list, nonneg_int, port, port_list, positive_finite_float, positive_float,
-    positive_int, stage_devices,
+    DEMO_MODEL, DTYPES, DefaultsHelpFormatter, add_cuda_graph_args, add_data_plane_arg, cuda_graph_argv, device_list,
+    free_port, listen_error, nonneg_int, port, port_list, positive_finite_float, positive_float, positive_int,
+    stage_devices,
 )
 from ppspec.auth import KeyFileError, read_key_file, write_temp_key
 from ppspec.stage_server.config import CheckpointError, load_config
 
-from .llm import DEMO_MODEL
-from .reasoning import REASONING_PARSERS
-from .tool_calls import TOOL_CALL_PARSERS
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as the servers set it:
-    sockets of a stopped server left in TIME_WAIT do not count as in use.
-
-    Raises:
-        ValueError: ``host`` does not resolve, or is no address of this machine.
-    """
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except socket.gaierror as e:
-            raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
-        except OSError as e:
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise ValueError(f"--host {host} is not an address of this machine") from None
-            return False
-    return True
-
-
-def listen_error(host: str, port: int) -> str | None:
-    """Why a server could not listen on ``host:port`` now (one line), or None."""
-    try:
-        if port_free(host, port):
-            return None
-    except ValueError as e:
-        return str(e)
-    return f"{host}:{port} is already in use (another server?); pick another --port"
+from ppspec.router.reasoning import REASONING_PARSERS
+from ppspec.router.tool_calls import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,7 +240,7 @@ def main(argv: list[str]) -> int:
         print(f"ppspec serve: {e}", file=sys.stderr)
         return 2
     if a.chat_template:
-        from .server import load_chat_template
+        from ppspec.router.server import load_chat_template
 
         try:
             load_chat_template(a.chat_template)

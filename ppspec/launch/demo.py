@@ -10,10 +10,8 @@ import time
 
 import httpx
 
-from ppspec.argtypes import port, positive_int
-
-from .llm import DEMO_MODEL
-from .serve import wait_healthy
+from ppspec.argtypes import DEMO_MODEL, port, positive_int
+from ppspec.launch.serve import wait_healthy
 
 
 def accept_stats(url: str) -> tuple[float | None, list[float]]:

@@ -12,6 +12,7 @@ micro-batches, so the stable-row commit is exercised in one process too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -251,10 +252,32 @@ class LLM:
             raise error
         return outputs
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *, n: int = 1,
+             chat_template_kwargs: dict | None = None) -> list[Completion]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages)
+        or a list of conversations, each rendered by the checkpoint's chat template
+        (``tokenizer.apply_chat_template`` with ``add_generation_prompt``; more of its
+        arguments in ``chat_template_kwargs``). Returns completions as :meth:`generate`."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if not isinstance(messages, (list, tuple)) or not all(
+                isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in messages):
+            raise TypeError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) "
+                            "or a list of conversations")
+        kwargs = {"add_generation_prompt": True, **(chat_template_kwargs or {}), "tokenize": True, "return_dict": False}
+        ids = []
+        for conv in messages:
+            out = self.tokenizer.apply_chat_template(list(conv), **kwargs)
+            ids.append([int(t) for t in (out["input_ids"] if isinstance(out, dict) else out)])
+        return self.generate(ids, params, n=n)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 n: int = 1) -> list[Completion]:
         """Generate for a list of prompts (token id lists or integer arrays, or strings with a
-        tokenizer next to the checkpoint); returns completions in prompt order. Calls from
-        several threads are served one after another.
+        tokenizer next to the checkpoint); returns completions in prompt order, ``n`` per
+        prompt (its samples one after another; sample i of a seeded request uses seed
+        ``seed + i``, as the HTTP API's choices). Calls from several threads are served one
+        after another.
 
         Raises ValueError / TypeError (nothing queued) for bad ids or parameters; whatever
         interrupts the call (an error from a stage, KeyboardInterrupt) ends its requests and
@@ -274,6 +297,12 @@ class LLM:
         bad = [type(sp).__name__ for sp in plist if not isinstance(sp, SamplingParams)]
         if bad:
             raise TypeError(f"params must be SamplingParams (one, or one per prompt), got {bad[0]}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        if n > 1:  # each prompt n times, a seeded request's samples on consecutive seeds
+            prompts = [p for p in prompts for _ in range(n)]
+            plist = [sp if sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
+                     for sp in plist for i in range(n)]
         tok = None
         ids = []
         for p in prompts:

@@ -237,11 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     samples = sample_sharegpt(load_sharegpt(), a.num_prompts, 0, counter, max_input_len=a.max_input_len)
     for s in samples:  # every request the same length, as LLM.generate runs them
         s.output_len = a.max_tokens
-    tok = counter.tokenizer if hasattr(counter, "tokenizer") else None
-    if tok is None:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(a.model)
+    tok = AutoTokenizer.from_pretrained(a.model)
     prompts = [tok.encode(s.prompt) for s in samples]
     print(f"engine in one process ({a.model}) ...", file=sys.stderr, flush=True)
     eng = engine_figures(a, prompts)

@@ -237,6 +237,14 @@ STEP_CASES = {
 }
 
 
+def test_stages_serve_warm_and_clean(st):
+    """Every stage ran its warm-up before it served (``Info.warmup_seconds``), and the
+    warm-up left no row, KV page or pending commit behind."""
+    for s in (st.s0, st.s1, st.nospec):
+        i = s.Info(pb.InfoRequest(), timeout=10)
+        assert i.warmup_seconds > 0 and (i.rows_in_use, i.kv_pages_used, i.pending_commits) == (0, 0, 0), i
+
+
 @pytest.mark.parametrize("name", list(STEP_CASES))
 def test_bad_step_is_refused_and_changes_nothing(st, name):
     stage, rpc, req, code, fragments = STEP_CASES[name]

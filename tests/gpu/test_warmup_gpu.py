@@ -1,6 +1,7 @@
 """The stage warm-up on CUDA (``stage_server.warmup``): with CUDA graphs, the replay commit
 and MTP, it leaves nothing behind (no row, no KV page, no pending replay) and fp32 greedy
-tokens after it are those of a PP1 run without speculation on stages that never warmed up."""
+tokens after it are those of the same pipeline that never warmed up (the same kernels and
+batches: identical, near-ties included)."""
 import os
 
 import pytest
@@ -21,7 +22,9 @@ def test_warm_up_on_cuda_leaves_no_state_and_changes_no_token():
     from ppspec.stage_server.warmup import warm_up
 
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    ref = [c.token_ids for c in LLM(DEMO, device="cuda", max_rows=16, cuda_graph_max_bs=0).generate(PROMPTS, params)]
+    cold = LLM(DEMO, device="cuda", pp_size=2, speculative_algorithm="mtp", max_rows=16)
+    ref = [c.token_ids for c in cold.generate(PROMPTS, params)]
+    del cold
     runners = [StageRunner(DEMO, k, 2, device="cuda", max_rows=16, num_speculative_steps=3, use_mtp=True,
                            strict_lengths=True) for k in range(2)]
     for r in runners:

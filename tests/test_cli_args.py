@@ -140,7 +140,7 @@ def _help_of(parser, action) -> str:
 
 
 def test_every_serve_and_router_option_has_help_and_shows_its_default():
-    from ppspec.router.serve import build_parser as serve_parser
+    from ppspec.launch.serve import build_parser as serve_parser
     from ppspec.router.server import build_parser as router_parser
 
     for parser in (serve_parser(), router_parser()):
@@ -153,7 +153,7 @@ def test_every_serve_and_router_option_has_help_and_shows_its_default():
 
 
 def test_vllm_option_names_are_aliases():
-    from ppspec.router.serve import build_parser as serve_parser
+    from ppspec.launch.serve import build_parser as serve_parser
     from ppspec.stage_server.server import build_parser as stage_parser
 
     for parser in (serve_parser(), stage_parser()):
@@ -172,8 +172,8 @@ def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():
 def test_serve_passes_the_router_and_stage_options_through(tmp_path):
     """The command lines serve gives its children parse with the children's own parsers
     and carry serve's values."""
-    from ppspec.router.serve import build_parser as serve_parser
-    from ppspec.router.serve import router_argv, stage_argv
+    from ppspec.launch.serve import build_parser as serve_parser
+    from ppspec.launch.serve import router_argv, stage_argv
     from ppspec.router.server import build_parser as router_parser
     from ppspec.stage_server.server import build_parser as stage_parser
 

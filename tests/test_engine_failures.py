@@ -370,11 +370,11 @@ def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference
     pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
     release, commit, failed, with_release = pipe.release, pipe.commit_accept, [], set()
 
-    async def dying_release(rows, micro_batch_id=0, round=0, abandon=False):
-        if where == "release" and rows and not abandon and not failed:
-            failed.append(list(rows))
+    async def dying_release(r):
+        if where == "release" and r.req_pool_indices and not r.abandon and not failed:
+            failed.append(list(r.req_pool_indices))
             raise StageDownError("stage 1 died (test)")
-        return await release(rows, micro_batch_id, round, abandon)
+        return await release(r)
 
     async def dying_commit(c):
         # fail the commit of a round in which a request finished (its row is released after it)

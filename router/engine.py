@@ -177,7 +177,7 @@ class Engine:
         if not slots:
             return 0
         try:
-            await self.pipeline.release([], drop_slots=slots)
+            await self.pipeline.release(Release([], drop_slots=slots))
         except (StageDownError, OSError, EngineError, ValueError) as e:
             self._fail(f"dropping prefix-cache snapshots: {e}")  # the recovery drops every slot
             return 0

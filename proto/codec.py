@@ -65,7 +65,7 @@ def tensor_from_pb(m: "pb.Tensor"):
 
 def step_to_pb(s: StepInput) -> "pb.StepRequest":
     m = pb.StepRequest(
-        micro_batch_id=s.micro_batch_id, round=s.round, mode=s.mode,
+        micro_batch_id=s.micro_batch_id, round=s.round, mode=s.mode, num_prefill=s.num_prefill,
         req_pool_indices=s.req_pool_indices, seq_lens=s.seq_lens, extend_lens=s.extend_lens,
         input_ids=s.input_ids, num_drafts=s.num_drafts, sample=s.sample, next_token_ids=s.next_token_ids,
         output_lens=s.output_lens, restore_slots=s.restore_slots, snapshot_slots=s.snapshot_slots,
@@ -93,7 +93,7 @@ def step_to_pb(s: StepInput) -> "pb.StepRequest":
 def step_from_pb(m: "pb.StepRequest") -> StepInput:
     """Raises ValueError (naming hidden_states) when the hidden states cannot be decoded."""
     return StepInput(
-        micro_batch_id=m.micro_batch_id, round=m.round, mode=m.mode,
+        micro_batch_id=m.micro_batch_id, round=m.round, mode=m.mode, num_prefill=m.num_prefill,
         req_pool_indices=list(m.req_pool_indices), seq_lens=list(m.seq_lens), extend_lens=list(m.extend_lens),
         input_ids=list(m.input_ids), num_drafts=list(m.num_drafts), sample=list(m.sample),
         next_token_ids=list(m.next_token_ids), output_lens=list(m.output_lens),
@@ -182,7 +182,7 @@ _INFO_SCALARS = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers",
                  "kv_tokens", "kv_pages_used", "kv_pages_total", "max_context", "num_speculative_steps", "has_mtp",
                  "vocab_size", "busy_seconds", "pending_commits", "commit_design", "prefill_attention",
                  "instance_id", "next_instance_id", "owner_router_id", "not_serving", "replaced", "warmup_seconds",
-                 "transport", "transport_detail", "snapshot_slots", "snapshots_in_use")
+                 "transport", "transport_detail", "snapshot_slots", "snapshots_in_use", "device_type")
 
 
 def info_to_pb(i: StageInfo) -> "pb.InfoReply":

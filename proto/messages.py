@@ -100,6 +100,13 @@ class StepInput:
     restore_slots / snapshot_slots: a prefill's prefix-cache slots, per request (-1: none)
     or empty: start the row from the snapshot of its ``seq_lens`` tokens; snapshot the row
     after the chunk.
+
+    A *mixed* micro-batch (``num_prefill > 0``, mode ``decode`` or ``verify``) carries
+    prefill chunks in the same forward (chunked prefill mixed with decode, as vLLM and
+    SGLang run it): its first ``B - num_prefill`` requests run ``mode``, its last
+    ``num_prefill`` requests are prefill chunks whose tokens follow theirs in
+    ``input_ids``. :meth:`parts` splits it into one step per kind. A ``prefill`` step
+    has ``num_prefill`` 0: all its requests are chunks.
     """
 
     micro_batch_id: int
@@ -118,6 +125,35 @@ class StepInput:
     # prefix cache (stage_server.snapshots), per request or empty: -1 for none
     restore_slots: list[int] = field(default_factory=list)   # prefill from this snapshot's seq_lens tokens
     snapshot_slots: list[int] = field(default_factory=list)  # snapshot the row after this chunk
+    num_prefill: int = 0
+
+    @property
+    def verify_rows(self) -> list[int]:
+        """Rows this step verifies (their commit must come before their next step)."""
+        if self.mode != VERIFY:
+            return []
+        return self.req_pool_indices[: len(self.req_pool_indices) - self.num_prefill]
+
+    def parts(self) -> list[StepInput]:
+        """This step as one step per kind, in request and token order: itself when it is
+        not mixed, else its ``mode`` requests then its prefill chunks (``hidden_states``
+        split by tokens; per-request lists that are empty stay empty)."""
+        if not self.num_prefill:
+            return [self]
+        B = len(self.req_pool_indices)
+        k = B - self.num_prefill
+        t = sum(self.extend_lens[:k])
+        out = []
+        for mode, rq, tok in ((self.mode, slice(0, k), slice(0, t)), (PREFILL, slice(k, B), slice(t, None))):
+            def cut(xs, rq=rq):
+                return list(xs[rq]) if xs else []
+            h = self.hidden_states[tok] if self.hidden_states is not None else None
+            out.append(StepInput(
+                self.micro_batch_id, self.round, mode, cut(self.req_pool_indices), cut(self.seq_lens),
+                cut(self.extend_lens), list(self.input_ids[tok]), cut(self.num_drafts), cut(self.sample),
+                cut(self.next_token_ids), cut(self.sampling), cut(self.output_lens), h,
+                restore_slots=cut(self.restore_slots), snapshot_slots=cut(self.snapshot_slots)))
+        return out
 
 
 @dataclass
@@ -191,6 +227,7 @@ class StageInfo(TypedDict, total=False):
     commit_design: str          # "copy" or "replay"
     prefill_attention: str      # "flashinfer" or "triton"
     warmup_seconds: float       # the warm-up at start
+    device_type: str            # "cuda" or "cpu" (the router's default token budget)
     # the stage server's
     pending_commits: int        # rows whose verify awaits its commit
     instance_id: str            # random per process: a restart changes it

@@ -25,7 +25,7 @@ from ppspec.argtypes import DEMO_MODEL, add_cuda_graph_args, cuda_graph_max_bs, 
 from .detokenize import TextStream
 from .pipeline import InProcessPipeline
 from .prefix_cache import PrefixCache
-from .scheduler import Scheduler, kv_budget
+from .scheduler import Scheduler, default_token_budget, kv_budget
 from .types import RequestOutput, SamplingParams
 
 __all__ = ["DEMO_MODEL", "LLM", "Completion"]
@@ -55,8 +55,11 @@ class LLM:
         pp_size: stages (layer slices) chained in this process.
         speculative_algorithm: ``none``, ``ngram`` or ``mtp``; num_speculative_steps drafts per round.
         num_micro_batches: lanes in flight (default pp_size).
-        max_rows, kv_tokens, chunk_size, max_batch_size: pool rows, KV budget (tokens),
-            prefill chunk (tokens), requests per micro-batch.
+        max_rows, kv_tokens, max_batch_size: pool rows, KV budget (tokens), requests per
+            micro-batch.
+        max_num_batched_tokens: tokens per micro-batch, decodes first and prefill chunks in
+            the rest of the same forward (``Scheduler``); None: 8192 on CUDA, 512 on CPU.
+        chunk_size: prompt tokens of one request per micro-batch at most (None: the budget).
         commit_design: ``"copy"``, ``"replay"`` or None (replay on CUDA, copy on CPU): how
             every stage commits accepted GDN state (``StageRunner``).
         fault: fault injection for tests (``stage_server.runner.FAULTS``).
@@ -79,8 +82,9 @@ class LLM:
         num_micro_batches: int | None = None,
         max_rows: int = 64,
         kv_tokens: int = 65536,
-        chunk_size: int = 512,
+        chunk_size: int | None = None,
         max_batch_size: int = 64,
+        max_num_batched_tokens: int | None = None,
         max_context: int | None = None,
         dtype: str = "float32",
         device: str = "cpu",
@@ -102,7 +106,9 @@ class LLM:
             raise ValueError(f"device: {e}") from None
         if speculative_algorithm != "none" and num_speculative_steps < 1:
             raise ValueError(f"speculative_algorithm {speculative_algorithm} needs num_speculative_steps >= 1")
-        for name, v in (("max_rows", max_rows), ("max_batch_size", max_batch_size), ("chunk_size", chunk_size),
+        for name, v in (("max_rows", max_rows), ("max_batch_size", max_batch_size),
+                        ("chunk_size", 1 if chunk_size is None else chunk_size),
+                        ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens),
                         ("pp_size", pp_size), ("num_micro_batches", 1 if num_micro_batches is None else num_micro_batches)):
             if v < 1:  # before any stage is built
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -121,6 +127,7 @@ class LLM:
         self.scheduler = Scheduler(
             max_rows=max_rows, kv_tokens=kv_tokens, page_size=page_size, max_context=self.max_context,
             num_lanes=num_micro_batches or pp_size, max_batch_size=max_batch_size, chunk_size=chunk_size,
+            max_num_batched_tokens=max_num_batched_tokens or default_token_budget(infos, max_batch_size, steps),
             speculative_algorithm=speculative_algorithm, num_steps=num_speculative_steps,
             eos_token_ids=self.eos_token_ids, drafter=drafter,
             prefix_cache=PrefixCache(min(i["snapshot_slots"] for i in infos), page_size) if enable_prefix_caching else None,

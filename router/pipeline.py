@@ -152,8 +152,7 @@ class InProcessPipeline(Pipeline):
     async def step(self, inp: StepInput) -> StepOutput:
         await self._wait_committed(inp.req_pool_indices)
         out = await self._run(self.step_sync, inp)
-        if inp.mode == "verify":
-            self._pending.update((r, (inp.micro_batch_id, inp.round)) for r in inp.req_pool_indices)
+        self._pending.update((r, (inp.micro_batch_id, inp.round)) for r in inp.verify_rows)
         return out
 
     async def commit_accept(self, c: Commit) -> None:

@@ -83,7 +83,11 @@ class Request:
 
 @dataclass
 class ScheduledBatch:
-    """One micro-batch of one lane and round: what the stages receive."""
+    """One micro-batch of one lane and round: what the stages receive.
+
+    ``mode`` is that of its first ``len(requests) - num_prefill`` requests; the last
+    ``num_prefill`` are prefill chunks sharing the forward (a mixed micro-batch, see
+    ``StepInput.parts``); a ``prefill`` batch is all chunks (``num_prefill`` 0)."""
 
     micro_batch_id: int
     round: int
@@ -95,6 +99,7 @@ class ScheduledBatch:
     num_drafts: list[int]
     sample: list[bool]
     next_token_ids: list[int]
+    num_prefill: int = 0
     rows: list[int] = field(default_factory=list)
     first: list[Request] = field(default_factory=list)  # requests in their first micro-batch
     restore_slots: list[int] = field(default_factory=list)   # prefix cache (prefill): -1 none, or empty
@@ -111,6 +116,11 @@ class ScheduledBatch:
     @property
     def req_pool_indices(self) -> list[int]:
         return list(self.rows)
+
+    @property
+    def num_verify(self) -> int:
+        """Requests this micro-batch verifies (its first ones; 0 unless mode is verify)."""
+        return len(self.requests) - self.num_prefill if self.mode == "verify" else 0
 
     def step_input(self, eos_token_ids: list[int]) -> StepInput:
         """The stage message of this micro-batch (rows, lengths, tokens, sampling)."""
@@ -139,6 +149,7 @@ class ScheduledBatch:
             list(self.extend_lens), list(self.input_ids), list(self.num_drafts), list(self.sample),
             list(self.next_token_ids), specs, [len(r.output_ids) for r in self.requests],
             restore_slots=list(self.restore_slots), snapshot_slots=list(self.snapshot_slots),
+            num_prefill=self.num_prefill,
         )
 
 
@@ -173,7 +184,12 @@ class Scheduler:
             KV pool holds when that is less (``self.max_context`` is the limit in force).
         num_lanes: micro-batches in flight.
         max_batch_size: requests per micro-batch.
-        chunk_size: prefill tokens per micro-batch (chunked prefill).
+        max_num_batched_tokens: tokens per micro-batch (vLLM's token budget per forward):
+            decode and verify rows first, then prefill chunks in the rest, in one forward
+            (chunked prefill mixed with decode). At least one verify micro-batch
+            (``max_batch_size * D``) and one KV page, else ValueError.
+        chunk_size: prompt tokens of one request per micro-batch at most (default: the
+            whole budget, so that a lone long prompt runs in chunks as large as it).
         speculative_algorithm: ``none``, ``ngram`` or ``mtp``; num_steps drafts per round.
         eos_token_ids: ids that end a request unless ``ignore_eos``.
         max_waiting: queue bound; beyond it ``add`` raises QueueFullError.
@@ -195,7 +211,8 @@ class Scheduler:
         page_size: int = 1,
         num_lanes: int = 1,
         max_batch_size: int = 64,
-        chunk_size: int = 512,
+        max_num_batched_tokens: int = 2048,
+        chunk_size: int | None = None,
         speculative_algorithm: str = "none",
         num_steps: int = 3,
         eos_token_ids: list[int] | None = None,
@@ -207,8 +224,10 @@ class Scheduler:
     ):
         if speculative_algorithm not in ("none", "ngram", "mtp"):
             raise ValueError(f"unknown speculative algorithm {speculative_algorithm!r}")
+        chunk_size = max_num_batched_tokens if chunk_size is None else chunk_size
         for name, v in (("max_rows", max_rows), ("num_lanes", num_lanes), ("max_batch_size", max_batch_size),
-                        ("chunk_size", chunk_size), ("max_context", max_context)):
+                        ("max_num_batched_tokens", max_num_batched_tokens), ("chunk_size", chunk_size),
+                        ("max_context", max_context)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if speculative_algorithm != "none" and num_steps < 1:
@@ -218,6 +237,8 @@ class Scheduler:
         self.D = self.num_steps + 1
         self.max_rows, self.kv_tokens = max_rows, kv_tokens
         self.page_size = max(1, page_size)
+        check_token_budget(max_num_batched_tokens, max_batch_size, self.D, self.page_size)
+        self.max_num_batched_tokens = max_num_batched_tokens
         # the longest sequence one request may reach: the stages' context, or less when the
         # smallest KV pool cannot hold a sequence that long plus its verify / draft overhang
         # (else every request near the context limit, the API's default max_tokens included,
@@ -380,68 +401,80 @@ class Scheduler:
 
     # ------------------------------------------------------------------ forming micro-batches
     def schedule(self, lane: int) -> ScheduledBatch | None:
-        """The next micro-batch of ``lane``: a prefill chunk if any of its requests still
-        has prompt left and the KV pages to grow, else a decode (or verify, when any
-        request has drafts) round of the others; None when nothing can run now. Growing a
-        request may preempt younger ones: their rows are in :meth:`take_preempted`."""
+        """The next micro-batch of ``lane`` within the token budget: its decoding requests
+        first (a decode, or a verify when any has drafts; D tokens each), then prefill
+        chunks of its other requests, oldest first, in the tokens left, all in one forward.
+        A long prompt so never waits for the decodes nor stalls them. None when nothing
+        can run now. Growing a request's KV may preempt younger ones not in this
+        micro-batch: their rows are in :meth:`take_preempted`."""
         self._admit()
         reqs = [r for r in self.lanes[lane] if not r.in_flight and r.status == RUNNING and not r.aborted]
         reqs.sort(key=lambda r: r.order)  # growing the oldest first: they preempt the youngest
         prefill = [r for r in reqs if not r.prefill_done]
-        if prefill:
-            budget = self.chunk_size
-            chosen, seq, ext, ids, sample, nxt = [], [], [], [], [], []
-            for r in prefill:
-                if budget <= 0 or len(chosen) == self.max_batch_size:
-                    break
-                n = min(budget, r.prefill_len - r.num_computed)
-                if r.num_computed < r.branch_at:
-                    n = min(n, r.branch_at - r.num_computed)
-                if r.status != RUNNING or not self._grow(r, n):  # preempted by an older one, or short
-                    continue
-                budget -= n
-                end = r.num_computed + n
-                chosen.append(r)
-                seq.append(r.num_computed)
-                ext.append(n)
-                ids += r.all_ids[r.num_computed : end]
-                # a recomputed request's last prefill token is an output: no new sample
-                last = end == r.prefill_len
-                sample.append(last and not r.output_ids)
-                nxt.append(-1 if last and not r.output_ids else r.all_ids[end])
-            if chosen:
-                self.rounds[lane] += 1
-                return self._dispatch(ScheduledBatch(lane, self.rounds[lane], "prefill", chosen, seq, ext, ids,
-                                                     [0] * len(chosen), sample, nxt))
-            # every prefill is short of KV: decode the others, which end and give pages back
-            reqs = [r for r in reqs if r.prefill_done and r.status == RUNNING]
-        if reqs:
+        if self.cache is not None and prefill:
+            # the prefix cache's restore and snapshot slots go with prefill-only micro-batches:
+            # with it on, a lane's chunks run before its decodes, as without a token budget
+            batch = self._form(lane, [], prefill, self.max_num_batched_tokens)
+            if batch is not None:
+                return batch
+            prefill = []  # every prefill is short of KV: decode the others, which end and give pages back
+        # a slot is kept for a prompt while one waits, so that decodes never fill every one
+        room = self.max_batch_size - (1 if prefill else 0)
+        chosen: list[Request] = []
+        for r in reqs:
+            if len(chosen) == room:
+                break
             # a round writes at most D tokens (a verify); grown for that whatever the mode
-            chosen = []
-            for r in reqs:
-                if len(chosen) == self.max_batch_size:
-                    break
-                if r.status == RUNNING and self._grow(r, self.D):
-                    chosen.append(r)
-            if not chosen:
-                return None
-            self.rounds[lane] += 1
-            rnd = self.rounds[lane]
-            drafts = [self._drafts_for(r) for r in chosen]
-            if self.num_steps and any(drafts):
-                mode, d = "verify", self.D
-            else:
-                mode, d = "decode", 1
-            ids, nd = [], []
-            for r, dr in zip(chosen, drafts):
-                dr = dr[: d - 1]
-                ids += [r.output_ids[-1]] + dr + [0] * (d - 1 - len(dr))
-                nd.append(len(dr))
-            return self._dispatch(ScheduledBatch(
-                lane, rnd, mode, chosen, [r.num_computed for r in chosen], [d] * len(chosen), ids, nd,
-                [True] * len(chosen), [-1] * len(chosen),
-            ))
-        return None
+            if r.prefill_done and r.status == RUNNING and self._grow(r, self.D):
+                r.in_flight = True  # chosen: no prefill's growth below may preempt it
+                chosen.append(r)
+        return self._form(lane, chosen, prefill, self.max_num_batched_tokens)
+
+    def _form(self, lane: int, chosen: list[Request], prefill: list[Request], budget: int) -> ScheduledBatch | None:
+        """The micro-batch of the decoding requests ``chosen`` (grown already) and chunks of
+        ``prefill`` (oldest first) in the tokens they leave of ``budget``; None if empty."""
+        chosen = list(chosen)
+        drafts = [self._drafts_for(r) for r in chosen]
+        mode, d = ("verify", self.D) if self.num_steps and any(drafts) else ("decode", 1)
+        seq = [r.num_computed for r in chosen]
+        ext = [d] * len(chosen)
+        ids, nd = [], []
+        for r, dr in zip(chosen, drafts):
+            dr = dr[: d - 1]
+            ids += [r.output_ids[-1]] + dr + [0] * (d - 1 - len(dr))
+            nd.append(len(dr))
+        sample, nxt = [True] * len(chosen), [-1] * len(chosen)
+        budget -= d * len(chosen)  # >= D: see __init__
+        if chosen:
+            budget = min(budget, self.mixed_prefill_tokens)
+        chunks = 0
+        for r in prefill:
+            if budget <= 0 or len(chosen) == self.max_batch_size:
+                break
+            n = min(budget, self.chunk_size, r.prefill_len - r.num_computed)
+            if r.num_computed < r.branch_at:
+                n = min(n, r.branch_at - r.num_computed)
+            if r.status != RUNNING or not self._grow(r, n):  # preempted by an older one, or short
+                continue
+            budget -= n
+            end = r.num_computed + n
+            chosen.append(r)
+            chunks += 1
+            seq.append(r.num_computed)
+            ext.append(n)
+            ids += r.all_ids[r.num_computed : end]
+            nd.append(0)
+            # a recomputed request's last prefill token is an output: no new sample
+            last = end == r.prefill_len
+            sample.append(last and not r.output_ids)
+            nxt.append(-1 if last and not r.output_ids else r.all_ids[end])
+        if not chosen:
+            return None
+        if chunks == len(chosen):
+            mode, chunks = "prefill", 0
+        self.rounds[lane] += 1
+        return self._dispatch(ScheduledBatch(lane, self.rounds[lane], mode, chosen, seq, ext, ids, nd, sample, nxt,
+                                             num_prefill=chunks))
 
     def _dispatch(self, batch: ScheduledBatch) -> ScheduledBatch:
         for r in batch.requests:
@@ -553,6 +586,7 @@ class Scheduler:
                 f"for {len(batch.requests)} requests"
             )
         outputs, release, accept = [], [], []
+        nv = batch.num_verify
         for i, r in enumerate(batch.requests):
             r.in_flight = False
             if batch.restore_slots and batch.restore_slots[i] >= 0:
@@ -561,9 +595,9 @@ class Scheduler:
                 end = batch.seq_lens[i] + batch.extend_lens[i]
                 self.cache.commit(batch.snapshot_slots[i], r.all_ids[: end + 1])
             toks = output_ids[i]
-            if batch.mode == "verify" and not 1 <= len(toks) <= batch.num_drafts[i] + 1:
+            if i < nv and not 1 <= len(toks) <= batch.num_drafts[i] + 1:
                 raise ValueError(f"request {r.request_id}: {len(toks)} tokens from a verify of {batch.num_drafts[i]} drafts")
-            r.num_computed += batch.extend_lens[i] if batch.mode != "verify" else len(toks)
+            r.num_computed += batch.extend_lens[i] if i >= nv else len(toks)
             accept.append(len(toks))
             if batch.sample[i]:
                 r.drafts = list(drafts[i]) if drafts else []
@@ -591,14 +625,14 @@ class Scheduler:
                 outputs.append(
                     RequestOutput(
                         r.request_id, new, reason, len(r.prompt_ids), len(r.output_ids), lps,
-                        [len(toks)] if batch.mode == "verify" else [], r.cached_tokens,
+                        [len(toks)] if i < nv else [], r.cached_tokens,
                         self._take_prompt_logprobs(r),
                     )
                 )
         commit = None
-        if batch.mode == "verify":
-            commit = Commit(batch.micro_batch_id, batch.round, batch.req_pool_indices, accept)
-        return Update(outputs, commit, release, accept if batch.mode == "verify" else [], list(batch.num_drafts),
+        if nv:  # the verified rows only (a mixed micro-batch's prefill chunks commit nothing)
+            commit = Commit(batch.micro_batch_id, batch.round, batch.req_pool_indices[:nv], accept[:nv])
+        return Update(outputs, commit, release, accept[:nv], list(batch.num_drafts[:nv] if nv else batch.num_drafts),
                       batch.micro_batch_id, batch.round)
 
     @staticmethod
@@ -726,6 +760,29 @@ class Scheduler:
     def has_work(self, lane: int | None = None) -> bool:
         lanes = range(self.num_lanes) if lane is None else [lane]
         return bool(self.waiting) or any(self.lanes[i] for i in lanes)
+
+
+# Default token budget per forward (``--max-num-batched-tokens``), by the stages' device.
+DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 512}
+
+
+def check_token_budget(budget: int, max_batch_size: int, D: int, page_size: int) -> None:
+    """Refuse a token budget per forward below one verify micro-batch (``max_batch_size``
+    requests of ``D`` tokens: decodes could not all run) or below one KV page (tokens).
+    Raises ValueError naming both numbers."""
+    if budget < max_batch_size * D:
+        raise ValueError(
+            f"--max-num-batched-tokens {budget} is less than one verify micro-batch: --max-batch-size "
+            f"{max_batch_size} x D {D} = {max_batch_size * D} tokens; raise the budget or lower --max-batch-size")
+    if budget < page_size:
+        raise ValueError(f"--max-num-batched-tokens {budget} is less than a KV page of {page_size} tokens")
+
+
+def default_token_budget(infos: list[StageInfo], max_batch_size: int, num_steps: int) -> int:
+    """The token budget when none is given: :data:`DEFAULT_TOKEN_BUDGET` of the stages'
+    device (CUDA when any stage is on CUDA), raised to one verify micro-batch."""
+    dev = "cuda" if any(i.get("device_type") == "cuda" for i in infos) else "cpu"
+    return max(DEFAULT_TOKEN_BUDGET[dev], max_batch_size * (num_steps + 1))
 
 
 def kv_budget(infos: list[StageInfo]) -> tuple[int, int]:

@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+PAGE_SIZE = 16  # tokens per KV page of a stage's pools (StageRunner's default)
+
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
 
 

@@ -70,6 +70,41 @@ class BatchMeta:
 
 
 @dataclass
+class MixedMeta:
+    """Layout of a mixed micro-batch: its parts (a decode or verify :class:`BatchMeta`,
+    then a prefill one) over consecutive token ranges ``[bounds[i], bounds[i + 1])``.
+
+    The token-wise work (projections, norms, RoPE, the KV store, the MLP) runs over all
+    ``T`` tokens at once, so decodes and prefill chunks share its GEMMs; attention and the
+    GDN conv / recurrence run per part with that part's kernel (:func:`per_part`).
+    positions, slots: ``[T]``, the parts' concatenated."""
+
+    parts: list[BatchMeta]
+    bounds: list[int]
+    positions: torch.Tensor
+    slots: torch.Tensor | None
+    mode: str = "mixed"
+
+    @classmethod
+    def of(cls, parts: list[BatchMeta], extend_lens: list[list[int]]) -> MixedMeta:
+        """``extend_lens``: each part's, from the host (the bounds without a device read)."""
+        bounds = [0]
+        for e in extend_lens:
+            bounds.append(bounds[-1] + sum(e))
+        slots = None if parts[0].slots is None else torch.cat([m.slots for m in parts])
+        return cls(parts, bounds, torch.cat([m.positions for m in parts]), slots)
+
+
+def per_part(meta, fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(meta, *xs)``; for a :class:`MixedMeta`, ``fn(part, *token slices)`` per part,
+    concatenated over tokens. ``xs``: ``[T, ...]`` tensors."""
+    if not isinstance(meta, MixedMeta):
+        return fn(meta, *xs)
+    b = meta.bounds
+    return torch.cat([fn(m, *(x[b[i]:b[i + 1]] for x in xs)) for i, m in enumerate(meta.parts)])
+
+
+@dataclass
 class LinearLayerState:
     """Views of one GDN layer's pools: ``conv [rows+1, C, W-1]``, ``ssm [rows+1, HV, K, V]``
     fp32, the conv verify scratch ``conv_scratch [rows+1, D, C, W-1]`` and either the copy
@@ -186,6 +221,15 @@ class GatedDeltaNet(nn.Module):
         # beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias): the log decay, in fp32
         # (Mamba2 discretisation)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        o = per_part(meta, lambda m, *xs: self._mix(m, st, *xs), mixed, g, beta)
+        o = self.norm(o, z).reshape(T, self.value_dim)
+        return self.out_proj(o)
+
+    def _mix(self, meta: BatchMeta, st: LinearLayerState, mixed: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor) -> torch.Tensor:
+        """Conv window and gated delta rule of one part: ``mixed [T, conv_dim]`` (the qkv
+        columns of the input GEMM), ``g, beta [T, HV]``. Returns ``o [T, HV, V]``."""
+        T = mixed.shape[0]
         weight = self.conv1d.weight.squeeze(1)
         if meta.mode == PREFILL:
             mixed = causal_conv1d_prefill(mixed, weight, None, st.conv, meta.rows, meta.cu_seqlens, meta.has_init)
@@ -212,8 +256,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 o = gdn_recurrent(*args, st.ssm_scratch if meta.mode == VERIFY else None)
             o = o.reshape(T, self.hv, self.dv)
-        o = self.norm(o, z).reshape(T, self.value_dim)
-        return self.out_proj(o)
+        return o
 
 
 def rope_frequencies(cfg: HybridConfig) -> tuple[torch.Tensor, float]:
@@ -335,10 +378,10 @@ class GatedAttention(nn.Module):
         # the output gate, read in place from its strided view, is applied in the Triton
         # kernel's epilogue on CUDA (no sigmoid or product kernel; FlashInfer's path applies
         # it after the attention)
-        o = paged_attention(
-            q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, meta.cu_seqlens, self.hd ** -0.5,
-            gate=gate, plan=meta.attn_plan,
-        )
+        o = per_part(meta, lambda m, q, gate: paged_attention(
+            q, k_cache, v_cache, m.page_table, m.rows, m.kv_lens, m.cu_seqlens, self.hd ** -0.5,
+            gate=gate, plan=m.attn_plan,
+        ), q, gate)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 

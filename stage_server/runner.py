@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import torch
 
-from .config import HybridConfig
+from .config import PAGE_SIZE, HybridConfig
 from .loader import load_stage_model
-from .model import DECODE, PREFILL, VERIFY, BatchMeta
+from .model import DECODE, PREFILL, VERIFY, BatchMeta, MixedMeta
 from .graphs import CommitGraphs, PrefillGraphs, StepGraphs, host_int64
 from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
 from ppspec.kernels.attention import flashinfer as fi_attention
@@ -176,7 +176,7 @@ class StageRunner:
         *,
         max_rows: int = 64,
         kv_tokens: int = 65536,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         num_speculative_steps: int = 0,
         use_mtp: bool = False,
         max_context: int | None = None,
@@ -424,6 +424,7 @@ class StageRunner:
             "has_mtp": self.use_mtp,
             "commit_design": self.commit_design,
             "prefill_attention": self.prefill_attention,
+            "device_type": self.device.type,
             "vocab_size": self.cfg.vocab_size,
             "eos_token_ids": list(self.cfg.eos_token_ids),
             "memory_bytes": self.memory_report(),
@@ -511,6 +512,18 @@ class StageRunner:
         # over whole lists first (min, max, sum in C), the offender is looked for on failure
         if len(set(rows)) != B:
             raise ValueError(f"req_pool_indices: micro-batch {inp.micro_batch_id} repeats rows {brief(rows)}")
+        if inp.num_prefill:
+            # a mixed micro-batch: each part obeys its kind's rules
+            if mode == PREFILL or not 0 < inp.num_prefill < B:
+                raise ValueError(f"num_prefill: {inp.num_prefill} prefill chunks in a {mode} micro-batch of {B} "
+                                 f"requests (a decode or verify with at least one request of its own)")
+            if sum(ext) != len(ids):
+                raise ValueError(f"extend_lens must sum to the number of input_ids ({sum(ext)} vs {len(ids)})")
+            for part in inp.parts():
+                self.check_input(part, hidden=False)
+            if hidden and not self.is_first:
+                self._check_hidden(inp.hidden_states, len(ids))
+            return
         if min(rows) < 0 or max(rows) >= self.max_rows:
             r = next(r for r in rows if not 0 <= r < self.max_rows)
             raise IndexError(f"req_pool_indices: row {r} outside [0, {self.max_rows})")
@@ -633,6 +646,10 @@ class StageRunner:
     def _check_rows_state(self, inp: StepInput) -> None:
         """The rows' state admits the step (in the compute order: after earlier steps and
         commits). Raises RowStateError."""
+        for part in inp.parts():
+            self._check_part_rows(part)
+
+    def _check_part_rows(self, inp: StepInput) -> None:
         restore = inp.restore_slots or [-1] * len(inp.req_pool_indices)
         for r, s, slot in zip(inp.req_pool_indices, inp.seq_lens, restore):
             if r in self.broken_rows:
@@ -690,23 +707,24 @@ class StageRunner:
             for r in restored:
                 self._forget(r)
             raise
-        rows = inp.req_pool_indices
-        new = [r for r, s in zip(rows, inp.seq_lens) if inp.mode == PREFILL and s == 0] + restored
+        parts = inp.parts()
+        new = [r for p in parts if p.mode == PREFILL for r, s in zip(p.req_pool_indices, p.seq_lens) if s == 0] + restored
         self._touched = False
         try:
             yield
         except BaseException:
             for r in new:
                 self._forget(r)
-            if self._touched and inp.mode != VERIFY:
-                self.broken_rows.update(r for r in rows if r not in new)
+            if self._touched:
+                self.broken_rows.update(r for p in parts if p.mode != VERIFY for r in p.req_pool_indices if r not in new)
             raise
-        for b, (r, s, e) in enumerate(zip(rows, inp.seq_lens, inp.extend_lens)):
-            if inp.mode == VERIFY:
-                # the last stage accepts at most the real drafts (none when not given) + 1
-                self._verify_open[r] = (s, (inp.num_drafts[b] if inp.num_drafts else 0) + 1)
-            else:
-                self.row_lens[r] = s + e
+        for p in parts:
+            for b, (r, s, e) in enumerate(zip(p.req_pool_indices, p.seq_lens, p.extend_lens)):
+                if p.mode == VERIFY:
+                    # the last stage accepts at most the real drafts (none when not given) + 1
+                    self._verify_open[r] = (s, (p.num_drafts[b] if p.num_drafts else 0) + 1)
+                else:
+                    self.row_lens[r] = s + e
 
     def _forget(self, r: int) -> None:
         if self.snapshots is not None:
@@ -779,22 +797,31 @@ class StageRunner:
         with self._applying(inp):
             return self._run_layers(inp)
 
-    def _run_layers(self, inp: StepInput) -> tuple[BatchMeta, torch.Tensor]:
+    def _run_layers(self, inp: StepInput) -> tuple[BatchMeta | MixedMeta, torch.Tensor]:
         rows = inp.req_pool_indices
-        graphs = self.graphs.get(inp.mode)
+        graphs = None if inp.num_prefill else self.graphs.get(inp.mode)
         if graphs is not None and graphs.bucket(len(rows)) is not None:
             self._touched = True
             meta, hidden = graphs.run(rows, inp.seq_lens, inp.input_ids, inp.hidden_states)
             if inp.mode == VERIFY:
                 self._after_verify_fault_hooks(meta)
             return meta, hidden
-        if inp.mode == PREFILL:
-            self.rows_in_use.update(rows)
+        parts = inp.parts()
+        if inp.num_prefill and self._graphs_take(*parts):
+            # a small mixed micro-batch: two graph replays cost less than one eager forward
+            # of every layer (its host launches); a large one shares its GEMMs eagerly
+            (m1, h1), (m2, h2) = self._run_layers(parts[0]), self._run_layers(parts[1])
+            return MixedMeta.of([m1, m2], [p.extend_lens for p in parts]), torch.cat([h1, h2])
+        chunks = parts[-1]  # a prefill, or a mixed micro-batch's prefill chunks
+        if chunks.mode == PREFILL:
+            self.rows_in_use.update(chunks.req_pool_indices)
             self._touched = True
-            self._replay_before_prefill(rows, inp.seq_lens)
-            if self.prefill_graphs is not None and self.prefill_graphs.bucket(len(rows), len(inp.input_ids)) is not None:
+            self._replay_before_prefill(chunks.req_pool_indices, chunks.seq_lens)
+            if (not inp.num_prefill and self.prefill_graphs is not None
+                    and self.prefill_graphs.bucket(len(rows), len(inp.input_ids)) is not None):
                 return self.prefill_graphs.run(rows, inp.seq_lens, inp.extend_lens, inp.input_ids, inp.hidden_states)
-        meta = self._meta(inp.mode, rows, inp.seq_lens, inp.extend_lens, self.kv)
+        metas = [self._meta(p.mode, p.req_pool_indices, p.seq_lens, p.extend_lens, self.kv) for p in parts]
+        meta = metas[0] if len(metas) == 1 else MixedMeta.of(metas, [p.extend_lens for p in parts])
         if self.is_first:
             hidden = self.model.embed_tokens(torch.tensor(inp.input_ids, dtype=torch.long, device=self.device))
         else:
@@ -802,8 +829,15 @@ class StageRunner:
         self._touched = True
         hidden = self.model(meta, hidden, self._layer_states())
         if inp.mode == VERIFY:
-            self._after_verify_fault_hooks(meta)
+            self._after_verify_fault_hooks(metas[0])
         return meta, hidden
+
+    def _graphs_take(self, head: StepInput, chunks: StepInput) -> bool:
+        """Whether both parts of a mixed micro-batch fit captured graphs (the decode or
+        verify graphs, and the short prefill chunks')."""
+        g = self.graphs.get(head.mode)
+        return (g is not None and g.bucket(len(head.req_pool_indices)) is not None and self.prefill_graphs is not None
+                and self.prefill_graphs.bucket(len(chunks.req_pool_indices), len(chunks.input_ids)) is not None)
 
     def _replay_before_prefill(self, rows: list[int], seq_lens: list[int]) -> None:
         """Replay commit design, before any prefill reads the state: new rows drop their
@@ -821,7 +855,18 @@ class StageRunner:
             for i, bufs in enumerate(st.replay):
                 replay_flush(st.ssm[i], bufs, cont_t)
 
-    def _last_stage(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, out: StepOutput) -> None:
+    def _last_stage(self, inp: StepInput, meta: BatchMeta | MixedMeta, hidden: torch.Tensor, out: StepOutput) -> None:
+        if isinstance(meta, MixedMeta):
+            # each part samples (and drafts) as its own step would; results in request order
+            parts = [StepOutput(inp.micro_batch_id, inp.round) for _ in meta.parts]
+            for i, (p, m, o) in enumerate(zip(inp.parts(), meta.parts, parts)):
+                self._last_stage(p, m, hidden[meta.bounds[i]:meta.bounds[i + 1]], o)
+            out.output_ids = [t for o in parts for t in o.output_ids]
+            if any(o.drafts for o in parts):
+                out.drafts = [d for o in parts for d in (o.drafts or [[]] * len(o.output_ids))]
+            if any(o.logprobs is not None for o in parts):
+                out.logprobs = [x for o in parts for x in (o.logprobs or [None] * len(o.output_ids))]
+            return
         B = meta.batch_size
         sample = inp.sample or [True] * B
         if inp.mode == PREFILL:
@@ -898,7 +943,7 @@ class StageRunner:
         min_tokens ban in force, no penalty, no logit_bias and no grammar (those need the
         host sampler: the fused round takes the raw logits' argmax)."""
         graphs = self.round_graphs.get(inp.mode)
-        if graphs is None or graphs.bucket(len(inp.req_pool_indices)) is None:
+        if graphs is None or inp.num_prefill or graphs.bucket(len(inp.req_pool_indices)) is None:
             return None
         if self.grammars.constrained(inp.req_pool_indices):  # the grammar's mask is the host sampler's
             return None

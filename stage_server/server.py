@@ -136,16 +136,18 @@ class StageServicer(pb_grpc.StageServicer):
             log.error("stage %d: %s failed", self.runner.pp_rank, what, exc_info=e)
         await context.abort(code, f"stage {self.runner.pp_rank}: {e}")
 
-    async def _wait_committed(self, rows, context, what: str, mark: tuple[int, int] | None = None) -> bool:
-        """Wait until no row is pending a commit; then, with ``mark``, mark them pending on
-        it (in the same turn: no other step can slip in between)."""
+    async def _wait_committed(self, rows, context, what: str, mark: tuple[int, int] | None = None,
+                              marked: list[int] | None = None) -> bool:
+        """Wait until no row is pending a commit; then, with ``mark``, mark ``marked`` (by
+        default all of them) pending on it (in the same turn: no other step can slip in
+        between)."""
         try:
             async with self.cond:
                 await asyncio.wait_for(
                     self.cond.wait_for(lambda: not any(r in self.pending for r in rows)), self.order_timeout
                 )
                 if mark is not None:
-                    for r in rows:
+                    for r in rows if marked is None else marked:
                         self.pending[r] = mark
             return True
         except asyncio.TimeoutError:
@@ -203,16 +205,18 @@ class StageServicer(pb_grpc.StageServicer):
         except (ValueError, IndexError) as e:
             await self._fail(context, e, inp.mode)
         rows = inp.req_pool_indices
-        await self._wait_committed(rows, context, what, mark=(inp.micro_batch_id, inp.round) if verify else None)
+        # a verify's rows wait for its commit (not the prefill chunks of a mixed one)
+        await self._wait_committed(rows, context, what, mark=(inp.micro_batch_id, inp.round) if verify else None,
+                                   marked=inp.verify_rows)
         why = self._denied(request.router_id, what)  # again: another router may have claimed it while it waited
         if why:
-            await self._unmark(rows, verify)
+            await self._unmark(inp.verify_rows, verify)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         link = self.link  # the link this step's tensor goes on (a re-attach may replace it meanwhile)
         try:
             out, sent = await self._compute(self._run, inp, link)
         except Exception as e:
-            await self._unmark(rows, verify)
+            await self._unmark(inp.verify_rows, verify)
             await self._fail(context, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
         if self._next is None:
             out.stage_seconds = [out.compute_seconds]
@@ -304,12 +308,10 @@ class StageServicer(pb_grpc.StageServicer):
         """A later stage refused a step this stage ran: drop a verify's pending marks (its
         committed state is as before); release rows a prefill started; refuse rows a
         decode or prefill continued until released."""
-        rows = inp.req_pool_indices
-        if verify:
-            await self._unmark(rows, True)
-            return
-        new = [r for r, s in zip(rows, inp.seq_lens) if inp.mode == PREFILL and s == 0]
-        cont = [r for r in rows if r not in new]
+        await self._unmark(inp.verify_rows, verify)
+        rest = [p for p in inp.parts() if p.mode != VERIFY]  # a mixed verify's prefill chunks
+        new = [r for p in rest if p.mode == PREFILL for r, s in zip(p.req_pool_indices, p.seq_lens) if s == 0]
+        cont = [r for p in rest for r in p.req_pool_indices if r not in new]
         if new:
             await self._compute(self.runner.release, new)
         if cont:

@@ -273,3 +273,40 @@ def test_padded_graph_path_matches(setup, spec, pp, lanes, design):
         assert drive(again, reqs, logprobs=1) == ref
         assert runs and accepts(again) == accepts(eager)
     assert all(u == 0 for u in llm.rows_in_use())
+
+
+def record_batches(llm):
+    """(mode, num_prefill, tokens) of every micro-batch the scheduler forms."""
+    seen = []
+    orig = llm.scheduler.schedule
+
+    def schedule(lane):
+        b = orig(lane)
+        if b is not None:
+            seen.append((b.mode, b.num_prefill, sum(b.extend_lens)))
+        return b
+
+    llm.scheduler.schedule = schedule
+    return seen
+
+
+@pytest.mark.parametrize("budget,spec,pp,lanes,design", [
+    (64, "mtp", 1, 1, "copy"), (64, "oracle", 2, 2, "replay"), (64, "none", 4, 4, "copy"),
+    (200, "mtp", 3, 2, "replay"), (1000, "ngram", 2, 1, "copy"), (8192, "mtp", 4, 2, "copy"),
+])
+def test_token_budget_and_mixed_batches_match(setup, budget, spec, pp, lanes, design):
+    """Greedy tokens under a token budget per forward from 64 to 8192, decodes and verifies
+    sharing their forward with prefill chunks, equal PP1 without speculation."""
+    path, reqs, ref = setup
+    kw = dict(speculative_algorithm="ngram", drafter=Oracle(ref, seed=7)) if spec == "oracle" \
+        else dict(speculative_algorithm=spec)
+    llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, max_batch_size=N_REQ,
+              max_num_batched_tokens=budget, commit_design=design, num_speculative_steps=3, **kw)
+    batches = record_batches(llm)
+    assert drive(llm, reqs) == ref
+    assert max(t for *_, t in batches) <= budget
+    mixed = {m for m, n, _ in batches if n}  # modes of the micro-batches that carried prefill chunks
+    assert {"none": "decode", "oracle": "verify", "mtp": "verify"}.get(spec, "decode") in mixed
+    if budget == 64:  # prompts of up to 100 tokens ran in several chunks
+        assert max(t for *_, t in batches) == 64
+    assert all(u == 0 for u in llm.rows_in_use())

@@ -22,10 +22,11 @@ from ppspec.argtypes import (
     stage_devices,
 )
 from ppspec.auth import KeyFileError, read_key_file, write_temp_key
-from ppspec.stage_server.config import CheckpointError, load_config
+from ppspec.stage_server.config import PAGE_SIZE, CheckpointError, load_config
 
 from ppspec.router.reasoning import REASONING_PARSERS
 from ppspec.router.tool_calls import TOOL_CALL_PARSERS
+from ppspec.router.scheduler import check_token_budget
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-micro-batches", type=positive_int, default=None,
                     help="micro-batches in flight (default: the number of stages + 1)")
     ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
-    ap.add_argument("--chunk-size", type=positive_int, default=512, help="prefill tokens per micro-batch")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                    help="tokens per micro-batch, decodes first and prefill chunks in the rest of one forward "
+                         "(default: 8192 on CUDA, 512 on CPU)")
+    ap.add_argument("--chunk-size", type=positive_int, default=None,
+                    help="prompt tokens of one request per micro-batch at most (default: the token budget)")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False, help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); off by default: not yet measured on the GPU")
     ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=4.0,
@@ -174,7 +179,7 @@ def router_argv(a: argparse.Namespace, ports: list[int]) -> list[str]:
         "router", "--model", a.model, "--stages", ",".join(f"{a.host}:{p}" for p in ports),
         "--host", a.host, "--port", str(a.port), "--speculative-algorithm", a.speculative_algorithm,
         "--max-batch-size", str(a.max_batch_size), "--connect-timeout", str(a.startup_timeout),
-        "--wedge-timeout", str(a.wedge_timeout), "--chunk-size", str(a.chunk_size),
+        "--wedge-timeout", str(a.wedge_timeout),
         "--max-waiting", str(a.max_waiting), "--step-timeout", str(a.step_timeout),
         "--stall-timeout", str(a.stall_timeout), "--log-level", "warning",
     ]
@@ -182,7 +187,8 @@ def router_argv(a: argparse.Namespace, ports: list[int]) -> list[str]:
         argv.append("--enable-prefix-caching")
     for flag, value in (("--num-micro-batches", a.num_micro_batches), ("--api-key", a.api_key),
                         ("--served-model-name", a.served_model_name), ("--tool-call-parser", a.tool_call_parser),
-                        ("--chat-template", a.chat_template), ("--reasoning-parser", a.reasoning_parser)):
+                        ("--chat-template", a.chat_template), ("--reasoning-parser", a.reasoning_parser),
+                        ("--chunk-size", a.chunk_size), ("--max-num-batched-tokens", a.max_num_batched_tokens)):
         if value:
             argv += [flag, str(value)]
     return argv
@@ -256,6 +262,13 @@ def main(argv: list[str]) -> int:
         print(f"ppspec serve: {e}", file=sys.stderr)
         return 2
     # checked before any stage starts (each would refuse at start, one by one)
+    if a.max_num_batched_tokens:
+        try:
+            check_token_budget(a.max_num_batched_tokens, a.max_batch_size,
+                               a.speculative_num_steps + 1 if a.speculative_algorithm != "none" else 1, PAGE_SIZE)
+        except ValueError as e:
+            print(f"ppspec serve: {e}", file=sys.stderr)
+            return 2
     if n > cfg.num_hidden_layers:
         print(f"ppspec serve: --pp-size {n} is more than the checkpoint's {cfg.num_hidden_layers} layers", file=sys.stderr)
         return 2

@@ -10,6 +10,10 @@ the kernels ranked by time (microseconds and launches per step). Cases:
   tokens, and its commit) at the same batch; graphs as the stage runs them.
 - ``demo``: ``LLM.generate`` on the demo checkpoint at batch 1, without speculation and
   with MTP (per round: wall, kernel time, kernels).
+- ``prefill``: one ``--prefill-tokens`` prompt of the 1.46B checkpoint through
+  ``LLM.generate`` (``max_tokens`` 1) with each token budget of ``--budgets``: per
+  micro-batch (one chunk), wall against kernel time; host time between kernels shows as
+  the difference.
 
 Wall time much above kernel time means the host (or launch gaps) bounds the step.
 """
@@ -59,17 +63,22 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prefill-tokens", type=int, default=8000)
+    ap.add_argument("--budgets", default="512,2048,8192", help="token budgets (chunk sizes) of the prefill case")
     a = ap.parse_args(argv)
     cases = a.case.split(",")
 
-    if "1b" in cases:
-        from ppspec.bench.gpu_bench import make_random_checkpoint, prefilled_steps
+    path = a.model
+    if "1b" in cases or "prefill" in cases:
+        from ppspec.bench.gpu_bench import make_random_checkpoint
 
-        path = a.model
         if path is None:
             path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
             make_random_checkpoint(torch, path)
             torch.cuda.empty_cache()
+    if "1b" in cases:
+        from ppspec.bench.gpu_bench import prefilled_steps
+
         for B in [int(b) for b in a.batch.split(",")]:
             for mode in ("decode", "verify"):
                 D = 4 if mode == "verify" else 1
@@ -92,6 +101,23 @@ def main(argv=None) -> None:
             prof, wall = _profile(torch, lambda: outs.append(llm.generate(prompt, p)), 3)
             rounds = 3 * (max(len(o.accept_lengths) for o in outs[-1]) or 63)
             _table(prof, rounds, wall, a.top, f"demo, batch 1, {spec}: per round (prefill included)")
+
+
+    if "prefill" in cases:
+        from ppspec.router.llm import LLM
+        from ppspec.router.types import SamplingParams
+
+        p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        prompt = [[1 + j % 30000 for j in range(a.prefill_tokens)]]
+        for budget in [int(b) for b in a.budgets.split(",")]:
+            llm = LLM(path, device="cuda", dtype="bfloat16", max_rows=4, max_num_batched_tokens=budget,
+                      max_context=a.prefill_tokens + 64)
+            prof, wall = _profile(torch, lambda: llm.generate(prompt, p), 3)
+            chunks = -(-a.prefill_tokens // budget)
+            _table(prof, 3 * chunks, wall, a.top,
+                   f"1B prefill of {a.prefill_tokens} tokens, budget {budget}: per micro-batch ({chunks} per prompt)")
+            del llm
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

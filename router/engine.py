@@ -78,7 +78,8 @@ class Engine:
 
     def __init__(self, pipeline: Pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
                  num_micro_batches: int | None = None, max_batch_size: int = 64,
-                 max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
+                 max_num_batched_tokens: int | None = None, mixed_prefill_tokens: int | None = None,
+                 chunk_size: int | None = None,
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
                  metrics: RouterMetrics | None = None, enable_prefix_caching: bool = False):
         self.pipeline = pipeline
@@ -88,7 +89,7 @@ class Engine:
         self.spec = speculative_algorithm
         self.num_micro_batches = num_micro_batches
         self.max_batch_size, self.chunk_size, self.max_waiting = max_batch_size, chunk_size, max_waiting
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens, self.mixed_prefill_tokens = max_num_batched_tokens, mixed_prefill_tokens
         self.wedge_timeout, self.stall_timeout = wedge_timeout, stall_timeout
         self.metrics = metrics
         self.scheduler: Scheduler | None = None
@@ -130,11 +131,12 @@ class Engine:
         self.max_model_len = min(i["max_context"] for i in infos)
         lanes = self.num_micro_batches or len(infos) + 1
         kv_tokens, page_size = kv_budget(infos)
+        budget, mixed = default_token_budget(infos, self.max_batch_size, steps if spec != "none" else 0)
         self.scheduler = Scheduler(
             max_rows=min(i["max_rows"] for i in infos), kv_tokens=kv_tokens, page_size=page_size,
             max_context=self.max_model_len, num_lanes=lanes, max_batch_size=self.max_batch_size,
-            max_num_batched_tokens=self.max_num_batched_tokens
-            or default_token_budget(infos, self.max_batch_size, steps if spec != "none" else 0),
+            max_num_batched_tokens=self.max_num_batched_tokens or budget,
+            mixed_prefill_tokens=self.mixed_prefill_tokens or mixed,
             chunk_size=self.chunk_size, speculative_algorithm=spec, num_steps=steps,
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
             prefix_cache=self._prefix_cache(infos, page_size),

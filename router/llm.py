@@ -59,6 +59,8 @@ class LLM:
             micro-batch.
         max_num_batched_tokens: tokens per micro-batch, decodes first and prefill chunks in
             the rest of the same forward (``Scheduler``); None: 8192 on CUDA, 512 on CPU.
+        mixed_prefill_tokens: prefill tokens of a micro-batch that also decodes; None: 512
+            on CUDA, 256 on CPU (``scheduler.DEFAULT_MIXED_PREFILL_TOKENS``).
         chunk_size: prompt tokens of one request per micro-batch at most (None: the budget).
         commit_design: ``"copy"``, ``"replay"`` or None (replay on CUDA, copy on CPU): how
             every stage commits accepted GDN state (``StageRunner``).
@@ -85,6 +87,7 @@ class LLM:
         chunk_size: int | None = None,
         max_batch_size: int = 64,
         max_num_batched_tokens: int | None = None,
+        mixed_prefill_tokens: int | None = None,
         max_context: int | None = None,
         dtype: str = "float32",
         device: str = "cpu",
@@ -109,6 +112,7 @@ class LLM:
         for name, v in (("max_rows", max_rows), ("max_batch_size", max_batch_size),
                         ("chunk_size", 1 if chunk_size is None else chunk_size),
                         ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens),
+                        ("mixed_prefill_tokens", 1 if mixed_prefill_tokens is None else mixed_prefill_tokens),
                         ("pp_size", pp_size), ("num_micro_batches", 1 if num_micro_batches is None else num_micro_batches)):
             if v < 1:  # before any stage is built
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -124,10 +128,11 @@ class LLM:
         self.eos_token_ids = infos[-1]["eos_token_ids"]
         self.max_context = min(i["max_context"] for i in infos)
         kv_tokens, page_size = kv_budget(infos)
+        budget, mixed = default_token_budget(infos, max_batch_size, steps)
         self.scheduler = Scheduler(
             max_rows=max_rows, kv_tokens=kv_tokens, page_size=page_size, max_context=self.max_context,
             num_lanes=num_micro_batches or pp_size, max_batch_size=max_batch_size, chunk_size=chunk_size,
-            max_num_batched_tokens=max_num_batched_tokens or default_token_budget(infos, max_batch_size, steps),
+            max_num_batched_tokens=max_num_batched_tokens or budget, mixed_prefill_tokens=mixed_prefill_tokens or mixed,
             speculative_algorithm=speculative_algorithm, num_steps=num_speculative_steps,
             eos_token_ids=self.eos_token_ids, drafter=drafter,
             prefix_cache=PrefixCache(min(i["snapshot_slots"] for i in infos), page_size) if enable_prefix_caching else None,

@@ -188,6 +188,10 @@ class Scheduler:
             decode and verify rows first, then prefill chunks in the rest, in one forward
             (chunked prefill mixed with decode). At least one verify micro-batch
             (``max_batch_size * D``) and one KV page, else ValueError.
+        mixed_prefill_tokens: prefill tokens of a micro-batch that also decodes or verifies
+            (default: the budget). A lone prompt takes the whole budget, whose large chunks
+            keep the GEMMs at the matrix units' rate; with decodes sharing the forward its
+            chunks stay small enough that their inter-token latency stays near a decode's.
         chunk_size: prompt tokens of one request per micro-batch at most (default: the
             whole budget, so that a lone long prompt runs in chunks as large as it).
         speculative_algorithm: ``none``, ``ngram`` or ``mtp``; num_steps drafts per round.
@@ -212,6 +216,7 @@ class Scheduler:
         num_lanes: int = 1,
         max_batch_size: int = 64,
         max_num_batched_tokens: int = 2048,
+        mixed_prefill_tokens: int | None = None,
         chunk_size: int | None = None,
         speculative_algorithm: str = "none",
         num_steps: int = 3,
@@ -225,8 +230,10 @@ class Scheduler:
         if speculative_algorithm not in ("none", "ngram", "mtp"):
             raise ValueError(f"unknown speculative algorithm {speculative_algorithm!r}")
         chunk_size = max_num_batched_tokens if chunk_size is None else chunk_size
+        mixed_prefill_tokens = max_num_batched_tokens if mixed_prefill_tokens is None else mixed_prefill_tokens
         for name, v in (("max_rows", max_rows), ("num_lanes", num_lanes), ("max_batch_size", max_batch_size),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("chunk_size", chunk_size),
+                        ("mixed_prefill_tokens", mixed_prefill_tokens),
                         ("max_context", max_context)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -238,7 +245,7 @@ class Scheduler:
         self.max_rows, self.kv_tokens = max_rows, kv_tokens
         self.page_size = max(1, page_size)
         check_token_budget(max_num_batched_tokens, max_batch_size, self.D, self.page_size)
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens, self.mixed_prefill_tokens = max_num_batched_tokens, mixed_prefill_tokens
         # the longest sequence one request may reach: the stages' context, or less when the
         # smallest KV pool cannot hold a sequence that long plus its verify / draft overhang
         # (else every request near the context limit, the API's default max_tokens included,
@@ -762,8 +769,17 @@ class Scheduler:
         return bool(self.waiting) or any(self.lanes[i] for i in lanes)
 
 
-# Default token budget per forward (``--max-num-batched-tokens``), by the stages' device.
+# Defaults of the token budget per forward (``--max-num-batched-tokens``) and of the
+# prefill share of a micro-batch that also decodes (``--mixed-prefill-tokens``), by the
+# stages' device (docs/PERFORMANCE.md, "Prefill and the token budget"). CUDA: a lone
+# prompt in 8192-token chunks costs 2.7x the compute floor at 8k tokens, in 512-token
+# ones 31x; beside decodes, 512 prefill tokens of a 1.46B model are ~2 ms of matrix work,
+# about a decode round's time (to be measured with bench/prefill_ttft.py on the GPU).
+# CPU (demo checkpoint): a prefill costs ~4 ms a token and a decode round of 32 requests
+# ~1 s, so 256-token chunks beside decodes keep both the decodes' inter-token latency and
+# an arriving 2k prompt's time to first token within about 2x of theirs alone.
 DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 512}
+DEFAULT_MIXED_PREFILL_TOKENS = {"cuda": 512, "cpu": 256}
 
 
 def check_token_budget(budget: int, max_batch_size: int, D: int, page_size: int) -> None:
@@ -778,11 +794,12 @@ def check_token_budget(budget: int, max_batch_size: int, D: int, page_size: int)
         raise ValueError(f"--max-num-batched-tokens {budget} is less than a KV page of {page_size} tokens")
 
 
-def default_token_budget(infos: list[StageInfo], max_batch_size: int, num_steps: int) -> int:
-    """The token budget when none is given: :data:`DEFAULT_TOKEN_BUDGET` of the stages'
-    device (CUDA when any stage is on CUDA), raised to one verify micro-batch."""
+def default_token_budget(infos: list[StageInfo], max_batch_size: int, num_steps: int) -> tuple[int, int]:
+    """``(max_num_batched_tokens, mixed_prefill_tokens)`` when none is given: the tables
+    above for the stages' device (CUDA when any stage is on CUDA), the budget raised to
+    one verify micro-batch."""
     dev = "cuda" if any(i.get("device_type") == "cuda" for i in infos) else "cpu"
-    return max(DEFAULT_TOKEN_BUDGET[dev], max_batch_size * (num_steps + 1))
+    return max(DEFAULT_TOKEN_BUDGET[dev], max_batch_size * (num_steps + 1)), DEFAULT_MIXED_PREFILL_TOKENS[dev]
 
 
 def kv_budget(infos: list[StageInfo]) -> tuple[int, int]:

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                     help="tokens per micro-batch: decodes and verifies first, prefill chunks in the rest of one "
                          "forward (default: 8192 on CUDA stages, 512 on CPU ones); at least --max-batch-size x D")
+    ap.add_argument("--mixed-prefill-tokens", type=positive_int, default=None,
+                    help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 256 on CPU)")
     ap.add_argument("--chunk-size", type=positive_int, default=None,
                     help="prompt tokens of one request per micro-batch at most (default: the token budget)")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
@@ -119,8 +121,9 @@ async def run_router(args) -> int:
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
     engine = Engine(pipeline, model_name=name, tokenizer=tokenizer, speculative_algorithm=args.speculative_algorithm,
                     num_micro_batches=args.num_micro_batches, max_batch_size=args.max_batch_size,
-                    max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
-                     max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    mixed_prefill_tokens=args.mixed_prefill_tokens, chunk_size=args.chunk_size,
+                    max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
                     stall_timeout=args.stall_timeout, enable_prefix_caching=args.enable_prefix_caching,
                     metrics=metrics)
     try:

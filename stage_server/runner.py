@@ -822,6 +822,8 @@ class StageRunner:
                 return self.prefill_graphs.run(rows, inp.seq_lens, inp.extend_lens, inp.input_ids, inp.hidden_states)
         metas = [self._meta(p.mode, p.req_pool_indices, p.seq_lens, p.extend_lens, self.kv) for p in parts]
         meta = metas[0] if len(metas) == 1 else MixedMeta.of(metas, [p.extend_lens for p in parts])
+        if isinstance(meta, MixedMeta) and meta.slots is not None:  # the parts' slots, joined
+            known(meta.slots, min=0, max=self.kv.num_pages * self.kv.page_size - 1)
         if self.is_first:
             hidden = self.model.embed_tokens(torch.tensor(inp.input_ids, dtype=torch.long, device=self.device))
         else:

@@ -138,6 +138,22 @@ def test_decodes_and_a_long_prompt_share_each_micro_batch():
     assert chunks == [1016, 1016, 968]  # the budget less the 8 decodes, then the rest
 
 
+def test_beside_decodes_a_prompt_takes_at_most_the_mixed_prefill_tokens():
+    """The same arrival with ``mixed_prefill_tokens`` 300: chunks of 300 beside the decodes;
+    once they finish, the rest of the prompt takes the whole budget."""
+    s = Scheduler(max_rows=16, kv_tokens=1 << 16, max_context=8192, page_size=16, max_batch_size=16,
+                  max_num_batched_tokens=1024, mixed_prefill_tokens=300)
+    for i in range(8):
+        s.add(f"d{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3))
+    _drive_one_round(s)
+    s.add("long", list(range(3000)), SamplingParams(temperature=0.0, max_tokens=1))
+    shapes = []
+    while "long" in s.requests and s.requests["long"].num_computed < 3000:
+        b = _drive_one_round(s)
+        shapes.append((len(b.requests) - b.num_prefill if b.num_prefill else 0, b.extend_lens[-1]))
+    assert shapes == [(8, 300), (8, 300), (0, 1024), (0, 1024), (0, 352)]
+
+
 def test_a_lone_prompt_runs_in_chunks_of_the_budget():
     s = Scheduler(max_rows=4, kv_tokens=1 << 16, max_context=1 << 14, page_size=16, max_num_batched_tokens=4096)
     s.add("r", list(range(10000)), SamplingParams(max_tokens=4))

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: 8192 on CUDA, 512 on CPU)")
     ap.add_argument("--chunk-size", type=positive_int, default=None,
                     help="prompt tokens of one request per micro-batch at most (default: the token budget)")
+    ap.add_argument("--mixed-prefill-tokens", type=positive_int, default=None,
+                    help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 256 on CPU)")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False, help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); off by default: not yet measured on the GPU")
     ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=4.0,
@@ -188,7 +190,8 @@ def router_argv(a: argparse.Namespace, ports: list[int]) -> list[str]:
     for flag, value in (("--num-micro-batches", a.num_micro_batches), ("--api-key", a.api_key),
                         ("--served-model-name", a.served_model_name), ("--tool-call-parser", a.tool_call_parser),
                         ("--chat-template", a.chat_template), ("--reasoning-parser", a.reasoning_parser),
-                        ("--chunk-size", a.chunk_size), ("--max-num-batched-tokens", a.max_num_batched_tokens)):
+                        ("--chunk-size", a.chunk_size), ("--max-num-batched-tokens", a.max_num_batched_tokens),
+                        ("--mixed-prefill-tokens", a.mixed_prefill_tokens)):
         if value:
             argv += [flag, str(value)]
     return argv

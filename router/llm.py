@@ -60,7 +60,7 @@ class LLM:
         max_num_batched_tokens: tokens per micro-batch, decodes first and prefill chunks in
             the rest of the same forward (``Scheduler``); None: 8192 on CUDA, 512 on CPU.
         mixed_prefill_tokens: prefill tokens of a micro-batch that also decodes; None: 512
-            on CUDA, 256 on CPU (``scheduler.DEFAULT_MIXED_PREFILL_TOKENS``).
+            on CUDA, 128 on CPU (``scheduler.DEFAULT_MIXED_PREFILL_TOKENS``).
         chunk_size: prompt tokens of one request per micro-batch at most (None: the budget).
         commit_design: ``"copy"``, ``"replay"`` or None (replay on CUDA, copy on CPU): how
             every stage commits accepted GDN state (``StageRunner``).

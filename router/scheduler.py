@@ -775,11 +775,11 @@ class Scheduler:
 # prompt in 8192-token chunks costs 2.7x the compute floor at 8k tokens, in 512-token
 # ones 31x; beside decodes, 512 prefill tokens of a 1.46B model are ~2 ms of matrix work,
 # about a decode round's time (to be measured with bench/prefill_ttft.py on the GPU).
-# CPU (demo checkpoint): a prefill costs ~4 ms a token and a decode round of 32 requests
-# ~1 s, so 256-token chunks beside decodes keep both the decodes' inter-token latency and
-# an arriving 2k prompt's time to first token within about 2x of theirs alone.
+# CPU (demo checkpoint): 128-token chunks beside 32 decodes kept both their inter-token
+# latency p99 and an arriving 2k prompt's time to first token at about 2x of theirs
+# alone; 64 stretched the TTFT, 256 and more the inter-token latency.
 DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 512}
-DEFAULT_MIXED_PREFILL_TOKENS = {"cuda": 512, "cpu": 256}
+DEFAULT_MIXED_PREFILL_TOKENS = {"cuda": 512, "cpu": 128}
 
 
 def check_token_budget(budget: int, max_batch_size: int, D: int, page_size: int) -> None:

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per micro-batch: decodes and verifies first, prefill chunks in the rest of one "
                          "forward (default: 8192 on CUDA stages, 512 on CPU ones); at least --max-batch-size x D")
     ap.add_argument("--mixed-prefill-tokens", type=positive_int, default=None,
-                    help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 256 on CPU)")
+                    help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 128 on CPU)")
     ap.add_argument("--chunk-size", type=positive_int, default=None,
                     help="prompt tokens of one request per micro-batch at most (default: the token budget)")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")

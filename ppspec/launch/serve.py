@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=positive_int, default=None,
                     help="prompt tokens of one request per micro-batch at most (default: the token budget)")
     ap.add_argument("--mixed-prefill-tokens", type=positive_int, default=None,
-                    help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 256 on CPU)")
+                    help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 128 on CPU)")
     ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False, help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); off by default: not yet measured on the GPU")
     ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=4.0,

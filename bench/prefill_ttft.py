@@ -14,9 +14,10 @@
    arrives. The decoders' inter-token latency p99 while it prefills against their p99
    over as many rounds without it, and its TTFT under that load against its TTFT alone.
 
-On a GPU (the 1.46B checkpoint of ``python -m ppspec.bench.gpu_bench --make-1b DIR``)::
+On a GPU, without ``--model``, the random 1.46B Qwen3.5-shaped checkpoint of
+``gpu_bench.make_random_checkpoint`` with its context raised to hold the longest prompt::
 
-    python -m ppspec.bench.prefill_ttft --model DIR --device cuda --dtype bfloat16
+    python -m ppspec.bench.prefill_ttft --device cuda
 
 On the CPU (demo checkpoint, whose context is 4096 tokens) the defaults are smaller.
 """
@@ -138,7 +139,8 @@ def mixed_load(torch, llm, rnd, vocab: int, decoders: int, decoder_prompt: int, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ppspec.bench.prefill_ttft", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the demo checkpoint)")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint folder (default: a random 1.46B one on CUDA, the demo checkpoint on the CPU)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="default: bfloat16 on CUDA, float32 on CPU")
@@ -164,10 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.num_threads:
         torch.set_num_threads(a.num_threads)
     cuda = a.device.startswith("cuda")
-    model = a.model or DEMO_MODEL
     dtype = a.dtype or ("bfloat16" if cuda else "float32")
     lengths = a.lengths or ([1024, 8192, 32768] if cuda else [512, 1024, 3968])
     long_len = a.mixed_length or (8192 if cuda else 2048)
+    model = a.model or (None if cuda else DEMO_MODEL)
+    if model is None:
+        import os
+        import tempfile
+
+        from ppspec.bench.gpu_bench import make_random_checkpoint
+
+        model = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
+        make_random_checkpoint(torch, model, max_position_embeddings=max(lengths + [long_len]) + 2048)
+        torch.cuda.empty_cache()
     cfg = load_config(model)
     kv = max(65536, 2 * max(lengths + [long_len]) + a.decoders * 1024)
     llm = LLM(model, device=a.device, dtype=dtype, pp_size=a.pp_size, max_rows=a.decoders + 2, kv_tokens=kv,

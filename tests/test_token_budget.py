@@ -214,3 +214,15 @@ def test_mixed_batches_over_real_processes_match_pp1(make_ckpt, tmp_path):
         infos = c.wait_rows_free()
     assert outs == ref
     assert all(i.rows_in_use == 0 and i.kv_pages_used == 0 and i.pending_commits == 0 for i in infos)
+
+
+def test_prefill_benchmark_runs_on_the_cpu(capsys):
+    """bench/prefill_ttft.py end to end at toy sizes: both tables, one mixed-load row per value."""
+    from ppspec.bench.prefill_ttft import main
+
+    assert main(["--lengths", "48", "--repeats", "1", "--decoders", "2", "--decoder-prompt", "8",
+                 "--mixed-length", "96", "--max-num-batched-tokens", "64", "--mixed-prefill-tokens", "16,32"]) == 0
+    out = capsys.readouterr().out
+    assert "| 48 |" in out and "x |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 16 |") or line.startswith("| 32 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["6", "3"]  # 96 prompt tokens in chunks of 16, of 32

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .tool_calls import END, START
@@ -81,46 +82,34 @@ def _ebnf_or_lark(text: str):
             raise ebnf_error from None
 
 
-def _hermes_calls(tools: list[dict], name: str | None, parallel: bool):
-    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, one per
-    line (``router/tool_calls.py`` reads them back): only the named function, once, when
-    ``name`` is given; else one or more of any tool (one when not ``parallel``)."""
-    xgr = _xgrammar()
-    from xgrammar import structural_tag as st
-
-    tags = []
-    for t in tools:
-        fn = t["function"]
-        if name is not None and fn["name"] != name:
-            continue
-        params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        args = st.GrammarFormat(grammar=str(_json_grammar(params)))  # compact, as response_format
-        tags.append(st.TagFormat(begin=f'{START}\n{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "arguments": ',
-                                 content=args, end=f"}}\n{END}"))
-    fmt = st.TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True,
-                                     stop_after_first=name is not None or not parallel)
-    return xgr.Grammar.from_structural_tag(xgr.StructuralTag(format=fmt))
+def _hermes_tag(st, fn: dict, params: dict):
+    """``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`` (``router/tool_calls.py``
+    reads it back); the arguments compact, as ``response_format``."""
+    args = st.GrammarFormat(grammar=str(_json_grammar(params)))
+    return st.TagFormat(begin=f'{START}\n{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "arguments": ',
+                        content=args, end=f"}}\n{END}")
 
 
-def _qwen3_coder_calls(tools: list[dict], name: str | None, parallel: bool):
+def _qwen3_coder_tag(st, fn: dict, params: dict):
     """``<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...\n</function>\n</tool_call>``
-    blocks (xgrammar's ``qwen_xml`` style for the parameters), chosen as :func:`_hermes_calls`."""
+    (xgrammar's ``qwen_xml`` style for the parameters)."""
+    args = st.JSONSchemaFormat(json_schema=params, style="qwen_xml", max_whitespace_cnt=MAX_XML_WHITESPACE)
+    return st.TagFormat(begin=f"{START}\n<function={fn['name']}>\n", content=args, end=f"\n</function>\n{END}")
+
+
+def _calls_grammar(tag_for, tools: list[dict], name: str | None, parallel: bool):
+    """Call blocks one per line, each built by ``tag_for(st, function, parameters)``: only the
+    named function, once, when ``name`` is given; else one or more of any tool (one when not
+    ``parallel``)."""
     xgr = _xgrammar()
     from xgrammar import structural_tag as st
 
     tags = []
     for t in tools:
         fn = t["function"]
-        if name is not None and fn["name"] != name:
-            continue
-        params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        args = st.JSONSchemaFormat(json_schema=params, style="qwen_xml", max_whitespace_cnt=MAX_XML_WHITESPACE)
-        tags.append(st.TagFormat(begin=f"{START}\n<function={fn['name']}>\n", content=args,
-                                 end=f"\n</function>\n{END}"))
+        if name is None or fn["name"] == name:
+            params = fn.get("parameters")
+            tags.append(tag_for(st, fn, {"type": "object", "properties": {}} if params is None else params))
     fmt = st.TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True,
                                      stop_after_first=name is not None or not parallel)
     return xgr.Grammar.from_structural_tag(xgr.StructuralTag(format=fmt))
@@ -131,7 +120,7 @@ MAX_XML_WHITESPACE = 1
 newline, which the ``qwen3_coder`` parser strips (more would reach the arguments, and an
 enum's value would no longer match)."""
 
-TOOL_CALL_FORMATS = {"hermes": _hermes_calls, "qwen3_coder": _qwen3_coder_calls}
+TOOL_CALL_FORMATS = {"hermes": partial(_calls_grammar, _hermes_tag), "qwen3_coder": partial(_calls_grammar, _qwen3_coder_tag)}
 """Grammar of the calls ``tool_choice`` forces, per ``--tool-call-parser``."""
 
 

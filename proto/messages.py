@@ -127,6 +127,10 @@ class StepInput:
     snapshot_slots: list[int] = field(default_factory=list)  # snapshot the row after this chunk
     num_prefill: int = 0
 
+    def is_prefill(self, b: int) -> bool:
+        """Request ``b`` runs a prefill chunk (all of a prefill step, the tail of a mixed one)."""
+        return self.mode == PREFILL or b >= len(self.req_pool_indices) - self.num_prefill
+
     @property
     def verify_rows(self) -> list[int]:
         """Rows this step verifies (their commit must come before their next step)."""

@@ -125,7 +125,9 @@ class ScheduledBatch:
     def step_input(self, eos_token_ids: list[int]) -> StepInput:
         """The stage message of this micro-batch (rows, lengths, tokens, sampling)."""
         specs = []
-        for r, seq, ext in zip(self.requests, self.seq_lens, self.extend_lens):
+        first_chunk = len(self.requests) - self.num_prefill if self.mode != "prefill" else 0
+        for b, (r, seq, ext) in enumerate(zip(self.requests, self.seq_lens, self.extend_lens)):
+            chunk = b >= first_chunk  # a prefill chunk (a prefill batch, or a mixed one's tail)
             p = r.params
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, r.seed, p.logprobs, p.min_tokens, banned,
@@ -136,7 +138,7 @@ class ScheduledBatch:
                     spec.prompt_token_ids = r.distinct_prompt_ids
             if p.logit_bias:
                 spec.logit_bias_ids, spec.logit_bias_values = list(p.logit_bias), list(p.logit_bias.values())
-            if p.grammar is not None and self.mode == "prefill" and seq + ext == r.prefill_len:
+            if p.grammar is not None and chunk and seq + ext == r.prefill_len:
                 # once per row, with the chunk that ends its prefill (the first sample, or a
                 # recomputed request's next decode, needs it), whatever the chunk's start;
                 # a recomputed request's outputs are the grammar's already

@@ -563,7 +563,7 @@ class StageRunner:
         for b, spec in enumerate(inp.sampling):
             if not self._sampling_ok(spec):
                 self._check_sampling(b, spec)  # raises, naming the field
-            if (spec.grammar or spec.grammar_accepted_ids) and not (mode == PREFILL and spec.grammar):
+            if (spec.grammar or spec.grammar_accepted_ids) and not (inp.is_prefill(b) and spec.grammar):
                 raise ValueError(f"sampling[{b}]: grammar comes with a prefill chunk, grammar_accepted_ids only "
                                  f"with it")
         if inp.output_lens and min(inp.output_lens) < 0:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -30,6 +31,26 @@ sys.exit(main(sys.argv[1:]))""", REPO]
 
 
 def free_port() -> int:
+    """A loopback port that is free now, taken below the kernel's ephemeral range.
+
+    Port 0 would hand out an ephemeral port, and between this call and the server's bind
+    any outgoing connection (a stage dialling its next stage) may be given the same one:
+    the router then exits with "address in use". Ports under the range are never given
+    to outgoing connections.
+    """
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # not the tests' seeded global generator: parallel runs must differ
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -85,7 +106,7 @@ class Cluster:
         plane = self.data_plane[k] if isinstance(self.data_plane, (list, tuple)) else self.data_plane
         if plane:
             argv += ["--data-plane", plane]
-        self._spawn(f"stage{k}", argv + self.stage_args, env)
+        self._spawn(f"stage{k}", argv, env)
 
     def start_router(self, name="router", port=None):
         self._spawn(name, ["router", "--model", self.model, "--stages", self.stages, "--port", str(port or self.port),

@@ -554,9 +554,9 @@ def _expect_error(capsys, argv, *needles):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from cluster import free_port
+
+    return free_port()
 
 
 @pytest.mark.parametrize("url", ["not a url", "localhost:8000", "ftp://127.0.0.1:8000", "http://:80"])

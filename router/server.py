@@ -28,45 +28,70 @@ def load_chat_template(value: str) -> str:
     raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
 
 
+def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The router's options that ``ppspec serve`` takes as well and hands on to the router
+    it starts (scheduling, timeouts, the HTTP API): their help texts and defaults, once.
+    Returns their actions, for :func:`router_options`."""
+    add = ap.add_argument
+    return [
+        add("--num-micro-batches", type=positive_int, default=None,
+            help="micro-batches in flight (default: the number of stages + 1)"),
+        add("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch"),
+        add("--max-num-batched-tokens", type=positive_int, default=None,
+            help="tokens per micro-batch: decodes and verifies first, prefill chunks in the rest of one "
+                 "forward (default: 8192 on CUDA stages, 512 on CPU ones); at least --max-batch-size x D"),
+        add("--mixed-prefill-tokens", type=positive_int, default=None,
+            help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 128 on CPU)"),
+        add("--chunk-size", type=positive_int, default=None,
+            help="prompt tokens of one request per micro-batch at most (default: the token budget)"),
+        add("--max-waiting", type=positive_int, default=4096, help="queued requests before 429"),
+        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+            help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); "
+                 "off by default: not yet measured on the GPU (every stage needs --prefix-cache-gb)"),
+        add("--api-key", default=None, help="bearer key required on /v1/* (default: none)"),
+        add("--served-model-name", default=None, help="the model id clients send (default: the folder's name)"),
+        add("--chat-template", default=None,
+            help="a Jinja chat template, or a file holding one (default: the tokenizer's)"),
+        add("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+            help="read tool calls from chat output (the chat API's tools); default: tools are refused"),
+        add("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+            help="split chat output's thinking into reasoning_content (qwen3: <think>...</think>); "
+                 "default: it stays content"),
+        add("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take"),
+        add("--wedge-timeout", type=positive_float, default=60.0,
+            help="seconds a micro-batch may stay outstanding before /health says 503"),
+        add("--stall-timeout", type=positive_float, default=10.0,
+            help="seconds a stage may fail its health checks with micro-batches in flight before those "
+                 "requests fail (503) instead of waiting for --step-timeout"),
+    ]
+
+
+def router_options(args: argparse.Namespace) -> list[str]:
+    """The command-line of :func:`add_router_args`' options as ``args`` holds them (options
+    left at None are left out), for a launcher that starts the router."""
+    argv = []
+    for action in add_router_args(argparse.ArgumentParser(add_help=False)):
+        value = getattr(args, action.dest)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0 if value else 1])
+        elif value is not None:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ppspec router", description="OpenAI-compatible router in front of ppspec stages",
                                  formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (its tokenizer and chat template)")
-    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder's name)")
-    ap.add_argument("--chat-template", default=None,
-                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     ap.add_argument("--stages", type=address_list, required=True, help="comma-separated host:port of the stages, in PP-rank order")
     ap.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
     ap.add_argument("--port", type=port, default=8000, help="port of the HTTP API")
     ap.add_argument("--speculative-algorithm", default=None, choices=["none", "ngram", "mtp"],
                     help="checked against the stages (default: what the stages run)")
-    ap.add_argument("--num-micro-batches", type=positive_int, default=None, help="micro-batches in flight (default: stages + 1)")
-    ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
-    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                    help="tokens per micro-batch: decodes and verifies first, prefill chunks in the rest of one "
-                         "forward (default: 8192 on CUDA stages, 512 on CPU ones); at least --max-batch-size x D")
-    ap.add_argument("--mixed-prefill-tokens", type=positive_int, default=None,
-                    help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 128 on CPU)")
-    ap.add_argument("--chunk-size", type=positive_int, default=None,
-                    help="prompt tokens of one request per micro-batch at most (default: the token budget)")
-    ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                    help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); off by default: not yet measured on the GPU" " (every stage needs --prefix-cache-gb)")
-    ap.add_argument("--api-key", default=None, help="bearer key required on /v1/* (default: none)")
-    ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                    help="read tool calls from chat output (the chat API's tools); default: tools are refused")
-    ap.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                    help="split chat output's thinking into reasoning_content (qwen3: <think>...</think>); "
-                         "default: it stays content")
+    add_router_args(ap)
     ap.add_argument("--connect-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for the stages at start (a CUDA stage's first start on a machine "
                          "builds FlashInfer's prefill kernel: minutes)")
-    ap.add_argument("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take")
-    ap.add_argument("--wedge-timeout", type=positive_float, default=60.0,
-                    help="seconds a micro-batch may stay outstanding before /health says 503")
-    ap.add_argument("--stall-timeout", type=positive_float, default=10.0,
-                    help="seconds a stage may fail its health checks with micro-batches in flight before "
-                         "those requests fail (503) instead of waiting for --step-timeout")
     ap.add_argument("--pipeline-key-file", default=None,
                     help="file holding the secret shared with the stages, their --pipeline-key-file (default: none, "
                          "for stages started without one)")

@@ -24,9 +24,8 @@ from ppspec.argtypes import (
 from ppspec.auth import KeyFileError, read_key_file, write_temp_key
 from ppspec.stage_server.config import PAGE_SIZE, CheckpointError, load_config
 
-from ppspec.router.reasoning import REASONING_PARSERS
-from ppspec.router.tool_calls import TOOL_CALL_PARSERS
 from ppspec.router.scheduler import check_token_budget
+from ppspec.router.server import add_router_args, load_chat_template, router_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,18 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache of each stage, in tokens")
     ap.add_argument("--max-context", "--max-model-len", type=positive_int, default=None,
                     help="longest prompt + completion in tokens (default: the checkpoint's)")
-    ap.add_argument("--num-micro-batches", type=positive_int, default=None,
-                    help="micro-batches in flight (default: the number of stages + 1)")
-    ap.add_argument("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch")
-    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                    help="tokens per micro-batch, decodes first and prefill chunks in the rest of one forward "
-                         "(default: 8192 on CUDA, 512 on CPU)")
-    ap.add_argument("--chunk-size", type=positive_int, default=None,
-                    help="prompt tokens of one request per micro-batch at most (default: the token budget)")
-    ap.add_argument("--mixed-prefill-tokens", type=positive_int, default=None,
-                    help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 128 on CPU)")
-    ap.add_argument("--max-waiting", type=positive_int, default=4096, help="queued requests before 429")
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False, help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); off by default: not yet measured on the GPU")
     ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=4.0,
                     help="GiB per stage for prefix-cache snapshots of the recurrent state (with "
                          "--enable-prefix-caching; their KV pages come from --kv-tokens)")
@@ -72,24 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
     add_data_plane_arg(ap)
     add_cuda_graph_args(ap)
-    ap.add_argument("--api-key", default=None, help="bearer key required on /v1/* (default: none)")
-    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder's name)")
-    ap.add_argument("--chat-template", default=None,
-                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
-    ap.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                    help="read tool calls from chat output (the chat API's tools); default: tools are refused")
-    ap.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                    help="split chat output's thinking into reasoning_content (qwen3: <think>...</think>); "
-                         "default: it stays content")
+    add_router_args(ap)
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch threads per stage (0: cores / stages)")
     ap.add_argument("--startup-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for every stage and the router")
-    ap.add_argument("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take")
-    ap.add_argument("--wedge-timeout", type=positive_float, default=60.0,
-                    help="seconds a micro-batch may stay outstanding before /health says 503")
-    ap.add_argument("--stall-timeout", type=positive_float, default=10.0,
-                    help="seconds a stage may fail its health checks with micro-batches in flight before those "
-                         "requests fail (503)")
     ap.add_argument("--pipeline-key-file", default=None,
                     help="file holding the secret the router and stages share (default: a fresh key per run, in a "
                          "0600 temporary file removed at exit)")
@@ -177,24 +150,11 @@ def stage_argv(a: argparse.Namespace, k: int, ports: list[int], device: str, thr
 
 def router_argv(a: argparse.Namespace, ports: list[int]) -> list[str]:
     """``ppspec router`` arguments of ``ppspec serve``'s options ``a`` (stages at ``ports``)."""
-    argv = [
+    return [
         "router", "--model", a.model, "--stages", ",".join(f"{a.host}:{p}" for p in ports),
         "--host", a.host, "--port", str(a.port), "--speculative-algorithm", a.speculative_algorithm,
-        "--max-batch-size", str(a.max_batch_size), "--connect-timeout", str(a.startup_timeout),
-        "--wedge-timeout", str(a.wedge_timeout),
-        "--max-waiting", str(a.max_waiting), "--step-timeout", str(a.step_timeout),
-        "--stall-timeout", str(a.stall_timeout), "--log-level", "warning",
+        "--connect-timeout", str(a.startup_timeout), "--log-level", "warning", *router_options(a),
     ]
-    if a.enable_prefix_caching:
-        argv.append("--enable-prefix-caching")
-    for flag, value in (("--num-micro-batches", a.num_micro_batches), ("--api-key", a.api_key),
-                        ("--served-model-name", a.served_model_name), ("--tool-call-parser", a.tool_call_parser),
-                        ("--chat-template", a.chat_template), ("--reasoning-parser", a.reasoning_parser),
-                        ("--chunk-size", a.chunk_size), ("--max-num-batched-tokens", a.max_num_batched_tokens),
-                        ("--mixed-prefill-tokens", a.mixed_prefill_tokens)):
-        if value:
-            argv += [flag, str(value)]
-    return argv
 
 
 def healthy(url: str) -> bool:
@@ -249,8 +209,6 @@ def main(argv: list[str]) -> int:
         print(f"ppspec serve: {e}", file=sys.stderr)
         return 2
     if a.chat_template:
-        from ppspec.router.server import load_chat_template
-
         try:
             load_chat_template(a.chat_template)
         except ValueError as e:

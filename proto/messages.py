@@ -97,8 +97,9 @@ class StepInput:
     with a sampled token (False for a prefill chunk that does not end its prompt).
     next_token_ids: the prompt token after a non-final prefill chunk (the MTP head
     conditions on it), else -1. output_lens: tokens generated before this step.
-    restore_slots / snapshot_slots: a prefill's prefix-cache slots, per request (-1: none)
-    or empty: start the row from the snapshot of its ``seq_lens`` tokens; snapshot the row
+    restore_slots / snapshot_slots: the prefill chunks' prefix-cache slots, per request
+    (-1: none, and for every request of a mixed micro-batch's decode / verify part) or
+    empty: start the row from the snapshot of its ``seq_lens`` tokens; snapshot the row
     after the chunk.
 
     A *mixed* micro-batch (``num_prefill > 0``, mode ``decode`` or ``verify``) carries
@@ -151,12 +152,14 @@ class StepInput:
         for mode, rq, tok in ((self.mode, slice(0, k), slice(0, t)), (PREFILL, slice(k, B), slice(t, None))):
             def cut(xs, rq=rq):
                 return list(xs[rq]) if xs else []
+            def chunks_only(xs, rq=rq, mode=mode):  # prefix-cache slots name prefill chunks only
+                return cut(xs) if mode == PREFILL else []
             h = self.hidden_states[tok] if self.hidden_states is not None else None
             out.append(StepInput(
                 self.micro_batch_id, self.round, mode, cut(self.req_pool_indices), cut(self.seq_lens),
                 cut(self.extend_lens), list(self.input_ids[tok]), cut(self.num_drafts), cut(self.sample),
                 cut(self.next_token_ids), cut(self.sampling), cut(self.output_lens), h,
-                restore_slots=cut(self.restore_slots), snapshot_slots=cut(self.snapshot_slots)))
+                restore_slots=chunks_only(self.restore_slots), snapshot_slots=chunks_only(self.snapshot_slots)))
         return out
 
 

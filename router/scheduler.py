@@ -102,7 +102,7 @@ class ScheduledBatch:
     num_prefill: int = 0
     rows: list[int] = field(default_factory=list)
     first: list[Request] = field(default_factory=list)  # requests in their first micro-batch
-    restore_slots: list[int] = field(default_factory=list)   # prefix cache (prefill): -1 none, or empty
+    restore_slots: list[int] = field(default_factory=list)   # prefix cache, per request (-1: none, every non-chunk) or empty
     snapshot_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -122,10 +122,16 @@ class ScheduledBatch:
         """Requests this micro-batch verifies (its first ones; 0 unless mode is verify)."""
         return len(self.requests) - self.num_prefill if self.mode == "verify" else 0
 
+    @property
+    def first_chunk(self) -> int:
+        """Index of its first prefill chunk: 0 in a prefill batch, a mixed one's tail, or
+        ``len(requests)`` when it has none (``StepInput.is_prefill``)."""
+        return 0 if self.mode == "prefill" else len(self.requests) - self.num_prefill
+
     def step_input(self, eos_token_ids: list[int]) -> StepInput:
         """The stage message of this micro-batch (rows, lengths, tokens, sampling)."""
         specs = []
-        first_chunk = len(self.requests) - self.num_prefill if self.mode != "prefill" else 0
+        first_chunk = self.first_chunk
         for b, (r, seq, ext) in enumerate(zip(self.requests, self.seq_lens, self.extend_lens)):
             chunk = b >= first_chunk  # a prefill chunk (a prefill batch, or a mixed one's tail)
             p = r.params
@@ -143,7 +149,7 @@ class ScheduledBatch:
                 # recomputed request's next decode, needs it), whatever the chunk's start;
                 # a recomputed request's outputs are the grammar's already
                 spec.grammar, spec.grammar_accepted_ids = p.grammar, list(r.output_ids)
-            if self.mode == "prefill" and p.prompt_logprobs is not None and r.prompt_lps is not None:
+            if chunk and p.prompt_logprobs is not None and r.prompt_lps is not None:
                 spec.prompt_logprobs = p.prompt_logprobs  # until they are sent (a recompute asks none)
             specs.append(spec)
         return StepInput(
@@ -420,13 +426,6 @@ class Scheduler:
         reqs = [r for r in self.lanes[lane] if not r.in_flight and r.status == RUNNING and not r.aborted]
         reqs.sort(key=lambda r: r.order)  # growing the oldest first: they preempt the youngest
         prefill = [r for r in reqs if not r.prefill_done]
-        if self.cache is not None and prefill:
-            # the prefix cache's restore and snapshot slots go with prefill-only micro-batches:
-            # with it on, a lane's chunks run before its decodes, as without a token budget
-            batch = self._form(lane, [], prefill, self.max_num_batched_tokens)
-            if batch is not None:
-                return batch
-            prefill = []  # every prefill is short of KV: decode the others, which end and give pages back
         # a slot is kept for a prompt while one waits, so that decodes never fill every one
         room = self.max_batch_size - (1 if prefill else 0)
         chosen: list[Request] = []
@@ -488,10 +487,15 @@ class Scheduler:
     def _dispatch(self, batch: ScheduledBatch) -> ScheduledBatch:
         for r in batch.requests:
             r.in_flight = True
-        if self.cache and batch.mode == "prefill":
-            restore = [r.restore_slot for r in batch.requests]  # set until its first chunk ran
-            snap = [self._reserve_snapshot(r, s + e) if s + e < r.prefill_len else -1
-                    for r, s, e in zip(batch.requests, batch.seq_lens, batch.extend_lens)]
+        if self.cache and batch.first_chunk < len(batch.requests):
+            # the prefill chunks' restore and snapshot slots, in a prefill batch or riding in
+            # a decode / verify one (those rows' are -1)
+            chunks = range(batch.first_chunk, len(batch.requests))
+            restore, snap = [-1] * len(batch.requests), [-1] * len(batch.requests)
+            for b in chunks:
+                r, end = batch.requests[b], batch.seq_lens[b] + batch.extend_lens[b]
+                restore[b] = r.restore_slot  # set until its first chunk ran
+                snap[b] = self._reserve_snapshot(r, end) if end < r.prefill_len else -1
             batch.restore_slots = restore if max(restore) >= 0 else []
             batch.snapshot_slots = snap if max(snap) >= 0 else []
         return batch

@@ -519,6 +519,12 @@ class StageRunner:
                                  f"requests (a decode or verify with at least one request of its own)")
             if sum(ext) != len(ids):
                 raise ValueError(f"extend_lens must sum to the number of input_ids ({sum(ext)} vs {len(ids)})")
+            k = B - inp.num_prefill
+            for name in ("restore_slots", "snapshot_slots"):  # the chunks' (parts() gives them the chunks only)
+                slots = getattr(inp, name)
+                if slots and (len(slots) != B or max(slots[:k]) >= 0):
+                    raise ValueError(f"{name}: {len(slots)} entries in a mixed {mode} of {B} requests (one per "
+                                     f"request, -1 for each of its first {k}: slots go with prefill chunks only)")
             for part in inp.parts():
                 self.check_input(part, hidden=False)
             if hidden and not self.is_first:
@@ -866,8 +872,9 @@ class StageRunner:
             out.output_ids = [t for o in parts for t in o.output_ids]
             if any(o.drafts for o in parts):
                 out.drafts = [d for o in parts for d in (o.drafts or [[]] * len(o.output_ids))]
-            if any(o.logprobs is not None for o in parts):
-                out.logprobs = [x for o in parts for x in (o.logprobs or [None] * len(o.output_ids))]
+            for name in ("logprobs", "prompt_logprobs"):
+                if any(getattr(o, name) is not None for o in parts):
+                    setattr(out, name, [x for o in parts for x in (getattr(o, name) or [None] * len(o.output_ids))])
             return
         B = meta.batch_size
         sample = inp.sample or [True] * B

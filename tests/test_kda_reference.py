@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from ppspec.kernels.commit.naive import commit_accept_ref
-from ppspec.kernels.kda import chunk_kda_ref, recurrent_kda_ref, replay_ref, verify_record_ref
+from ppspec.kernels.gdn.naive_replay import alloc_replay_buffers, commit_accept_replay_ref, replay_flush_ref
+from ppspec.kernels.kda import chunk_kda_ref, kda_recurrent_replay, recurrent_kda_ref
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 
@@ -76,10 +77,13 @@ def test_verify_copy_commit_and_replay_equal_decode_of_accepted(D):
     assert torch.equal(copy_pool, start)
     commit_accept_ref(copy_pool[None], scratch[None], idx, acc)
 
-    o_rec, kn, delta, gr = verify_record_ref(q, k, v, g, beta, start, idx)
-    torch.testing.assert_close(o_rec, o, atol=1e-6, rtol=1e-6)
     replay_pool = start.clone()
-    replay_ref(replay_pool, idx, kn, delta, gr, acc)
+    bufs = alloc_replay_buffers(rows + 1, D, H, H, K, V, per_channel_gate=True)
+    o_rec = kda_recurrent_replay(q, k, v, g, beta, replay_pool, idx, bufs)
+    torch.testing.assert_close(o_rec, o, atol=1e-6, rtol=1e-6)
+    assert torch.equal(replay_pool, start)  # the verify keeps only the steps' inputs
+    commit_accept_replay_ref(bufs.pending, bufs.slot, idx, acc)
+    replay_flush_ref(replay_pool, bufs, idx)
     torch.testing.assert_close(replay_pool, copy_pool, atol=1e-6, rtol=1e-6)
 
     for i, row in enumerate(idx.tolist()):

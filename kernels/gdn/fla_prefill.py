@@ -1,5 +1,7 @@
-"""Chunked GDN prefill on the GPU through fla's ``chunk_gated_delta_rule`` (fla-core 0.6):
-the GPU path of ``naive.chunk_gated_delta_rule_ref`` (same shapes and semantics).
+"""Chunked gated-delta-rule prefill on the GPU through fla (fla-core 0.6): the GPU path of
+``naive.chunk_gated_delta_rule_ref`` (same shapes and semantics). A per-head log decay
+``g [T, HV]`` (GDN) runs fla's ``chunk_gated_delta_rule``, a per-key-channel one
+``g [T, HV, K]`` (KDA, Kimi Linear) fla's ``chunk_kda``; both take the same arguments here.
 
 Packed variable-length sequences go in as one batch of ``[1, T, ...]`` with ``cu_seqlens``;
 fla L2-normalises q and k in the kernel (``use_qk_l2norm_in_kernel=True``, eps 1e-6 as the
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+from fla.ops.kda import chunk_kda
 
 from ..checks import fact
 from .naive import check_prefill_shapes
@@ -43,7 +46,8 @@ def chunk_gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, initial_state, scal
     qq, kk, vv = (x.to(dt).unsqueeze(0).contiguous() for x in (q, k, v))
     gg = g.to(torch.float32).unsqueeze(0).contiguous()
     bb = beta.to(dt).unsqueeze(0).contiguous()
-    out, ht = chunk_gated_delta_rule(
+    fla_fn = chunk_kda if g.dim() == 3 else chunk_gated_delta_rule
+    out, ht = fla_fn(
         qq, kk, vv, gg, bb,
         scale=float(scale),
         initial_state=h0.contiguous(),

@@ -21,7 +21,8 @@ Buffers, per linear layer (``R = rows + 1`` with the padding row), all fp32::
 
     k     [R, 2, D_max, H, K]   normalised keys (per key head)
     delta [R, 2, D_max, HV, V]  the step's delta (per value head)
-    g     [R, 2, D_max, HV]     the step's log decay
+    g     [R, 2, D_max, HV]     the step's log decay (``[R, 2, D_max, HV, K]`` with a
+                                per-channel gate: KDA)
     pending [R] int32   accepted steps of slot ``slot[row]`` not yet applied to state[row]
     slot    [R] int32   which of the two slots holds them
 
@@ -66,10 +67,12 @@ def alloc_replay_buffers(
     head_v_dim: int,
     device=None,
     meta: tuple[torch.Tensor, torch.Tensor] | None = None,
+    per_channel_gate: bool = False,
 ) -> ReplayBuffers:
     """Buffers for one layer (fp32 whatever the model dtype: they feed the fp32 state).
     ``meta`` = ``(pending[l], slot[l])`` views of :func:`alloc_replay_meta`, else fresh.
-    Size per row: ``2 D_max (H K + HV V + HV) 4`` bytes."""
+    ``per_channel_gate``: the log decay is kept per key channel (KDA), else per head.
+    Size per row: ``2 D_max (H K + HV V + HV) 4`` bytes (``HV K`` for the gate per channel)."""
     R = num_rows
     if meta is None:
         p, s = alloc_replay_meta(1, R, device)
@@ -77,7 +80,8 @@ def alloc_replay_buffers(
     return ReplayBuffers(
         k=torch.zeros(R, 2, d_max, num_k_heads, head_k_dim, dtype=torch.float32, device=device),
         delta=torch.zeros(R, 2, d_max, num_v_heads, head_v_dim, dtype=torch.float32, device=device),
-        g=torch.zeros(R, 2, d_max, num_v_heads, dtype=torch.float32, device=device),
+        g=torch.zeros(R, 2, d_max, num_v_heads, *((head_k_dim,) if per_channel_gate else ()),
+                      dtype=torch.float32, device=device),
         pending=meta[0],
         slot=meta[1],
     )

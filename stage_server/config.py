@@ -2,7 +2,8 @@
 
 Supported ``model_type``: ``qwen3_next``, ``qwen3_5_text``, ``qwen3_5_moe_text`` and the
 multimodal wrappers ``qwen3_5`` / ``qwen3_5_moe`` (language model only: the text config
-under ``text_config``, weights under ``model.language_model.``).
+under ``text_config``, weights under ``model.language_model.``). ``kimi_linear`` is read by its
+family's folder (``stage_server/families``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 PAGE_SIZE = 16  # tokens per KV page of a stage's pools (StageRunner's default)
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "kimi_linear")
 
 
 class CheckpointError(ValueError):
@@ -83,6 +84,12 @@ class HybridConfig:
     weight_prefix: str = "model."
     fused_gdn_projections: bool = False  # qwen3_next: in_proj_qkvz / in_proj_ba
     eos_token_ids: list[int] = field(default_factory=list)
+    # what a family states about its pools (stage_server/families): the linear layers' replay
+    # buffers keep the log decay per key channel (KDA); the KV pool holds keys and values as
+    # one tensor (MLA's latent); the stage may capture CUDA graphs of its steps
+    per_channel_gate: bool = False
+    shared_kv: bool = False
+    cuda_graphs: bool = True
 
     @property
     def max_context(self) -> int:
@@ -254,6 +261,11 @@ def load_config(model_dir: str) -> HybridConfig:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
+    from .families import family
+
+    fam = family(model_type) if isinstance(model_type, str) else None
+    if fam is not None:  # a family of its own folder
+        return fam.load_config(path, raw)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"{path}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

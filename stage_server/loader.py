@@ -131,6 +131,38 @@ def _read_param(reader: CheckpointReader, cfg: HybridConfig, name: str, cache: d
     return reader.get(key)  # raises, naming the tensor
 
 
+def fill_parameters(model, reader: CheckpointReader, read, key_of, dtype: torch.dtype, device):
+    """Materialise ``model`` (built on the meta device) on ``device`` in ``dtype`` with every
+    parameter read from the checkpoint: ``read(name)`` gives the tensor of parameter
+    ``name``, ``key_of(name)`` the checkpoint key an error names. Returns the model.
+
+    Raises:
+        CheckpointError: a tensor missing, of the wrong shape, or with NaN / infinite values
+            (in ``dtype``: an fp16 cast can overflow); the message names the file and tensor.
+    """
+    state = {}
+    for name, p in model.named_parameters():
+        t = read(name)
+        if tuple(t.shape) != tuple(p.shape):
+            key = key_of(name)
+            raise CheckpointError(
+                f"{reader.file_of(key)}: tensor {key!r} has shape {tuple(t.shape)}, "
+                f"expected {tuple(p.shape)} from config.json"
+            )
+        state[name] = t.to(dtype)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_state_dict(state, strict=False, assign=False)
+    # caught here, not by whichever stage's output turns NaN (PP1 would emit token 0); on
+    # the device (a CPU pass over a large bf16 checkpoint is slow), one read for all
+    names, params = zip(*model.named_parameters())
+    finite = torch.stack([torch.isfinite(p).all() for p in params]).tolist()
+    if not all(finite):
+        key = key_of(names[finite.index(False)])
+        raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has NaN or infinite values"
+                              + ("" if dtype == torch.float32 else f" in {str(dtype).removeprefix('torch.')}"))
+    return model
+
+
 def load_stage_model(
     model_dir: str,
     start: int | None = None,
@@ -154,6 +186,11 @@ def load_stage_model(
             overflow); the message names the file and the tensor.
     """
     cfg = load_config(model_dir)
+    from .families import family
+
+    fam = family(cfg.model_type)
+    if fam is not None:  # a family of its own folder
+        return fam.load_stage_model(model_dir, cfg, start, end, dtype, device)
     start = 0 if start is None else start
     end = cfg.num_hidden_layers if end is None else end
     if not (0 <= start < end <= cfg.num_hidden_layers):
@@ -172,26 +209,8 @@ def load_stage_model(
     with torch.device("meta"):
         model = StageModel(cfg, start, end, with_mtp=with_mtp and has_mtp)
     cache: dict = {}
-    state = {}
-    for name, p in model.named_parameters():
-        t = _read_param(reader, cfg, name, cache)
-        if tuple(t.shape) != tuple(p.shape):
-            key = _checkpoint_key(cfg, name)
-            raise CheckpointError(
-                f"{reader.file_of(key)}: tensor {key!r} has shape {tuple(t.shape)}, "
-                f"expected {tuple(p.shape)} from config.json"
-            )
-        state[name] = t.to(dtype)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_state_dict(state, strict=False, assign=False)
-    # caught here, not by whichever stage's output turns NaN (PP1 would emit token 0); on
-    # the device (a CPU pass over a large bf16 checkpoint is slow), one read for all
-    names, params = zip(*model.named_parameters())
-    finite = torch.stack([torch.isfinite(p).all() for p in params]).tolist()
-    if not all(finite):
-        key = _checkpoint_key(cfg, names[finite.index(False)])
-        raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has NaN or infinite values"
-                              + ("" if dtype == torch.float32 else f" in {str(dtype).removeprefix('torch.')}"))
+    model = fill_parameters(model, reader, lambda name: _read_param(reader, cfg, name, cache),
+                            lambda name: _checkpoint_key(cfg, name), dtype, device)
     # Non-persistent buffers were allocated on "meta": rebuild them on the device.
     model.rotary.inv_freq = rope_frequencies(cfg)[0].to(device)
     model.eval().requires_grad_(False)

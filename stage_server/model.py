@@ -421,6 +421,29 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
 
 
+def run_experts(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """``sum_j top_w[t, j] * expert_{top_i[t, j]}(x_t)`` with SwiGLU experts: x ``[T, hidden]``,
+    top_i ``[T, k]`` int64, top_w ``[T, k]`` (the product in torch's promotion of top_w and
+    the experts' output). Returns ``[T, hidden]`` in x's dtype."""
+    k = top_i.shape[-1]
+    # group the (token, slot) pairs by expert on the device; one host read of the group
+    # sizes per layer (not one per expert) decides which expert GEMMs run
+    flat = top_i.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts.down_proj.shape[0]).tolist()
+    tok = order // k
+    xs, ws = x[tok], top_w.flatten()[order, None]
+    ys, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            gate, up = F.linear(xs[start:start + n], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            ys.append(F.linear(silu_mul(gate, up), experts.down_proj[e]))
+            start += n
+    if not ys:
+        return torch.zeros_like(x)
+    return torch.zeros_like(x).index_add_(0, tok, (torch.cat(ys) * ws).to(x.dtype))
+
+
 class SparseMoE(nn.Module):
     """Top-k softmax routing (optionally renormalised) plus a sigmoid-gated shared expert."""
 
@@ -437,22 +460,8 @@ class SparseMoE(nn.Module):
         top_w, top_i = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             top_w = top_w / top_w.sum(-1, keepdim=True)
-        top_w = top_w.to(x.dtype)
-        # group the (token, slot) pairs by expert on the device; one host read of the group
-        # sizes per layer (not one per expert) decides which expert GEMMs run
-        flat = top_i.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.experts.down_proj.shape[0]).tolist()
-        tok = order // self.top_k
-        xs, ws = x[tok], top_w.flatten()[order, None]
-        ys, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                gate, up = F.linear(xs[start:start + n], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-                ys.append(F.linear(silu_mul(gate, up), self.experts.down_proj[e]))
-                start += n
-        out = torch.zeros_like(x).index_add_(0, tok, torch.cat(ys) * ws) if ys else torch.zeros_like(x)
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return run_experts(x, top_i, top_w.to(x.dtype), self.experts) + shared
 
 
 class DecoderLayer(nn.Module):

@@ -28,14 +28,17 @@ class KVPool:
     page 0 (never read: attention only reads positions below each row's KV length).
     """
 
-    def __init__(self, num_layers, max_rows, token_budget, page_size, nkv, hd, max_context, dtype, device):
+    def __init__(self, num_layers, max_rows, token_budget, page_size, nkv, hd, max_context, dtype, device,
+                 shared_kv: bool = False):
         self.page_size = page_size
         self.num_pages = max(1, -(-token_budget // page_size))
         self.pad_page = self.num_pages
         self.max_pages_per_row = -(-max_context // page_size)
         shape = (num_layers, self.num_pages + 1, page_size, nkv, hd)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # shared_kv: keys and values are one tensor (MLA's compressed latent, Kimi Linear:
+        # stage_server/families/kimi_linear/model.py), held once
+        self.v = self.k if shared_kv else torch.zeros(shape, dtype=dtype, device=device)
         self.page_table = torch.zeros(max_rows + 1, self.max_pages_per_row, dtype=torch.long, device=device)
         self.page_table[max_rows] = self.pad_page
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
@@ -46,7 +49,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.k.numel() * self.k.element_size() * (1 if self.v is self.k else 2)
 
     @property
     def used_pages(self) -> int:
@@ -184,7 +187,8 @@ class StatePool:
       whatever ``dtype``, so a bf16 stage replays exactly what it verified: normalised key
       ``k [R, 2, D, H, K]``, ``delta [R, 2, D, HV, V]``, log decay ``g [R, 2, D, HV]``), whose
       ``pending``/``slot`` are rows of ``replay_pending``/``replay_slot`` ``[L, R]`` int32, so
-      one commit covers every layer.
+      one commit covers every layer. ``per_channel_gate`` (KDA): the log decay is kept per key
+      channel, ``g [R, 2, D, HV, K]``.
 
     Scratch and replay buffers exist only when ``D > 1``; with ``D = 1`` there is no verify
     and nothing to commit.
@@ -194,7 +198,7 @@ class StatePool:
     """
 
     def __init__(self, num_layers, max_rows, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, device,
-                 *, num_k_heads: int | None = None, commit_design: str = "copy"):
+                 *, num_k_heads: int | None = None, commit_design: str = "copy", per_channel_gate: bool = False):
         if commit_design not in COMMIT_DESIGNS:
             raise ValueError(f"commit_design must be one of {', '.join(COMMIT_DESIGNS)}, got {commit_design!r}")
         self.commit_design = commit_design
@@ -214,7 +218,8 @@ class StatePool:
             else:
                 self.replay_pending, self.replay_slot = alloc_replay_meta(num_layers, n, device)
                 self.replay = [
-                    alloc_replay_buffers(n, d, hk, hv, dk, dv, device=device, meta=(self.replay_pending[i], self.replay_slot[i]))
+                    alloc_replay_buffers(n, d, hk, hv, dk, dv, device=device, meta=(self.replay_pending[i], self.replay_slot[i]),
+                                         per_channel_gate=per_channel_gate)
                     for i in range(num_layers)
                 ]
 
@@ -285,10 +290,11 @@ class StatePool:
 
 
 def state_pool_nbytes(
-    num_layers, max_rows, hk, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, commit_design="copy"
+    num_layers, max_rows, hk, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, commit_design="copy",
+    per_channel_gate=False,
 ) -> dict[str, int]:
     """Bytes :class:`StatePool` allocates for these arguments, before allocating anything
     (the stage's memory-budget check): the pool laid out on the meta device, which takes no
     memory, so the count cannot drift from the allocation. Keys as :attr:`StatePool.nbytes`."""
     return StatePool(num_layers, max_rows, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, "meta",
-                     num_k_heads=hk, commit_design=commit_design).nbytes
+                     num_k_heads=hk, commit_design=commit_design, per_channel_gate=per_channel_gate).nbytes

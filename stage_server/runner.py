@@ -253,11 +253,12 @@ class StageRunner:
         pool_bytes = None
         if memory_budget is not None:
             pool_bytes = self._check_budget(memory_budget, len(lin), len(att), kv_tokens, page_size, d)
-        self.kv = KVPool(len(att), max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx, dtype, device) if att else None
+        self.kv = KVPool(len(att), max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx, dtype, device,
+                         shared_kv=c.shared_kv) if att else None
         self.state = StatePool(
             len(lin), max_rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
             c.conv_dim, c.linear_conv_kernel_dim, d, dtype, device,
-            num_k_heads=c.linear_num_key_heads, commit_design=commit_design,
+            num_k_heads=c.linear_num_key_heads, commit_design=commit_design, per_channel_gate=c.per_channel_gate,
         ) if lin else None
         self.mtp_kv = (
             KVPool(1, max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx + d, dtype, device)
@@ -303,6 +304,8 @@ class StageRunner:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
         if cuda_graph_max_bs and any(c.is_moe_layer(i) for i in range(start, end)):
             log.info("stage %d: CUDA graphs off (MoE layers group tokens by expert on the host)", pp_rank)
+        elif cuda_graph_max_bs and not c.cuda_graphs:
+            log.info("stage %d: CUDA graphs off (%s runs its steps eagerly)", pp_rank, c.model_type)
         elif cuda_graph_max_bs:
             before = _reserved(self.device)
             self._capture_graphs(min(cuda_graph_max_bs, max_rows), capture=on_cuda)
@@ -368,11 +371,13 @@ class StageRunner:
         c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         pages = -(-kv_tokens // page_size) + 1  # + the padding page
-        kv = (n_att + (1 if self.use_mtp else 0)) * 2 * pages * page_size * c.num_key_value_heads * c.head_dim * esize
+        kv = ((n_att + (1 if self.use_mtp else 0)) * (1 if c.shared_kv else 2) * pages * page_size
+              * c.num_key_value_heads * c.head_dim * esize)
         # recurrent state, conv window and the commit design's verify scratch / replay buffers
         state = sum(state_pool_nbytes(
             n_lin, self.max_rows, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
             c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim, d, self.dtype, self.commit_design,
+            c.per_channel_gate,
         ).values())
         need = weights + kv + state + self._attention_workspace()
         if need > budget:

@@ -41,10 +41,32 @@ KINDS = {
                                             shared_expert_intermediate_size=48)),
 }
 
+# Kimi Linear (KDA + MLA + DeepSeek-V3 MoE): 5 layers (PP 2 and 4 split them unevenly) with
+# grouped routing; 7 layers with a low-rank query, attention biases and two shared experts
+KIMI_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+    linear_conv_kernel_dim=4, max_position_embeddings=2048, initializer_range=0.1, rms_norm_eps=1e-6,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+_L, _F = "linear_attention", "full_attention"
+KINDS.update({
+    "kimi_moe_5l": ("kimi_linear", dict(num_hidden_layers=5, layer_types=[_L, _L, _F, _L, _F], linear_num_heads=2,
+                                        linear_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_group=2,
+                                        topk_group=1, n_shared_experts=1,
+                                        mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"])),
+    "kimi_qlora_7l": ("kimi_linear", dict(num_hidden_layers=7, layer_types=[_L, _F, _L, _L, _L, _F, _L], linear_num_heads=4,
+                                          linear_head_dim=8, q_lora_rank=24, attention_bias=True, num_local_experts=6,
+                                          num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
+                                          mlp_layer_types=["dense"] * 2 + ["sparse"] * 5)),
+})
+
 
 def _model_class(model_type: str):
     import transformers as tf
 
+    if model_type == "kimi_linear":
+        return tf.KimiLinearConfig, tf.KimiLinearForCausalLM
     if model_type == "qwen3_next":
         return tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM
     if model_type == "qwen3_5_text":
@@ -110,8 +132,14 @@ def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> st
     model_type, over = KINDS[kind]
     cfg_cls, model_cls = _model_class(model_type)
     torch.manual_seed(seed)
-    cfg = cfg_cls(**{**BASE, **over})
+    cfg = cfg_cls(**{**(KIMI_BASE if model_type == "kimi_linear" else BASE), **over})
     model = model_cls(cfg).eval()
+    if model_type == "kimi_linear":
+        mtp = False  # no MTP head in Kimi Linear checkpoints
+        with torch.no_grad():  # transformers zeroes the router's correction bias: a random one shows misuse
+            for name, p in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    p.normal_(0.0, 0.2)
     if getattr(cfg, "attention_bias", False):
         # transformers initialises biases to zero: random ones, so that a misplaced one shows
         with torch.no_grad():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import pick
-from .naive import gated_rms_norm_ref, rms_norm_ref
+from .naive import gated_rms_norm_ref, rms_norm_ref, sigmoid_gated_rms_norm_ref
 
-__all__ = ["rms_norm", "gated_rms_norm"]
+__all__ = ["rms_norm", "gated_rms_norm", "sigmoid_gated_rms_norm"]
 
 
 def _check_shapes(x: torch.Tensor, weight: torch.Tensor, **others: torch.Tensor | None) -> None:
@@ -61,3 +61,14 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """
     _check_shapes(x, weight, z=z)
     return pick(x.is_cuda, "norm.triton_norm", "gated_rms_norm_triton", gated_rms_norm_ref)(x, z, weight, eps)
+
+
+def sigmoid_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w * x / rms(x) * sigmoid(z)`` over the last dim, in fp32: a KDA layer's output norm
+    (:func:`naive.sigmoid_gated_rms_norm_ref`, on every device: torch's fused ops).
+
+    Raises:
+        ValueError: z or weight do not fit x.
+    """
+    _check_shapes(x, weight, z=z)
+    return sigmoid_gated_rms_norm_ref(x, z, weight, eps)

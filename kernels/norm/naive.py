@@ -57,3 +57,18 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     dtype = x.dtype
     xf = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return ((weight * xf.to(dtype)) * F.silu(z.float())).to(dtype)
+
+
+def sigmoid_gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w * x / rms(x) * sigmoid(z)``: the output norm of a KDA layer (transformers'
+    ``KimiLinearRMSNormGated``, fla's ``FusedRMSNormGated`` with a sigmoid gate). Every step in
+    fp32 (the weight too), one cast to x's dtype at the end.
+
+    Args:
+        x: ``[..., N]``. z: the gate, x's shape. weight: ``[N]``.
+
+    Returns:
+        ``[..., N]`` in x's dtype.
+    """
+    xf = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return (weight.float() * xf * torch.sigmoid(z.float())).to(x.dtype)

@@ -1,0 +1,111 @@
+"""Kimi Linear on CUDA: fla's ``chunk_kda`` prefill at stable rows against the plain-torch
+reference, the paged attention kernel on the MLA latent (one KV head, keys and values one
+tensor, head width ``kv_lora_rank + qk_rope_head_dim``), and end to end fp32 greedy tokens on
+CUDA identical to the CPU's PP1 without speculation (near-ties of the reference aside,
+docs/DESIGN.md, "Correctness"), PP 1 to 3, n-gram drafts, both commit designs."""
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+F32, BF16 = torch.float32, torch.bfloat16
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("K", [16, 128])
+def test_kda_prefill_rows_fla(dev, K, dtype):
+    if dev.type != "cuda":
+        pytest.skip("fla needs CUDA")
+    pytest.importorskip("fla")
+    import importlib
+
+    from ppspec.kernels.kda import chunk_kda_ref, kda_prefill_rows
+
+    importlib.import_module("ppspec.kernels.gdn.fla_prefill")  # the path under test must import
+    gen = torch.Generator().manual_seed(K + (dtype == BF16))
+    H, rows = 4, 9
+    lens = [1, 63, 64, 65, 300]
+    T = sum(lens)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v = (torch.randn(T, H, K, generator=gen).to(dtype) for _ in range(3))
+    g = -torch.nn.functional.softplus(torch.randn(T, H, K, generator=gen)) * 0.3
+    beta = torch.rand(T, H, generator=gen).to(dtype)
+    pool = torch.randn(rows + 1, H, K, K, generator=gen) * 0.1
+    idx = torch.tensor([7, 0, 3, 5, 8])
+    has_init = torch.tensor([True, False, True, True, False])
+    init = torch.where(has_init.view(-1, 1, 1, 1), pool[idx], torch.zeros(()))
+    o_ref, fin_ref = chunk_kda_ref(q, k, v, g, beta, cu, init)
+    gpu_pool = pool.to(dev)
+    o = kda_prefill_rows(*(x.to(dev) for x in (q, k, v, g, beta, cu)), gpu_pool, idx.to(dev), has_init.to(dev))
+    tol = 5e-3 if dtype == F32 else 2e-2  # fla's products run in tf32 / bf16
+    assert o.dtype == dtype and _rel_err(o.cpu(), o_ref) < tol
+    assert _rel_err(gpu_pool[idx].cpu(), fin_ref) < tol
+    others = [r for r in range(rows + 1) if r not in idx.tolist()]
+    assert torch.equal(gpu_pool[others].cpu(), pool[others])
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("nh,width", [(4, 40), (32, 576)])
+def test_paged_attention_on_the_mla_latent(dev, nh, width, dtype, mode):
+    """Multi-query attention over latent pages whose keys and values are one tensor, the
+    softmax scale of the unabsorbed head (``(nope + rope) ** -0.5``, not the width's)."""
+    from ppspec.kernels.attention import paged_attention
+    from ppspec.kernels.attention.naive import paged_attention_ref
+
+    gen = torch.Generator().manual_seed(width)
+    rng = random.Random(width)
+    page, B = 16, {"decode": 16, "verify": 9, "prefill": 3}[mode]
+    Ls = [{"decode": 1, "verify": 4}.get(mode) or rng.randint(1, 90) for _ in range(B)]
+    kv_lens = [rng.randint(0, 300) + n for n in Ls]
+    max_pages = max(-(-n // page) for n in kv_lens) + 1
+    num_pages = (B + 1) * max_pages + 1
+    page_table = torch.randperm(num_pages, generator=gen)[: (B + 1) * max_pages].view(B + 1, max_pages)
+    latent = torch.randn(num_pages, page, 1, width, generator=gen).to(dev, dtype)
+    q = torch.randn(sum(Ls), nh, width, generator=gen).to(dev, dtype)
+    args = (q, latent, latent, page_table.to(dev), torch.randperm(B, generator=gen).to(dev),
+            torch.tensor(kv_lens, device=dev), torch.tensor([0] + Ls).cumsum(0).to(dev), 24 ** -0.5)
+    o = paged_attention(*args)
+    assert _rel_err(o, paged_attention_ref(*args)) < (1e-5 if dtype == F32 else 1e-2)
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    sys.path.insert(0, TESTS)
+    from checkpoints import make_checkpoint
+
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    path = make_checkpoint("kimi_moe_5l", str(tmp_path_factory.mktemp("kimi")))
+    rnd = random.Random(0)
+    prompts = [[rnd.randrange(256) for _ in range(n)] for n in (5, 17, 40, 70, 100, 130)]
+    prompts[0] = (prompts[4][:6] * 20)[:100]  # repetitive: the n-gram drafter finds drafts
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    outs = LLM(path, max_rows=8).generate(prompts, sp)  # CPU, PP1, no speculation
+    return path, prompts, [o.token_ids for o in outs], [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
+
+
+@pytest.mark.parametrize("pp,spec,design", [(1, "none", "replay"), (2, "ngram", "replay"), (3, "ngram", "copy")])
+def test_fp32_cuda_identical_to_cpu_pp1(kimi, pp, spec, design):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    path, prompts, ref, gaps = kimi
+    llm = LLM(path, device="cuda", pp_size=pp, speculative_algorithm=spec, max_rows=8, commit_design=design)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for o, r, gp in zip(outs, ref, gaps):
+        if o.token_ids != r:
+            j = next(j for j, (a, b) in enumerate(zip(o.token_ids, r)) if a != b)
+            assert gp[j] < 1e-4, f"divergence at {j} where the reference's top-2 gap is {gp[j]}"

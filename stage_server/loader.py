@@ -131,10 +131,13 @@ def _read_param(reader: CheckpointReader, cfg: HybridConfig, name: str, cache: d
     return reader.get(key)  # raises, naming the tensor
 
 
-def fill_parameters(model, reader: CheckpointReader, read, key_of, dtype: torch.dtype, device):
+def fill_parameters(model, reader: CheckpointReader, read, key_of, dtype: torch.dtype, device,
+                    keep_fp32: tuple[str, ...] = ()):
     """Materialise ``model`` (built on the meta device) on ``device`` in ``dtype`` with every
     parameter read from the checkpoint: ``read(name)`` gives the tensor of parameter
-    ``name``, ``key_of(name)`` the checkpoint key an error names. Returns the model.
+    ``name``, ``key_of(name)`` the checkpoint key an error names. Parameters whose name ends
+    with one of ``keep_fp32`` stay fp32 whatever ``dtype`` (as transformers'
+    ``_keep_in_fp32_modules_strict``). Returns the model.
 
     Raises:
         CheckpointError: a tensor missing, of the wrong shape, or with NaN / infinite values
@@ -149,8 +152,11 @@ def fill_parameters(model, reader: CheckpointReader, read, key_of, dtype: torch.
                 f"{reader.file_of(key)}: tensor {key!r} has shape {tuple(t.shape)}, "
                 f"expected {tuple(p.shape)} from config.json"
             )
-        state[name] = t.to(dtype)
+        state[name] = t.to(torch.float32 if name.endswith(keep_fp32) else dtype) if keep_fp32 else t.to(dtype)
     model = model.to_empty(device=device).to(dtype)
+    for name, p in model.named_parameters():
+        if keep_fp32 and name.endswith(keep_fp32):
+            p.data = p.data.float()
     model.load_state_dict(state, strict=False, assign=False)
     # caught here, not by whichever stage's output turns NaN (PP1 would emit token 0); on
     # the device (a CPU pass over a large bf16 checkpoint is slow), one read for all

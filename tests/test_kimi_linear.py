@@ -100,6 +100,25 @@ def test_layer_slices_chain_to_the_whole_model(make_ckpt):
         assert (run(runners, StepInput(0, 0, "prefill", [1], [0], [30], ids)) - whole).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_stage_is_as_close_to_fp32_as_transformers_bf16(make_ckpt, kind):
+    """bf16 weights and activations, the router and dt_bias kept fp32 as transformers keeps
+    them: our logits are about as far from fp32 as transformers' bf16 run (MLA runs on the
+    latent, so its bf16 roundings fall elsewhere than in transformers' expanded heads)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_ckpt(kind)
+    ids = list(range(3, 80))
+    with torch.no_grad():
+        f32 = hf_model(path)(torch.tensor([ids])).logits[0]
+        h16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(torch.tensor([ids])).logits[0]
+    r = StageRunner(path, max_rows=2, dtype=torch.bfloat16)
+    fp32 = {n for n, p in r.model.named_parameters() if p.dtype == torch.float32}
+    assert fp32 and all(n.endswith(("gate.weight", "e_score_correction_bias", "dt_bias")) for n in fp32)
+    ours = run([r], StepInput(0, 0, "prefill", [0], [0], [len(ids)], ids))
+    assert (ours - f32).abs().max() < 1.5 * (h16.float() - f32).abs().max()
+
+
 def test_kv_pool_holds_the_latent_once(make_ckpt):
     """An MLA layer's KV entry is its compressed latent (kv_lora_rank + qk_rope_head_dim
     values, one head), keys and values one tensor."""

@@ -17,6 +17,9 @@ from .config import KimiLinearConfig
 from .model import KimiStageModel
 
 _MLP_PREFIXES = (".mlp.", ".block_sparse_moe.")
+# kept fp32 in a bf16 stage, as transformers keeps them (``_keep_in_fp32_modules_strict``): the
+# router's weight and correction bias choose the experts, dt_bias shifts the forget gate
+KEEP_FP32 = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias", ".self_attn.dt_bias")
 
 
 def _read(reader: CheckpointReader, cfg: KimiLinearConfig, name: str) -> torch.Tensor:
@@ -63,7 +66,8 @@ def load_kimi_stage_model(model_dir: str, cfg: KimiLinearConfig, start: int | No
     with torch.device("meta"):
         model = KimiStageModel(cfg, start, end)
     model = fill_parameters(model, reader, lambda n: _read(reader, cfg, n),
-                            lambda n: cfg.weight_prefix + n if n != "lm_head.weight" else n, dtype, device)
+                            lambda n: cfg.weight_prefix + n if n != "lm_head.weight" else n, dtype, device,
+                            keep_fp32=KEEP_FP32)
     model.eval().requires_grad_(False)
     model.fuse_projections()
     if torch.device(device).type == "cuda":

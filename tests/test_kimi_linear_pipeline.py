@@ -1,7 +1,8 @@
 """Kimi Linear through the pipeline: greedy tokens with speculation and PP equal PP1 without
 speculation, in process (oracle drafts forcing every accept length, requests joining and
 leaving, both commit designs) and over real stage processes (n-gram drafts, concurrent
-requests); the commit faults are caught as on the GDN family."""
+requests); the commit faults are caught as on the GDN family; prefix-cache hits change no
+token."""
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from ppspec.router.llm import LLM
 from ppspec.router.types import SamplingParams
 from ppspec.stage_server.runner import FAULTS
 from test_pipeline import complete, divergences
+from test_prefix_cache import CHUNK, assert_all_free, conversations, multi_turn
 from test_spec_invariance import Oracle, drive, workload
 
 CKPT = "kimi_moe_5l"  # 5 layers: PP 2, 3, 4 split them unevenly
@@ -46,6 +48,20 @@ def test_invariance_catches_the_commit_bugs(setup, fault, design):
     llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
               num_speculative_steps=3, drafter=Oracle(ref, seed=3), fault=fault, commit_design=design)
     assert sum(o != r for o, r in zip(drive(llm, reqs), ref)) > 0, f"fault {fault} went unnoticed"
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+def test_prefix_cache_hits_change_no_token(setup, design):
+    """Multi-turn conversations sharing a system prompt: with the prefix cache (snapshots of
+    the KDA state and conv windows, the MLA latent pages shared) the replies are those
+    without it, at PP2 with n-gram drafts; nothing is held once the cache is flushed."""
+    path = setup[0]
+    ref = multi_turn(LLM(path, chunk_size=CHUNK), conversations())[0]
+    llm = LLM(path, chunk_size=CHUNK, enable_prefix_caching=True, pp_size=2, speculative_algorithm="ngram",
+              commit_design=design)
+    replies, cached = multi_turn(llm, conversations())
+    assert replies == ref and sum(cached[-1]) > 0
+    assert_all_free(llm)
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ Slots are stable ids handed to every stage. Each is in one of these states:
 - dropping: evicted; free again once every stage dropped it (:meth:`dropped`).
 
 KV accounting: a snapshot holds the KV pages of its tokens on every stage (shared with
-rows and other snapshots). The scheduler's KV budget charges each snapshot its pages,
-from :meth:`reserve` to :meth:`dropped`: never less than the pool really holds.
+rows and other snapshots), from :meth:`reserve` to :meth:`dropped`. The scheduler's KV
+budget counts each page once, whoever holds it (``router.kv_ledger``), and evicts only
+snapshots whose drop gives pages back.
 """
 from __future__ import annotations
 
@@ -169,18 +170,34 @@ class PrefixCache:
         return node
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, tokens: int, keep: int = -1) -> int:
-        """Evict least recently used unpinned snapshots (not ``keep``) until their KV
-        charge reaches ``tokens`` (or none is left); returns the charge evicted, which
-        comes back once every stage dropped them."""
-        got = 0
-        while got < tokens:
-            slot = self._lru(keep)
-            if slot < 0:
-                break
-            got += self.charge(slot)
+    def evict(self, tokens: int, keep: int = -1, freed=None) -> int:
+        """Evict least recently used unpinned snapshots (not ``keep``) until dropping them
+        gives back ``tokens`` of KV (or none is left), passing over those whose drop would
+        give back nothing more (their pages are held by a running row, or by a snapshot
+        kept). ``freed(slots)``: the KV tokens dropping ``slots`` gives back (default: their
+        :meth:`charge`). Returns that of the evicted ones, which comes back once every stage
+        dropped them."""
+        freed = freed or (lambda slots: sum(self.charge(s) for s in slots))
+        evicted, got = [], 0
+        left = sorted(self.evictable(keep), key=lambda s: self.nodes[s].last_used)
+        progress = True
+        while got < tokens and progress:  # again after a pass: a drop may free another's pages
+            progress = False
+            for slot in list(left):
+                if got >= tokens:
+                    break
+                more = freed(evicted + [slot])
+                if more > got:
+                    evicted.append(slot)
+                    left.remove(slot)
+                    got, progress = more, True
+        for slot in evicted:
             self._remove(slot)
         return got
+
+    def evictable(self, keep: int = -1) -> list[int]:
+        """Cached slots no micro-batch restores from (and not ``keep``)."""
+        return [s for s in self.nodes if s not in self.pins and s != keep]
 
     def evict_one(self) -> bool:
         """Evict the least recently used unpinned snapshot (a slot for a new one)."""
@@ -224,10 +241,6 @@ class PrefixCache:
             del self.lens[s]
             self.free.append(s)
         return tokens
-
-    @property
-    def dropping_tokens(self) -> int:
-        return sum(self.charge(s) for s in self.dropping) + sum(self.charge(s) for s in self.to_drop)
 
     def clear(self) -> int:
         """Forget every slot (the stages dropped them all: a recovery). Returns the KV charge."""

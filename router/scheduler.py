@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from ppspec.proto.messages import Commit, SamplingSpec, StageInfo, StepInput
 
 from .drafter import ngram_draft
+from .kv_ledger import PageLedger
 from .types import ContextLengthError, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -271,8 +272,8 @@ class Scheduler:
         # drafter(request, k) -> up to k draft tokens; replaces the n-gram lookup when given
         self.drafter = drafter
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        self.kv_reserved = 0
-        self._releasing: dict[int, int] = {}  # row -> reserved KV tokens, until released
+        self.kv = PageLedger(self.page_size)  # KV pages held for rows and snapshots (router/kv_ledger.py)
+        self._releasing: set[int] = set()  # rows of ended requests, until every stage released them
         self._preempted: list[int] = []  # rows of preempted requests, for the driver to release
         self._short: set[str] = set()  # running requests that sat out a round for want of KV
         self.num_preemptions = 0
@@ -339,12 +340,15 @@ class Scheduler:
                 req.num_computed = 0  # the next turn of a conversation whose release is under way
                 break
             need = self._kv_need(req, min(self.chunk_size, req.prefill_len - req.num_computed))
-            short = self.kv_reserved + need + headroom * self.num_running - self.kv_tokens
+            from_slot = (req.num_computed // self.page_size) * self.page_size if slot >= 0 else 0  # its pages, shared
+            short = self.kv_reserved + need - from_slot + headroom * self.num_running - self.kv_tokens
             if short > 0:
                 req.num_computed = 0
-                if self.cache and not self.num_running and not self._releasing:
-                    # the cache alone keeps it out (else it waits for running requests)
-                    self.cache.evict(short - self._dropping_tokens(), keep=slot)
+                freed = self._freed_by_drops() if self.cache else None
+                if freed and freed(self.cache.evictable(slot)) >= short - self._coming():
+                    # cached prefixes make room before a new request waits for running ones
+                    # (as vLLM counts cached blocks no request uses as free), when that is enough
+                    self.cache.evict(short - self._coming(), keep=slot, freed=freed)
                 break
             self.waiting.popleft()
             if self.cache:
@@ -359,8 +363,10 @@ class Scheduler:
                     req.cached_tokens = req.num_computed
                     self.cache.count(len(req.prompt_ids), req.num_computed)
             req.row = self.free_rows.pop()
+            if from_slot:
+                self.kv.share(("row", req.row), ("slot", slot), req.num_computed)
+            self.kv.grow(("row", req.row), need)
             req.reserved_tokens = need
-            self.kv_reserved += need
             req.lane = min(range(self.num_lanes), key=lambda i: len(self.lanes[i]))
             req.status = RUNNING
             self.lanes[req.lane].append(req)
@@ -370,34 +376,55 @@ class Scheduler:
         requests that are not in flight when the pool is short. False when the pages are
         not free yet (a preempted row's come back once every stage released it): ``r``
         sits this round out."""
-        extra = self._kv_need(r, extend) - r.reserved_tokens
+        need = self._kv_need(r, extend)
+        extra = need - r.reserved_tokens
         if extra <= 0:
             return True
-        coming = sum(self._releasing.values()) + self._dropping_tokens()  # freed by releases under way
+        coming = self._coming()  # freed by releases under way
         while self.kv_tokens - self.kv_reserved + coming < extra:
-            if self.cache and self.cache.evict(extra - (self.kv_tokens - self.kv_reserved + coming)):
-                coming = sum(self._releasing.values()) + self._dropping_tokens()
+            if self.cache and self.cache.evict(extra - (self.kv_tokens - self.kv_reserved + coming),
+                                               freed=self._freed_by_drops()):
+                coming = self._coming()
                 continue  # a cached prefix goes before a running request
             victims = [v for lane in self.lanes for v in lane
                        if v.order > r.order and not v.in_flight and v.status == RUNNING]
             if not victims:
                 break
-            victim = max(victims, key=lambda v: v.order)
-            coming += victim.reserved_tokens
-            self._preempt(victim)
+            self._preempt(max(victims, key=lambda v: v.order))
+            coming = self._coming()
         if self.kv_reserved + extra > self.kv_tokens:
             self._short.add(r.request_id)
             return False
         self._short.discard(r.request_id)
-        r.reserved_tokens += extra
-        self.kv_reserved += extra
+        self.kv.grow(("row", r.row), need)
+        r.reserved_tokens = need
         return True
+
+    @property
+    def kv_reserved(self) -> int:
+        """KV tokens (whole pages) held on every stage: rows' reservations and snapshots,
+        a shared page once."""
+        return self.kv.used
+
+    def _coming(self) -> int:
+        """KV tokens the releases and snapshot drops under way give back."""
+        holders = [("row", r) for r in self._releasing]
+        if self.cache:
+            holders += [("slot", s) for s in self.cache.dropping | set(self.cache.to_drop)]
+        return self.kv.freed_by(holders)
+
+    def _freed_by_drops(self):
+        """``slots -> KV tokens`` dropping them gives back beyond the drops under way (not
+        the pages a running row or a kept snapshot shares)."""
+        base = [("slot", s) for s in self.cache.dropping | set(self.cache.to_drop)]
+        before = self.kv.freed_by(base)
+        return lambda slots: self.kv.freed_by(base + [("slot", s) for s in slots]) - before
 
     def _preempt(self, r: Request) -> None:
         """Give ``r``'s row and KV back (released by the driver: :meth:`take_preempted`) and
         queue it first, to be recomputed: its prompt and outputs are prefilled again."""
         self.lanes[r.lane].remove(r)
-        self._releasing[r.row] = r.reserved_tokens
+        self._releasing.add(r.row)
         self._preempted.append(r.row)
         self._short.discard(r.request_id)
         self._unpin(r)
@@ -501,26 +528,17 @@ class Scheduler:
         return batch
 
     # ------------------------------------------------------------------ prefix cache
-    def _reserve_snapshot(self, r: Request, length: int, from_row: bool = False) -> int:
-        """A slot for a snapshot of ``r``'s row after ``length`` tokens, charged to the KV
-        budget; -1 when no slot or no KV room is left (a snapshot is never worth a wait).
-        ``from_row``: ``r`` is finishing: the charge is taken from what its row's release
-        gives back (the snapshot keeps those pages of the row)."""
+    def _reserve_snapshot(self, r: Request, length: int) -> int:
+        """A slot for a snapshot of ``r``'s row after ``length`` tokens, -1 when none is
+        free (a snapshot is never worth a wait). It holds the row's pages of those tokens: no
+        new KV page, and they stay in use after the row's release."""
         c = self.cache
         if not c.free:
             c.evict_one()  # its slot is free once dropped: the next snapshot gets it
             return -1
-        charge = -(-length // self.page_size) * self.page_size
-        if from_row:
-            if charge > self._releasing[r.row]:
-                return -1
-        elif self.kv_reserved + charge > self.kv_tokens:
-            return -1
         slot = c.reserve(length, r.request_id)
-        if slot >= 0 and from_row:
-            self._releasing[r.row] -= charge
-        elif slot >= 0:
-            self.kv_reserved += charge
+        if slot >= 0:
+            self.kv.take(("slot", slot), ("row", r.row), length)
         return slot
 
     def _snapshot_coming(self, req: Request) -> bool:
@@ -535,9 +553,6 @@ class Scheduler:
             self.cache.done(r.restore_slot)
             r.restore_slot = -1
 
-    def _dropping_tokens(self) -> int:
-        return self.cache.dropping_tokens if self.cache else 0
-
     def take_dropped_slots(self) -> list[int]:
         """Evicted prefix-cache slots: the driver drops them on every stage (Release
         ``drop_slots``), then :meth:`slots_dropped`."""
@@ -546,7 +561,9 @@ class Scheduler:
     def slots_dropped(self, slots: list[int]) -> None:
         """Every stage dropped ``slots``: free, their KV charge back."""
         if slots:
-            self.kv_reserved -= self.cache.dropped(slots)
+            self.cache.dropped(slots)
+            for s in slots:
+                self.kv.release(("slot", s))
 
     def release_snapshots(self, rows: list[int]) -> list[int]:
         """Per row the slot its release snapshots it into (-1: none), or [] when none does."""
@@ -562,7 +579,9 @@ class Scheduler:
     def clear_cache(self) -> None:
         """The stages dropped every slot (a recovery): forget them all."""
         if self.cache:
-            self.kv_reserved -= self.cache.clear()
+            self.cache.clear()
+            for h in self.kv.holders("slot"):
+                self.kv.release(h)
             self._row_snapshots.clear()
             self._snapshots_sent.clear()
             for r in self.requests.values():
@@ -678,14 +697,14 @@ class Scheduler:
         self.lanes[r.lane].remove(r)
         self._short.discard(r.request_id)
         self.requests.pop(r.request_id, None)
-        self._releasing[r.row] = r.reserved_tokens
+        self._releasing.add(r.row)
         if self.cache:
             self._unpin(r)
             self.cache.abandon(r.request_id)  # snapshots of steps that failed
             # the row's committed state after prompt and reply: the next turn's prefix
             n = r.num_computed
             if reason in ("stop", "length") and r.prefill_done and n < len(r.all_ids):
-                slot = self._reserve_snapshot(r, n, from_row=True)
+                slot = self._reserve_snapshot(r, n)
                 if slot >= 0:
                     self._row_snapshots[r.row] = (slot, r.all_ids[: n + 1])
         row, r.row = r.row, -1
@@ -694,7 +713,8 @@ class Scheduler:
     def free(self, rows: list[int]) -> None:
         """Rows every stage has released: reusable from now on."""
         for row in rows:
-            self.kv_reserved -= self._releasing.pop(row)
+            self._releasing.discard(row)
+            self.kv.release(("row", row))
             self.free_rows.append(row)
             if row in self._row_snapshots:
                 slot, key = self._row_snapshots.pop(row)

@@ -136,16 +136,16 @@ def result_to_pb(o: StepOutput) -> "pb.StepResult":
     for lps, target in ((o.logprobs, m.logprobs), (o.prompt_logprobs, m.prompt_logprobs)):
         for lp in lps or []:
             item = pb.LogprobList(present=lp is not None)
-            for tok, val, top in lp or []:
+            for tok, val, top, *rank in lp or []:  # prompt logprobs carry a rank
                 item.items.append(pb.TokenLogprob(token=tok, logprob=val, top_ids=[i for i, _ in top],
-                                                  top_logprobs=[v for _, v in top]))
+                                                  top_logprobs=[v for _, v in top], rank=rank[0] if rank else 0))
             target.append(item)
     return m
 
 
 def _logprob_lists(items) -> list:
-    return [[(x.token, x.logprob, list(zip(x.top_ids, x.top_logprobs))) for x in lp.items] if lp.present else None
-            for lp in items]
+    return [[(x.token, x.logprob, list(zip(x.top_ids, x.top_logprobs)), *((x.rank,) if x.rank else ()))
+             for x in lp.items] if lp.present else None for lp in items]
 
 
 def result_from_pb(m: "pb.StepResult") -> StepOutput:

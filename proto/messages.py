@@ -177,7 +177,7 @@ class StepOutput:
     output_ids: list[list[int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
     logprobs: list | None = None
-    prompt_logprobs: list | None = None  # per request: [(token, logprob, top)] per predicted prompt token, or None
+    prompt_logprobs: list | None = None  # per request: [(token, logprob, top, rank)] per predicted prompt token, or None
     compute_seconds: float = 0.0
     stage_seconds: list[float] = field(default_factory=list)
 

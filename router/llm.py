@@ -45,6 +45,7 @@ class Completion:
     logprobs: list = field(default_factory=list)
     text: str | None = None
     stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop")
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: one TokenLogprob per prompt token after the first
 
 
 class LLM:
@@ -256,6 +257,8 @@ class LLM:
                 c.token_ids += o.new_token_ids
                 c.accept_lengths += o.accept_lengths
                 c.logprobs += o.logprobs or []
+                if o.prompt_logprobs is not None:
+                    c.prompt_logprobs = o.prompt_logprobs
                 c.finish_reason = o.finish_reason
             outputs += up.outputs
             settled = set(map(id, batch.requests))

@@ -107,7 +107,7 @@ class AsyncEngine(Protocol):
 
 
 REFUSED_FIELDS = frozenset({
-    "prompt_logprobs", "use_beam_search",
+    "use_beam_search",
     "structural_tag",  # of structured_outputs (router/structured.py builds the other kinds)
 })
 """Fields of vLLM's API that change what the output must be and that ppspec does not
@@ -233,6 +233,10 @@ class _GenerationRequest(_Request):
     """Token id (as a string, as OpenAI) -> bias in [-100, 100], added to its logit."""
     include_stop_str_in_output: bool = False
     """vLLM's: keep the stop string that ended a choice at the end of its text."""
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: the log-probability, rank and this many top alternatives of every prompt
+    token (the first's null), in ``choices[i].prompt_logprobs`` (completions) or the
+    response's ``prompt_logprobs`` (chat); not with ``stream``."""
     # structured output (router/structured.py): at most one of these, or tool_choice
     # "required" / a named function
     response_format: Optional[ResponseFormat] = None
@@ -262,6 +266,8 @@ class _GenerationRequest(_Request):
             raise ValueError("max_completion_tokens: give it or max_tokens, not both")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true")
         return self
 
     @field_validator("logit_bias")
@@ -551,6 +557,20 @@ class UsageInfo(_Response):
     _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_tokens_details"})
 
 
+class PromptLogprob(_Response):
+    """vLLM's entry of one token in ``prompt_logprobs`` (keyed by its token id)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    """1 + the number of tokens more likely at that position."""
+    decoded_token: Optional[str] = None
+
+
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+"""One entry per prompt token: None for the first (nothing predicts it), then the prompt
+token's and the top alternatives' entries by token id."""
+
+
 class CompletionLogprobs(_Response):
     """OpenAI's legacy completions log-probability shape, one list entry per token."""
 
@@ -562,7 +582,8 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Response):
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "stop_reason", "token_ids"})
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "stop_reason", "token_ids",
+                                                         "prompt_logprobs"})
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
@@ -571,6 +592,7 @@ class CompletionChoice(_Response):
     """The stop string or stop token id that ended the choice (vLLM extension)."""
     token_ids: Optional[list[int]] = None
     prompt_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(_Response):
@@ -618,7 +640,7 @@ class ChatChoice(_Response):
 
 
 class ChatCompletionResponse(_Response):
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "usage"})
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "usage", "prompt_logprobs"})
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -626,6 +648,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Optional[UsageInfo] = None
     prompt_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ChatDelta(_Response):

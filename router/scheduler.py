@@ -645,7 +645,7 @@ class Scheduler:
             if prompt_logprobs and prompt_logprobs[i] is not None and r.prompt_lps is not None:
                 if batch.seq_lens[i] == 0:  # the prompt's first chunk (again, after a preemption)
                     r.prompt_lps = []
-                r.prompt_lps += [TokenLogprob(t, lp, list(top)) for t, lp, top in prompt_logprobs[i]]
+                r.prompt_lps += [TokenLogprob(t, lp, list(top), *rank) for t, lp, top, *rank in prompt_logprobs[i]]
                 r.prompt_lps = r.prompt_lps[:len(r.prompt_ids) - 1]
             new, reason = self._append(r, toks)
             lps = None

@@ -153,6 +153,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
+    """Prompt tokens: 1 + the number of tokens more likely than this one (None for outputs)."""
 
 
 @dataclass

@@ -925,11 +925,12 @@ class StageRunner:
 
     def _prompt_logprobs(self, inp: StepInput, hidden: torch.Tensor, specs: list[SamplingSpec],
                          cu: list[int]) -> list:
-        """Per request of a prefill chunk, None or ``[(token, logprob, [(id, logprob)] top-n)]``
+        """Per request of a prefill chunk, None or ``[(token, logprob, [(id, logprob)] top-n, rank)]``
         for each prompt token its positions predict: the chunk's own tokens after its first,
         then the next chunk's first (``next_token_ids``, -1 for a prompt's last chunk, whose
         last position predicts the first output token instead). Log-probabilities of the
-        model's logits (fp32, before any penalty or bias: vLLM's prompt_logprobs)."""
+        model's logits (fp32, before any penalty or bias: vLLM's prompt_logprobs); ``rank``
+        is 1 + the number of tokens more likely than the prompt token (vLLM's)."""
         ids = host_int64(inp.input_ids).tolist()
         nxt = inp.next_token_ids or [-1] * len(specs)
         out: list = []
@@ -942,12 +943,14 @@ class StageRunner:
                 out.append([])
                 continue
             lp = torch.log_softmax(self.model.logits(hidden[cu[b]:cu[b] + len(targets)], upcast=True).float(), dim=-1)
-            chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+            chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])  # [n, 1]
+            ranks = ((lp > chosen_t).sum(1) + 1).tolist()
+            chosen = chosen_t[:, 0].tolist()
             tops: list = [[] for _ in targets]
             if spec.prompt_logprobs > 0:
                 v, i = lp.topk(spec.prompt_logprobs, dim=-1)
                 tops = [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
-            out.append([(t, c, top) for t, c, top in zip(targets, chosen, tops)])
+            out.append(list(zip(targets, chosen, tops, ranks)))
         return out
 
     # ------------------------------------------------------------------ greedy MTP rounds in one graph

@@ -53,7 +53,7 @@ from .chat_text import ChoiceText
 from .errors import APIError, check_utf8, error_body, renderable
 from ..structured import request_grammar
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, TokenRecord, check_ids, make_subs, unless_disconnected
-from .logprobs import chat_logprobs, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from .tokenize import PromptTooLong, TokenizerPool
 
 log = logging.getLogger("ppspec.router.api")
@@ -119,10 +119,25 @@ class OpenAIHandlers:
             raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
                            param="model", code="model_not_found")
 
-    def _subs(self, body, request_id: str, prompts: list[list[int]], logprobs: int | None, param: str) -> list[Sub]:
-        return make_subs(body, request_id, prompts, logprobs, param, vocab_size=self.vocab_size,
+    def _subs(self, body, request_id: str, prompts: list[list[int]], logprobs: int | None, param: str,
+              echo_logprobs: int | None = None) -> list[Sub]:
+        """One ``Sub`` per choice; the stage computes prompt log-probabilities with the most
+        top alternatives either use asks for (``prompt_logprobs``, ``echo_logprobs``)."""
+        subs = make_subs(body, request_id, prompts, logprobs, param, vocab_size=self.vocab_size,
                          max_model_len=int(self.engine.max_model_len), max_tokens_cap=self.max_tokens_cap,
                          grammar=request_grammar(body, self.tool_call_parser))
+        asked = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
+        if asked:
+            for sub in subs:
+                sub.params.prompt_logprobs = max(asked)
+        return subs
+
+    def _vllm_prompt_logprobs(self, body, fanout: Fanout, sub: Sub):
+        """vLLM's ``prompt_logprobs`` of ``sub``'s prompt, when the request asks for them."""
+        if body.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.pieces, sub.prompt_ids, fanout.prompt_logprobs.get(sub.index) or [],
+                               body.prompt_logprobs)
 
     # -- preparing -------------------------------------------------------------------------
 
@@ -159,10 +174,7 @@ class OpenAIHandlers:
         if body.echo and texts is None:
             texts = [self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        subs = self._subs(body, request_id, prompts, body.logprobs, "prompt")
-        if body.echo and body.logprobs is not None:
-            for sub in subs:
-                sub.params.prompt_logprobs = body.logprobs
+        subs = self._subs(body, request_id, prompts, body.logprobs, "prompt", body.logprobs if body.echo else None)
         return Prepared(request_id, prompts, texts, subs)
 
     def _prompt_logprobs(self, fanout: Fanout, sub: Sub, k: int) -> CompletionLogprobs:
@@ -255,7 +267,8 @@ class OpenAIHandlers:
                 logprobs=logprobs,
                 finish_reason=evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
                 token_ids=ids if body.return_token_ids else None,
-                prompt_token_ids=sub.prompt_ids if body.return_token_ids else None))
+                prompt_token_ids=sub.prompt_ids if body.return_token_ids else None,
+                prompt_logprobs=self._vllm_prompt_logprobs(body, fanout, sub)))
         resp = CompletionResponse(id=prepared.request_id, model=self.model_name, choices=choices,
                                   usage=note_usage(request, self.usage(prepared, total)))
         return Response(resp.model_dump_json(), media_type="application/json")
@@ -285,7 +298,8 @@ class OpenAIHandlers:
                 token_ids=ids if body.return_token_ids else None))
         resp = ChatCompletionResponse(id=prepared.request_id, model=self.model_name, choices=choices,
                                       usage=note_usage(request, self.usage(prepared, total)),
-                                      prompt_token_ids=prepared.prompts[0] if body.return_token_ids else None)
+                                      prompt_token_ids=prepared.prompts[0] if body.return_token_ids else None,
+                                      prompt_logprobs=self._vllm_prompt_logprobs(body, fanout, prepared.subs[0]))
         return Response(resp.model_dump_json(), media_type="application/json")
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:

@@ -1,4 +1,5 @@
-"""Log-probabilities in OpenAI's two shapes: completions' legacy lists, chat's ``content`` entries.
+"""Log-probabilities in OpenAI's two shapes: completions' legacy lists, chat's ``content``
+entries; and vLLM's ``prompt_logprobs`` (a dict per prompt token).
 
 JSON has no -inf: a log-probability below ``LOGPROB_FLOOR`` (or -inf / NaN) is reported as it.
 """
@@ -7,7 +8,8 @@ from __future__ import annotations
 import math
 
 from ..detokenize import TokenPieces
-from ..protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from ..protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs
+from ..types import TokenLogprob
 from .fanout import TokenRecord
 
 LOGPROB_FLOOR = -9999.0
@@ -55,3 +57,21 @@ def chat_logprobs(pieces: TokenPieces, records: list[TokenRecord], k: int) -> Ch
         content.append(ChatTokenLogprob(token=text, logprob=finite(None if lp is None else lp.logprob),
                                         bytes=raw, top_logprobs=tops))
     return ChatChoiceLogprobs(content=content)
+
+
+def prompt_logprobs(pieces: TokenPieces, prompt_ids: list[int], lps: list[TokenLogprob], k: int) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each later one
+    its own entry (log-probability, rank, text) and those of the ``k`` most likely tokens
+    at its position (ranks 1..k), keyed by token id. ``lps[j]``: the entry of prompt token
+    ``j + 1`` (the stage's); missing ones are None."""
+    out: PromptLogprobs = [None]
+    for j, tid in enumerate(prompt_ids[1:]):
+        if j >= len(lps):
+            out.append(None)
+            continue
+        lp = lps[j]
+        entry = {tid: PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank, decoded_token=pieces(tid)[0])}
+        for rank, (i, value) in enumerate(lp.top[:k], 1):
+            entry.setdefault(int(i), PromptLogprob(logprob=finite(value), rank=rank, decoded_token=pieces(int(i))[0]))
+        out.append(entry)
+    return out

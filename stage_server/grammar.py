@@ -20,6 +20,13 @@ Only the tokens the verify emits advance the matcher (:meth:`GrammarRows.advance
 same tokens the router appends to the request, so a round's rejected drafts never reach
 the grammar's state.
 
+MTP drafts follow the grammar too (:meth:`GrammarRows.draft_mask`): each step of the draft
+chain takes the argmax of the head's logits masked with the grammar's state after the
+emitted tokens and the drafts before it (the matcher accepts each draft, then rolls them
+all back), so a constrained request's drafts are tokens its verify can accept, and its
+accept length is not lost to drafts the grammar refuses. They stay drafts: the verify's
+mask alone decides what is emitted.
+
 A position where the grammar allows no token (after the ``min_tokens`` ban of EOS, say,
 once the grammar is complete) allows EOS alone: the request ends with ``finish_reason``
 ``stop`` and the stage logs why, never a NaN from a softmax over nothing.
@@ -77,6 +84,56 @@ class TokenMask:
         rows[..., self.fallback] = torch.where(self.dead, torch.zeros((), dtype=rows.dtype, device=rows.device),
                                                rows[..., self.fallback])
         return logits.index_copy(0, idx, rows)
+
+
+class DraftMask:
+    """The grammar's mask over one MTP draft chain of a micro-batch (:meth:`GrammarRows.draft_mask`).
+
+    ``batch``: positions in the micro-batch of the constrained requests that draft; each
+    step :meth:`apply` masks their rows of the head's logits with their matchers' states,
+    :meth:`accept` advances those matchers by the step's drafts, and :meth:`rollback`
+    undoes every draft accepted, leaving the matchers as the verify left them."""
+
+    def __init__(self, batch: list[int], matchers: list, vocab_size: int):
+        self.batch, self.matchers, self.vocab_size = batch, matchers, vocab_size
+        self.live = [not m.is_terminated() for m in matchers]  # a row whose drafts the grammar still follows
+        self.taken = [0] * len(matchers)
+        self._bitmask = _xgrammar().allocate_token_bitmask(len(batch), vocab_size)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[B, V]`` with the tokens the grammar refuses next at -inf in the
+        live constrained rows (a copy). A row whose grammar allows nothing (its end) is left
+        as it is and followed no further."""
+        bits = self._bitmask
+        bits.fill_(-1)  # all allowed: rows not live stay unmasked
+        for k, m in enumerate(self.matchers):
+            if self.live[k]:
+                m.fill_next_token_bitmask(bits, k)
+                if not bool(bits[k].any()):
+                    self.live[k] = False
+                    bits[k].fill_(-1)
+        idx = torch.tensor(self.batch, dtype=torch.long, device=logits.device)
+        rows = logits.index_select(0, idx)
+        _xgrammar().apply_token_bitmask_inplace(rows, bits.to(logits.device, non_blocking=True),
+                                                vocab_size=logits.shape[-1], backend="torch_native")
+        return logits.index_copy(0, idx, rows)
+
+    def accept(self, drafts: list[int]) -> None:
+        """Advance the live matchers by this step's drafts (one per micro-batch request)."""
+        for k, (b, m) in enumerate(zip(self.batch, self.matchers)):
+            if not self.live[k]:
+                continue
+            if m.accept_token(drafts[b]):  # an allowed token (the mask's argmax) always is
+                self.taken[k] += 1
+                self.live[k] = not m.is_terminated()
+            else:
+                self.live[k] = False
+
+    def rollback(self) -> None:
+        for m, n in zip(self.matchers, self.taken):
+            if n:
+                m.rollback(n)
+        self.taken = [0] * len(self.matchers)
 
 
 class GrammarRows:
@@ -186,3 +243,12 @@ class GrammarRows:
                     # never from the masked logits; the request ends with this round
                     log.warning("row %d: token %d does not match the grammar; the output ends here", rows[b], t)
                     break
+
+    def draft_mask(self, rows: list[int], wants: list[bool]) -> DraftMask | None:
+        """The mask of an MTP draft chain over the micro-batch's constrained requests that
+        draft (``wants[b]``), from their matchers' states now (after the verify's
+        :meth:`advance`); None when none is constrained."""
+        batch = [b for b, r in enumerate(rows) if r in self.matchers and wants[b]]
+        if not batch:
+            return None
+        return DraftMask(batch, [self.matchers[rows[b]] for b in batch], self.vocab_size)

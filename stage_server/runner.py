@@ -913,7 +913,8 @@ class StageRunner:
             out.prompt_logprobs = self._prompt_logprobs(inp, hidden, specs, cu)
         if self.use_mtp:
             graphs = self.mtp_graphs.get(inp.mode)
-            if graphs is not None and graphs.bucket(B) is not None:
+            # a constrained request's draft chain is masked step by step on the host: eagerly
+            if graphs is not None and graphs.bucket(B) is not None and not self.grammars.constrained(rows):
                 # decode / verify: the head runs over all D positions of each request (the
                 # KV past the accepted ones is rewritten by the chain and the next round)
                 d = meta.tokens_per_request
@@ -1012,14 +1013,17 @@ class StageRunner:
         last one conditioned on the sampled token (or the next chunk's first token).
         Verify / decode: the ``a`` accepted positions, conditioned on the emitted tokens.
         The head's KV at positions past the accepted ones is overwritten next round.
+        Constrained requests' drafts follow their grammar (``GrammarRows.draft_mask``).
         """
         B = meta.batch_size
         cu = [0, *itertools.accumulate(inp.extend_lens)]
         ids = inp.input_ids
         wants = [bool(emitted[b]) for b in range(B)]
         rows, seq_lens = list(inp.req_pool_indices), list(inp.seq_lens)
+        grammar = self.grammars.draft_mask(rows, wants) if self.grammars is not None and self.num_steps else None
         chain = self.mtp_graphs.get(DECODE)
-        if inp.mode == PREFILL and self.num_steps and chain is not None and chain.bucket(B) is not None:
+        if (inp.mode == PREFILL and self.num_steps and chain is not None and chain.bucket(B) is not None
+                and grammar is None):
             # the head over all but each chunk's last position fills the head's KV here;
             # the last position and the draft chain from it are the decode chain's graph
             # (the head at one position per request, then its steps): one replay instead of
@@ -1061,13 +1065,20 @@ class StageRunner:
         u = u[ends]  # [B, hidden]: the head's output at each request's last position
         pos = [s + e for s, e in zip(seq_lens, ext)]
         chain = []
-        for step in range(self.num_steps):
-            d = self.model.mtp_logits(u, upcast=False).argmax(-1)  # [B]
-            chain.append(d)
-            if step == self.num_steps - 1:
-                break
-            cmeta = self._meta(DECODE, rows, [p + step for p in pos], [1] * B, self.mtp_kv)
-            u = mtp(self.model.embed(d), u, cmeta, kv)
+        try:
+            for step in range(self.num_steps):
+                logits = self.model.mtp_logits(u, upcast=False)
+                d = (logits if grammar is None else grammar.apply(logits)).argmax(-1)  # [B]
+                chain.append(d)
+                if step == self.num_steps - 1:
+                    break
+                if grammar is not None:  # a host read per step, for constrained micro-batches only
+                    grammar.accept(d.tolist())
+                cmeta = self._meta(DECODE, rows, [p + step for p in pos], [1] * B, self.mtp_kv)
+                u = mtp(self.model.embed(d), u, cmeta, kv)
+        finally:
+            if grammar is not None:
+                grammar.rollback()
         drafts = torch.stack(chain, 1).tolist()  # one device read for the whole chain
         return [dr if w else [] for dr, w in zip(drafts, wants)]
 

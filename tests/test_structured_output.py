@@ -267,6 +267,44 @@ def test_a_constrained_request_leaves_the_fused_greedy_round(tok):
     assert outs[0].finish_reason == "stop" and set(json.loads(tok.decode(outs[0].token_ids[:-1]))) == {"name", "age"}
 
 
+def test_mtp_drafts_of_a_constrained_request_follow_its_grammar(tok, compiled):
+    """The last stage masks each step of a constrained request's MTP draft chain with the
+    grammar after its outputs and the drafts before: every draft chain the stage returns
+    is a continuation a fresh matcher accepts after the outputs so far (unmasked, the demo
+    head's drafts leave the JSON at once: its mean accept length was 1.6 against 3.1 masked,
+    bench/structured_accept.py), and the answers are those of PP1 without speculation."""
+    torch.set_num_threads(1)
+    g = request_grammar(CompletionRequest(prompt="x", guided_json=SCHEMA))
+    ps = [tok.encode(t) for t in ("Describe a person as JSON:", "A sailor, as JSON:")]
+    p = SamplingParams(temperature=0, max_tokens=40, grammar=g)
+    ref = [o.token_ids for o in LLM(DEMO_MODEL, max_rows=2).generate(ps, p)]
+    llm = LLM(DEMO_MODEL, speculative_algorithm="mtp", max_rows=2)
+    steps = []
+    step_sync = llm.pipeline.step_sync
+    llm.pipeline.step_sync = lambda inp: steps.append((inp, step_sync(inp))) or steps[-1][1]
+    outs = llm.generate(ps, p)
+    assert [o.token_ids for o in outs] == ref
+    emitted: dict[int, list[int]] = {}
+    checked = 0
+    for inp, res in steps:
+        for b, row in enumerate(inp.req_pool_indices):
+            if inp.mode == "prefill" and inp.seq_lens[b] == 0:
+                emitted[row] = []
+            emitted[row] += res.output_ids[b]
+            if not res.drafts or not res.drafts[b]:
+                continue
+            if EOS in emitted[row]:  # it ended in this round (the router drops what follows)
+                continue
+            m = xgr.GrammarMatcher(compiled)
+            assert all(m.accept_token(t) for t in emitted[row])
+            for t in res.drafts[b]:
+                if m.is_terminated():
+                    break
+                assert m.accept_token(t), (emitted[row], res.drafts[b])
+                checked += 1
+    assert checked > 20
+
+
 def test_a_preempted_constrained_request_resumes_its_grammar(tok):
     """A short KV pool preempts requests mid-answer; readmitted, the new row's grammar
     accepts the outputs so far before its next sample: the answers are those of a pool

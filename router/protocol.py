@@ -443,6 +443,9 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False
     """Render the last message (an assistant turn) open-ended, so that the completion
     continues it; needs ``add_generation_prompt: false``."""
+    echo: bool = False
+    """vLLM's: when the last message is the assistant's, its content starts each choice's
+    content (with ``continue_final_message``: the whole reply)."""
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -473,6 +476,12 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def tools_in_use(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def echoed(self) -> str:
+        """The text ``echo`` puts before each choice's content ("" when none)."""
+        last = self.messages[-1]
+        return (last.text() or "") if self.echo and last.role == "assistant" else ""
 
 
 class TokenizeRequest(_Request):

@@ -158,6 +158,27 @@ def test_chat_template_arguments_reach_the_template(server, engine, tokenizer):
     assert thinking_off.endswith("<think>\n\n</think>\n\n")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_puts_the_last_assistant_message_first(server, engine, tokenizer, stream):
+    """vLLM's chat ``echo``: the last message's content starts the reply when it is the
+    assistant's (here continued with ``continue_final_message``); a user's last message is
+    not echoed."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, here"}]
+    body = dict(messages=msgs, max_tokens=4, temperature=0, echo=True, add_generation_prompt=False,
+                continue_final_message=True, stream=stream)
+    for messages, want in ((msgs, "Sure, here"), (msgs[:1], "")):
+        engine.reset()
+        extra = {} if messages is msgs else dict(add_generation_prompt=True, continue_final_message=False)
+        r = _post(server, "/v1/chat/completions", {**body, "messages": messages, **extra})
+        assert r.status_code == 200, r.text
+        if stream:
+            content = "".join(c["delta"].get("content") or "" for ev in _events(r.text) for c in ev["choices"])
+        else:
+            content = r.json()["choices"][0]["message"]["content"]
+        (rid,) = engine.outputs
+        assert content == want + tokenizer.decode(engine.outputs[rid], skip_special_tokens=True)
+
+
 def test_tokenize_detokenize_version(server, engine, tokenizer):
     text = "Café crème ✓ — the fox 🦊"
     r = _post(server, "/tokenize", {"prompt": text, "model": MODEL}).json()

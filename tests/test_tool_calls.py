@@ -188,6 +188,25 @@ def test_calls_come_back_as_tool_calls_streamed_and_not(engine, tokenizer):
         assert "<tool_call>get_weather</tool_call>" in tokenizer.decode(engine.prompts[-1])
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(engine):
+    """``parallel_tool_calls: false``: of the model's two calls only the first comes back,
+    streamed and not (vLLM's filter; with ``tool_choice`` "required" the grammar allows one)."""
+    with run_server(build_app(engine, MODEL, tool_call_parser="hermes")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Weather in Paris and Tokyo?"}]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], parallel_tool_calls=False)
+        assert [_args(c.model_dump()) for c in r.choices[0].message.tool_calls] == [("get_weather", {"city": "Paris"})]
+        assert r.choices[0].finish_reason == "tool_calls"
+        calls: dict = {}
+        for chunk in client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], stream=True,
+                                                    parallel_tool_calls=False):
+            for c in chunk.choices:
+                for d in c.delta.tool_calls or []:
+                    calls.setdefault(d.index, "")
+                    calls[d.index] += d.function.arguments or ""
+        assert list(calls) == [0] and json.loads(calls[0]) == {"city": "Paris"}
+
+
 # --------------------------------------------------------------------------------------
 # qwen3_coder (the XML format of Qwen3-Coder / Qwen3-Next / Qwen3.5 templates)
 # --------------------------------------------------------------------------------------

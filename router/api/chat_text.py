@@ -13,10 +13,13 @@ from ..tool_calls import ToolCallStream, parse_tool_calls
 
 class ChoiceText:
     """``in_reasoning``: None when the reasoning split is off, else whether the prompt left a
-    thinking block open. ``tool_parser``: None when tool calls are not read."""
+    thinking block open. ``tool_parser``: None when tool calls are not read. ``parallel``:
+    False keeps only the first tool call (``parallel_tool_calls: false``, as vLLM filters)."""
 
-    def __init__(self, in_reasoning: bool | None, tool_parser: str | None, tools: list[dict] | None):
+    def __init__(self, in_reasoning: bool | None, tool_parser: str | None, tools: list[dict] | None,
+                 parallel: bool = True):
         self.in_reasoning, self.tool_parser, self.tools = in_reasoning, tool_parser, tools
+        self.parallel = parallel
         self.reasoning = ReasoningStream(in_reasoning) if in_reasoning is not None else None
         self.calls = ToolCallStream(tool_parser, tools) if tool_parser is not None else None
 
@@ -26,7 +29,7 @@ class ChoiceText:
         calls: list[dict[str, Any]] = []
         if self.tool_parser is not None and content:
             content, calls = parse_tool_calls(content, self.tool_parser, self.tools)
-        return reasoning, content, calls
+        return reasoning, content, calls if self.parallel else calls[:1]
 
     def feed(self, delta: str) -> tuple[str, str, list[dict[str, Any]]]:
         """``(reasoning, content, tool call deltas)`` to send for a text delta."""
@@ -34,7 +37,7 @@ class ChoiceText:
         deltas: list[dict[str, Any]] = []
         if self.calls is not None:
             content, deltas = self.calls.feed(content)
-        return reasoning, content, deltas
+        return reasoning, content, self._kept(deltas)
 
     def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
         """What was held back, at the end of the choice."""
@@ -44,7 +47,10 @@ class ChoiceText:
             content, deltas = self.calls.feed(content)
             rest, more = self.calls.finish()
             content, deltas = content + rest, deltas + more
-        return reasoning, content, deltas
+        return reasoning, content, self._kept(deltas)
+
+    def _kept(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return deltas if self.parallel else [d for d in deltas if d["index"] == 0]
 
     @property
     def calls_sent(self) -> int:

@@ -226,7 +226,8 @@ class OpenAIHandlers:
         return Prepared(request_id, [ids], None, subs, in_reasoning)
 
     def _choice_text(self, body: ChatCompletionRequest, prepared: Prepared) -> ChoiceText:
-        return ChoiceText(prepared.in_reasoning, self.tool_call_parser if body.tools_in_use else None, body.tools)
+        return ChoiceText(prepared.in_reasoning, self.tool_call_parser if body.tools_in_use else None, body.tools,
+                          body.parallel_tool_calls is not False)
 
     def usage(self, prepared: Prepared, completion_tokens: int) -> UsageInfo:
         prompt_tokens = sum(len(p) for p in prepared.prompts)
@@ -290,6 +291,8 @@ class OpenAIHandlers:
             records = [r for e in evs for r in e.tokens]
             total += len(ids)
             reasoning, content, calls = self._choice_text(body, prepared).whole("".join(e.text for e in evs))
+            if body.echoed:
+                content = body.echoed + (content or "")
             message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
             choices.append(ChatChoice(
                 index=sub.index, message=message,
@@ -386,7 +389,7 @@ class OpenAIHandlers:
                     prompt_ids, sent_prompt_ids = prepared.prompts[0], True
                 yield ChatCompletionChunk(
                     id=prepared.request_id, created=created, model=self.model_name,
-                    choices=[ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=""))],
+                    choices=[ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=body.echoed))],
                     prompt_token_ids=prompt_ids)
             if not (text or reasoning or deltas or finish or ((body.return_token_ids or body.logprobs) and ev.token_ids)):
                 return

@@ -194,10 +194,11 @@ class _GenerationRequest(_Request):
 
     model: Optional[str] = None
     """Must name the served model when given (else 404); omitted means the served model."""
-    max_tokens: Optional[int] = Field(None, ge=1)
-    """Completion tokens at most, per choice. Default: the context limit minus the prompt
-    (vLLM's), unless ``build_app(max_tokens_cap=...)`` caps it."""
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    """Completion tokens at most, per choice (at least 1; 0 only with completions' ``echo``:
+    the prompt alone, as vLLM). Default: the context limit minus the prompt (vLLM's),
+    unless ``build_app(max_tokens_cap=...)`` caps it."""
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
     """Same as ``max_tokens`` (OpenAI's newer name); give at most one of them."""
     temperature: Optional[float] = Field(None, ge=0.0)
     """Softmax temperature; 0 (or below 1e-5, as vLLM) is greedy. Default 1.0 (as OpenAI)."""
@@ -268,6 +269,9 @@ class _GenerationRequest(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available when stream is true")
+        if self.requested_max_tokens == 0 and not getattr(self, "echo_only", False):
+            raise ValueError(f"{self.max_tokens_field} must be at least 1 (0 only with echo on /v1/completions: "
+                             f"the prompt alone)")
         return self
 
     @field_validator("logit_bias")
@@ -322,6 +326,12 @@ class CompletionRequest(_GenerationRequest):
     """Not supported: only null or an empty string."""
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     """Only best_of == n is supported."""
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0 (vLLM's): each choice is the prompt alone (its text,
+        its log-probabilities), ``finish_reason`` ``length``; one token is generated and dropped."""
+        return self.echo and self.requested_max_tokens == 0
 
     @model_validator(mode="after")
     def _check_completion(self):

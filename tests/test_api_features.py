@@ -179,6 +179,31 @@ def test_chat_echo_puts_the_last_assistant_message_first(server, engine, tokeniz
         assert content == want + tokenizer.decode(engine.outputs[rid], skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_is_the_prompt_alone(server, engine, tokenizer, stream):
+    """vLLM's ``echo`` with ``max_tokens`` 0: the choice is the prompt's text and its
+    log-probability entries (one per prompt token), no completion token counted,
+    ``finish_reason`` ``length``; the engine ran one token, which is dropped."""
+    prompt = "Echo me back"
+    ids = tokenizer.encode(prompt)
+    r = _post(server, "/v1/completions", dict(prompt=prompt, max_tokens=0, echo=True, logprobs=1, stream=stream,
+                                              **({"stream_options": {"include_usage": True}} if stream else {})))
+    assert r.status_code == 200, r.text
+    if stream:
+        events = _events(r.text)
+        choices = [c for ev in events for c in ev["choices"]]
+        text = "".join(c["text"] for c in choices)
+        tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        finish, usage = choices[-1]["finish_reason"], events[-1]["usage"]
+    else:
+        choice = r.json()["choices"][0]
+        text, tokens, finish, usage = choice["text"], choice["logprobs"]["tokens"], choice["finish_reason"], r.json()["usage"]
+    assert text == prompt and len(tokens) == len(ids) and finish == "length"
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(ids)
+    ((_, params),) = engine.calls.values()
+    assert params.max_tokens == 1 and params.prompt_logprobs == 1
+
+
 def test_tokenize_detokenize_version(server, engine, tokenizer):
     text = "Café crème ✓ — the fox 🦊"
     r = _post(server, "/tokenize", {"prompt": text, "model": MODEL}).json()

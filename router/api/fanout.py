@@ -169,6 +169,7 @@ class Fanout:
         self.skip_special_tokens = body.skip_special_tokens
         self.include_stop = body.include_stop_str_in_output
         self.want_logprobs = want_logprobs
+        self.echo_only = getattr(body, "echo_only", False)  # the generated token is dropped
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # choice -> its prompt's (when asked)
         self.tasks: list[asyncio.Task] = []
@@ -190,6 +191,9 @@ class Fanout:
         self.started.add(ev.index)
         if ev.finish_reason is not None:
             self.finished.add(ev.index)
+        if self.echo_only:
+            ev.text, ev.token_ids, ev.tokens, ev.stop_reason = "", [], [], None
+            ev.finish_reason = ev.finish_reason and "length"
         return ev
 
     async def prime(self) -> list[Event]:

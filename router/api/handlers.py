@@ -174,7 +174,8 @@ class OpenAIHandlers:
         if body.echo and texts is None:
             texts = [self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        subs = self._subs(body, request_id, prompts, body.logprobs, "prompt", body.logprobs if body.echo else None)
+        run = body.model_copy(update={"max_tokens": 1, "max_completion_tokens": None}) if body.echo_only else body
+        subs = self._subs(run, request_id, prompts, body.logprobs, "prompt", body.logprobs if body.echo else None)
         return Prepared(request_id, prompts, texts, subs)
 
     def _prompt_logprobs(self, fanout: Fanout, sub: Sub, k: int) -> CompletionLogprobs:

@@ -66,7 +66,8 @@ def tensor_from_pb(m: "pb.Tensor"):
 def step_to_pb(s: StepInput) -> "pb.StepRequest":
     m = pb.StepRequest(
         micro_batch_id=s.micro_batch_id, round=s.round, mode=s.mode, num_prefill=s.num_prefill,
-        req_pool_indices=s.req_pool_indices, seq_lens=s.seq_lens, extend_lens=s.extend_lens,
+        follows_round=s.follows_round, req_pool_indices=s.req_pool_indices, seq_lens=s.seq_lens,
+        extend_lens=s.extend_lens,
         input_ids=s.input_ids, num_drafts=s.num_drafts, sample=s.sample, next_token_ids=s.next_token_ids,
         output_lens=s.output_lens, restore_slots=s.restore_slots, snapshot_slots=s.snapshot_slots,
         sampling=[
@@ -94,7 +95,8 @@ def step_from_pb(m: "pb.StepRequest") -> StepInput:
     """Raises ValueError (naming hidden_states) when the hidden states cannot be decoded."""
     return StepInput(
         micro_batch_id=m.micro_batch_id, round=m.round, mode=m.mode, num_prefill=m.num_prefill,
-        req_pool_indices=list(m.req_pool_indices), seq_lens=list(m.seq_lens), extend_lens=list(m.extend_lens),
+        follows_round=m.follows_round, req_pool_indices=list(m.req_pool_indices), seq_lens=list(m.seq_lens),
+        extend_lens=list(m.extend_lens),
         input_ids=list(m.input_ids), num_drafts=list(m.num_drafts), sample=list(m.sample),
         next_token_ids=list(m.next_token_ids), output_lens=list(m.output_lens),
         sampling=[

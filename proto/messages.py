@@ -108,6 +108,12 @@ class StepInput:
     ``num_prefill`` requests are prefill chunks whose tokens follow theirs in
     ``input_ids``. :meth:`parts` splits it into one step per kind. A ``prefill`` step
     has ``num_prefill`` 0: all its requests are chunks.
+
+    ``follows_round`` (async scheduling, docs/DESIGN.md "Async scheduling"): the router
+    formed this step before round ``follows_round`` of the same micro-batch came back, so
+    the input id of a request continuing from that round is -1 (:data:`FOLLOWS`); the
+    first stage fills it in with :func:`follow_ids` from that round's result before it
+    checks or runs the step. 0: every input id is given.
     """
 
     micro_batch_id: int
@@ -127,6 +133,7 @@ class StepInput:
     restore_slots: list[int] = field(default_factory=list)   # prefill from this snapshot's seq_lens tokens
     snapshot_slots: list[int] = field(default_factory=list)  # snapshot the row after this chunk
     num_prefill: int = 0
+    follows_round: int = 0
 
     def is_prefill(self, b: int) -> bool:
         """Request ``b`` runs a prefill chunk (all of a prefill step, the tail of a mixed one)."""
@@ -161,6 +168,38 @@ class StepInput:
                 cut(self.next_token_ids), cut(self.sampling), cut(self.output_lens), h,
                 restore_slots=chunks_only(self.restore_slots), snapshot_slots=chunks_only(self.snapshot_slots)))
         return out
+
+
+FOLLOWS = -1
+"""The input id of a request that continues from the round its step follows
+(``StepInput.follows_round``): the token its row emitted last in that round."""
+
+
+def follow_ids(input_ids: list[int], extend_lens: list[int], rows: list[int], emitted: dict[int, int]) -> list[int]:
+    """``input_ids`` with each request's :data:`FOLLOWS` id replaced by the token its row
+    emitted last in the followed round (``emitted``: row -> token). Only a request's first
+    token can follow (a decode's one token). Raises ValueError naming a row that follows
+    but emitted nothing in that round, or a FOLLOWS id past a request's first token."""
+    ids = list(input_ids)
+    if len(rows) != len(extend_lens) or sum(extend_lens) != len(ids) or min(extend_lens, default=1) < 1:
+        raise ValueError("input_ids: a step that follows a round needs one extend_len >= 1 per request, summing "
+                         "to the number of input_ids")
+    start = 0
+    for row, n in zip(rows, extend_lens):
+        if ids[start] == FOLLOWS:
+            if row not in emitted:
+                raise ValueError(f"input_ids: row {row} follows a round in which it emitted no token")
+            ids[start] = emitted[row]
+        if FOLLOWS in ids[start + 1: start + n]:
+            raise ValueError(f"input_ids: row {row} follows its previous round past its first token")
+        start += n
+    return ids
+
+
+def emitted_last(rows: list[int], output_ids) -> dict[int, int]:
+    """Per row, the last token a step's result emitted (rows that emitted none left out):
+    what a step following it takes (:func:`follow_ids`)."""
+    return {row: ids[-1] for row, ids in zip(rows, output_ids) if len(ids)}
 
 
 @dataclass

@@ -9,7 +9,11 @@ lane goes straight on to its next round.
 Overlap with compute (docs/DESIGN.md, "Scheduling"): there is one more lane than stages
 by default, so while micro-batch i runs the router has already formed and sent micro-batch
 i + 1 of another lane, and a stage that finishes one finds the next queued instead of
-waiting for the router. What a result means to clients (tokens to the request streams,
+waiting for the router. Within a lane, async scheduling (docs/DESIGN.md, "Async
+scheduling") forms and sends round r + 1 while round r is in flight: a decoding request
+continues at the position round r leaves, its input id the token round r emits, which
+the first stage fills in; so at concurrency 1 too a stage finds the next round queued.
+What a result means to clients (tokens to the request streams,
 whose detokenization, stop-string search and SSE writing follow, and the metrics) is
 handed to one output task through a queue, after the lane has sent its next micro-batch.
 
@@ -18,6 +22,7 @@ Implements the ``AsyncEngine`` shape the HTTP layer (``router.api``) serves.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import AsyncIterator
@@ -74,6 +79,8 @@ class Engine:
             micro-batches are in flight before those fail (StageDownError, HTTP 503) and
             their lanes stop waiting: a stage that hangs without dying ends its requests
             then, not at the step RPC's timeout.
+        async_scheduling: form a lane's next micro-batch before its last one's result
+            (``Scheduler``'s ``async_scheduling``); False: each round after the last's result.
     """
 
     def __init__(self, pipeline: Pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
@@ -81,8 +88,10 @@ class Engine:
                  max_num_batched_tokens: int | None = None, mixed_prefill_tokens: int | None = None,
                  chunk_size: int | None = None,
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
-                 metrics: RouterMetrics | None = None, enable_prefix_caching: bool = False):
+                 metrics: RouterMetrics | None = None, enable_prefix_caching: bool = False,
+                 async_scheduling: bool = True):
         self.pipeline = pipeline
+        self.async_scheduling = async_scheduling
         self.prefix_caching = enable_prefix_caching
         self._cache_counted = (0, 0)  # prefix-cache token counters the metrics have (queried, hit)
         self.model_name, self.tokenizer = model_name, tokenizer
@@ -94,7 +103,8 @@ class Engine:
         self.metrics = metrics
         self.scheduler: Scheduler | None = None
         self.queues: dict[str, asyncio.Queue] = {}
-        self.outstanding: dict[int, float] = {}  # lane -> start time of its in-flight micro-batch
+        self.outstanding: dict[int, float] = {}  # lane -> send time of its oldest micro-batch in flight
+        self._flights: dict[int, collections.deque] = {}  # lane -> its micro-batches in flight (_lane_loop)
         self.failure: str | None = None
         self.closing = False  # shutdown(): requests end, nothing new starts, no recovery
         self.displaced: str | None = None  # another router claimed the stages: down for good
@@ -139,7 +149,7 @@ class Engine:
             mixed_prefill_tokens=self.mixed_prefill_tokens or mixed,
             chunk_size=self.chunk_size, speculative_algorithm=spec, num_steps=steps,
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
-            prefix_cache=self._prefix_cache(infos, page_size),
+            prefix_cache=self._prefix_cache(infos, page_size), async_scheduling=self.async_scheduling,
         )
         self.eos = last["eos_token_ids"]
         infos = await self.pipeline.check_start(infos)  # gRPC: one router per pipeline, the relay chain
@@ -271,60 +281,81 @@ class Engine:
             q.put_nowait(out)
 
     async def _lane_loop(self, lane: int) -> None:
-        sched = self.scheduler
+        """Drive lane ``lane``: keep up to two of its micro-batches in flight, the next formed
+        and sent as soon as the last one is (async scheduling, docs/DESIGN.md): its
+        continuing requests' input ids come from the round in flight, which the first stage
+        fills in, so a stage never waits a router round trip between two rounds of a lane.
+        Results are processed in round order."""
         gen = self._lane_gen[lane]
-        # not ``while True``: on Python 3.11 wait_for can swallow a cancel (when the wake
-        # lands in the same loop iteration), and the lane would run on beside its successor
-        while not self._stopping and self._lane_gen[lane] == gen:
-            if self.failure is not None:
-                await self._recover()
-                continue
-            batch = sched.schedule(lane)
-            preempted = sched.take_preempted()
-            if preempted:
-                if self.metrics:
-                    self.metrics.on_preemptions(len(preempted))
-                self._spawn(self._release_or_fail(preempted, lane, sched.rounds[lane], "release after a preemption"))
-            if sched.cache is not None and sched.cache.to_drop:
-                self._spawn(self._drop_evicted())
-            if batch is None:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
-                continue
+        flights = self._flights[lane] = collections.deque()  # (batch, step task, sent at), oldest first
+        try:
+            # not ``while True``: on Python 3.11 wait_for can swallow a cancel (when the wake
+            # lands in the same loop iteration), and the lane would run on beside its successor
+            while not self._stopping and self._lane_gen[lane] == gen:
+                if self.failure is not None and not flights:
+                    await self._recover()
+                    continue
+                batch = self._schedule(lane) if len(flights) < 2 and self.failure is None else None
+                if batch is not None:
+                    flights.append((batch, asyncio.ensure_future(self.pipeline.step(batch.step_input(self.eos))),
+                                    time.monotonic()))
+                    self._set_in_flight(lane)
+                    continue  # the next one at once, if one can form before this one's result
+                if not flights:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), 0.5)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                await self._complete(lane, *flights[0])
+                flights.popleft()
+                self._set_in_flight(lane)
+        finally:  # cancelled (a stall, shutdown): the steps still in flight go too
+            for _, task, _ in flights:
+                task.cancel()
+            flights.clear()
+            self._set_in_flight(lane)
+
+    def _schedule(self, lane: int):
+        """The lane's next micro-batch (None: nothing to run now), after sending the releases
+        of requests it preempted and the drops of prefix-cache slots it evicted."""
+        sched = self.scheduler
+        batch = sched.schedule(lane)
+        preempted = sched.take_preempted()
+        if preempted:
             if self.metrics:
-                now = time.monotonic()
-                for r in batch.first:
-                    self.metrics.on_request_scheduled(r.request_id, len(r.prompt_ids), now)
-            self.outstanding[lane] = time.monotonic()
-            self._set_in_flight()
-            try:
-                res = await self.pipeline.step(batch.step_input(self.eos))
-            except ValueError as e:  # a stage refused this micro-batch; the others go on
-                self.outstanding.pop(lane, None)
-                self._set_in_flight()
-                self._fail_batch(batch, str(e))
-                continue
-            except (StageDownError, OSError) as e:
-                self.outstanding.pop(lane, None)
-                self._set_in_flight()
-                self._fail(f"{e}")
-                continue
-            except Exception as e:  # noqa: BLE001  (anything else must not end this lane's task silently)
-                log.exception("micro-batch of lane %d failed", lane)
-                self.outstanding.pop(lane, None)
-                self._set_in_flight()
-                self._fail(f"{type(e).__name__}: {e}")
-                continue
-            started = self.outstanding.pop(lane, None)
-            up = sched.process(batch, res.output_ids, res.drafts, res.logprobs, res.prompt_logprobs)
-            if up.commit is not None or up.release_rows:
-                self._spawn(self._commit_and_release(up))
-            # the lane forms and sends its next micro-batch before anything else of this one
-            self._outbox.put_nowait((batch, res, up, None if started is None else time.monotonic() - started))
-            self._wake.set()
+                self.metrics.on_preemptions(len(preempted))
+            self._spawn(self._release_or_fail(preempted, lane, sched.rounds[lane], "release after a preemption"))
+        if sched.cache is not None and sched.cache.to_drop:
+            self._spawn(self._drop_evicted())
+        if batch is not None and self.metrics:
+            now = time.monotonic()
+            for r in batch.first:
+                self.metrics.on_request_scheduled(r.request_id, len(r.prompt_ids), now)
+        return batch
+
+    async def _complete(self, lane: int, batch, task: asyncio.Future, started: float) -> None:
+        """Await one micro-batch's result and apply it: the commit and releases go out in the
+        background, the outputs to the output task."""
+        try:
+            res = await task
+        except ValueError as e:  # a stage refused this micro-batch; the others go on
+            self._fail_batch(batch, str(e))
+            return
+        except (StageDownError, OSError) as e:
+            self._fail(f"{e}")
+            return
+        except Exception as e:  # noqa: BLE001  (anything else must not end this lane's task silently)
+            log.exception("micro-batch of lane %d failed", lane)
+            self._fail(f"{type(e).__name__}: {e}")
+            return
+        up = self.scheduler.process(batch, res.output_ids, res.drafts, res.logprobs, res.prompt_logprobs)
+        if up.commit is not None or up.release_rows:
+            self._spawn(self._commit_and_release(up))
+        # the lane forms and sends its next micro-batch before anything else of this one
+        self._outbox.put_nowait((batch, res, up, time.monotonic() - started))
+        self._wake.set()
 
     async def _output_loop(self) -> None:
         """Deliver each processed micro-batch's outputs to the request streams and record
@@ -394,9 +425,16 @@ class Engine:
             self._cache_counted = (c.queried_tokens, c.hit_tokens)
         self.metrics.set_queue(self.scheduler.num_running, self.scheduler.num_waiting)
 
-    def _set_in_flight(self) -> None:
+    def _set_in_flight(self, lane: int | None = None) -> None:
+        """After lane ``lane``'s micro-batches in flight changed: ``outstanding`` (the send
+        time of its oldest) and the in-flight gauge (micro-batches of every lane)."""
+        flights = self._flights.get(lane)
+        if flights:
+            self.outstanding[lane] = flights[0][2]
+        elif lane is not None:
+            self.outstanding.pop(lane, None)
         if self.metrics:
-            self.metrics.set_in_flight(len(self.outstanding))
+            self.metrics.set_in_flight(sum(map(len, self._flights.values())))
 
     # ------------------------------------------------------------------ failures
     def _on_stage_restart(self, stage: int, detail: str) -> None:

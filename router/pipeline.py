@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 from typing import Callable
 
-from ppspec.proto.messages import Commit, Release, StageInfo, StepInput, StepOutput
+from ppspec.proto.messages import Commit, Release, StageInfo, StepInput, StepOutput, emitted_last, follow_ids
 
 
 class Pipeline(abc.ABC):
@@ -93,6 +93,11 @@ class InProcessPipeline(Pipeline):
         # stage server does, a step or release of such a row waits for the commit.
         self._pending: dict[int, tuple[int, int]] = {}
         self._cond: asyncio.Condition | None = None  # made in the driver's event loop
+        from ppspec.stage_server.rounds import SampledRounds
+
+        # each micro-batch's last round, for a step that follows it (async scheduling), as
+        # the first stage server keeps them
+        self.sampled = SampledRounds()
 
     @classmethod
     def build(cls, model_dir: str, pp_size: int = 1, device: str = "cpu", **runner_kwargs) -> "InProcessPipeline":
@@ -150,10 +155,19 @@ class InProcessPipeline(Pipeline):
             await self._committed.wait_for(lambda: not any(r in self._pending for r in rows))
 
     async def step(self, inp: StepInput) -> StepOutput:
-        await self._wait_committed(inp.req_pool_indices)
-        out = await self._run(self.step_sync, inp)
-        self._pending.update((r, (inp.micro_batch_id, inp.round)) for r in inp.verify_rows)
-        return out
+        key, emitted = ("", inp.micro_batch_id), None
+        try:
+            if inp.follows_round:  # its continuing requests' input ids: that round's tokens
+                got = await self.sampled.wait(key, inp.follows_round, None)
+                inp.input_ids = follow_ids(inp.input_ids, inp.extend_lens, inp.req_pool_indices, got)
+                inp.follows_round = 0
+            await self._wait_committed(inp.req_pool_indices)
+            out = await self._run(self.step_sync, inp)
+            self._pending.update((r, (inp.micro_batch_id, inp.round)) for r in inp.verify_rows)
+            emitted = emitted_last(inp.req_pool_indices, out.output_ids)
+            return out
+        finally:  # None: the round failed, a step that follows it is refused
+            await self.sampled.ended(key, inp.round, emitted)
 
     async def commit_accept(self, c: Commit) -> None:
         try:

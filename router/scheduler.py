@@ -24,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ppspec.proto.messages import Commit, SamplingSpec, StageInfo, StepInput
+from ppspec.proto.messages import FOLLOWS, Commit, SamplingSpec, StageInfo, StepInput
 
 from .drafter import ngram_draft
 from .kv_ledger import PageLedger
@@ -48,7 +48,13 @@ class Request:
     finish_reason: str | None = None
     aborted: bool = False
     abort_reason: str = "abort"
-    in_flight: bool = False
+    in_flight: int = 0             # micro-batches in flight that hold it (2 at most: async scheduling)
+    # async scheduling: the round of its latest micro-batch in flight when the next may be
+    # formed before that one's result (a decode, or the chunk ending its prompt, that emits
+    # one token and cannot end it by length), 0 else; and the tokens that micro-batch computes
+    follows_round: int = 0
+    follows_ext: int = 0
+    held_row: int = -1             # ended while a later micro-batch in flight holds its row
     seed: int = 0
     reserved_tokens: int = 0       # KV tokens (whole pages) held for it on every stage
     order: int = 0                 # admission priority: lower is older (preempted last)
@@ -103,6 +109,8 @@ class ScheduledBatch:
     num_prefill: int = 0
     rows: list[int] = field(default_factory=list)
     first: list[Request] = field(default_factory=list)  # requests in their first micro-batch
+    output_lens: list[int] = field(default_factory=list)  # tokens generated before this round
+    follows_round: int = 0  # async scheduling: the round whose tokens its FOLLOWS ids are (0: none)
     restore_slots: list[int] = field(default_factory=list)   # prefix cache, per request (-1: none, every non-chunk) or empty
     snapshot_slots: list[int] = field(default_factory=list)
 
@@ -111,6 +119,8 @@ class ScheduledBatch:
         # gives its row back, but the commit still names the row it ran in.
         self.rows = [r.row for r in self.requests]
         self.first = [r for r in self.requests if not r.scheduled]
+        if not self.output_lens:
+            self.output_lens = [len(r.output_ids) for r in self.requests]
         for r in self.first:
             r.scheduled = True
 
@@ -156,9 +166,9 @@ class ScheduledBatch:
         return StepInput(
             self.micro_batch_id, self.round, self.mode, self.req_pool_indices, list(self.seq_lens),
             list(self.extend_lens), list(self.input_ids), list(self.num_drafts), list(self.sample),
-            list(self.next_token_ids), specs, [len(r.output_ids) for r in self.requests],
+            list(self.next_token_ids), specs, list(self.output_lens),
             restore_slots=list(self.restore_slots), snapshot_slots=list(self.snapshot_slots),
-            num_prefill=self.num_prefill,
+            num_prefill=self.num_prefill, follows_round=self.follows_round,
         )
 
 
@@ -213,6 +223,13 @@ class Scheduler:
             any request is preempted. The driver drops evicted slots
             (:meth:`take_dropped_slots`, then :meth:`slots_dropped`) and releases finished
             rows with :meth:`release_snapshots`.
+        async_scheduling: form a lane's next micro-batch while its last one is in flight
+            (docs/DESIGN.md, "Async scheduling"; the async ``Engine`` sets it): a request
+            whose micro-batch in flight decodes, or ends its prompt, without speculation
+            continues in the next one at the position that micro-batch leaves, its input
+            id :data:`~ppspec.proto.messages.FOLLOWS` (the first stage takes the token it
+            emits). A request that ends in the first gets its row released only after the
+            second, whose tokens for it are dropped.
     """
 
     def __init__(
@@ -235,6 +252,7 @@ class Scheduler:
         ngram_max: int = 4,
         drafter=None,
         prefix_cache=None,
+        async_scheduling: bool = False,
     ):
         if speculative_algorithm not in ("none", "ngram", "mtp"):
             raise ValueError(f"unknown speculative algorithm {speculative_algorithm!r}")
@@ -285,6 +303,8 @@ class Scheduler:
         self.cache = prefix_cache
         self._row_snapshots: dict[int, tuple[int, list[int]]] = {}  # row -> (slot, key) taken at its release
         self._snapshots_sent: set[int] = set()  # rows whose release names their snapshot slot
+        self.async_scheduling = async_scheduling
+        self._held: dict[int, Request] = {}  # row -> its ended request, until its last micro-batch in flight returns
 
     # ------------------------------------------------------------------ admission
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -450,9 +470,13 @@ class Scheduler:
         can run now. Growing a request's KV may preempt younger ones not in this
         micro-batch: their rows are in :meth:`take_preempted`."""
         self._admit()
-        reqs = [r for r in self.lanes[lane] if not r.in_flight and r.status == RUNNING and not r.aborted]
+        live = [r for r in self.lanes[lane] if r.status == RUNNING and not r.aborted]
+        # async scheduling: requests whose micro-batch in flight leaves them decoding
+        # continue now, at the position it leaves (Request.follows_round)
+        cont = {r.request_id for r in live if r.in_flight == 1 and r.follows_round}
+        reqs = [r for r in live if not r.in_flight or r.request_id in cont]
         reqs.sort(key=lambda r: r.order)  # growing the oldest first: they preempt the youngest
-        prefill = [r for r in reqs if not r.prefill_done]
+        prefill = [r for r in reqs if not r.in_flight and not r.prefill_done]
         # a slot is kept for a prompt while one waits, so that decodes never fill every one
         room = self.max_batch_size - (1 if prefill else 0)
         chosen: list[Request] = []
@@ -460,23 +484,29 @@ class Scheduler:
             if len(chosen) == room:
                 break
             # a round writes at most D tokens (a verify); grown for that whatever the mode
-            if r.prefill_done and r.status == RUNNING and self._grow(r, self.D):
-                r.in_flight = True  # chosen: no prefill's growth below may preempt it
+            ahead = r.follows_ext if r.request_id in cont else 0
+            if (ahead or r.prefill_done) and r.status == RUNNING and self._grow(r, ahead + self.D):
+                r.in_flight += 1  # chosen: no prefill's growth below may preempt it
                 chosen.append(r)
-        return self._form(lane, chosen, prefill, self.max_num_batched_tokens)
+        return self._form(lane, chosen, prefill, self.max_num_batched_tokens, cont)
 
-    def _form(self, lane: int, chosen: list[Request], prefill: list[Request], budget: int) -> ScheduledBatch | None:
-        """The micro-batch of the decoding requests ``chosen`` (grown already) and chunks of
+    def _form(self, lane: int, chosen: list[Request], prefill: list[Request], budget: int,
+              cont: set[str] = frozenset()) -> ScheduledBatch | None:
+        """The micro-batch of the decoding requests ``chosen`` (grown and marked in flight
+        already; those in ``cont`` continue from their micro-batch in flight) and chunks of
         ``prefill`` (oldest first) in the tokens they leave of ``budget``; None if empty."""
         chosen = list(chosen)
         drafts = [self._drafts_for(r) for r in chosen]
         mode, d = ("verify", self.D) if self.num_steps and any(drafts) else ("decode", 1)
-        seq = [r.num_computed for r in chosen]
+        ahead = [r.request_id in cont for r in chosen]
+        seq = [r.num_computed + (r.follows_ext if a else 0) for r, a in zip(chosen, ahead)]
+        out_lens = [len(r.output_ids) + a for r, a in zip(chosen, ahead)]
+        follows = max((r.follows_round for r, a in zip(chosen, ahead) if a), default=0)
         ext = [d] * len(chosen)
         ids, nd = [], []
-        for r, dr in zip(chosen, drafts):
+        for r, dr, a in zip(chosen, drafts, ahead):
             dr = dr[: d - 1]
-            ids += [r.output_ids[-1]] + dr + [0] * (d - 1 - len(dr))
+            ids += [FOLLOWS if a else r.output_ids[-1]] + dr + [0] * (d - 1 - len(dr))
             nd.append(len(dr))
         sample, nxt = [True] * len(chosen), [-1] * len(chosen)
         budget -= d * len(chosen)  # >= D: see __init__
@@ -493,7 +523,9 @@ class Scheduler:
                 continue
             budget -= n
             end = r.num_computed + n
+            r.in_flight += 1
             chosen.append(r)
+            out_lens.append(len(r.output_ids))
             chunks += 1
             seq.append(r.num_computed)
             ext.append(n)
@@ -509,11 +541,11 @@ class Scheduler:
             mode, chunks = "prefill", 0
         self.rounds[lane] += 1
         return self._dispatch(ScheduledBatch(lane, self.rounds[lane], mode, chosen, seq, ext, ids, nd, sample, nxt,
-                                             num_prefill=chunks))
+                                             num_prefill=chunks, output_lens=out_lens, follows_round=follows))
 
     def _dispatch(self, batch: ScheduledBatch) -> ScheduledBatch:
-        for r in batch.requests:
-            r.in_flight = True
+        for i, r in enumerate(batch.requests):
+            r.follows_round, r.follows_ext = (batch.round, batch.extend_lens[i]) if self._may_follow(batch, i) else (0, 0)
         if self.cache and batch.first_chunk < len(batch.requests):
             # the prefill chunks' restore and snapshot slots, in a prefill batch or riding in
             # a decode / verify one (those rows' are -1)
@@ -526,6 +558,20 @@ class Scheduler:
             batch.restore_slots = restore if max(restore) >= 0 else []
             batch.snapshot_slots = snap if max(snap) >= 0 else []
         return batch
+
+    def _may_follow(self, batch: ScheduledBatch, i: int) -> bool:
+        """Whether request ``i``'s next round may be formed before ``batch`` comes back: it
+        emits exactly one token there (a decode, or the chunk ending its prompt; no
+        speculation, whose accept length is not known), that token cannot end it by length,
+        and its next round needs nothing else of the result (no penalty counts of its
+        outputs, no grammar). Not with the prefix cache: a request that ends in ``batch``
+        leaves its snapshot for the next turn, which the extra round would move past."""
+        r, p = batch.requests[i], batch.requests[i].params
+        n = batch.output_lens[i] + 1  # its outputs once batch is processed
+        return (self.async_scheduling and not self.num_steps and self.cache is None and batch.sample[i] and not r.aborted
+                and n < p.max_tokens and len(r.prompt_ids) + n < self.max_context
+                and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0
+                and p.grammar is None)
 
     # ------------------------------------------------------------------ prefix cache
     def _reserve_snapshot(self, r: Request, length: int) -> int:
@@ -620,7 +666,7 @@ class Scheduler:
         outputs, release, accept = [], [], []
         nv = batch.num_verify
         for i, r in enumerate(batch.requests):
-            r.in_flight = False
+            r.in_flight = max(0, r.in_flight - 1)  # 0 already if fail_all dropped it
             if batch.restore_slots and batch.restore_slots[i] >= 0:
                 self._unpin(r)
             if batch.snapshot_slots and batch.snapshot_slots[i] >= 0:  # every stage took it
@@ -636,10 +682,14 @@ class Scheduler:
             # else a prefill chunk: it drafts nothing, and a recomputed request keeps the MTP
             # drafts it had when preempted (those of the same context), so its next round is
             # the verify it would have been, with the same random draws
-            if r.status == FINISHED:  # failed while in flight (fail_all): its row is already released
+            if r.status == FINISHED:
+                # failed while in flight (fail_all: its row is released already), or ended in
+                # an earlier round while this one held its row: dropped, the row released now
+                if r.held_row >= 0 and not r.in_flight:
+                    release.append(self._unhold(r))
                 continue
             if r.aborted:
-                release.append(self._finish(r, r.abort_reason))
+                self._end(r, r.abort_reason, release)
                 outputs.append(RequestOutput(r.request_id, [], r.abort_reason, len(r.prompt_ids), len(r.output_ids)))
                 continue
             if prompt_logprobs and prompt_logprobs[i] is not None and r.prompt_lps is not None:
@@ -652,7 +702,7 @@ class Scheduler:
             if logprobs and logprobs[i] is not None:
                 lps = [TokenLogprob(t, lp, list(top)) for t, lp, top in logprobs[i][: len(new)]]
             if reason:
-                release.append(self._finish(r, reason))
+                self._end(r, reason, release)
             if new or reason:
                 outputs.append(
                     RequestOutput(
@@ -688,6 +738,20 @@ class Scheduler:
             if len(r.output_ids) >= p.max_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_context:
                 return new, "length"
         return new, None
+
+    def _end(self, r: Request, reason: str, release: list[int]) -> None:
+        """Finish ``r`` while a result of it is processed; its row goes to ``release``, or,
+        while a later micro-batch in flight holds it (async scheduling), waits for that one."""
+        row = self._finish(r, reason)
+        if r.in_flight:
+            r.held_row, self._held[row] = row, r
+        else:
+            release.append(row)
+
+    def _unhold(self, r: Request) -> int:
+        row, r.held_row = r.held_row, -1
+        del self._held[row]
+        return row
 
     def _finish(self, r: Request, reason: str) -> int:
         """End a running request. Its row (and KV reservation) come back with
@@ -753,8 +817,11 @@ class Scheduler:
         dropped, rows = [], []
         for r in requests:
             if r.status == FINISHED:
+                if r.held_row >= 0:  # ended already; this micro-batch held its row
+                    r.in_flight = 0
+                    rows.append(self._unhold(r))
                 continue
-            r.in_flight = False
+            r.in_flight = 0
             if r.status == RUNNING:
                 rows.append(self._finish(r, "abort"))
             else:
@@ -768,8 +835,11 @@ class Scheduler:
         can tell their clients, and the rows they held, to release on every stage."""
         dropped = list(self.requests.values())
         rows = []
+        for r in list(self._held.values()):  # ended, their rows held by micro-batches in flight
+            r.in_flight = 0
+            rows.append(self._unhold(r))
         for r in dropped:
-            r.in_flight = False
+            r.in_flight = 0
             if r.status == RUNNING:
                 rows.append(self._finish(r, "abort"))
             r.status = FINISHED

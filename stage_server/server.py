@@ -39,12 +39,13 @@ from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, info_to_pb, release_from_pb, result_to_pb, step_from_pb,
 )
 from ppspec.argtypes import DTYPES, resolve_dtype
-from ppspec.proto.messages import PREFILL, VERIFY
+from ppspec.proto.messages import PREFILL, VERIFY, emitted_last, follow_ids
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from . import dataplane
 from .config import CheckpointError
 from .pools import PoolExhaustedError
+from .rounds import SampledRounds
 from .runner import RowStateError, brief
 from .warmup import warm_up
 
@@ -105,6 +106,7 @@ class StageServicer(pb_grpc.StageServicer):
         # once the new owner has left (a paused router must not come back to the stage)
         self.replaced: dict[str, str] = {}
         self.cond = asyncio.Condition()
+        self.sampled = SampledRounds()  # the first stage: each micro-batch's last round (async scheduling)
         # data plane: what this stage offers its next stage, the link agreed (bytes until the
         # attach), and the links of the stages that send to this one
         self.data_plane = dataplane.choose(data_plane, str(runner.device))
@@ -182,6 +184,42 @@ class StageServicer(pb_grpc.StageServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
     async def _step(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
+        """One step; on the first stage also async scheduling's part (docs/DESIGN.md, "Async
+        scheduling"): a step that follows an earlier round of its micro-batch takes its
+        continuing requests' input ids from that round's result, and every result (this
+        stage's own at PP 1, the relay's answer else) is noted for the round after it."""
+        if self.runner.pp_rank != 0:
+            return await self._step_once(request, context, verify)
+        key = (request.router_id, request.micro_batch_id)
+        emitted = None
+        try:
+            if request.follows_round:
+                await self._follow(request, context, key)
+            res = await self._step_once(request, context, verify)
+            emitted = emitted_last(request.req_pool_indices, [t.ids for t in res.output_ids])
+            return res
+        finally:  # an abort, a cancelled call, an error: the round failed
+            await self.sampled.ended(key, request.round, emitted)
+
+    async def _follow(self, request: pb.StepRequest, context, key: tuple[str, int]) -> None:
+        """Fill ``request``'s FOLLOWS input ids in from round ``follows_round``'s result, once
+        that round ended here; relayed without ``follows_round``."""
+        rank, what = self.runner.pp_rank, f"round {request.round} of micro-batch {request.micro_batch_id}"
+        try:
+            emitted = await self.sampled.wait(key, request.follows_round, self.order_timeout)
+            ids = follow_ids(list(request.input_ids), list(request.extend_lens), list(request.req_pool_indices),
+                             emitted)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"stage {rank}: {what} waited {self.order_timeout:.0f}s for round "
+                                f"{request.follows_round}, which it follows")
+        except ValueError as e:  # that round failed (FollowError), or malformed: refused, nothing changed
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {what}: {e}")
+        del request.input_ids[:]
+        request.input_ids.extend(ids)
+        request.follows_round = 0
+
+    async def _step_once(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
         rank = self.runner.pp_rank
         what = f"{request.mode or 'step'} of micro-batch {request.micro_batch_id}"
         await self._check_router(request.router_id, context, what)

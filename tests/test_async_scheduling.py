@@ -1,33 +1,42 @@
-"""The router overlaps scheduling with compute (docs/DESIGN.md, "Scheduling"): it forms
-and sends micro-batch i + 1 while micro-batch i is still in the pipeline, so a stage that
-finishes one finds the next queued. Checked on an injected pipeline that holds every
-step's result until the test lets it go and records the order of the calls (no timing)."""
+"""The router overlaps scheduling with compute (docs/DESIGN.md, "Scheduling" and "Async
+scheduling"): across lanes it forms and sends micro-batch i + 1 while micro-batch i is
+still in the pipeline, and within a lane it sends round r + 1 before round r's result
+came back, its continuing requests' input ids filled in by the first stage from round r's
+tokens. Checked on an injected pipeline that holds every step's result until the test
+lets it go and records the order of the calls (no timing), then on real in-process stages
+against the synchronous loop."""
 from __future__ import annotations
 
 import asyncio
 
-from ppspec.proto.messages import StepInput, StepOutput
-from ppspec.router.engine import Engine
-from ppspec.router.pipeline import Pipeline
-from ppspec.router.types import SamplingParams
+import pytest
 
-EOS = 0
+from ppspec.proto.messages import FOLLOWS, StepInput, StepOutput, emitted_last, follow_ids
+from ppspec.router.engine import Engine
+from ppspec.router.pipeline import InProcessPipeline, Pipeline
+from ppspec.router.types import SamplingParams
+from ppspec.stage_server.rounds import FollowError, SampledRounds
+
+EOS, VOCAB = 0, 16
 
 
 class HeldPipeline(Pipeline):
     """One stage that answers each step only when the test releases it; every call is
-    logged as ``("step", micro_batch_id, round)`` / ``("result", ...)``, in order.
-    Each request emits token 7 per step."""
+    logged as ``("step", micro_batch_id, round)`` / ``("result", ...)`` / ``("release",
+    rows)``, in order. A request emits ``next_token(its last input id)`` per step; a step
+    that follows a round takes its FOLLOWS ids from that round's result as a first stage
+    does (``SampledRounds``, ``follow_ids``)."""
 
-    def __init__(self, rows: int = 8):
-        self.rows = rows
+    def __init__(self, rows: int = 8, next_token=lambda t: 7):
+        self.rows, self.next_token = rows, next_token
         self.log: list[tuple] = []
         self.held: list[tuple[StepInput, asyncio.Event]] = []
         self.stepped = asyncio.Event()
+        self.sampled = SampledRounds()
 
     async def info(self) -> list[dict]:
         return [dict(pp_rank=0, pp_size=1, layer_start=0, layer_end=1, num_layers=1, num_speculative_steps=0,
-                     has_mtp=False, vocab_size=16, max_rows=self.rows, max_context=256, kv_tokens=4096,
+                     has_mtp=False, vocab_size=VOCAB, max_rows=self.rows, max_context=256, kv_tokens=4096,
                      kv_pages_total=0, kv_pages_used=0, eos_token_ids=[EOS], rows_in_use=0, pending_commits=0,
                      busy_seconds=0.0)]
 
@@ -36,16 +45,27 @@ class HeldPipeline(Pipeline):
         self.log.append(("step", inp.micro_batch_id, inp.round))
         self.held.append((inp, go))
         self.stepped.set()
-        await go.wait()
-        self.log.append(("result", inp.micro_batch_id, inp.round))
-        return StepOutput(inp.micro_batch_id, inp.round, output_ids=[[7] for _ in inp.req_pool_indices],
-                          drafts=[[] for _ in inp.req_pool_indices], stage_seconds=[0.0])
+        key, emitted = ("", inp.micro_batch_id), None
+        try:
+            if inp.follows_round:
+                got = await self.sampled.wait(key, inp.follows_round, None)
+                inp.input_ids = follow_ids(inp.input_ids, inp.extend_lens, inp.req_pool_indices, got)
+            await go.wait()
+            self.log.append(("result", inp.micro_batch_id, inp.round))
+            ends = [sum(inp.extend_lens[: b + 1]) - 1 for b in range(len(inp.req_pool_indices))]
+            out = [[self.next_token(inp.input_ids[e])] for e in ends]
+            emitted = emitted_last(inp.req_pool_indices, out)
+            return StepOutput(inp.micro_batch_id, inp.round, output_ids=out, drafts=[[] for _ in out],
+                              stage_seconds=[0.0])
+        finally:
+            await self.sampled.ended(key, inp.round, emitted)
 
     async def commit_accept(self, c) -> list[float]:
         return [0.0]
 
     async def release(self, r) -> None:
-        self.log.append(("release", tuple(r.req_pool_indices)))
+        if r.req_pool_indices:
+            self.log.append(("release", tuple(r.req_pool_indices)))
 
     def health(self):
         return True, "held"
@@ -61,37 +81,197 @@ class HeldPipeline(Pipeline):
                 await self.stepped.wait()
         await asyncio.wait_for(until(), 10.0)
 
+    async def settle(self) -> None:
+        """Let every task that can run do so (the held steps stay held)."""
+        for _ in range(20):
+            await asyncio.sleep(0)
 
-async def _consume(engine, rid, n):
-    out = []
-    async for o in engine.generate(rid, [1, 2, 3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
+
+async def _consume(engine, rid, n, prompt=(1, 2, 3), **kw):
+    out, reason = [], None
+    params = SamplingParams(temperature=0, max_tokens=n, **({"ignore_eos": True} | kw))
+    async for o in engine.generate(rid, list(prompt), params):
         out += o.new_token_ids
-    return out
+        reason = o.finish_reason or reason
+    return out, reason
 
 
 def test_next_micro_batch_is_sent_before_the_previous_result():
-    """Default settings, one stage, two requests: the second micro-batch reaches the stage
-    while the first is held (the synchronous loop, one micro-batch per stage, sends the
-    next only after the result); and every later step goes out before the result ahead of
-    it is released, so the stage always has one queued (the last one excepted)."""
+    """Across lanes (async scheduling off, one micro-batch per lane in flight): the second
+    lane's micro-batch reaches the stage while the first is held, and every later step
+    goes out before the result ahead of it is released (the last one excepted)."""
 
     async def run():
         pipe = HeldPipeline()
-        engine = Engine(pipe, model_name="m", tokenizer=None)
+        engine = Engine(pipe, model_name="m", tokenizer=None, async_scheduling=False)
         await engine.start()
         try:
             tasks = [asyncio.ensure_future(_consume(engine, f"r{i}", 3)) for i in range(2)]
             await pipe.wait_steps(2)
             assert pipe.log == [("step", 0, 1), ("step", 1, 1)]  # both out, no result yet
-            # release results one at a time: before each, the other lane's micro-batch is queued
             for k in range(6):  # 2 requests x (prefill + 2 decodes)
                 if k < 5:  # the step behind it goes out while step k is still held
                     await pipe.wait_steps(k + 2)
                 pipe.held[k][1].set()
             outs = await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
-            assert outs == [[7, 7, 7], [7, 7, 7]]
+            assert [o for o, _ in outs] == [[7, 7, 7], [7, 7, 7]]
         finally:
             await engine.close()
 
     asyncio.run(run())
 
+
+def test_round_r_plus_1_is_sent_before_round_r_returns():
+    """One request in one lane: round r + 1 goes out while round r is held, following it
+    (its input id FOLLOWS, its position the one round r leaves); the synchronous loop
+    sends it only after round r's result. The first stage's filling makes the tokens those
+    of the synchronous loop: each emits its input + 1."""
+
+    async def run():
+        pipe = HeldPipeline(next_token=lambda t: (t + 1) % VOCAB)
+        engine = Engine(pipe, model_name="m", tokenizer=None, num_micro_batches=1)
+        await engine.start()
+        try:
+            task = asyncio.ensure_future(_consume(engine, "r", 4))
+            await pipe.wait_steps(2)  # the prefill and, before its result, the first decode
+            assert pipe.log == [("step", 0, 1), ("step", 0, 2)]
+            prefill, decode = pipe.held[0][0], pipe.held[1][0]
+            assert prefill.mode == "prefill" and prefill.follows_round == 0
+            assert (decode.mode, decode.follows_round, decode.seq_lens, decode.output_lens) == ("decode", 1, [3], [1])
+            for k in range(3):  # round k + 3 goes out while round k + 2 is still held
+                pipe.held[k][1].set()
+                if k < 2:
+                    await pipe.wait_steps(k + 3)
+                    assert pipe.log[-2:] == [("result", 0, k + 1), ("step", 0, k + 3)]
+                    assert pipe.held[k + 2][0].follows_round == k + 2
+                    assert pipe.held[k + 2][0].seq_lens == [3 + k + 1]
+            # the fourth token is the last (max_tokens): nothing follows its round
+            pipe.held[3][1].set()
+            out, reason = await asyncio.wait_for(task, 10.0)
+            assert (out, reason) == ([4, 5, 6, 7], "length")
+            assert len(pipe.held) == 4
+            assert [inp.input_ids for inp, _ in pipe.held] == [[1, 2, 3], [4], [5], [6]]  # as filled in
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("end", ["eos", "abort"])
+def test_a_request_ending_with_a_round_in_flight_emits_nothing_more(end):
+    """A request that ends (EOS in its result, or an abort such as a stop string the HTTP
+    layer matched) while its next round is in flight: that round's token is dropped, and
+    its row is released once, only after that round came back (the stage may still run it
+    before then)."""
+
+    async def run():
+        # 1 2 3 -> 4 5 EOS (the third decode's input 5 emits EOS)
+        pipe = HeldPipeline(next_token=lambda t: EOS if t == 5 else t + 1)
+        engine = Engine(pipe, model_name="m", tokenizer=None, num_micro_batches=1)
+        await engine.start()
+        try:
+            kw = {} if end == "abort" else {"ignore_eos": False}
+            task = asyncio.ensure_future(_consume(engine, "r", 10, **kw))
+            await pipe.wait_steps(2)
+            pipe.held[0][1].set()  # the prefill emits 4
+            await pipe.wait_steps(3)
+            if end == "abort":
+                await pipe.settle()
+                await engine.abort("r", "stop")  # as the HTTP layer on a stop string after "4"
+                pipe.held[1][1].set()  # round 2 emits 5: dropped
+                await pipe.settle()
+                pipe.held[2][1].set()
+                want = ([4], "stop")
+            else:
+                pipe.held[1][1].set()  # emits 5; round 4 goes out following round 3
+                await pipe.wait_steps(4)
+                pipe.held[2][1].set()  # round 3 emits EOS: the request ends, round 4 in flight
+                await pipe.settle()
+                assert not any(e[0] == "release" for e in pipe.log)  # round 4 still holds the row
+                pipe.held[3][1].set()
+                want = ([4, 5, EOS], "stop")
+            out, reason = await asyncio.wait_for(task, 10.0)
+            assert (out, reason) == want
+            for _ in range(100):
+                if any(e[0] == "release" for e in pipe.log):
+                    break
+                await asyncio.sleep(0.01)
+            releases = [i for i, e in enumerate(pipe.log) if e[0] == "release"]
+            last_result = max(i for i, e in enumerate(pipe.log) if e[0] == "result")
+            assert len(releases) == 1 and releases[0] > last_result, pipe.log
+            assert engine.scheduler.releasing_rows() == [] and len(engine.scheduler.free_rows) == pipe.rows
+            assert len(pipe.held) == (3 if end == "abort" else 4)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_round_that_follows_a_failed_round_is_refused():
+    """The first stage never guesses a token: a step that follows a failed round, or a
+    round the micro-batch is already past, is refused (nothing ran)."""
+
+    async def run():
+        s = SampledRounds()
+        await s.ended(("", 0), 1, None)
+        with pytest.raises(FollowError, match="failed"):
+            await s.wait(("", 0), 1, 1.0)
+        await s.ended(("", 0), 3, {5: 9})
+        with pytest.raises(FollowError, match="last round is 3"):
+            await s.wait(("", 0), 2, 1.0)
+        assert await s.wait(("", 0), 3, 1.0) == {5: 9}
+        with pytest.raises(asyncio.TimeoutError):
+            await s.wait(("other router", 0), 3, 0.01)
+
+    asyncio.run(run())
+    assert follow_ids([FOLLOWS, 3, 4], [1, 2], [5, 6], {5: 9}) == [9, 3, 4]
+    with pytest.raises(ValueError, match="row 6"):
+        follow_ids([3, FOLLOWS], [1, 1], [5, 6], {5: 9})
+    with pytest.raises(ValueError, match="past its first token"):
+        follow_ids([3, FOLLOWS], [2], [5], {5: 9})
+
+
+def test_async_rounds_on_real_stages_give_the_synchronous_tokens(make_ckpt):
+    """In-process stages (PP 2), greedy, some requests ending by EOS (an EOS id the random
+    model emits) and some by length, more requests than lanes: the same tokens and finish
+    reasons with async scheduling as without; every row comes back."""
+    path = make_ckpt("qwen3_5_ratio2_7l")
+
+    follows = []
+
+    async def serve(async_scheduling, eos=None):
+        follows.clear()
+        pipe = InProcessPipeline.build(path, pp_size=2, max_rows=8, kv_tokens=4096)
+        engine = Engine(pipe, model_name="m", tokenizer=None, async_scheduling=async_scheduling,
+                        num_micro_batches=2)
+        step = pipe.step
+
+        async def counted(inp):
+            follows.append(inp.follows_round)
+            return await step(inp)
+
+        pipe.step = counted
+        await engine.start()
+        if eos is not None:
+            engine.scheduler.eos = engine.eos = [eos]
+        try:
+            prompts = [[(7 * i + j) % 97 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+            outs = await asyncio.gather(*(_consume(engine, f"r{i}", 6 + 2 * i, prompt=p, ignore_eos=False)
+                                          for i, p in enumerate(prompts)))
+            for _ in range(200):
+                if not engine.scheduler.releasing_rows():
+                    break
+                await asyncio.sleep(0.01)
+            assert len(engine.scheduler.free_rows) == 8 and not engine.scheduler.releasing_rows()
+            assert all(r.info()["rows_in_use"] == 0 for r in pipe.runners)
+            return outs
+        finally:
+            await engine.close()
+
+    ref = asyncio.run(serve(False))
+    # an EOS that ends some requests early: a token the reference emits mid-way
+    eos = ref[2][0][3]
+    ref = asyncio.run(serve(False, eos))
+    assert {r for _, r in ref} == {"stop", "length"}
+    assert asyncio.run(serve(True, eos)) == ref
+    assert sum(f > 0 for f in follows) > len(follows) // 2  # most rounds followed the one before

@@ -109,7 +109,7 @@ class StepInput:
     ``input_ids``. :meth:`parts` splits it into one step per kind. A ``prefill`` step
     has ``num_prefill`` 0: all its requests are chunks.
 
-    ``follows_round`` (async scheduling, docs/DESIGN.md "Async scheduling"): the router
+    ``follows_round`` (async scheduling, docs/DESIGN.md, "Async scheduling"): the router
     formed this step before round ``follows_round`` of the same micro-batch came back, so
     the input id of a request continuing from that round is -1 (:data:`FOLLOWS`); the
     first stage fills it in with :func:`follow_ids` from that round's result before it

@@ -9,13 +9,14 @@ lane goes straight on to its next round.
 Overlap with compute (docs/DESIGN.md, "Scheduling"): there is one more lane than stages
 by default, so while micro-batch i runs the router has already formed and sent micro-batch
 i + 1 of another lane, and a stage that finishes one finds the next queued instead of
-waiting for the router. Within a lane, async scheduling (docs/DESIGN.md, "Async
-scheduling") forms and sends round r + 1 while round r is in flight: a decoding request
-continues at the position round r leaves, its input id the token round r emits, which
-the first stage fills in; so at concurrency 1 too a stage finds the next round queued.
-What a result means to clients (tokens to the request streams,
-whose detokenization, stop-string search and SSE writing follow, and the metrics) is
-handed to one output task through a queue, after the lane has sent its next micro-batch.
+waiting for the router. Within a lane, async scheduling
+(docs/DESIGN.md, "Async scheduling") forms and sends round r + 1 while round r is in
+flight: a decoding request continues at the position round r leaves, its input id the
+token round r emits, which the first stage fills in; so at concurrency 1 too a stage
+finds the next round queued. What a result means to clients (tokens to the request
+streams, whose detokenization, stop-string search and SSE writing follow, and the
+metrics) is handed to one output task through a queue, after the lane has sent its next
+micro-batch.
 
 Implements the ``AsyncEngine`` shape the HTTP layer (``router.api``) serves.
 """

@@ -184,8 +184,8 @@ class StageServicer(pb_grpc.StageServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
     async def _step(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
-        """One step; on the first stage also async scheduling's part (docs/DESIGN.md, "Async
-        scheduling"): a step that follows an earlier round of its micro-batch takes its
+        """One step; on the first stage also async scheduling's part
+        (docs/DESIGN.md, "Async scheduling"): a step that follows an earlier round of its micro-batch takes its
         continuing requests' input ids from that round's result, and every result (this
         stage's own at PP 1, the relay's answer else) is noted for the round after it."""
         if self.runner.pp_rank != 0:

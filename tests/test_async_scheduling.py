@@ -1,5 +1,5 @@
-"""The router overlaps scheduling with compute (docs/DESIGN.md, "Scheduling" and "Async
-scheduling"): across lanes it forms and sends micro-batch i + 1 while micro-batch i is
+"""The router overlaps scheduling with compute
+(docs/DESIGN.md, "Scheduling" and "Async scheduling"): across lanes it forms and sends micro-batch i + 1 while micro-batch i is
 still in the pipeline, and within a lane it sends round r + 1 before round r's result
 came back, its continuing requests' input ids filled in by the first stage from round r's
 tokens. Checked on an injected pipeline that holds every step's result until the test

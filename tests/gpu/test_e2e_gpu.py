@@ -224,8 +224,12 @@ def test_structured_output_on_cuda_with_graphs_and_mtp(prompts, dtype):
     holding a constrained request leaves the fused greedy round (its in-graph argmax takes
     raw logits) for the host sampler, which masks the CUDA logits with the grammar at every
     verified position. Every constrained answer parses and follows the schema; in fp32 PP2 +
-    MTP gives PP1's tokens (eager, no speculation), near-ties aside."""
+    MTP gives PP1's tokens (eager, no speculation), near-ties aside. Every MTP draft chain of
+    a constrained row is one the grammar accepts after the row's outputs (the chain of a
+    micro-batch with a constrained request runs eagerly, masked step by step)."""
     import json
+
+    import xgrammar as xgr
 
     from transformers import AutoTokenizer
 
@@ -246,7 +250,28 @@ def test_structured_output_on_cuda_with_graphs_and_mtp(prompts, dtype):
         ps, [SamplingParams(**{**p.to_dict(), "logprobs": 2}) for p in params])  # near-ties judged on these
     llm = LLM(DEMO, device="cuda", dtype=dtype, pp_size=2, speculative_algorithm="mtp", max_rows=N)
     assert llm.pipeline.runners[-1].round_graphs  # the fused greedy round exists: plain batches take it
+    steps = []
+    step_sync = llm.pipeline.step_sync
+    llm.pipeline.step_sync = lambda inp: steps.append((inp, step_sync(inp))) or steps[-1][1]
     outs = llm.generate(ps, params)
+    compiled = llm.pipeline.runners[-1].grammars.compiler.compile_grammar(grammar)
+    emitted, constrained, checked = {}, {}, 0
+    for inp, res in steps:
+        for b, row in enumerate(inp.req_pool_indices):
+            if inp.is_prefill(b) and inp.seq_lens[b] == 0:
+                emitted[row], constrained[row] = [], False
+            constrained[row] = constrained[row] or bool(inp.sampling[b].grammar)
+            emitted[row] += res.output_ids[b]
+            if not constrained[row] or not res.drafts or not res.drafts[b] or tok.eos_token_id in emitted[row]:
+                continue
+            m = xgr.GrammarMatcher(compiled)
+            assert all(m.accept_token(t) for t in emitted[row])
+            for t in res.drafts[b]:
+                if m.is_terminated():
+                    break
+                assert m.accept_token(t), (emitted[row], res.drafts[b])
+                checked += 1
+    assert checked > 0
     for o in outs[::2]:
         assert o.finish_reason == "stop"
         obj = json.loads(tok.decode(o.token_ids, skip_special_tokens=True))

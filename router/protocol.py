@@ -372,6 +372,17 @@ class ChatMessage(_Request):
     function_call: Optional[dict[str, Any]] = None
     reasoning_content: Optional[str] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        content = data.get("content") if isinstance(data, dict) else None
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {renderable_type(kind)!r} are not supported: the served "
+                                 f"models read text (parts of type 'text')")
+        return data
+
     @model_validator(mode="after")
     def _check_content(self):
         if self.content is None and self.role != "assistant":
@@ -395,6 +406,11 @@ class ChatMessage(_Request):
         if self.tool_calls is not None:
             out["tool_calls"] = [_parsed_arguments(c) for c in self.tool_calls]
         return out
+
+
+def renderable_type(kind: str) -> str:
+    """A client's part type, cut short for an error message."""
+    return kind if len(kind) <= 32 else kind[:32] + "..."
 
 
 def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:

@@ -759,6 +759,8 @@ def test_chat_logprobs_shape(client, engine, tokenizer):
 # --------------------------------------------------------------------------------------
 
 BAD_REQUESTS = [
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages"),
     ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),

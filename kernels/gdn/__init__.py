@@ -121,11 +121,14 @@ def commit_accept_replay(pending, slot, req_pool_indices, accept_lengths, d_max=
 
 def replay_flush(state, bufs, req_pool_indices) -> None:
     """Apply the rows' pending accepted steps to ``state[row]`` now (before a prefill
-    continues a row or a state is read out). Buffers with a per-channel gate (KDA) take the
-    reference on every device (the Triton kernel reads one decay per head)."""
+    continues a row or a state is read out). Buffers with a per-channel gate (KDA) go to
+    ``kda.kda_replay_flush`` (GDN's Triton kernel reads one decay per head)."""
+    if bufs.g.dim() == 5:
+        from ..kda import kda_replay_flush
+
+        return kda_replay_flush(state, bufs, req_pool_indices)
     _check_rows(req_pool_indices, state.shape[0])
-    on_cuda = state.is_cuda and bufs.g.dim() == 4
-    fn = pick(on_cuda, "gdn.triton_replay", "replay_flush_triton", replay_flush_ref)
+    fn = pick(state.is_cuda, "gdn.triton_replay", "replay_flush_triton", replay_flush_ref)
     fn(state, bufs, req_pool_indices)
 
 

@@ -3,8 +3,8 @@ recurrent decode / verify, and the replay design's verify, one dispatch function
 
 The plain-torch reference (``naive.py``, the gated delta rule of ``kernels/gdn`` with a
 per-channel gate) is the CPU path and the oracle. On CUDA, prefill takes fla's ``chunk_kda``
-(``kernels/gdn/fla_prefill.py``) where fla imports; decode, verify and replay run the
-reference on the device (no KDA Triton kernel of ours yet).
+(``kernels/gdn/fla_prefill.py``) where fla imports; decode, verify and the replay take the
+Triton kernel of ``triton_kda.py`` where Triton imports.
 """
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import torch
 
 from ..checks import check_rows
 from ..dispatch import pick
-from ..gdn.naive_replay import recurrent_gated_delta_rule_replay_ref
+from ..gdn.naive_replay import recurrent_gated_delta_rule_replay_ref, replay_flush_ref
 from .naive import chunk_kda_ref, recurrent_kda_ref
 
-__all__ = ["chunk_kda_ref", "recurrent_kda_ref", "kda_prefill_rows", "kda_recurrent", "kda_recurrent_replay"]
+__all__ = ["chunk_kda_ref", "recurrent_kda_ref", "kda_prefill_rows", "kda_recurrent", "kda_recurrent_replay",
+           "kda_replay_flush"]
 
 
 def kda_prefill_rows(q, k, v, g, beta, cu_seqlens, state, req_pool_indices, has_init, scale=None):
@@ -38,7 +39,8 @@ def kda_recurrent(q, k, v, g, beta, state, req_pool_indices, scratch=None, scale
     design's verify (the state after each step into ``scratch[row, t]``); shapes as
     ``gdn.naive.recurrent_gated_delta_rule_ref`` with g ``[B, D, H, K]``."""
     check_rows(req_pool_indices, state.shape[0])
-    return recurrent_kda_ref(q, k, v, g, beta, state, req_pool_indices, scratch, scale)
+    fn = pick(q.is_cuda, "kda.triton_kda", "kda_recurrent_triton", recurrent_kda_ref)
+    return fn(q, k, v, g, beta, state, req_pool_indices, scratch, scale)
 
 
 def kda_recurrent_replay(q, k, v, g, beta, state, req_pool_indices, bufs, scale=None, verify=True):
@@ -46,4 +48,13 @@ def kda_recurrent_replay(q, k, v, g, beta, state, req_pool_indices, bufs, scale=
     first, then D steps recorded into ``bufs`` (``per_channel_gate`` buffers); semantics of
     ``gdn.naive_replay.recurrent_gated_delta_rule_replay_ref``."""
     check_rows(req_pool_indices, state.shape[0])
-    return recurrent_gated_delta_rule_replay_ref(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
+    fn = pick(q.is_cuda, "kda.triton_kda", "kda_recurrent_replay_triton", recurrent_gated_delta_rule_replay_ref)
+    return fn(q, k, v, g, beta, state, req_pool_indices, bufs, scale, verify)
+
+
+def kda_replay_flush(state, bufs, req_pool_indices) -> None:
+    """Apply the rows' pending accepted steps to ``state[row]`` now (before a prefill
+    continues a row or a snapshot reads it); ``pending[row]`` becomes 0."""
+    check_rows(req_pool_indices, state.shape[0])
+    fn = pick(state.is_cuda, "kda.triton_kda", "kda_replay_flush_triton", replay_flush_ref)
+    fn(state, bufs, req_pool_indices)

@@ -53,6 +53,76 @@ def test_kda_prefill_rows_fla(dev, K, dtype):
     assert torch.equal(gpu_pool[others].cpu(), pool[others])
 
 
+def _kda_inputs(B, D, H, K, V, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, D, H, K, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(B, D, H, V, generator=gen).to(dtype)
+    g = -torch.nn.functional.softplus(torch.randn(B, D, H, K, generator=gen)) * 0.3
+    return q, k, v, g, torch.rand(B, D, H, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("B,D,K,V", [(1, 1, 16, 16), (5, 1, 128, 128), (3, 2, 16, 16), (6, 4, 64, 128), (4, 8, 32, 32)])
+def test_kda_decode_verify_replay_triton(dev, B, D, K, V, dtype):
+    """The Triton kernel against the reference at stable rows: decode, the copy design's
+    verify (scratch per step), the replay design's verify (records) whose commit and flush
+    give the copy design's committed state, and a replay decode; untouched rows stay."""
+    from ppspec.kernels.commit.naive import commit_accept_ref
+    from ppspec.kernels.gdn.naive_replay import alloc_replay_buffers, commit_accept_replay_ref, replay_flush_ref
+    from ppspec.kernels.kda.naive import recurrent_kda_ref
+    from ppspec.kernels.gdn.naive_replay import recurrent_gated_delta_rule_replay_ref as replay_ref
+    from ppspec.kernels.kda.triton_kda import (kda_recurrent_replay_triton, kda_recurrent_triton,
+                                               kda_replay_flush_triton)
+
+    if dev.type == "cpu" and dtype == BF16:
+        pytest.skip("the interpreter's bf16 is numpy's")
+    H, rows = 2, B + 4
+    idx = torch.randperm(rows, generator=torch.Generator().manual_seed(B))[:B]
+    x = _kda_inputs(B, D, H, K, V, dtype, seed=10 * D + B)
+    pool = torch.randn(rows + 1, H, K, V, generator=torch.Generator().manual_seed(1)) * 0.3
+    tol = 1e-5 if dtype == F32 else 2e-2
+    on = lambda t: t.to(dev)  # noqa: E731
+
+    # decode / copy verify
+    ref_pool, gpu_pool = pool.clone(), on(pool.clone())
+    scr_ref = torch.zeros(rows + 1, D, H, K, V) if D > 1 else None
+    scr = on(torch.zeros(rows + 1, D, H, K, V)) if D > 1 else None
+    o_ref = recurrent_kda_ref(*x, ref_pool, idx, scr_ref)
+    o = kda_recurrent_triton(*map(on, x), gpu_pool, on(idx), scr)
+    assert _rel_err(o.cpu(), o_ref) < tol and _rel_err(gpu_pool.cpu(), ref_pool) < tol
+    if D == 1:
+        return
+    assert torch.equal(gpu_pool.cpu(), pool)  # a verify leaves the committed state
+    assert _rel_err(scr[idx].cpu(), scr_ref[idx]) < tol
+    acc = torch.randint(1, D + 1, (B,), generator=torch.Generator().manual_seed(2))
+    commit_accept_ref(ref_pool[None], scr_ref[None], idx, acc)
+
+    # replay verify, commit, flush
+    b_ref = alloc_replay_buffers(rows + 1, D, H, H, K, V, per_channel_gate=True)
+    b_gpu = alloc_replay_buffers(rows + 1, D, H, H, K, V, device=dev, per_channel_gate=True)
+    rp_ref, rp_gpu = pool.clone(), on(pool.clone())
+    o2_ref = replay_ref(*x, rp_ref, idx, b_ref)
+    o2 = kda_recurrent_replay_triton(*map(on, x), rp_gpu, on(idx), b_gpu)
+    assert _rel_err(o2.cpu(), o2_ref) < tol and _rel_err(o2.cpu(), o_ref) < tol
+    for b in (b_ref, b_gpu):
+        commit_accept_replay_ref(b.pending, b.slot, b.pending.new_tensor(idx.tolist()).long().to(b.pending.device),
+                                 acc.to(b.pending.device))
+    replay_flush_ref(rp_ref, b_ref, idx)
+    kda_replay_flush_triton(rp_gpu, b_gpu, on(idx))
+    assert _rel_err(rp_gpu.cpu(), rp_ref) < tol and _rel_err(rp_gpu.cpu(), ref_pool) < tol
+    assert int(b_gpu.pending.abs().sum()) == 0
+
+    # a replay decode applies the pending steps first
+    for b in (b_ref, b_gpu):
+        commit_accept_replay_ref(b.pending, b.slot, idx.to(b.pending.device), acc.to(b.pending.device))
+    y = [t[:, :1] for t in _kda_inputs(B, 1, H, K, V, dtype, seed=99)]
+    o3_ref = replay_ref(*y, rp_ref, idx, b_ref, verify=False)
+    o3 = kda_recurrent_replay_triton(*map(on, y), rp_gpu, on(idx), b_gpu, verify=False)
+    assert _rel_err(o3.cpu(), o3_ref) < tol and _rel_err(rp_gpu.cpu(), rp_ref) < tol
+    others = [r for r in range(rows + 1) if r not in idx.tolist()]
+    assert torch.equal(rp_gpu[others].cpu(), pool[others])
+
+
 @pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("nh,width", [(4, 40), (32, 576)])
@@ -60,8 +130,11 @@ def test_paged_attention_on_the_mla_latent(dev, nh, width, dtype, mode):
     """Multi-query attention over latent pages whose keys and values are one tensor, the
     softmax scale of the unabsorbed head (``(nope + rope) ** -0.5``, not the width's)."""
     from ppspec.kernels.attention import paged_attention
+    from ppspec.kernels.attention.gpu import paged_attention_gpu
     from ppspec.kernels.attention.naive import paged_attention_ref
 
+    if dev.type == "cpu" and (dtype == BF16 or width > 64):
+        pytest.skip("the interpreter: bf16 is numpy's, and wide heads take minutes")
     gen = torch.Generator().manual_seed(width)
     rng = random.Random(width)
     page, B = 16, {"decode": 16, "verify": 9, "prefill": 3}[mode]
@@ -74,8 +147,10 @@ def test_paged_attention_on_the_mla_latent(dev, nh, width, dtype, mode):
     q = torch.randn(sum(Ls), nh, width, generator=gen).to(dev, dtype)
     args = (q, latent, latent, page_table.to(dev), torch.randperm(B, generator=gen).to(dev),
             torch.tensor(kv_lens, device=dev), torch.tensor([0] + Ls).cumsum(0).to(dev), 24 ** -0.5)
-    o = paged_attention(*args)
+    o = paged_attention_gpu(*args)
     assert _rel_err(o, paged_attention_ref(*args)) < (1e-5 if dtype == F32 else 1e-2)
+    if dev.type == "cuda":
+        assert torch.equal(paged_attention(*args), o)
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,8 @@ def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int
 
     from ppspec.router.llm import DEMO_MODEL
     from ppspec.stage_server.config import load_config
-    from ppspec.stage_server.model import MTPHead, Rotary
+    from ppspec.stage_server.layers.rotary import Rotary
+    from ppspec.stage_server.models.qwen3_next.model import MTPHead
 
     cfg = Qwen3_5TextConfig(**{**QWEN35_1B, **shape}, tie_word_embeddings=False)
     with torch.device(device):

@@ -37,7 +37,7 @@ from ppspec.kernels.checks import known
 from ppspec.kernels.gdn import SHORT_PREFILL_TOKENS
 from ppspec.kernels.paging import paged_layout
 
-from .model import PREFILL, BatchMeta
+from .batch import PREFILL, BatchMeta
 
 
 def host_int64(values: list[int]) -> torch.Tensor:

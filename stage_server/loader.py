@@ -1,10 +1,11 @@
 """Load one pipeline stage's slice of a Hugging Face safetensors checkpoint.
 
 Only the tensors the slice needs are read: layers ``[start, end)``, the embedding on the
-first stage, the final norm, ``lm_head`` and the ``mtp.*`` head on the last. Two
-checkpoint layouts are converted on the fly into the single layout ``model.py`` runs:
-Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head) and per-expert
-MoE weights (``experts.{e}.gate_proj``...), stacked into ``gate_up_proj`` / ``down_proj``.
+first stage, the final norm, ``lm_head`` and the MTP head on the last. The checkpoint's
+family (by ``model_type``; ``stage_server.models``) builds the stage model and maps our
+parameter names to its tensors, converting layouts (``models/<family>/weights.py``); what
+is common to every family is here: reading safetensors files lazily, shape and finiteness
+checks that name the file and the tensor.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import os
 import torch
 from safetensors import safe_open
 
-from .config import CheckpointError, HybridConfig, load_config
-from .model import StageModel, rope_frequencies
+from .config import load_config
+from .fields import CheckpointError
+from .models import family_of
 
 
 class CheckpointReader:
@@ -70,65 +72,10 @@ class CheckpointReader:
         return self.where.get(key, self.model_dir)
 
 
-def _split_qwen3_next_gdn(cfg: HybridConfig, qkvz: torch.Tensor, ba: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Regroup Qwen3-Next's per-key-head interleaved projections into q|k|v, z, b, a rows
-    (the reordering of transformers' ``fix_query_key_value_ordering``)."""
-    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    grp = cfg.linear_num_value_heads // hk
-    h = qkvz.shape[-1]
-    per = qkvz.view(hk, 2 * dk + 2 * grp * dv, h)
-    q, k, v, z = torch.split(per, [dk, dk, grp * dv, grp * dv], dim=1)
-    b, a = torch.split(ba.view(hk, 2 * grp, h), [grp, grp], dim=1)
-    flat = lambda t: t.reshape(-1, h)  # noqa: E731
-    return {
-        "in_proj_qkv": torch.cat([flat(q), flat(k), flat(v)], dim=0),
-        "in_proj_z": flat(z),
-        "in_proj_b": flat(b),
-        "in_proj_a": flat(a),
-    }
-
-
-def _checkpoint_key(cfg: HybridConfig, name: str) -> str:
-    """Checkpoint key of a StageModel parameter name (before layout conversions)."""
-    if name.startswith("mtp.") or name == "lm_head.weight":
-        return name
-    if name.startswith("mtp_embed_tokens."):
-        return cfg.weight_prefix + name[len("mtp_") :]
-    return cfg.weight_prefix + name
-
-
-def _read_param(reader: CheckpointReader, cfg: HybridConfig, name: str, cache: dict) -> torch.Tensor:
-    key = _checkpoint_key(cfg, name)
-    if key in reader:
-        return reader.get(key)
-    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return reader.get(cfg.weight_prefix + "embed_tokens.weight")
-    base, _, leaf = key.rpartition(".")
-    if ".linear_attn.in_proj_" in key and cfg.fused_gdn_projections:
-        # base = "...linear_attn.in_proj_qkv" etc; leaf = "weight"
-        attn = base.rsplit(".", 1)[0]
-        if attn not in cache:
-            cache[attn] = _split_qwen3_next_gdn(
-                cfg, reader.get(attn + ".in_proj_qkvz.weight"), reader.get(attn + ".in_proj_ba.weight")
-            )
-        return cache[attn][base.rsplit(".", 1)[1]]
-    if key.endswith(".experts.gate_up_proj") or key.endswith(".experts.down_proj"):
-        experts = key.rsplit(".", 1)[0]
-        e_first = experts + ".0.gate_proj.weight"
-        if e_first not in reader:
-            raise CheckpointError(
-                f"{reader.model_dir}: tensor {key!r} missing (neither stacked nor per-expert weights found)"
-            )
-        n = cfg.num_experts
-        if key.endswith("gate_up_proj"):
-            return torch.stack(
-                [
-                    torch.cat([reader.get(f"{experts}.{e}.gate_proj.weight"), reader.get(f"{experts}.{e}.up_proj.weight")])
-                    for e in range(n)
-                ]
-            )
-        return torch.stack([reader.get(f"{experts}.{e}.down_proj.weight") for e in range(n)])
-    return reader.get(key)  # raises, naming the tensor
+def _checkpoint_key(cfg, name: str) -> str:
+    """Checkpoint key of a stage model parameter name (before layout conversions), as the
+    config's family maps it."""
+    return family_of(cfg).checkpoint_key(cfg, name)
 
 
 def fill_parameters(model, reader: CheckpointReader, read, key_of, dtype: torch.dtype, device,
@@ -176,14 +123,16 @@ def load_stage_model(
     with_mtp: bool = True,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-) -> tuple[HybridConfig, StageModel]:
-    """Build the stage model for layers ``[start, end)``, load its weights and fuse its
-    projections (:meth:`StageModel.fuse_projections`): the one way a StageModel is made.
+) -> tuple:
+    """Build the stage model for layers ``[start, end)`` (``ModelFamily.stage_model`` of the
+    checkpoint's family), load its weights and finish it (its ``finish_load``: buffers,
+    fused projections): the one way a stage model is made. Returns ``(cfg, model)``.
 
     Args:
         model_dir: checkpoint folder (config.json + safetensors).
         start, end: global decoder-layer range (default: the whole model).
-        with_mtp: load the ``mtp.*`` head on the last stage when the checkpoint has one.
+        with_mtp: load the MTP head on the last stage when the checkpoint has one
+            (``ModelFamily.has_mtp``).
         dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
 
     Raises:
@@ -192,11 +141,6 @@ def load_stage_model(
             overflow); the message names the file and the tensor.
     """
     cfg = load_config(model_dir)
-    from .families import family
-
-    fam = family(cfg.model_type)
-    if fam is not None:  # a family of its own folder
-        return fam.load_stage_model(model_dir, cfg, start, end, dtype, device)
     start = 0 if start is None else start
     end = cfg.num_hidden_layers if end is None else end
     if not (0 <= start < end <= cfg.num_hidden_layers):
@@ -204,24 +148,18 @@ def load_stage_model(
             f"{model_dir}: layer range [{start}, {end}) is not inside [0, {cfg.num_hidden_layers})"
         )
     reader = CheckpointReader(model_dir)
-    # published Qwen3-Next config.json files do not state mtp_num_hidden_layers: the head's
-    # tensors do; an explicit 0 turns it off
-    has_mtp = cfg.mtp_num_hidden_layers != 0 and "mtp.fc.weight" in reader
-    if has_mtp and cfg.num_experts > 0:
-        # a router weight makes the MTP layer's MLP the MoE block, gate_proj a dense one
-        moe, dense = "mtp.layers.0.mlp.gate.weight" in reader, "mtp.layers.0.mlp.gate_proj.weight" in reader
-        if moe != dense:
-            cfg.mtp_is_moe = moe
+    family = family_of(cfg)
+    has_mtp = family.has_mtp(cfg, reader)
     with torch.device("meta"):
-        model = StageModel(cfg, start, end, with_mtp=with_mtp and has_mtp)
+        model = family.stage_model(cfg, start, end, with_mtp and has_mtp)
     cache: dict = {}
-    model = fill_parameters(model, reader, lambda name: _read_param(reader, cfg, name, cache),
-                            lambda name: _checkpoint_key(cfg, name), dtype, device)
-    # Non-persistent buffers were allocated on "meta": rebuild them on the device.
-    model.rotary.inv_freq = rope_frequencies(cfg)[0].to(device)
+    model = fill_parameters(model, reader, lambda name: family.read_param(reader, cfg, name, cache),
+                            lambda name: family.checkpoint_key(cfg, name), dtype, device, keep_fp32=family.keep_fp32)
     model.eval().requires_grad_(False)
-    # one GEMM per set of projections reading the same input; on the final device and dtype
-    model.fuse_projections()
+    # non-persistent buffers were allocated on "meta": the family rebuilds them on the
+    # device, and fuses projections reading the same input (one GEMM each) on the final
+    # device and dtype
+    model.finish_load(device)
     if torch.device(device).type == "cuda":
         # hand back the blocks of the per-projection weights the fused ones replaced (the
         # caching allocator would keep them reserved, outside the stage's memory budget)

@@ -1,7 +1,9 @@
 """Per-stage memory pools, every one addressed by ``req_pool_index`` (a stable row).
 
 Row ``max_rows`` of each pool is the padding row. Rows are allocated by the router's
-scheduler; a stage only checks them and tracks which are in use (for ``Info``).
+scheduler; a stage only checks them and tracks which are in use (for ``Info``). The state
+pool is laid out from a layer family's declaration (``StateLayout``; docs/DESIGN.md,
+"Layer families"): a new family brings no pool code.
 """
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import torch
 
 from ppspec.kernels.commit import commit_accept, commit_accept_conv_replay
 from ppspec.kernels.commit.naive import commit_accept_conv_replay_ref, commit_accept_ref
-from ppspec.kernels.gdn import ReplayBuffers, alloc_replay_buffers, alloc_replay_meta
+from ppspec.kernels.gdn import alloc_replay_meta, replay_reset
 
-from .model import LinearLayerState
+from .family import SCRATCH, LayerState, StateLayout, StateSpec
 
 
 class PoolExhaustedError(RuntimeError):
@@ -37,7 +39,7 @@ class KVPool:
         shape = (num_layers, self.num_pages + 1, page_size, nkv, hd)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         # shared_kv: keys and values are one tensor (MLA's compressed latent, Kimi Linear:
-        # stage_server/families/kimi_linear/model.py), held once
+        # stage_server/models/kimi_linear/model.py), held once
         self.v = self.k if shared_kv else torch.zeros(shape, dtype=dtype, device=device)
         self.page_table = torch.zeros(max_rows + 1, self.max_pages_per_row, dtype=torch.long, device=device)
         self.page_table[max_rows] = self.pad_page
@@ -158,80 +160,121 @@ class KVPool:
 COMMIT_DESIGNS = ("copy", "replay")
 
 
-def _replay_data(b: ReplayBuffers) -> list[torch.Tensor]:
-    """The per-step data tensors of a layer's buffers (not the shared pending/slot views)."""
-    return [t for name, t in zip(b._fields, b) if name not in ("pending", "slot")]
+def alloc_state(spec: StateSpec, lead: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros ``[*lead, *spec.shape]`` in ``spec.dtype`` (None: ``dtype``). A column-major
+    spec (conv windows) is stored with its last two dims swapped and seen through a
+    transpose: each row's window is still one dense block, a step's column ``C``
+    consecutive elements (``kernels/conv1d/triton_update.py`` loads them coalesced)."""
+    shape = spec.shape if not spec.column_major else (*spec.shape[:-2], spec.shape[-1], spec.shape[-2])
+    t = torch.zeros(*lead, *shape, dtype=spec.dtype or dtype, device=device)
+    return t.transpose(-1, -2) if spec.column_major else t
 
 
-def _column_major(windows: torch.Tensor) -> torch.Tensor:
-    """``[..., W - 1, C]`` storage seen as the ``[..., C, W - 1]`` windows the kernels take."""
-    return windows.transpose(-1, -2)
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
-class StatePool:
-    """Recurrent state, conv window and verify scratch of ``num_layers`` GDN layers.
+class RowStatePool:
+    """Per-row state of ``num_layers`` layers of one layer family, as its
+    :class:`~stage_server.family.StateLayout` declares, and what a verify keeps.
 
-    ``L = num_layers``, ``R = max_rows + 1`` rows (the last pads), ``D = num_verify_tokens``:
+    ``L = num_layers``, ``R = max_rows + 1`` rows (the last pads), ``D = num_verify_tokens``.
+    For each declared :class:`~stage_server.family.StateSpec` ``name`` (seen as attributes:
+    ``pool.conv``, ``pool.ssm`` for GDN):
 
-    - ssm: ``[L, R, HV, K, V]`` fp32 committed state; conv: ``[L, R, C, W - 1]`` in ``dtype``.
-    - conv_scratch: ``[L, R, D, C, W - 1]``, the conv window after each verify step (both
-      designs; the conv window is small, its commit is a copy).
-    - A window is stored column-major (strides ``(1, C)`` on its ``[C, W - 1]``): a step's
-      column is ``C`` consecutive elements, which the GPU conv kernels load and store
-      coalesced (``kernels/conv1d/triton_update.py``). Each row's window is one dense block
-      in both tensors, so the commit still copies it as one span.
-    - ``commit_design="copy"``: ssm_scratch ``[L, R, D, HV, K, V]`` fp32, the state after
-      each verify step; the commit copies ``ssm_scratch[row, accept_length - 1]`` to ``ssm[row]``.
-    - ``commit_design="replay"`` (docs/DESIGN.md, "Commit rule"): no ssm_scratch; ``replay[l]`` is the
-      layer's :class:`~ppspec.kernels.gdn.ReplayBuffers` (per verify step, two slots, fp32
-      whatever ``dtype``, so a bf16 stage replays exactly what it verified: normalised key
-      ``k [R, 2, D, H, K]``, ``delta [R, 2, D, HV, V]``, log decay ``g [R, 2, D, HV]``), whose
-      ``pending``/``slot`` are rows of ``replay_pending``/``replay_slot`` ``[L, R]`` int32, so
-      one commit covers every layer. ``per_channel_gate`` (KDA): the log decay is kept per key
-      channel, ``g [R, 2, D, HV, K]``.
+    - ``pool.<name>``: ``[L, R, *shape]`` committed state.
+    - ``pool.<name>_scratch``: ``[L, R, D, *shape]``, the state after each verify step,
+      for every spec under ``commit_design="copy"`` and for ``SCRATCH`` specs (conv
+      windows: small, their commit is a copy) under ``"replay"``; else None.
+    - ``commit_design="replay"`` (docs/DESIGN.md, "Commit rule"): ``replay[l]`` is layer
+      ``l``'s record (``family.record_type``: each ``RecordSpec`` ``[R, 2, D, *shape]`` fp32,
+      then ``pending``/``slot``, rows of ``replay_pending``/``replay_slot`` ``[L, R]`` int32,
+      so that one commit covers every layer).
 
     Scratch and replay buffers exist only when ``D > 1``; with ``D = 1`` there is no verify
     and nothing to commit.
 
     Raises:
-        ValueError: ``commit_design`` not one of :data:`COMMIT_DESIGNS`.
+        ValueError: ``commit_design`` not one of :data:`COMMIT_DESIGNS`, or ``"replay"``
+            for a family that declares no replay record.
     """
 
-    def __init__(self, num_layers, max_rows, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, device,
-                 *, num_k_heads: int | None = None, commit_design: str = "copy", per_channel_gate: bool = False):
+    def __init__(self, layout: StateLayout, num_layers: int, max_rows: int, num_verify_tokens: int,
+                 dtype: torch.dtype, device, *, commit_design: str = "copy"):
         if commit_design not in COMMIT_DESIGNS:
             raise ValueError(f"commit_design must be one of {', '.join(COMMIT_DESIGNS)}, got {commit_design!r}")
-        self.commit_design = commit_design
+        fam = layout.family
+        if commit_design == "replay" and not layout.record:
+            raise ValueError(f"commit_design replay: layer family {fam.name!r} declares no replay record")
+        self.layout, self.commit_design = layout, commit_design
         self.num_verify_tokens = d = num_verify_tokens
-        hk = hv if num_k_heads is None else num_k_heads
-        n = max_rows + 1
-        self.ssm = torch.zeros(num_layers, n, hv, dk, dv, dtype=torch.float32, device=device)
-        self.conv = _column_major(torch.zeros(num_layers, n, conv_width - 1, conv_dim, dtype=dtype, device=device))
-        self.ssm_scratch = self.conv_scratch = None
-        self.replay: list[ReplayBuffers] | None = None
+        L, n = num_layers, max_rows + 1
+        self.state = {s.name: alloc_state(s, (L, n), dtype, device) for s in layout.state}
+        self.scratch: dict[str, torch.Tensor | None] = {
+            s.name: alloc_state(s, (L, n, d), dtype, device) if d > 1 and (commit_design == "copy" or s.verify == SCRATCH)
+            else None
+            for s in layout.state
+        }
+        self.replay: list | None = None
         self.replay_pending = self.replay_slot = None
-        if d > 1:
-            self.conv_scratch = _column_major(
-                torch.zeros(num_layers, n, d, conv_width - 1, conv_dim, dtype=dtype, device=device))
-            if commit_design == "copy":
-                self.ssm_scratch = torch.zeros(num_layers, n, d, hv, dk, dv, dtype=torch.float32, device=device)
-            else:
-                self.replay_pending, self.replay_slot = alloc_replay_meta(num_layers, n, device)
-                self.replay = [
-                    alloc_replay_buffers(n, d, hk, hv, dk, dv, device=device, meta=(self.replay_pending[i], self.replay_slot[i]),
-                                         per_channel_gate=per_channel_gate)
-                    for i in range(num_layers)
-                ]
+        self._record: dict[str, torch.Tensor] = {}
+        if d > 1 and commit_design == "replay":
+            self.replay_pending, self.replay_slot = alloc_replay_meta(L, n, device)
+            self._record = {r.name: torch.zeros(L, n, 2, d, *r.shape, dtype=torch.float32, device=device)
+                            for r in layout.record}
+            self.replay = [fam.record_type(*(self._record[r.name][i] for r in layout.record),
+                                           self.replay_pending[i], self.replay_slot[i]) for i in range(L)]
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        # pool.<name> and pool.<name>_scratch of the declared specs (see the class docstring)
+        d = self.__dict__
+        if "state" in d:
+            if name in d["state"]:
+                return d["state"][name]
+            if name.endswith("_scratch") and name[: -len("_scratch")] in d["state"]:
+                return d["scratch"][name[: -len("_scratch")]]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def verifies(self) -> bool:
+        """Whether the pool keeps verify state (``D > 1``), hence has something to commit."""
+        return self.num_verify_tokens > 1
 
     @property
     def nbytes(self) -> dict[str, int]:
-        """``{"state": ssm + conv, "verify_scratch": conv_scratch + ssm_scratch or replay buffers}`` in bytes."""
-        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        scratch = size(self.ssm_scratch) + size(self.conv_scratch)
-        if self.replay is not None:
-            scratch += sum(size(t) for b in self.replay for t in _replay_data(b))
-            scratch += size(self.replay_pending) + size(self.replay_slot)
-        return {"state": size(self.ssm) + size(self.conv), "verify_scratch": scratch}
+        """``{"state": committed state, "verify_scratch": scratches, or scratches and the
+        replay record}`` in bytes."""
+        scratch = sum(map(_nbytes, self.scratch.values())) + sum(map(_nbytes, self._record.values()))
+        scratch += _nbytes(self.replay_pending) + _nbytes(self.replay_slot)
+        return {"state": sum(map(_nbytes, self.state.values())), "verify_scratch": scratch}
+
+    @classmethod
+    def nbytes_of(cls, layout: StateLayout, num_layers: int, max_rows: int, num_verify_tokens: int,
+                  dtype: torch.dtype, commit_design: str = "copy") -> dict[str, int]:
+        """Bytes a pool of these arguments allocates, before allocating anything (the
+        stage's memory-budget check): the pool laid out on the meta device, which takes no
+        memory, so the count cannot drift from the allocation. Keys as :attr:`nbytes`."""
+        return cls(layout, num_layers, max_rows, num_verify_tokens, dtype, "meta", commit_design=commit_design).nbytes
+
+    def layer(self, i: int) -> LayerState:
+        """Layer ``i``'s views, handed to its forward."""
+        return LayerState({k: t[i] for k, t in self.state.items()},
+                          {k: None if t is None else t[i] for k, t in self.scratch.items()},
+                          None if self.replay is None else self.replay[i])
+
+    def flush(self, rows: torch.Tensor) -> None:
+        """Replay design: apply ``rows``' pending accepted steps (``[B]`` int64 on the pool's
+        device) to their committed state in every layer (``LayerFamily.flush``), before a
+        prefill continues the rows or a snapshot reads them."""
+        for i in range(len(self.replay)):
+            self.layout.family.flush(self.layer(i), rows)
+
+    def drop_pending(self, rows: torch.Tensor) -> None:
+        """Replay design: forget ``rows``' pending steps (a new request on the row)."""
+        replay_reset(self.replay_pending, rows)
+
+    def _scratch_names(self) -> list[str]:
+        return [k for k, t in self.scratch.items() if t is not None]
 
     def launch_commit(self, rows: torch.Tensor, accept_lengths: torch.Tensor) -> None:
         """:meth:`commit`'s writes alone: no checks and, on CUDA, no host sync, so a CUDA
@@ -239,38 +282,36 @@ class StatePool:
         ``accept_lengths`` ``[B]`` int64, contiguous on the pool's device and validated by
         the caller, except that an entry with accept length 0 writes nothing (a graph's
         padding, whose row may repeat)."""
-        if self.conv.is_cuda:  # the kernels skip the padding entries themselves
+        first = next(iter(self.state.values()))
+        if first.is_cuda:  # the kernels skip the padding entries themselves
             from ppspec.kernels.commit.triton_commit import launch_commit as copy
-            from ppspec.kernels.commit.triton_commit import launch_commit_conv_replay as conv_replay
+            from ppspec.kernels.commit.triton_commit import launch_commit_conv_replay as copy_and_mark
         else:  # the references, on the entries that are not padding
             real = accept_lengths > 0
             rows, accept_lengths = rows[real], accept_lengths[real]
-            copy, conv_replay = commit_accept_ref, commit_accept_conv_replay_ref
-        if self.commit_design == "copy":
-            copy(self.conv, self.conv_scratch, rows, accept_lengths)
-            copy(self.ssm, self.ssm_scratch, rows, accept_lengths)
-        else:
-            conv_replay(self.conv, self.conv_scratch, self.replay_pending, self.replay_slot, rows, accept_lengths)
-
-    def layer(self, i: int) -> LinearLayerState:
-        pick = lambda t: None if t is None else t[i]  # noqa: E731
-        return LinearLayerState(
-            self.conv[i], self.ssm[i], pick(self.conv_scratch), pick(self.ssm_scratch), pick(self.replay)
-        )
+            copy, copy_and_mark = commit_accept_ref, commit_accept_conv_replay_ref
+        names = self._scratch_names()
+        if self.commit_design == "replay":
+            copy_and_mark(self.state[names[0]], self.scratch[names[0]], self.replay_pending, self.replay_slot,
+                          rows, accept_lengths)
+            names = names[1:]
+        for k in names:
+            copy(self.state[k], self.scratch[k], rows, accept_lengths)
 
     def commit(self, rows: torch.Tensor, accept_lengths: torch.Tensor) -> None:
         """Commit the accepted verify steps of ``rows`` (``[B]`` int64) in every layer, with
         ``accept_lengths`` ``[B]`` int64 in ``[1, D]`` (docs/DESIGN.md, "Commit rule").
 
-        Conv window (both designs): ``conv[row] = conv_scratch[row, accept_length - 1]``.
-        Copy design: ``ssm[row] = ssm_scratch[row, accept_length - 1]``. Replay design:
-        ``pending[:, row] = accept_length`` and ``slot[:, row]`` flips, for all layers in one
-        call; the next verify, decode or continuing prefill of the row applies the steps.
-        The replay design's whole commit (conv windows included) is
+        Every scratch-kept tensor: ``state[:, row] = scratch[:, row, accept_length - 1]``
+        (copy design: all of them; replay design: the ``SCRATCH`` specs, conv windows).
+        Replay design, the rest: ``pending[:, row] = accept_length`` and ``slot[:, row]``
+        flips, for all layers in one call; the next verify, decode or continuing prefill of
+        the row replays the steps (the family's kernels). The replay design's commit of the
+        first scratch tensor and the counters is
         :func:`~ppspec.kernels.commit.commit_accept_conv_replay`: one validation, and on CUDA
         one launch. Pass ``rows`` and ``accept_lengths`` on the pool's device, with their
-        host-known bounds stated (:func:`~ppspec.kernels.checks.known`) so the check does not
-        read the device.
+        host-known bounds stated (:func:`~ppspec.kernels.checks.known`) so the check does
+        not read the device.
 
         Raises:
             RuntimeError: the pool has no verify scratch (started with D = 1).
@@ -278,23 +319,38 @@ class StatePool:
             ValueError: an accept length outside ``[1, D]`` or a length mismatch.
             Nothing is written when it raises.
         """
-        if self.conv_scratch is None:
+        if not self.verifies:
             raise RuntimeError("commit without a verify scratch (the stage was started with D = 1)")
-        if self.commit_design == "copy":
-            commit_accept(self.conv, self.conv_scratch, rows, accept_lengths)  # validates first
-            commit_accept(self.ssm, self.ssm_scratch, rows, accept_lengths)
-        else:
-            # validated once; on CUDA one launch for conv windows, pending and slot of every layer
-            commit_accept_conv_replay(self.conv, self.conv_scratch, self.replay_pending, self.replay_slot,
-                                      rows, accept_lengths)
+        names = self._scratch_names()
+        if self.commit_design == "replay":
+            # validated once; on CUDA one launch for the first scratch tensor, pending and
+            # slot of every layer
+            commit_accept_conv_replay(self.state[names[0]], self.scratch[names[0]], self.replay_pending,
+                                      self.replay_slot, rows, accept_lengths)
+            names = names[1:]
+        for k in names:  # each validates before it writes; the first raises before any write
+            commit_accept(self.state[k], self.scratch[k], rows, accept_lengths)
+
+
+class StatePool(RowStatePool):
+    """A GDN pool by its sizes: the signature of the callers from before layer families
+    (tests, benches). ``hv, dk, dv``: value heads and head dims; ``num_k_heads``: key heads
+    (default ``hv``); ``conv_dim``, ``conv_width``: the conv window's channels and width;
+    ``per_channel_gate``: KDA's replay record (``layers/gdn.gdn_layout``)."""
+
+    def __init__(self, num_layers, max_rows, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, device,
+                 *, num_k_heads: int | None = None, commit_design: str = "copy", per_channel_gate: bool = False):
+        from .layers.gdn import gdn_layout
+
+        hk = hv if num_k_heads is None else num_k_heads
+        super().__init__(gdn_layout(hk, hv, dk, dv, conv_dim, conv_width, per_channel_gate=per_channel_gate),
+                         num_layers, max_rows, num_verify_tokens, dtype, device, commit_design=commit_design)
 
 
 def state_pool_nbytes(
     num_layers, max_rows, hk, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, commit_design="copy",
     per_channel_gate=False,
 ) -> dict[str, int]:
-    """Bytes :class:`StatePool` allocates for these arguments, before allocating anything
-    (the stage's memory-budget check): the pool laid out on the meta device, which takes no
-    memory, so the count cannot drift from the allocation. Keys as :attr:`StatePool.nbytes`."""
+    """Bytes :class:`StatePool` allocates for these GDN sizes (:meth:`RowStatePool.nbytes_of`)."""
     return StatePool(num_layers, max_rows, hv, dk, dv, conv_dim, conv_width, num_verify_tokens, dtype, "meta",
                      num_k_heads=hk, commit_design=commit_design, per_channel_gate=per_channel_gate).nbytes

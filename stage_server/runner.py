@@ -22,14 +22,14 @@ from typing import NamedTuple
 
 import torch
 
-from .config import PAGE_SIZE, HybridConfig
+from .batch import DECODE, PREFILL, VERIFY, BatchMeta, MixedMeta
+from .config import PAGE_SIZE
+from .family import ModelConfig
 from .loader import load_stage_model
-from .model import DECODE, PREFILL, VERIFY, BatchMeta, MixedMeta
 from .graphs import CommitGraphs, PrefillGraphs, StepGraphs, host_int64
-from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, StatePool, state_pool_nbytes
+from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, RowStatePool
 from ppspec.kernels.attention import flashinfer as fi_attention
 from ppspec.kernels.checks import known
-from ppspec.kernels.gdn import replay_flush, replay_reset
 from ppspec.proto.messages import REPETITION_PENALTY_RANGE, SamplingSpec, StepInput, StepOutput
 
 from .grammar import GrammarRows
@@ -130,7 +130,7 @@ class StageRunner:
         num_speculative_steps: drafts per round (verify D = steps + 1); 0 = no speculation.
         use_mtp: draft with the checkpoint's MTP head (last stage).
         max_context: longest sequence (tokens); default the checkpoint's
-            (``HybridConfig.max_context``: max_position_embeddings with its RoPE scaling).
+            (the config's ``max_context``: max_position_embeddings with its RoPE scaling).
         memory_budget: bytes this stage may use for weights, pools and CUDA graphs (several
             stages can share one GPU); weights and pools beyond it raise ValueError once
             the weights are loaded, before any pool is allocated, and the graphs (measured
@@ -225,7 +225,7 @@ class StageRunner:
         self.flashinfer_prefill = fi_attention.stage_uses_flashinfer(
             device, dtype, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
         start, end = layer_range or split_layers(cfg.num_hidden_layers, pp_size)[pp_rank]
-        self.cfg: HybridConfig
+        self.cfg: ModelConfig
         self.cfg, self.model = load_stage_model(model_dir, start, end, with_mtp=use_mtp, dtype=dtype, device=device)
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.is_first, self.is_last = self.model.is_first, self.model.is_last
@@ -244,22 +244,23 @@ class StageRunner:
         self.fault = fault
         c = self.cfg
         d = num_speculative_steps + 1
-        lin, att = self.model.linear_layers, self.model.attention_layers
+        lin, att = self.model.state_layers, self.model.kv_layers
+        # the recurrent layers' per-row state, as their family declares it (docs/DESIGN.md,
+        # "Layer families")
+        layout = self.model.layer_family.layout(c) if lin else None
         # FlashInfer only where this stage has attention to run (its layers or the MTP head's)
         self.flashinfer_prefill = self.flashinfer_prefill and bool(att or self.use_mtp)
-        self._slot = {layer: i for i, layer in enumerate(lin)} | {layer: i for i, layer in enumerate(att)}
+        self._state_slot = {layer: i for i, layer in enumerate(lin)}
+        self._kv_slot = {layer: i for i, layer in enumerate(att)}
         # Verify writes up to D - 1 tokens past the committed length: reserve them.
         ctx = self.max_context + d
         pool_bytes = None
         if memory_budget is not None:
-            pool_bytes = self._check_budget(memory_budget, len(lin), len(att), kv_tokens, page_size, d)
+            pool_bytes = self._check_budget(memory_budget, layout, len(lin), len(att), kv_tokens, page_size, d)
         self.kv = KVPool(len(att), max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx, dtype, device,
-                         shared_kv=c.shared_kv) if att else None
-        self.state = StatePool(
-            len(lin), max_rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-            c.conv_dim, c.linear_conv_kernel_dim, d, dtype, device,
-            num_k_heads=c.linear_num_key_heads, commit_design=commit_design, per_channel_gate=c.per_channel_gate,
-        ) if lin else None
+                         shared_kv=self.model.shared_kv) if att else None
+        self.state = RowStatePool(layout, len(lin), max_rows, d, dtype, device,
+                                  commit_design=commit_design) if lin else None
         self.mtp_kv = (
             KVPool(1, max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx + d, dtype, device)
             if self.use_mtp else None
@@ -288,6 +289,7 @@ class StageRunner:
         self._touched = False  # the running step has started writing pools
         self._positional_rows: dict[int, int] = {}  # FAULT_POSITIONAL_SCRATCH: row -> batch position
         self._last_verify_rows: list[int] = []      # FAULT_STALE_ROWS
+        self._pos_scratch: dict[str, torch.Tensor] = {}  # FAULT_POSITIONAL_SCRATCH, copy design
         self.busy_seconds = 0.0
         self.graph_bytes = 0  # device memory the captured graphs took (bytes)
         self.warmup_seconds = 0.0  # stage_server.warmup.warm_up, run by the stage server
@@ -302,10 +304,9 @@ class StageRunner:
             cuda_graph_max_bs = min(max_rows, 256) if on_cuda else 0
         if cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
-        if cuda_graph_max_bs and any(c.is_moe_layer(i) for i in range(start, end)):
-            log.info("stage %d: CUDA graphs off (MoE layers group tokens by expert on the host)", pp_rank)
-        elif cuda_graph_max_bs and not c.cuda_graphs:
-            log.info("stage %d: CUDA graphs off (%s runs its steps eagerly)", pp_rank, c.model_type)
+        if cuda_graph_max_bs and not self.model.capturable:
+            # e.g. MoE layers group tokens by expert on the host
+            log.info("stage %d: CUDA graphs off (this stage's %s layers run eagerly)", pp_rank, c.model_type)
         elif cuda_graph_max_bs:
             before = _reserved(self.device)
             self._capture_graphs(min(cuda_graph_max_bs, max_rows), capture=on_cuda)
@@ -361,24 +362,21 @@ class StageRunner:
             takes_hidden=not self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype, device=self.device,
             max_kv_len=self.max_context + self.num_steps + 1, capture=capture, pool=pool)
         pool = self.prefill_graphs.pool
-        if self.state is not None and self.state.conv_scratch is not None:
+        if self.state is not None and self.state.verifies:
             self.commit_graphs = CommitGraphs(self.state.launch_commit, max_bs=max_bs, pad_row=self.max_rows,
                                               device=self.device, capture=capture, pool=pool)
 
-    def _check_budget(self, budget, n_lin, n_att, kv_tokens, page_size, d) -> int:
+    def _check_budget(self, budget, layout, n_lin, n_att, kv_tokens, page_size, d) -> int:
         """Raise ValueError when weights and pools exceed ``budget`` (bytes), before any pool
         is allocated; else return their bytes."""
         c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         pages = -(-kv_tokens // page_size) + 1  # + the padding page
-        kv = ((n_att + (1 if self.use_mtp else 0)) * (1 if c.shared_kv else 2) * pages * page_size
+        kv = ((n_att + (1 if self.use_mtp else 0)) * (1 if self.model.shared_kv else 2) * pages * page_size
               * c.num_key_value_heads * c.head_dim * esize)
-        # recurrent state, conv window and the commit design's verify scratch / replay buffers
-        state = sum(state_pool_nbytes(
-            n_lin, self.max_rows, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-            c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim, d, self.dtype, self.commit_design,
-            c.per_channel_gate,
-        ).values())
+        # recurrent state and the commit design's verify scratch / replay buffers
+        state = sum(RowStatePool.nbytes_of(layout, n_lin, self.max_rows, d, self.dtype,
+                                           self.commit_design).values()) if n_lin else 0
         need = weights + kv + state + self._attention_workspace()
         if need > budget:
             raise ValueError(
@@ -476,12 +474,13 @@ class StageRunner:
         return meta
 
     def _layer_states(self) -> dict:
-        states = {}
-        for layer, i in self._slot.items():
-            if self.cfg.layer_types[layer] == "linear_attention":
-                states[layer] = self.state.layer(i)
-            else:
-                states[layer] = self.kv.layer(i)
+        """Global layer index -> its pool views: a ``LayerState`` (recurrent layer), the
+        ``(k_cache, v_cache)`` pair (attention layer), or both as a pair (a layer with both,
+        docs/DESIGN.md, "Layer families")."""
+        states = {layer: self.state.layer(i) for layer, i in self._state_slot.items()}
+        for layer, i in self._kv_slot.items():
+            kv = self.kv.layer(i)
+            states[layer] = (states[layer], kv) if layer in states else kv
         return states
 
     # ------------------------------------------------------------------ validation
@@ -862,11 +861,9 @@ class StageRunner:
         new = [r for r, s in zip(rows, seq_lens) if s == 0]
         cont = [r for r, s in zip(rows, seq_lens) if s > 0]
         if new:
-            replay_reset(st.replay_pending, known(torch.tensor(new, device=self.device), min=min(new), max=max(new)))
+            st.drop_pending(known(torch.tensor(new, device=self.device), min=min(new), max=max(new)))
         if cont:
-            cont_t = known(torch.tensor(cont, device=self.device), min=min(cont), max=max(cont))
-            for i, bufs in enumerate(st.replay):
-                replay_flush(st.ssm[i], bufs, cont_t)
+            st.flush(known(torch.tensor(cont, device=self.device), min=min(cont), max=max(cont)))
 
     def _last_stage(self, inp: StepInput, meta: BatchMeta | MixedMeta, hidden: torch.Tensor, out: StepOutput) -> None:
         if isinstance(meta, MixedMeta):
@@ -1201,9 +1198,8 @@ class StageRunner:
             return
         if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last:
             pos, rows_t, acc = self._to_device([self._positional_rows.get(r, 0) for r in rows], rows, accept_lengths)
-            s = self.state
-            s.ssm[:, rows_t] = self._pos_ssm[:, pos, acc - 1]
-            s.conv[:, rows_t] = self._pos_conv[:, pos, acc - 1]
+            for name, scratch in self._pos_scratch.items():
+                self.state.state[name][:, rows_t] = scratch[:, pos, acc - 1]
             return
         self.state.commit(*self._to_device(rows, accept_lengths))
 
@@ -1217,15 +1213,14 @@ class StageRunner:
             self._last_verify_rows = meta.rows.tolist()
         elif self.fault == FAULT_POSITIONAL_SCRATCH and self.state is not None:
             self._positional_rows = {r: i for i, r in enumerate(meta.rows.tolist())}
-            if self.state.ssm_scratch is None:
+            if self.state.commit_design == "replay":
                 return  # replay design: the commit itself goes to the positions
             # Emulate a kernel that wrote the scratch at batch positions 0..B-1.
-            if not hasattr(self, "_pos_ssm"):
-                self._pos_ssm = torch.zeros_like(self.state.ssm_scratch)
-                self._pos_conv = torch.zeros_like(self.state.conv_scratch)
+            if not self._pos_scratch:
+                self._pos_scratch = {k: torch.zeros_like(t) for k, t in self.state.scratch.items()}
             B = meta.batch_size
-            self._pos_ssm[:, :B] = self.state.ssm_scratch[:, meta.rows]
-            self._pos_conv[:, :B] = self.state.conv_scratch[:, meta.rows]
+            for name, scratch in self._pos_scratch.items():
+                scratch[:, :B] = self.state.scratch[name][:, meta.rows]
 
     @on_stage_device
     def release(self, req_pool_indices: list[int], snapshot_slots: list[int] = (),

@@ -1,9 +1,10 @@
 """The stage's prefix-cache snapshots: a row's state after a prefix, kept in a slot.
 
 A hybrid model's recurrent state cannot be cut back to a prefix, so the prefix cache
-(``router.prefix_cache``) keeps copies: after ``length`` tokens of a row, each linear
-layer's recurrent state and conv window, and the KV pages of those tokens (attention
-layers and the MTP head's pool), held by reference (``KVPool.hold``), not copied.
+(``router.prefix_cache``) keeps copies: after ``length`` tokens of a row, each recurrent
+layer's state (every tensor its family declares: GDN's recurrent state and conv window),
+and the KV pages of those tokens (attention layers and the MTP head's pool), held by
+reference (``KVPool.hold``), not copied.
 Slots are addressed by stable ids the router hands out, never by batch position,
 exactly like rows (docs/DESIGN.md, "Prefix caching").
 
@@ -19,20 +20,18 @@ from __future__ import annotations
 
 import torch
 
-from ppspec.kernels.gdn import replay_flush, replay_reset
-
-from .pools import KVPool, StatePool
+from .pools import KVPool, RowStatePool, alloc_state
 
 # Fault injection, for the tests that prove the prefix-cache tests catch these bugs.
 FAULT_SNAPSHOT_WRONG_SLOT = "snapshot_wrong_slot"  # restore copies another slot's state
 FAULT_SNAPSHOT_BEFORE_COMMIT = "snapshot_before_commit"  # a finished row's snapshot misses its last commit
 
 
-def snapshot_nbytes(state: StatePool | None) -> int:
-    """Bytes of one slot: every linear layer's fp32 recurrent state and conv window."""
+def snapshot_nbytes(state: RowStatePool | None) -> int:
+    """Bytes of one slot: one row of every recurrent layer's state tensors."""
     if state is None:
         return 0
-    return (state.ssm[:, 0].numel() * state.ssm.element_size() + state.conv[:, 0].numel() * state.conv.element_size())
+    return sum(t[:, 0].numel() * t.element_size() for t in state.state.values())
 
 
 def slots_for_budget(budget_bytes: int, per_slot: int, max_slots: int = 4096) -> int:
@@ -51,27 +50,25 @@ def slots_for_budget(budget_bytes: int, per_slot: int, max_slots: int = 4096) ->
 class SnapshotPool:
     """``num_slots`` snapshots of a stage's rows.
 
-    ssm ``[L, S, HV, K, V]`` fp32 and conv ``[L, S, C, W - 1]`` (column-major, as in
-    :class:`StatePool`), ``L`` linear layers, ``S`` slots; ``lens[slot]`` tokens and
+    ``saved[name]`` ``[L, S, *shape]`` for each state tensor of the pool (laid out as
+    there: ``RowStatePool``), ``L`` recurrent layers, ``S`` slots; ``lens[slot]`` tokens and
     ``pages[slot]`` the KV pages held in each of ``kvs`` (the attention pool, the MTP
     head's pool).
     """
 
-    def __init__(self, num_slots: int, state: StatePool | None, kvs: list[KVPool], fault: str | None = None):
+    def __init__(self, num_slots: int, state: RowStatePool | None, kvs: list[KVPool], fault: str | None = None):
         self.num_slots, self.state, self.kvs, self.fault = num_slots, state, kvs, fault
-        self.ssm = self.conv = None
+        self.saved: dict[str, torch.Tensor] = {}
         if state is not None:
-            L, _, *rest = state.ssm.shape
-            self.ssm = state.ssm.new_zeros(L, num_slots, *rest)
-            conv = state.conv.transpose(-1, -2)  # [L, R, W - 1, C] storage
-            self.conv = conv.new_zeros(conv.shape[0], num_slots, *conv.shape[2:]).transpose(-1, -2)
+            self.saved = {s.name: alloc_state(s, (state.state[s.name].shape[0], num_slots), state.state[s.name].dtype,
+                                              state.state[s.name].device) for s in state.layout.state}
         self.lens: dict[int, int] = {}
         self.pages: dict[int, list[list[int]]] = {}
-        self._precommit: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # FAULT_SNAPSHOT_BEFORE_COMMIT
+        self._precommit: dict[int, dict[str, torch.Tensor]] = {}  # FAULT_SNAPSHOT_BEFORE_COMMIT
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.ssm is None else self.ssm.numel() * 4 + self.conv.numel() * self.conv.element_size()
+        return sum(t.numel() * t.element_size() for t in self.saved.values())
 
     @property
     def used(self) -> int:
@@ -100,18 +97,18 @@ class SnapshotPool:
         rows, slots, lengths = map(list, zip(*pick))
         st = self.state
         if st is not None:
-            dev = st.ssm.device
+            dev = self._device()
             rows_t, slots_t = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
             if self.fault == FAULT_SNAPSHOT_BEFORE_COMMIT and any(r in self._precommit for r in rows):
                 for r, s in zip(rows, slots):
-                    ssm, conv = self._precommit.get(r, (st.ssm[:, r], st.conv[:, r]))
-                    self.ssm[:, s], self.conv[:, s] = ssm, conv
+                    kept = self._precommit.get(r) or {k: t[:, r] for k, t in st.state.items()}
+                    for k, t in self.saved.items():
+                        t[:, s] = kept[k]
             else:
                 if st.replay is not None:
-                    for i, bufs in enumerate(st.replay):
-                        replay_flush(st.ssm[i], bufs, rows_t)
-                self.ssm[:, slots_t] = st.ssm[:, rows_t]
-                self.conv[:, slots_t] = st.conv[:, rows_t]
+                    st.flush(rows_t)
+                for k, t in self.saved.items():
+                    t[:, slots_t] = st.state[k][:, rows_t]
         for r, s, n in zip(rows, slots, lengths):
             held = []
             for kv in self.kvs:
@@ -142,12 +139,12 @@ class SnapshotPool:
             if self.fault == FAULT_SNAPSHOT_WRONG_SLOT:
                 others = sorted(self.lens)
                 slots_r = [next((o for o in others if o != s), s) for s in slots_r]
-            dev = st.ssm.device
+            dev = self._device()
             rows_t, slots_t = torch.tensor(rows_r, device=dev), torch.tensor(slots_r, device=dev)
-            st.ssm[:, rows_t] = self.ssm[:, slots_t]
-            st.conv[:, rows_t] = self.conv[:, slots_t]
+            for k, t in self.saved.items():
+                st.state[k][:, rows_t] = t[:, slots_t]
             if st.replay_pending is not None:
-                replay_reset(st.replay_pending, rows_t)  # the previous request's pending steps
+                st.drop_pending(rows_t)  # the previous request's pending steps
         return [r for r, _ in pick]
 
     def drop(self, slots: list[int]) -> None:
@@ -162,7 +159,10 @@ class SnapshotPool:
         """FAULT_SNAPSHOT_BEFORE_COMMIT: remember the rows' state as the commit finds it."""
         if self.fault == FAULT_SNAPSHOT_BEFORE_COMMIT and self.state is not None:
             for r in rows:
-                self._precommit[r] = (self.state.ssm[:, r].clone(), self.state.conv[:, r].clone())
+                self._precommit[r] = {k: t[:, r].clone() for k, t in self.state.state.items()}
+
+    def _device(self) -> torch.device:
+        return next(iter(self.state.state.values())).device
 
     def forget(self, row: int) -> None:
         self._precommit.pop(row, None)

@@ -1,41 +1,18 @@
-"""Model configuration read from a Hugging Face ``config.json``.
+"""Qwen3-Next / Qwen3.5 configuration, read from a Hugging Face ``config.json``.
 
-Supported ``model_type``: ``qwen3_next``, ``qwen3_5_text``, ``qwen3_5_moe_text`` and the
-multimodal wrappers ``qwen3_5`` / ``qwen3_5_moe`` (language model only: the text config
-under ``text_config``, weights under ``model.language_model.``). ``kimi_linear`` is read by its
-family's folder (``stage_server/families``).
+``model_type``: ``qwen3_next``, ``qwen3_5_text``, ``qwen3_5_moe_text`` and the multimodal
+wrappers ``qwen3_5`` / ``qwen3_5_moe`` (language model only: the text config under
+``text_config``, weights under ``model.language_model.``).
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
-PAGE_SIZE = 16  # tokens per KV page of a stage's pools (StageRunner's default)
+from ...fields import REQUIRED, CheckpointError, Fields, YarnScaling, rope_fields
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "kimi_linear")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be served: the message names the file and, where known, the tensor."""
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """The fields of a ``rope_type: yarn`` config, resolved as transformers'
-    ``_compute_yarn_parameters`` resolves them (the formula itself is
-    ``model.rope_frequencies``): ``factor`` null is ``max_position_embeddings /
-    original_max_position_embeddings``; ``beta_fast`` / ``beta_slow`` default to 32 / 1;
-    ``mscale`` and ``mscale_all_dim`` count only when both are set and non-zero;
-    ``attention_factor`` None means derived from ``factor`` (and the two mscales)."""
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+# Activations served: the MLPs, the experts and the GDN conv all apply SiLU (swish).
+HIDDEN_ACTS = ("silu", "swish")
 
 
 @dataclass
@@ -84,12 +61,6 @@ class HybridConfig:
     weight_prefix: str = "model."
     fused_gdn_projections: bool = False  # qwen3_next: in_proj_qkvz / in_proj_ba
     eos_token_ids: list[int] = field(default_factory=list)
-    # what a family states about its pools (stage_server/families): the linear layers' replay
-    # buffers keep the log decay per key channel (KDA); the KV pool holds keys and values as
-    # one tensor (MLA's latent); the stage may capture CUDA graphs of its steps
-    per_channel_gate: bool = False
-    shared_kv: bool = False
-    cuda_graphs: bool = True
 
     @property
     def max_context(self) -> int:
@@ -125,118 +96,9 @@ class HybridConfig:
         return True
 
 
-_REQUIRED = object()
-
-
-class _Fields:
-    """Typed reads of one ``config.json`` dict: a missing required field, a value of the
-    wrong type or outside its range raises :class:`CheckpointError` naming the file and
-    the field (``bool`` is not taken for a number)."""
-
-    def __init__(self, path: str, d: dict, where: str = ""):
-        self.path, self.d, self.where = path, d, where
-
-    def _bad(self, key: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{self.path}: {self.where}{key} {why}")
-
-    def get(self, key: str, default=_REQUIRED):
-        v = self.d.get(key)
-        if v is None:
-            if default is _REQUIRED:
-                raise CheckpointError(f"{self.path}: missing field {self.where + key!r}")
-            return default
-        return v
-
-    def int(self, key: str, default=_REQUIRED, lo: int | None = None) -> int:
-        v = self.get(key, default)
-        if v is None:  # absent, and None is its default
-            return None
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self._bad(key, f"must be an integer, got {v!r}")
-        if lo is not None and v < lo:
-            raise self._bad(key, f"must be at least {lo}, got {v}")
-        return v
-
-    def float(self, key: str, default=_REQUIRED, positive: bool = False, lo: float | None = None) -> float:
-        v = self.get(key, default)
-        if v is None:  # absent, and None is its default
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
-            raise self._bad(key, f"must be a finite number, got {v!r}")
-        if positive and v <= 0:
-            raise self._bad(key, f"must be positive, got {v}")
-        if lo is not None and v < lo:
-            raise self._bad(key, f"must be at least {lo}, got {v}")
-        return float(v)
-
-    def bool(self, key: str, default: bool) -> bool:
-        v = self.get(key, default)
-        if not isinstance(v, bool):
-            raise self._bad(key, f"must be true or false, got {v!r}")
-        return v
-
-    def ints(self, key: str, lo: int | None = None, scalar: bool = True) -> list[int]:
-        """A list of integers, or [] when absent; with ``scalar`` one integer is a list of
-        one (``eos_token_id``)."""
-        v = self.get(key, [])
-        vals = [v] if scalar and isinstance(v, int) and not isinstance(v, bool) else v
-        if not isinstance(vals, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in vals):
-            raise self._bad(key, f"must be {'an integer or ' if scalar else ''}a list of integers, got {v!r}")
-        if lo is not None and any(x < lo for x in vals):
-            raise self._bad(key, f"must be at least {lo}, got {v!r}")
-        return list(vals)
-
-
-# RoPE variants served: ``default``; ``linear`` (position interpolation: Chen et al.
-# 2023, "Extending Context Window of Large Language Models via Positional Interpolation";
-# inverse frequencies divided by ``factor``, as transformers'
-# ``_compute_linear_scaling_rope_parameters``); ``yarn`` (Peng et al. 2023, "YaRN:
-# Efficient Context Window Extension of Large Language Models": fields read by
-# ``_yarn_fields``, frequencies and attention factor by ``model.rope_frequencies``). Other
-# types (``dynamic``, ``longrope``, ``llama3``, ...) are refused by name. The mrope fields
-# of Qwen3.5 (``mrope_section``, ``mrope_interleaved``; ``type: mrope`` in older configs)
-# are ignored: for text, every section's position is the token's position, which is the
-# plain rotation.
-ROPE_TYPES = ("default", "linear", "yarn")
-# Activations served: the MLPs, the experts and the GDN conv all apply SiLU (swish).
-HIDDEN_ACTS = ("silu", "swish")
-
-
-def _yarn_fields(rope: _Fields, text: _Fields, max_position_embeddings: int) -> YarnScaling:
-    """The ``yarn`` fields of ``rope`` (the rope_parameters / rope_scaling object) as
-    transformers 5's ``_compute_yarn_parameters`` reads them: ``factor`` must be present
-    (null: ``max_position_embeddings / original_max_position_embeddings``);
-    ``original_max_position_embeddings`` is the text config's top-level field when it has
-    one (transformers gives that priority, for Phi-3), else the object's, else
-    ``max_position_embeddings``; ``beta_fast`` / ``beta_slow`` null or 0 are 32 / 1;
-    ``mscale`` / ``mscale_all_dim`` null or 0 are unset; ``truncate`` defaults to true.
-    Unlike transformers, which only warns, ``beta_fast`` below ``beta_slow`` is refused."""
-    if "factor" not in rope.d:
-        raise CheckpointError(f"{rope.path}: missing field {rope.where + 'factor'!r} (rope_type yarn)")
-    omp = text.int("original_max_position_embeddings", None, lo=1)
-    if omp is None:
-        omp = rope.int("original_max_position_embeddings", max_position_embeddings, lo=1)
-    factor = rope.float("factor", None, positive=True)
-    if factor is None:
-        factor = max_position_embeddings / omp
-    beta_fast = rope.float("beta_fast", 0.0, lo=0.0) or 32.0
-    beta_slow = rope.float("beta_slow", 0.0, lo=0.0) or 1.0
-    if beta_fast < beta_slow:
-        raise rope._bad("beta_fast", f"({beta_fast}) must be at least beta_slow ({beta_slow})")
-    return YarnScaling(
-        factor=factor,
-        original_max_position_embeddings=omp,
-        beta_fast=beta_fast,
-        beta_slow=beta_slow,
-        mscale=rope.float("mscale", 0.0, lo=0.0) or None,
-        mscale_all_dim=rope.float("mscale_all_dim", 0.0, lo=0.0) or None,
-        attention_factor=rope.float("attention_factor", None, positive=True),
-        truncate=rope.bool("truncate", True),
-    )
-
-
-def load_config(model_dir: str) -> HybridConfig:
-    """Parse ``model_dir/config.json``.
+def parse_config(path: str, raw: dict) -> HybridConfig:
+    """The :class:`HybridConfig` of ``raw``, the parsed ``config.json`` at ``path``
+    (``stage_server.config.load_config`` reads it and picks this family by ``model_type``).
 
     Fields absent from the file that would change the output without changing a weight's
     shape take transformers' defaults for the model type (``Qwen3NextConfig``,
@@ -246,46 +108,19 @@ def load_config(model_dir: str) -> HybridConfig:
     model head is the wrapper's), as in transformers.
 
     Raises:
-        CheckpointError: missing or unreadable config, unsupported ``model_type``,
-            ``rope_type`` or ``hidden_act``, a missing required field, or a field of the wrong
-            type or out of range; the message names the file and the field.
+        CheckpointError: unsupported ``rope_type``, ``hidden_act`` or layer type, a missing
+            required field, or a field of the wrong type or out of range; the message names
+            the file and the field.
     """
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing (a Hugging Face checkpoint needs config.json)")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot parse: {e}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
-    model_type = raw.get("model_type")
-    from .families import family
-
-    fam = family(model_type) if isinstance(model_type, str) else None
-    if fam is not None:  # a family of its own folder
-        return fam.load_config(path, raw)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{path}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    top = _Fields(path, raw)
+    model_type = raw["model_type"]
+    top = Fields(path, raw)
     text, prefix = top, "model."
     if model_type in ("qwen3_5", "qwen3_5_moe"):
         sub = raw.get("text_config")
         if not isinstance(sub, dict):
             raise CheckpointError(f"{path}: {model_type} needs a text_config object, got {sub!r}")
-        text, prefix = _Fields(path, sub, "text_config."), "model.language_model."
-    rope_d = text.d.get("rope_parameters") or text.d.get("rope_scaling") or {}
-    if not isinstance(rope_d, dict):
-        raise CheckpointError(f"{path}: {text.where}rope_parameters must be an object, got {rope_d!r}")
-    rope = _Fields(path, rope_d, text.where + "rope_parameters.")
-    rope_type = rope_d.get("rope_type", rope_d.get("type")) or "default"
-    if rope_type == "mrope":  # the older spelling of multimodal RoPE (Qwen2-VL): default for text
-        rope_type = "default"
-    if rope_type not in ROPE_TYPES:
-        raise CheckpointError(f"{path}: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        text, prefix = Fields(path, sub, "text_config."), "model.language_model."
+    rope = rope_fields(text, default_partial=0.25)
     act = text.get("hidden_act", "silu")
     if act not in HIDDEN_ACTS:
         raise CheckpointError(f"{path}: {text.where}hidden_act {act!r} is not supported; supported: "
@@ -302,7 +137,6 @@ def load_config(model_dir: str) -> HybridConfig:
     n_heads = text.int("num_attention_heads", lo=1)
     num_experts = text.int("num_experts", 0, lo=0)
     mlp_only = text.ints("mlp_only_layers", scalar=False)
-    max_pos = text.int("max_position_embeddings", 32768, lo=1)
     tie = top.bool("tie_word_embeddings", False) if text is not top and "tie_word_embeddings" in raw else None
     cfg = HybridConfig(
         model_type=model_type,
@@ -315,13 +149,12 @@ def load_config(model_dir: str) -> HybridConfig:
         num_attention_heads=n_heads,
         num_key_value_heads=text.int("num_key_value_heads", n_heads, lo=1),
         head_dim=text.int("head_dim", hidden // n_heads, lo=1),
-        rope_theta=rope.float("rope_theta", text.float("rope_theta", 10000.0, positive=True), positive=True),
-        partial_rotary_factor=rope.float("partial_rotary_factor",
-                                         text.float("partial_rotary_factor", 0.25, positive=True), positive=True),
-        rope_type=rope_type,
-        rope_scaling_factor=rope.float("factor", positive=True) if rope_type == "linear" else 1.0,
-        rope_yarn=_yarn_fields(rope, text, max_pos) if rope_type == "yarn" else None,
-        max_position_embeddings=max_pos,
+        rope_theta=rope.theta,
+        partial_rotary_factor=rope.partial_rotary_factor,
+        rope_type=rope.rope_type,
+        rope_scaling_factor=rope.scaling_factor,
+        rope_yarn=rope.yarn,
+        max_position_embeddings=rope.max_position_embeddings,
         attention_bias=text.bool("attention_bias", False),
         linear_num_key_heads=text.int("linear_num_key_heads", lo=1),
         linear_num_value_heads=text.int("linear_num_value_heads", lo=1),
@@ -330,8 +163,8 @@ def load_config(model_dir: str) -> HybridConfig:
         linear_conv_kernel_dim=text.int("linear_conv_kernel_dim", 4, lo=1),
         intermediate_size=text.int("intermediate_size", 0, lo=0),
         num_experts=num_experts,
-        num_experts_per_tok=text.int("num_experts_per_tok", _REQUIRED if num_experts else 0, lo=1 if num_experts else 0),
-        moe_intermediate_size=text.int("moe_intermediate_size", _REQUIRED if num_experts else 0,
+        num_experts_per_tok=text.int("num_experts_per_tok", REQUIRED if num_experts else 0, lo=1 if num_experts else 0),
+        moe_intermediate_size=text.int("moe_intermediate_size", REQUIRED if num_experts else 0,
                                        lo=1 if num_experts else 0),
         shared_expert_intermediate_size=text.int("shared_expert_intermediate_size", 0, lo=0),
         # transformers' Qwen3.5-MoE router always renormalises its top-k weights; only
@@ -349,25 +182,12 @@ def load_config(model_dir: str) -> HybridConfig:
         raise CheckpointError(f"{path}: layer_types has {len(cfg.layer_types)} entries for {n_layers} layers")
     bad = [t for t in cfg.layer_types if t not in ("linear_attention", "full_attention")]
     if bad:
-        raise CheckpointError(f"{path}: unsupported layer types {sorted(set(map(repr, bad)))}")
+        raise CheckpointError(f"{path}: {text.where}layer_types: unsupported layer types {sorted(set(map(repr, bad)))}")
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         raise CheckpointError(f"{path}: linear_num_value_heads must be a multiple of linear_num_key_heads")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise CheckpointError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
-    if cfg.partial_rotary_factor > 1:
-        raise CheckpointError(f"{path}: partial_rotary_factor must be in (0, 1], got {cfg.partial_rotary_factor}")
-    if cfg.rope_type == "yarn" and cfg.rope_theta <= 1:  # YaRN divides by log(rope_theta)
-        raise CheckpointError(f"{path}: rope_theta must be above 1 for rope_type yarn, got {cfg.rope_theta}")
     if num_experts and cfg.num_experts_per_tok > num_experts:
         raise CheckpointError(f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) is above num_experts "
                               f"({num_experts})")
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if not cfg.eos_token_ids and os.path.isfile(gen_path):
-        try:
-            with open(gen_path) as f:
-                gen = json.load(f)
-            if isinstance(gen, dict):
-                cfg.eos_token_ids = _Fields(gen_path, gen).ints("eos_token_id", lo=0)
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            pass
     return cfg

@@ -7,8 +7,8 @@ latent attention (MLA, DeepSeek-V2) without RoPE in the full-attention layers, p
 RMSNorm ``w * x / rms(x)``, dense SwiGLU or a DeepSeek-V3 MoE (sigmoid router with a
 correction bias, grouped top-k, routed scaling, shared experts). Parameter names equal the
 published checkpoints' (``self_attn.q_conv1d``, ``block_sparse_moe.experts.{e}.w1`` are
-mapped by the loader); tokens are packed ``[T, hidden]`` with the layout of
-``stage_server.model.BatchMeta``, and every pool is addressed by ``req_pool_index``.
+mapped by the loader, ``weights.py``); tokens are packed ``[T, hidden]`` with the layout of
+``stage_server.batch.BatchMeta``, and every pool is addressed by ``req_pool_index``.
 
 KV cache (docs/DESIGN.md, "Kimi Linear"): an MLA layer stores per token only its compressed
 latent ``[c, k_rope]`` (``kv_lora_rank + qk_rope_head_dim`` values, one "KV head"), once, as
@@ -28,9 +28,12 @@ from ppspec.kernels.attention import paged_attention, store_kv
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from ppspec.kernels.kda import kda_prefill_rows, kda_recurrent, kda_recurrent_replay
 from ppspec.kernels.norm import rms_norm, sigmoid_gated_rms_norm
-from ppspec.proto.messages import PREFILL, VERIFY
 
-from ...model import MLP, BatchMeta, Experts, LinearLayerState, fuse_linears, per_part, run_experts
+from ...batch import PREFILL, VERIFY, BatchMeta, per_part
+from ...family import LayerState
+from ...layers.common import MLP, fuse_linears
+from ...layers.kda import KDA
+from ...layers.moe import Experts, run_experts
 from .config import KimiLinearConfig
 
 # transformers' MLA builds its latent norms with the RMSNorm default eps, not rms_norm_eps
@@ -39,7 +42,7 @@ LATENT_NORM_EPS = 1e-6
 
 class RMSNorm(nn.Module):
     """``w * x / rms(x)`` in fp32 (not zero-centred); with ``residual``, the residual add
-    fused as in ``stage_server.model.RMSNorm``."""
+    fused as in ``models/qwen3_next/model.py``'s ``RMSNorm``."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -94,7 +97,7 @@ class KimiDeltaAttention(nn.Module):
         conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         self.conv_weight = conv.t().contiguous().t()
 
-    def forward(self, x: torch.Tensor, meta, st: LinearLayerState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta, st: LayerState) -> torch.Tensor:
         """x: ``[T, hidden]`` (normed). Returns ``[T, hidden]`` in x's dtype."""
         T = x.shape[0]
         mixed, b, fa, ga = torch.split(F.linear(x, self.in_proj_weight), [3 * self.dim, self.h, self.dk, self.dk], -1)
@@ -105,7 +108,7 @@ class KimiDeltaAttention(nn.Module):
         o = sigmoid_gated_rms_norm(o, self.g_b_proj(ga).view(T, self.h, self.dk), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.reshape(T, self.dim))
 
-    def _mix(self, meta: BatchMeta, st: LinearLayerState, mixed, g, beta) -> torch.Tensor:
+    def _mix(self, meta: BatchMeta, st: LayerState, mixed, g, beta) -> torch.Tensor:
         """Short convs and the delta rule of one part: ``mixed [T, 3 H K]``, ``g [T, H, K]``,
         ``beta [T, H]``. Returns ``o [T, H, K]``. Prefill starts a row from its committed
         state (continuing rows: the replay design's pending steps were applied by the stage
@@ -223,7 +226,7 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block, the stream as ``(h, residual)`` pairs as in
-    ``stage_server.model.DecoderLayer``: KDA or MLA, then the dense MLP or the MoE."""
+    ``models/qwen3_next/model.py``'s ``DecoderLayer``: KDA or MLA, then the dense MLP or the MoE."""
 
     def __init__(self, cfg: KimiLinearConfig, layer: int):
         super().__init__()
@@ -245,7 +248,7 @@ class DecoderLayer(nn.Module):
 
 class KimiStageModel(nn.Module):
     """Decoder layers ``[start, end)`` plus the embedding (first stage) and the final norm and
-    ``lm_head`` (last stage); the interface of ``stage_server.model.StageModel`` (no MTP
+    ``lm_head`` (last stage); the stage model of ``stage_server.family.ModelFamily`` (no MTP
     head: Kimi Linear checkpoints have none). Needs :meth:`fuse_projections` after loading."""
 
     def __init__(self, cfg: KimiLinearConfig, start: int, end: int):
@@ -259,6 +262,13 @@ class KimiStageModel(nn.Module):
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    layer_family = KDA  # the recurrent layers' family (stage_server.family.LayerFamily)
+    # the KV pool holds the MLA latent once, as keys and values alike
+    shared_kv = True
+    # KDA's decode / verify / replay run the plain-torch reference, which reads the device
+    # (the replay's pending counts): eager steps only
+    capturable = False
+
     @property
     def linear_layers(self) -> list[int]:
         return [i for i in range(self.start, self.end) if self.cfg.layer_types[i] == "linear_attention"]
@@ -267,10 +277,18 @@ class KimiStageModel(nn.Module):
     def attention_layers(self) -> list[int]:
         return [i for i in range(self.start, self.end) if self.cfg.layer_types[i] == "full_attention"]
 
+    state_layers = linear_layers  # the stage's layers with recurrent state, in pool order
+    kv_layers = attention_layers  # ... with paged KV
+
     def fuse_projections(self) -> None:
         for m in self.modules():
             if isinstance(m, (KimiDeltaAttention, MLP)):
                 m.fuse_projections()
+
+    def finish_load(self, device) -> None:
+        """After the weights are loaded (``loader.load_stage_model``): the projections fused
+        (no buffer to rebuild: MLA here has no RoPE)."""
+        self.fuse_projections()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

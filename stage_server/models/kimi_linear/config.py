@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...config import CheckpointError, HIDDEN_ACTS, _Fields
+from ...fields import CheckpointError, Fields as _Fields
 
 MODEL_TYPE = "kimi_linear"
+HIDDEN_ACTS = ("silu", "swish")  # the MLPs, the experts and the KDA conv apply SiLU
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -57,13 +58,6 @@ class KimiLinearConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     weight_prefix: str = "model."
     mtp_num_hidden_layers: int = 0
-    # the KDA replay buffers keep the log decay per key channel (kernels/gdn/naive_replay.py)
-    per_channel_gate: bool = True
-    # the KV pool holds the MLA latent once, as keys and values alike
-    shared_kv: bool = True
-    # KDA's decode / verify / replay run the plain-torch reference, which reads the device
-    # (the replay's pending counts): eager steps only
-    cuda_graphs: bool = False
 
     # ---- the stage's view, by which StageRunner sizes its pools
     @property

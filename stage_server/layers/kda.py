@@ -1,0 +1,34 @@
+"""Kimi Delta Attention (KDA), the layer family of Kimi Linear: the gated delta rule with a
+log decay per key channel (docs/DESIGN.md, "Layer families"). Its state is GDN's
+(``layers/gdn.py``): one conv window over the q|k|v channels (kept after every verify step)
+and the recurrent state ``ssm [H, K, V]`` fp32; the replay design records ``k``, ``delta``
+and the per-channel log decay ``g [H, K]``. The mixer is ``models/kimi_linear/model.py``'s
+``KimiDeltaAttention``; the kernels are ``kernels/kda``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ppspec.kernels.gdn import ReplayBuffers
+from ppspec.kernels.gdn.naive_replay import replay_flush_ref
+
+from ..family import LayerFamily, LayerState, StateLayout
+from .gdn import gdn_layout
+
+
+class KDAFamily(LayerFamily):
+    name = "kda"
+    record_type = ReplayBuffers  # k, delta, g (per key channel), pending, slot
+
+    def layout(self, cfg) -> StateLayout:
+        return gdn_layout(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim,
+                          per_channel_gate=True, family=self)
+
+    def flush(self, st: LayerState, rows: torch.Tensor) -> None:
+        # the plain-torch replay on every device: kernels/gdn's Triton replay keeps one log
+        # decay per head (kernels/kda: no KDA kernel of ours yet)
+        replay_flush_ref(st.ssm, st.replay, rows)
+
+
+KDA = KDAFamily()

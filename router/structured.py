@@ -13,6 +13,11 @@ verified position with it):
   with ``tools``: calls in the format of the server's ``--tool-call-parser``, each call's
   arguments following its function's ``parameters`` schema (:data:`TOOL_CALL_FORMATS`).
 
+With a reasoning parser and a prompt that leaves a thinking block open, the constraint
+starts after the thinking (as vLLM's): the grammar lets any text up to ``</think>`` (and
+the newlines after it) come first, so the model thinks, then answers in the format; the
+reasoning parser puts the thinking in ``reasoning_content`` and the answer in ``content``.
+
 A constraint the grammar library cannot build (a JSON schema it does not support, a regex
 or EBNF that does not parse) is an ``InvalidRequestError`` (HTTP 400) naming the field and
 xgrammar's reason. At most one constraint per request.
@@ -24,6 +29,7 @@ import re
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from .reasoning import END as REASONING_END
 from .tool_calls import END, START
 from .types import InvalidRequestError
 
@@ -176,8 +182,20 @@ def _constraints(body: "_GenerationRequest", tool_call_parser: str | None) -> li
     return found
 
 
-def request_grammar(body: "_GenerationRequest", tool_call_parser: str | None = None) -> str | None:
-    """The grammar (xgrammar EBNF text) of the request's structured output, or None.
+def _after_thinking(grammar):
+    """``grammar`` after an open thinking block: any text, ``</think>``, newlines or spaces."""
+    xgr = _xgrammar()
+    from xgrammar import structural_tag as st
+
+    think = st.SequenceFormat(elements=[st.TagFormat(begin="", content=st.AnyTextFormat(), end=REASONING_END),
+                                        st.RegexFormat(pattern=r"[ \n]*")])
+    return xgr.Grammar.concat(xgr.Grammar.from_structural_tag(xgr.StructuralTag(format=think)), grammar)
+
+
+def request_grammar(body: "_GenerationRequest", tool_call_parser: str | None = None,
+                    after_thinking: bool = False) -> str | None:
+    """The grammar (xgrammar EBNF text) of the request's structured output, or None;
+    ``after_thinking``: the prompt left a thinking block open (the constraint starts after it).
 
     Raises ``InvalidRequestError`` (HTTP 400, before anything is allocated): more than one
     constraint, or one the grammar library cannot build (its reason in the message)."""
@@ -190,6 +208,8 @@ def request_grammar(body: "_GenerationRequest", tool_call_parser: str | None = N
     param, build = found[0]
     try:
         grammar = build()
+        if after_thinking:
+            grammar = _after_thinking(grammar)
     except (RuntimeError, ValueError) as e:  # xgrammar's parse / conversion errors
         raise InvalidRequestError(f"{param}: the grammar library (xgrammar) cannot use it: {_reason(e)}",
                                   param=param) from None

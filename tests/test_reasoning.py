@@ -133,3 +133,42 @@ def test_end_to_end(tokenizer, stream):
         assert client.completions.create(model=MODEL, prompt="x").choices[0].text == engine.text
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         build_app(engine, MODEL, reasoning_parser="deepseek_r1")
+
+
+def test_structured_output_starts_after_the_thinking(tokenizer):
+    """With the reasoning parser and a prompt that opens a thinking block, a
+    ``response_format`` grammar lets the thinking and ``</think>`` come first (as vLLM's):
+    the reply's thinking is ``reasoning_content``, the JSON its content. The grammar sent is
+    checked with xgrammar on the demo tokenizer: it takes the thinking then the JSON, not the
+    JSON alone as a whole output; with ``enable_thinking: false`` the JSON alone."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from ppspec.router.llm import DEMO_MODEL
+
+    engine, sent = ScriptedEngine(tokenizer), []
+    generate = engine.generate
+    engine.generate = lambda rid, ids, params: sent.append(params.grammar) or generate(rid, ids, params)
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}}
+    answer = '{"sum": 4}'
+    with run_server(build_app(engine, MODEL, reasoning_parser="qwen3")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        engine.text = f"{THINK}\n</think>\n\n{answer}"
+        for stream in (False, True):
+            got = _chat(client, stream, response_format=fmt, extra_body={"chat_template_kwargs": {"open_think": True}})
+            assert got == (THINK, answer, "stop", [])
+        engine.text = answer
+        got = _chat(client, False, response_format=fmt, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert got == (None, answer, "stop", [])
+    thinking, _, plain = sent
+    demo = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(demo, vocab_size=8192, stop_token_ids=[2]))
+
+    def completes(grammar, text):
+        m = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+        return m.accept_string(text) and m.accept_token(2)
+
+    assert completes(thinking, f"{THINK}\n</think>\n\n{answer}")
+    assert not completes(thinking, answer)
+    assert completes(plain, answer) and not completes(plain, f"{THINK}\n</think>\n\n{answer}")

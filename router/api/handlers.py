@@ -120,12 +120,13 @@ class OpenAIHandlers:
                            param="model", code="model_not_found")
 
     def _subs(self, body, request_id: str, prompts: list[list[int]], logprobs: int | None, param: str,
-              echo_logprobs: int | None = None) -> list[Sub]:
+              echo_logprobs: int | None = None, in_reasoning: bool | None = None) -> list[Sub]:
         """One ``Sub`` per choice; the stage computes prompt log-probabilities with the most
-        top alternatives either use asks for (``prompt_logprobs``, ``echo_logprobs``)."""
+        top alternatives either use asks for (``prompt_logprobs``, ``echo_logprobs``); a
+        structured output starts after the thinking when ``in_reasoning``."""
         subs = make_subs(body, request_id, prompts, logprobs, param, vocab_size=self.vocab_size,
                          max_model_len=int(self.engine.max_model_len), max_tokens_cap=self.max_tokens_cap,
-                         grammar=request_grammar(body, self.tool_call_parser))
+                         grammar=request_grammar(body, self.tool_call_parser, bool(in_reasoning)))
         asked = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         if asked:
             for sub in subs:
@@ -220,10 +221,10 @@ class OpenAIHandlers:
         if body.logprobs:
             logprobs = body.top_logprobs or 0
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        subs = self._subs(body, request_id, [ids], logprobs, "messages")
         in_reasoning = None
         if self.reasoning_parser is not None and (body.chat_template_kwargs or {}).get("enable_thinking") is not False:
             in_reasoning = prompt_opens_reasoning(self.tokenizer.decode(ids[-8:], skip_special_tokens=False))
+        subs = self._subs(body, request_id, [ids], logprobs, "messages", in_reasoning=in_reasoning)
         return Prepared(request_id, [ids], None, subs, in_reasoning)
 
     def _choice_text(self, body: ChatCompletionRequest, prepared: Prepared) -> ChoiceText:

@@ -63,12 +63,45 @@ def _schema(value: Any, param: str) -> dict | bool:
     return value
 
 
+UNENFORCED_KEYWORDS = ("not", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
+                       "if", "then", "else")
+"""JSON schema keywords xgrammar accepts and ignores (checked on 0.2.9: the grammar is the
+same without them), so output could break a schema that uses them: refused (400), as
+vLLM refuses features its xgrammar backend does not support. ``uniqueItems: true`` too."""
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("additionalProperties", "items", "prefixItems", "propertyNames", "unevaluatedProperties",
+               "unevaluatedItems", "additionalItems", "allOf", "anyOf", "oneOf")
+
+
+def check_enforced(schema: Any) -> None:
+    """Raise ValueError naming the first keyword of ``schema`` (or of a subschema) that the
+    grammar would not enforce (:data:`UNENFORCED_KEYWORDS`). Iterative: no depth limit."""
+    todo = [(schema, "$")]
+    while todo:
+        node, path = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        bad = next((k for k in UNENFORCED_KEYWORDS if k in node), None)
+        if bad is None and node.get("uniqueItems") is True:
+            bad = "uniqueItems"
+        if bad is not None:
+            raise ValueError(f"the JSON schema uses {bad!r} (at {path}), which the grammar would not enforce, so "
+                             f"the output could break the schema")
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                todo += [(sub, f"{path}.{key}.{name}") for name, sub in node[key].items()]
+        for key in _SUBSCHEMAS:
+            sub = node.get(key)
+            todo += [(x, f"{path}.{key}[{i}]") for i, x in enumerate(sub)] if isinstance(sub, list) else [(sub, f"{path}.{key}")]
+
+
 def _json_grammar(schema: dict | bool | None):
     """JSON following ``schema`` (None: any JSON object), written compactly (``", "`` and
     ``": "`` between items, no other whitespace): with free whitespace a model can fill its
     tokens with newlines and never close the object (the demo model does)."""
     if schema is None:
         schema = {"type": "object"}
+    check_enforced(schema)
     return _xgrammar().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
 
 
@@ -99,6 +132,7 @@ def _hermes_tag(st, fn: dict, params: dict):
 def _qwen3_coder_tag(st, fn: dict, params: dict):
     """``<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...\n</function>\n</tool_call>``
     (xgrammar's ``qwen_xml`` style for the parameters)."""
+    check_enforced(params)
     args = st.JSONSchemaFormat(json_schema=params, style="qwen_xml", max_whitespace_cnt=MAX_XML_WHITESPACE)
     return st.TagFormat(begin=f"{START}\n<function={fn['name']}>\n", content=args, end=f"\n</function>\n{END}")
 

@@ -209,6 +209,13 @@ def test_request_forms_become_one_grammar():
     (dict(structured_outputs={"grammar": 'root ::= "a" | b'}), "structured_outputs", 'Rule "b" is not defined'),
     (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "exactly one"),
     (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex", "one structured output"),
+    # keywords xgrammar would ignore: the output could break the schema
+    (dict(guided_json={"type": "object", "properties": {"a b": {"type": "array", "items": {"not": {"type": "null"}}}}}),
+     "guided_json", "'not' (at $.properties.a b.items)"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}), "response_format", "'uniqueItems' (at $)"),
+    (dict(structured_outputs={"json": {"anyOf": [{"type": "object", "if": {}, "then": {}}]}}), "structured_outputs",
+     "'if' (at $.anyOf[0])"),
 ])
 def test_bad_constraints_are_named(kw, param, words):
     with pytest.raises(InvalidRequestError) as e:

@@ -234,6 +234,9 @@ class _GenerationRequest(_Request):
     """Token id (as a string, as OpenAI) -> bias in [-100, 100], added to its logit."""
     include_stop_str_in_output: bool = False
     """vLLM's: keep the stop string that ended a choice at the end of its text."""
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    """vLLM's: run only the last k tokens of each prompt (the rendered chat's included);
+    -1: the last ``max_model_len``; at most ``max_model_len``."""
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: the log-probability, rank and this many top alternatives of every prompt
     token (the first's null), in ``choices[i].prompt_logprobs`` (completions) or the
@@ -267,6 +270,8 @@ class _GenerationRequest(_Request):
             raise ValueError("max_completion_tokens: give it or max_tokens, not both")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context) or at least 1")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available when stream is true")
         if self.requested_max_tokens == 0 and not getattr(self, "echo_only", False):

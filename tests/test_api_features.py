@@ -204,6 +204,35 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone(server, engine, tokenizer, s
     assert params.max_tokens == 1 and params.prompt_logprobs == 1
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, engine, tokenizer):
+    """vLLM's ``truncate_prompt_tokens``: the engine runs each prompt's last k tokens (a
+    chat's rendered prompt too; -1: the context's worth, so a prompt longer than the context
+    runs its tail); echo gives the text of the tokens kept; 0 or more than the context is a 400."""
+    text = "one two three four five six seven eight"
+    ids = tokenizer.encode(text)
+    r = _post(server, "/v1/completions", dict(prompt=text, max_tokens=2, truncate_prompt_tokens=3, echo=True))
+    assert r.status_code == 200, r.text
+    ((prompt, _),) = engine.calls.values()
+    assert prompt == ids[-3:] and r.json()["usage"]["prompt_tokens"] == 3
+    assert r.json()["choices"][0]["text"].startswith(tokenizer.decode(ids[-3:]))
+    engine.reset()
+    msgs = [{"role": "user", "content": text}]
+    r = _post(server, "/v1/chat/completions", dict(messages=msgs, max_tokens=2, truncate_prompt_tokens=4))
+    assert r.status_code == 200, r.text
+    ((prompt, _),) = engine.calls.values()
+    assert prompt == tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)[-4:]
+    engine.reset()
+    limit = engine.max_model_len
+    long_ids = (ids * (limit // len(ids) + 2))[: limit + 5]
+    r = _post(server, "/v1/completions", dict(prompt=long_ids, max_tokens=1, truncate_prompt_tokens=-1))
+    # the tail kept fills the context: no room for a token (not the untruncated length)
+    assert r.status_code == 400 and f"({limit} in the prompt" in r.json()["error"]["message"], r.text
+    for bad in (0, limit + 1, -2):
+        r = _post(server, "/v1/completions", dict(prompt=text, max_tokens=2, truncate_prompt_tokens=bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 def test_tokenize_detokenize_version(server, engine, tokenizer):
     text = "Café crème ✓ — the fox 🦊"
     r = _post(server, "/tokenize", {"prompt": text, "model": MODEL}).json()

@@ -142,6 +142,15 @@ class OpenAIHandlers:
 
     # -- preparing -------------------------------------------------------------------------
 
+    def _keep_last(self, body: _GenerationRequest) -> int | None:
+        """Tokens of each prompt ``truncate_prompt_tokens`` keeps (None: all). Raises
+        ``InvalidRequestError`` when it asks for more than the context."""
+        k, limit = body.truncate_prompt_tokens, int(self.engine.max_model_len)
+        if k is not None and k > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens {k} is more than the context of {limit} tokens",
+                                      param="truncate_prompt_tokens")
+        return limit if k == -1 else k
+
     async def prepare_completion(self, body: CompletionRequest) -> Prepared:
         """Tokenize the prompt(s) and build one engine request per choice.
 
@@ -151,6 +160,7 @@ class OpenAIHandlers:
         """
         self.check_model(body.model)
         warn_ignored(body, "/v1/completions")
+        keep = self._keep_last(body)
         p = body.prompt
         texts: list[str] | None = None
         if isinstance(p, str):
@@ -161,13 +171,16 @@ class OpenAIHandlers:
             for t in texts:
                 check_utf8(t, "prompt")
             try:
-                prompts = await self.tokens.encode(texts, max_tokens=int(self.engine.max_model_len))
+                # a truncated prompt may be longer than the context (the body size bounds it)
+                prompts = await self.tokens.encode(texts, max_tokens=None if keep else int(self.engine.max_model_len))
             except PromptTooLong as exc:  # refused by its length alone, no worker taken
                 raise InvalidRequestError(str(exc), param="prompt", code="context_length_exceeded") from None
             except Exception as exc:  # noqa: BLE001
                 raise InvalidRequestError(f"prompt could not be tokenized: {exc}", param="prompt") from None
         else:
             prompts = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]  # type: ignore[arg-type]
+        if keep and any(len(ids) > keep for ids in prompts):
+            prompts, texts = [ids[-keep:] for ids in prompts], None  # echo: the text of the tokens kept
         for ids in prompts:
             if not ids:
                 raise InvalidRequestError("prompt is empty (it encodes to no tokens)", param="prompt")
@@ -205,11 +218,13 @@ class OpenAIHandlers:
         if body.tools_in_use and self.tool_call_parser is None:
             raise InvalidRequestError("tools need a server started with --tool-call-parser (e.g. hermes)",
                                       param="tools")
+        keep = self._keep_last(body)
         try:
             template_kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt,
                                "continue_final_message": body.continue_final_message}
             ids = await self.tokens.render_chat(messages, body.tools if body.tools_in_use else None, template_kwargs,
-                                                max_tokens=int(self.engine.max_model_len))
+                                                max_tokens=None if keep else int(self.engine.max_model_len))
+            ids = ids[-keep:] if keep else ids
         except PromptTooLong as exc:
             raise InvalidRequestError(str(exc), param="messages", code="context_length_exceeded") from None
         except Exception as exc:  # noqa: BLE001 - template errors (raise_exception, bad roles)

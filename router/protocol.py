@@ -220,6 +220,8 @@ class _GenerationRequest(_Request):
     """EOS and stop token ids are ignored until a choice has this many tokens."""
     return_token_ids: bool = False
     """Add ``token_ids`` (generated ids) to each choice and ``prompt_token_ids``."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprob entries name tokens as ``token_id:{id}`` instead of their text."""
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the returned text."""
     user: Optional[str] = None

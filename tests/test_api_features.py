@@ -233,6 +233,31 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, engine, tokenizer)
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_tokens_as_token_ids(server, engine, tokenizer, path):
+    """vLLM's ``return_tokens_as_token_ids``: every logprob entry names its token
+    ``token_id:{id}`` (the sampled ones and the alternatives), whatever the token's text."""
+    chat = "chat" in path
+    body = dict(max_tokens=4, temperature=0, return_tokens_as_token_ids=True,
+                **({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2} if chat
+                   else {"prompt": "hi", "logprobs": 2}))
+    r = _post(server, path, body)
+    assert r.status_code == 200, r.text
+    (rid,) = engine.outputs
+    want = [f"token_id:{t}" for t in engine.outputs[rid]]
+    lp = r.json()["choices"][0]["logprobs"]
+    if chat:
+        assert [e["token"] for e in lp["content"]] == want
+        assert [e["bytes"] for e in lp["content"]] == [list(w.encode()) for w in want]
+        tops = [[t["token"] for t in e["top_logprobs"]] for e in lp["content"]]
+    else:
+        assert lp["tokens"] == want
+        tops = [list(t) for t in lp["top_logprobs"]]
+    assert tops == [[f"token_id:{i}" for i, _ in x.top[:2]] + ([] if chat or w in [f"token_id:{i}" for i, _ in x.top[:2]]
+                                                               else [w])
+                    for x, w in zip(engine.logprobs[rid], want)]
+
+
 def test_tokenize_detokenize_version(server, engine, tokenizer):
     text = "Café crème ✓ — the fox 🦊"
     r = _post(server, "/tokenize", {"prompt": text, "model": MODEL}).json()

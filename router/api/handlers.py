@@ -53,7 +53,7 @@ from .chat_text import ChoiceText
 from .errors import APIError, check_utf8, error_body, renderable
 from ..structured import request_grammar
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, TokenRecord, check_ids, make_subs, unless_disconnected
-from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_id_pieces
 from .tokenize import PromptTooLong, TokenizerPool
 
 log = logging.getLogger("ppspec.router.api")
@@ -192,7 +192,11 @@ class OpenAIHandlers:
         subs = self._subs(run, request_id, prompts, body.logprobs, "prompt", body.logprobs if body.echo else None)
         return Prepared(request_id, prompts, texts, subs)
 
-    def _prompt_logprobs(self, fanout: Fanout, sub: Sub, k: int) -> CompletionLogprobs:
+    def _pieces(self, body: _GenerationRequest):
+        """Text and bytes of a token's logprob entry: its own, or ``token_id:{id}``."""
+        return token_id_pieces if body.return_tokens_as_token_ids else self.pieces
+
+    def _prompt_logprobs(self, fanout: Fanout, sub: Sub, k: int, pieces) -> CompletionLogprobs:
         """Echo with logprobs: the prompt tokens' entries, offsets in the decoded prompt text
         (the first token's log-probability null: nothing predicts it)."""
         lps = fanout.prompt_logprobs.get(sub.index) or []
@@ -201,7 +205,7 @@ class OpenAIHandlers:
         for j, tid in enumerate(sub.prompt_ids):
             records.append(TokenRecord(tid, lps[j - 1] if 0 < j <= len(lps) else None, offset))
             offset += len(decoder.push(tid))
-        return completion_logprobs(self.pieces, records, k)
+        return completion_logprobs(pieces, records, k)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         """Render the messages with the chat template (generation prompt added) and build one
@@ -277,9 +281,9 @@ class OpenAIHandlers:
             prefix = prepared.prompt_texts[sub.prompt_index] if body.echo and prepared.prompt_texts else ""
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(self.pieces, records, body.logprobs, len(prefix))
+                logprobs = completion_logprobs(self._pieces(body), records, body.logprobs, len(prefix))
                 if body.echo:
-                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs), logprobs)
+                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs, self._pieces(body)), logprobs)
             choices.append(CompletionChoice(
                 index=sub.index, text=prefix + text,
                 logprobs=logprobs,
@@ -313,7 +317,7 @@ class OpenAIHandlers:
             message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
             choices.append(ChatChoice(
                 index=sub.index, message=message,
-                logprobs=chat_logprobs(self.pieces, records, k) if body.logprobs else None,
+                logprobs=chat_logprobs(self._pieces(body), records, k) if body.logprobs else None,
                 finish_reason="tool_calls" if calls else evs[-1].finish_reason, stop_reason=evs[-1].stop_reason,
                 token_ids=ids if body.return_token_ids else None))
         resp = ChatCompletionResponse(id=prepared.request_id, model=self.model_name, choices=choices,
@@ -367,9 +371,9 @@ class OpenAIHandlers:
                 return
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(self.pieces, ev.tokens, body.logprobs, len(prefix))
+                logprobs = completion_logprobs(self._pieces(body), ev.tokens, body.logprobs, len(prefix))
                 if prefix:
-                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs), logprobs)
+                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs, self._pieces(body)), logprobs)
             choice = CompletionChoice(
                 index=ev.index, text=text,
                 logprobs=logprobs,
@@ -413,7 +417,7 @@ class OpenAIHandlers:
             delta = ChatDelta(content=text or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
             choice = ChatStreamChoice(
                 index=ev.index, delta=delta,
-                logprobs=chat_logprobs(self.pieces, ev.tokens, k) if body.logprobs else None,
+                logprobs=chat_logprobs(self._pieces(body), ev.tokens, k) if body.logprobs else None,
                 finish_reason=finish, stop_reason=ev.stop_reason,
                 token_ids=ev.token_ids if body.return_token_ids else None)
             yield ChatCompletionChunk(id=prepared.request_id, created=created, model=self.model_name,

@@ -6,6 +6,7 @@ JSON has no -inf: a log-probability below ``LOGPROB_FLOOR`` (or -inf / NaN) is r
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from ..detokenize import TokenPieces
 from ..protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs
@@ -22,7 +23,14 @@ def finite(x: float | None) -> float:
     return float(x)
 
 
-def completion_logprobs(pieces: TokenPieces, records: list[TokenRecord], k: int,
+def token_id_pieces(token_id: int) -> tuple[str, list[int]]:
+    """A token's entry as vLLM's ``return_tokens_as_token_ids`` writes it: ``token_id:{id}``
+    (its UTF-8 bytes as the bytes), for clients that map entries back to ids."""
+    text = f"token_id:{token_id}"
+    return text, list(text.encode())
+
+
+def completion_logprobs(pieces: Callable[[int], tuple[str, list[int]]], records: list[TokenRecord], k: int,
                         base_offset: int = 0) -> CompletionLogprobs:
     """``records`` with their ``k`` top alternatives; offsets shifted by ``base_offset`` characters."""
     out = CompletionLogprobs()
@@ -44,7 +52,7 @@ def completion_logprobs(pieces: TokenPieces, records: list[TokenRecord], k: int,
     return out
 
 
-def chat_logprobs(pieces: TokenPieces, records: list[TokenRecord], k: int) -> ChatChoiceLogprobs:
+def chat_logprobs(pieces: Callable[[int], tuple[str, list[int]]], records: list[TokenRecord], k: int) -> ChatChoiceLogprobs:
     content = []
     for r in records:
         text, raw = pieces(r.token_id)

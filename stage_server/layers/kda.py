@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ppspec.kernels.gdn import ReplayBuffers
-from ppspec.kernels.gdn.naive_replay import replay_flush_ref
+from ppspec.kernels.kda import kda_replay_flush
 
 from ..family import LayerFamily, LayerState, StateLayout
 from .gdn import gdn_layout
@@ -26,9 +26,8 @@ class KDAFamily(LayerFamily):
                           per_channel_gate=True, family=self)
 
     def flush(self, st: LayerState, rows: torch.Tensor) -> None:
-        # the plain-torch replay on every device: kernels/gdn's Triton replay keeps one log
-        # decay per head (kernels/kda: no KDA kernel of ours yet)
-        replay_flush_ref(st.ssm, st.replay, rows)
+        # kernels/kda's flush (Triton on CUDA): GDN's Triton replay keeps one log decay per head
+        kda_replay_flush(st.ssm, st.replay, rows)
 
 
 KDA = KDAFamily()

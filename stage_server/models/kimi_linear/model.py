@@ -265,8 +265,8 @@ class KimiStageModel(nn.Module):
     layer_family = KDA  # the recurrent layers' family (stage_server.family.LayerFamily)
     # the KV pool holds the MLA latent once, as keys and values alike
     shared_kv = True
-    # KDA's decode / verify / replay run the plain-torch reference, which reads the device
-    # (the replay's pending counts): eager steps only
+    # eager steps only: a prefill chunk runs fla's chunk_kda (host-side chunk offsets), and
+    # the MoE layers group tokens by expert on the host
     capturable = False
 
     @property

@@ -89,7 +89,7 @@ class Engine:
                  max_num_batched_tokens: int | None = None, mixed_prefill_tokens: int | None = None,
                  chunk_size: int | None = None,
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
-                 metrics: RouterMetrics | None = None, enable_prefix_caching: bool = False,
+                 metrics: RouterMetrics | None = None, enable_prefix_caching: bool | None = None,
                  async_scheduling: bool = True):
         self.pipeline = pipeline
         self.async_scheduling = async_scheduling
@@ -170,10 +170,14 @@ class Engine:
         self._tasks.append(asyncio.ensure_future(self._output_loop()))
 
     def _prefix_cache(self, infos: list[StageInfo], page_size: int) -> PrefixCache | None:
-        """The prefix cache over the stages' snapshot slots (the fewest any stage has)."""
-        if not self.prefix_caching:
+        """The prefix cache over the stages' snapshot slots (the fewest any stage has). With
+        ``enable_prefix_caching`` None (the default): on when every stage has a prefix cache."""
+        if self.prefix_caching is False:
             return None
         none = [i["pp_rank"] for i in infos if not i.get("snapshot_slots")]
+        if none and self.prefix_caching is None:
+            log.info("prefix caching off: stage %d has no prefix cache (--prefix-cache-gb)", none[0])
+            return None
         if none:
             raise ValueError(f"--enable-prefix-caching, but stage {none[0]} has no prefix cache: start every stage "
                              f"with --prefix-cache-gb")

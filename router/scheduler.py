@@ -31,6 +31,10 @@ from .kv_ledger import PageLedger
 from .types import ContextLengthError, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+# a prefill chunk ends where a prompt branches off a cached sequence when that caches at
+# least this many tokens more than its hit: prompts that merely start alike (a chat
+# template's opening and a first word: ShareGPT first turns share 1-5 tokens) get no split
+MIN_BRANCH_TOKENS = 8
 
 
 @dataclass
@@ -376,9 +380,12 @@ class Scheduler:
                     self.cache.use(slot)
                 req.restore_slot = slot
                 # where it branches off a cached sequence (a shared system prompt's end): a
-                # chunk ends there, so its snapshot serves the next request sharing as much
+                # chunk ends there, so its snapshot serves the next request sharing as much;
+                # not for a few tokens more than the hit (prompts that merely start alike):
+                # the split costs the request a round of its prefill
                 shared = self.cache.shared_len(req.all_ids[: req.prefill_len])
-                req.branch_at = shared - 1 if req.num_computed < shared - 1 < req.prefill_len else 0
+                branch = shared - 1 - req.num_computed >= MIN_BRANCH_TOKENS and shared - 1 < req.prefill_len
+                req.branch_at = shared - 1 if branch else 0
                 if not req.scheduled:
                     req.cached_tokens = req.num_computed
                     self.cache.count(len(req.prompt_ids), req.num_computed)

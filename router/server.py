@@ -45,9 +45,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
         add("--chunk-size", type=positive_int, default=None,
             help="prompt tokens of one request per micro-batch at most (default: the token budget)"),
         add("--max-waiting", type=positive_int, default=4096, help="queued requests before 429"),
-        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
             help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); "
-                 "off by default: not yet measured on the GPU (every stage needs --prefix-cache-gb)"),
+                 "default: on when every stage has a prefix cache (--prefix-cache-gb; ppspec serve gives each one), "
+                 "as it costs first turns no throughput (docs/PERFORMANCE.md); on requires it of every stage"),
         add("--api-key", default=None, help="bearer key required on /v1/* (default: none)"),
         add("--served-model-name", default=None, help="the model id clients send (default: the folder's name)"),
         add("--chat-template", default=None,
@@ -73,7 +74,8 @@ def router_options(args: argparse.Namespace) -> list[str]:
     for action in add_router_args(argparse.ArgumentParser(add_help=False)):
         value = getattr(args, action.dest)
         if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(action.option_strings[0 if value else 1])
+            if value is not None:
+                argv.append(action.option_strings[0 if value else 1])
         elif value is not None:
             argv += [action.option_strings[0], str(value)]
     return argv

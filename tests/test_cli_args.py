@@ -205,3 +205,28 @@ def test_chat_template_option(tmp_path):
                         str(free_port()), "--chat-template", str(tmp_path / "missing.jinja")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--chat-template" in p.stderr and "no such file" in p.stderr, p.stderr
+
+
+def test_prefix_caching_is_on_by_default_where_every_stage_has_a_cache():
+    """serve gives every stage a prefix cache unless --no-enable-prefix-caching; the router,
+    left at its default, turns caching on when every stage has one, off otherwise, and
+    refuses --enable-prefix-caching over a stage without one."""
+    from types import SimpleNamespace
+
+    from ppspec.launch.serve import build_parser as serve_parser
+    from ppspec.launch.serve import router_argv, stage_argv
+    from ppspec.router.engine import Engine
+    from ppspec.router.server import build_parser as router_parser
+
+    for flags, on in (([], None), (["--no-enable-prefix-caching"], False), (["--enable-prefix-caching"], True)):
+        a = serve_parser().parse_args(flags)
+        assert ("--prefix-cache-gb" in stage_argv(a, 0, [5001], "cpu", 1)) == (on is not False)
+        assert router_parser().parse_args(router_argv(a, [5001])[1:]).enable_prefix_caching is on
+    infos = [{"pp_rank": 0, "snapshot_slots": 8}, {"pp_rank": 1, "snapshot_slots": 5}]
+    bare = [{"pp_rank": 0, "snapshot_slots": 8}, {"pp_rank": 1, "snapshot_slots": 0}]
+    cache = Engine._prefix_cache(SimpleNamespace(prefix_caching=None), infos, 16)
+    assert cache.num_slots == 5
+    assert Engine._prefix_cache(SimpleNamespace(prefix_caching=None), bare, 16) is None
+    assert Engine._prefix_cache(SimpleNamespace(prefix_caching=False), infos, 16) is None
+    with pytest.raises(ValueError, match="stage 1 has no prefix cache"):
+        Engine._prefix_cache(SimpleNamespace(prefix_caching=True), bare, 16)

@@ -37,6 +37,17 @@ def conversations(n=4, seed=0):
     return [system + [rnd.randrange(256) for _ in range(3 + 2 * i)] for i in range(n)]
 
 
+def step(llm):
+    """One round; the router's KV charge is never below what a stage's pool holds (each
+    page charged once, whoever holds it: router/kv_ledger.py)."""
+    llm.step()
+    sched = llm.scheduler
+    for r in llm.pipeline.runners:
+        for pool in (r.kv, r.mtp_kv):
+            if pool is not None:
+                assert pool.used_pages * pool.page_size <= sched.kv_reserved <= sched.kv_tokens
+
+
 def multi_turn(llm, convs, turns=TURNS, max_tokens=6):
     """Every conversation's turns, all conversations concurrently; the next turn's prompt is
     the last one, its reply and a new message. Returns per turn the replies and the
@@ -50,9 +61,9 @@ def multi_turn(llm, convs, turns=TURNS, max_tokens=6):
             reqs.append(llm.scheduler.requests[rids[-1]])
             if t == 0 and i == 0:  # the others join once its prompt's chunks are cached
                 for _ in range(4):
-                    llm.step()
+                    step(llm)
         while llm.has_unfinished():
-            llm.step()
+            step(llm)
         outs = [llm.completions.pop(r).token_ids for r in rids]
         replies.append(outs)
         cached.append([r.cached_tokens for r in reqs])

@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", "--max-model-len", type=positive_int, default=None,
                     help="longest prompt + completion in tokens (default: the checkpoint's)")
     ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=4.0,
-                    help="GiB per stage for prefix-cache snapshots of the recurrent state (with "
-                         "--enable-prefix-caching; their KV pages come from --kv-tokens)")
+                    help="GiB per stage for prefix-cache snapshots of the recurrent state (unless "
+                         "--no-enable-prefix-caching; their KV pages come from --kv-tokens)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES,
                     help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--device", type=device_list, default="cpu",
@@ -140,7 +140,7 @@ def stage_argv(a: argparse.Namespace, k: int, ports: list[int], device: str, thr
         argv += ["--memory-budget-gb", str(a.memory_budget_gb)]
     if a.commit_design:
         argv += ["--commit-design", a.commit_design]
-    if a.enable_prefix_caching:
+    if a.enable_prefix_caching is not False:  # on by default: the router turns it on when every stage has one
         argv += ["--prefix-cache-gb", str(a.prefix_cache_gb)]
     argv += cuda_graph_argv(a)
     if a.inject_fault:

@@ -128,19 +128,19 @@ def test_kv_pool_holds_the_latent_once(make_ckpt):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_generation_equals_transformers(make_ckpt, kind):
-    """64 greedy tokens against transformers' forward over the whole sequence at each step.
-    Not ``generate``: in transformers 5.24 the first forward inside ``generate`` already gives
-    other logits than the same forward called directly (the second KDA layer's output
-    differs), while the direct forward, with or without its cache, agrees with itself."""
+def test_greedy_generation_equals_transformers_generate(make_ckpt, kind):
+    """64 greedy tokens against transformers' ``generate``. Its attention mask is passed: the
+    checkpoints' pad_token_id is 0, and without a mask ``generate`` takes every 0 in the
+    prompt for padding (the KDA layers then zero that token's input)."""
     path = make_ckpt(kind)
     hf = hf_model(path)
     prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    ids = list(prompt)
+    x = torch.tensor([prompt])
     with torch.no_grad():
-        for _ in range(64):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    ref = ids[12:]
+        # no EOS, as ignore_eos (min_new_tokens would forbid the EOS token where it is the argmax)
+        hf.generation_config.eos_token_id = None
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)[0, 12:].tolist()
+    assert len(ref) == 64
     out = LLM(path, max_rows=4).generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0]
     assert out.token_ids == ref
 

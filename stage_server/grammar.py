@@ -248,6 +248,8 @@ class GrammarRows:
         """The mask of an MTP draft chain over the micro-batch's constrained requests that
         draft (``wants[b]``), from their matchers' states now (after the verify's
         :meth:`advance`); None when none is constrained."""
+        if not self.matchers:  # the common case: no constrained row at all
+            return None
         batch = [b for b, r in enumerate(rows) if r in self.matchers and wants[b]]
         if not batch:
             return None

@@ -270,6 +270,9 @@ def test_tokenize_detokenize_version(server, engine, tokenizer):
     assert _post(server, "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}).status_code == 400
     assert _post(server, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
     assert httpx.get(f"{server}/version").json() == {"version": ppspec.__version__}
+    for method in ("GET", "POST"):  # vLLM's /ping answers as /health
+        r = httpx.request(method, f"{server}/ping")
+        assert r.status_code == 200 and r.json() == httpx.get(f"{server}/health").json()
 
 
 def test_cli_version(capsys):

@@ -132,6 +132,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         return JSONResponse({"version": __version__})
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read the status alone
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's probe): the same answer
     async def health() -> JSONResponse:
         try:
             ok, detail = engine.health()

@@ -160,13 +160,14 @@ class KVPool:
 COMMIT_DESIGNS = ("copy", "replay")
 
 
-def alloc_state(spec: StateSpec, lead: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeros ``[*lead, *spec.shape]`` in ``spec.dtype`` (None: ``dtype``). A column-major
+def alloc_state(spec: StateSpec, lead: tuple[int, ...], dtype: torch.dtype, device, zero: bool = True) -> torch.Tensor:
+    """Zeros ``[*lead, *spec.shape]`` in ``spec.dtype`` (None: ``dtype``); ``zero=False``:
+    uninitialised (on a CPU, pages never written are never touched). A column-major
     spec (conv windows) is stored with its last two dims swapped and seen through a
     transpose: each row's window is still one dense block, a step's column ``C``
     consecutive elements (``kernels/conv1d/triton_update.py`` loads them coalesced)."""
     shape = spec.shape if not spec.column_major else (*spec.shape[:-2], spec.shape[-1], spec.shape[-2])
-    t = torch.zeros(*lead, *shape, dtype=spec.dtype or dtype, device=device)
+    t = (torch.zeros if zero else torch.empty)(*lead, *shape, dtype=spec.dtype or dtype, device=device)
     return t.transpose(-1, -2) if spec.column_major else t
 
 

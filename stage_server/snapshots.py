@@ -60,8 +60,10 @@ class SnapshotPool:
         self.num_slots, self.state, self.kvs, self.fault = num_slots, state, kvs, fault
         self.saved: dict[str, torch.Tensor] = {}
         if state is not None:
+            # uninitialised: take() writes a slot before any restore reads it, and a CPU stage
+            # touches only the slots it uses (zeroing 4 GiB took seconds and all of it at start)
             self.saved = {s.name: alloc_state(s, (state.state[s.name].shape[0], num_slots), state.state[s.name].dtype,
-                                              state.state[s.name].device) for s in state.layout.state}
+                                              state.state[s.name].device, zero=False) for s in state.layout.state}
         self.lens: dict[int, int] = {}
         self.pages: dict[int, list[list[int]]] = {}
         self._precommit: dict[int, dict[str, torch.Tensor]] = {}  # FAULT_SNAPSHOT_BEFORE_COMMIT

@@ -86,3 +86,15 @@ def test_stage_processes_with_ngram_match_pp1(processes_ref, pp, tmp_path):
     real, _ = divergences(outs, ref, gaps)
     assert not real, f"divergences beyond near-ties at (request, position) {real}"
     assert all(i.rows_in_use == 0 and i.kv_pages_used == 0 for i in infos)
+
+
+@pytest.mark.slow
+def test_stage_processes_catch_a_positional_commit(processes_ref, tmp_path):
+    """Over real processes the same comparison fails when the stages commit the verify's
+    batch positions instead of its rows (replay design: the positions' pending counters)."""
+    path, prompts, ref, gaps = processes_ref
+    with Cluster(path, 3, "ngram", max_rows=16, fault="positional_scratch", commit_design="replay",
+                 log_dir=str(tmp_path)) as c:
+        outs = complete(c.url, prompts, max_tokens=24)
+    real, _ = divergences(outs, ref, gaps)
+    assert real, "committing batch positions went unnoticed"

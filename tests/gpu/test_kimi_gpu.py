@@ -105,20 +105,21 @@ def test_kda_decode_verify_replay_triton(dev, B, D, K, V, dtype):
     o2 = kda_recurrent_replay_triton(*map(on, x), rp_gpu, on(idx), b_gpu)
     assert _rel_err(o2.cpu(), o2_ref) < tol and _rel_err(o2.cpu(), o_ref) < tol
     for b in (b_ref, b_gpu):
-        commit_accept_replay_ref(b.pending, b.slot, b.pending.new_tensor(idx.tolist()).long().to(b.pending.device),
-                                 acc.to(b.pending.device))
+        commit_accept_replay_ref(b.pending, b.slot, idx.to(b.pending.device), acc.to(b.pending.device))
+    copy = lambda b: type(b)(*(t.clone() for t in b))  # noqa: E731
+
+    # a replay decode applies the pending steps first, then its own token
+    d_ref, d_gpu, db_ref, db_gpu = rp_ref.clone(), rp_gpu.clone(), copy(b_ref), copy(b_gpu)
+    y = _kda_inputs(B, 1, H, K, V, dtype, seed=99)
+    o3_ref = replay_ref(*y, d_ref, idx, db_ref, verify=False)
+    o3 = kda_recurrent_replay_triton(*map(on, y), d_gpu, on(idx), db_gpu, verify=False)
+    assert _rel_err(o3.cpu(), o3_ref) < tol and _rel_err(d_gpu.cpu(), d_ref) < tol
+
+    # the flush gives the copy design's committed state
     replay_flush_ref(rp_ref, b_ref, idx)
     kda_replay_flush_triton(rp_gpu, b_gpu, on(idx))
     assert _rel_err(rp_gpu.cpu(), rp_ref) < tol and _rel_err(rp_gpu.cpu(), ref_pool) < tol
-    assert int(b_gpu.pending.abs().sum()) == 0
-
-    # a replay decode applies the pending steps first
-    for b in (b_ref, b_gpu):
-        commit_accept_replay_ref(b.pending, b.slot, idx.to(b.pending.device), acc.to(b.pending.device))
-    y = [t[:, :1] for t in _kda_inputs(B, 1, H, K, V, dtype, seed=99)]
-    o3_ref = replay_ref(*y, rp_ref, idx, b_ref, verify=False)
-    o3 = kda_recurrent_replay_triton(*map(on, y), rp_gpu, on(idx), b_gpu, verify=False)
-    assert _rel_err(o3.cpu(), o3_ref) < tol and _rel_err(rp_gpu.cpu(), rp_ref) < tol
+    assert int(b_gpu.pending.abs().sum()) == 0 and int(db_gpu.pending.abs().sum()) == 0
     others = [r for r in range(rows + 1) if r not in idx.tolist()]
     assert torch.equal(rp_gpu[others].cpu(), pool[others])
 

@@ -118,7 +118,8 @@ def _timed_request(url: str, prompt, max_tokens: int) -> float:
 def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ppspec.cli", "serve", "--model", a.model, "--pp-size", str(pp),
+    model = os.path.abspath(a.model) if os.path.exists(a.model) else a.model
+    cmd = [sys.executable, "-m", "ppspec.cli", "serve", "--model", model, "--pp-size", str(pp),
            "--speculative-algorithm", a.spec, "--device", a.device, "--dtype", a.dtype, "--port", str(port),
            "--max-rows", str(a.max_rows), "--max-batch-size", str(a.max_rows), "--kv-tokens", str(a.kv_tokens),
            "--served-model-name", "m"]
@@ -129,7 +130,10 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
     log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-pp{pp}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # the baseline runs in its own folder: ``python -m`` puts the working directory first on
+    # sys.path, and a checkout's root (its ``ppspec`` package) would shadow PYTHONPATH
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=pythonpath or None)
     try:
         deadline = time.monotonic() + a.startup_timeout
         while not _healthy(url):

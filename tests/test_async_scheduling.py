@@ -275,3 +275,30 @@ def test_async_rounds_on_real_stages_give_the_synchronous_tokens(make_ckpt):
     assert {r for _, r in ref} == {"stop", "length"}
     assert asyncio.run(serve(True, eos)) == ref
     assert sum(f > 0 for f in follows) > len(follows) // 2  # most rounds followed the one before
+
+
+def test_with_the_prefix_cache_only_requests_nothing_can_stop_continue():
+    """With the prefix cache a request that can stop (EOS, a stop id) waits for its round's
+    result: ending with a round in flight would cost its row's snapshot for the next turn.
+    One that nothing but its length ends continues; when an abort (a stop string) ends it
+    with a round in flight, its row is released after that round, without a snapshot (the
+    state moved past the tokens a snapshot would be filed under)."""
+    from ppspec.router.prefix_cache import PrefixCache
+    from ppspec.router.scheduler import Scheduler
+
+    sched = Scheduler(max_rows=4, kv_tokens=4096, max_context=256, page_size=16, eos_token_ids=[EOS],
+                      prefix_cache=PrefixCache(8, 16), async_scheduling=True)
+    sched.add("stoppable", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
+    first = sched.schedule(0)
+    assert first.mode == "prefill" and sched.schedule(0) is None  # waits for the result
+    sched.process(first, [[4]])
+    sched.add("endless", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    mixed = sched.schedule(0)  # stoppable's decode, endless's prompt
+    ahead = sched.schedule(0)  # endless continues before the result; stoppable does not
+    assert [r.request_id for r in ahead.requests] == ["endless"] and ahead.follows_round == mixed.round
+    assert ahead.input_ids == [FOLLOWS] and ahead.seq_lens == [3]
+    assert sched.abort("endless", "stop") == []  # in flight: released after its rounds
+    up = sched.process(mixed, [[5], [8]])
+    assert up.release_rows == [] and sched._row_snapshots == {}  # held by `ahead`, no snapshot
+    up = sched.process(ahead, [[9]])
+    assert len(up.release_rows) == 1 and not up.outputs and sched._row_snapshots == {}

@@ -84,6 +84,35 @@ QWEN35_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num
                  linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                  max_position_embeddings=8192)
 
+# Kimi Linear at about the same size (0.99B): KDA layers of 16 heads of 128, MLA every 4th
+# layer (layers 4 and 8, transformers' default pattern), a dense first layer, then 16
+# experts of 512 (top 4) and one shared expert
+KIMI_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+               num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
+               qk_rope_head_dim=64, v_head_dim=128, linear_num_heads=16, linear_head_dim=128,
+               moe_intermediate_size=512, num_local_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+               n_group=1, topk_group=1, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def make_random_kimi_checkpoint(torch, path, device="cuda", **shape) -> int:
+    """Save a randomly initialised Kimi-Linear-shaped checkpoint (bf16) at ``path``:
+    transformers' ``KimiLinearForCausalLM`` with ``shape`` (default :data:`KIMI_1B`) and the
+    demo checkpoint's tokenizer files. Returns its parameter count (all experts)."""
+    import shutil
+
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from ppspec.router.llm import DEMO_MODEL
+
+    with torch.device(device):
+        m = KimiLinearForCausalLM(KimiLinearConfig(**{**KIMI_1B, **shape})).to(torch.bfloat16)
+    m.save_pretrained(path)
+    n = sum(p.numel() for p in m.parameters())
+    del m
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(DEMO_MODEL, name), path)
+    return n
+
 
 def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int:
     """Save a randomly initialised Qwen3.5-shaped checkpoint (bf16) at ``path``: transformers'
@@ -136,11 +165,16 @@ def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int
 def step_bytes(r, batch, ctx) -> tuple[int, int, int]:
     """Bytes a decode step of ``batch`` requests at context ``ctx`` must read: ``(weights,
     KV, state)``. Every weight but the embedding table (one row per token) and the MTP
-    head; the state read and written once."""
+    head, of a routed MoE's experts at most the ``batch x top-k`` the tokens pick; keys and
+    values once where the pool shares them (MLA's latent); the state read and written once."""
     c = r.cfg
-    weights = sum(p.numel() * p.element_size() for n, p in r.model.named_parameters()
-                  if not n.startswith(("mtp.", "embed_tokens.")))
-    kv = len(c.attention_layers) * batch * ctx * 2 * c.num_key_value_heads * c.head_dim * 2
+    weights = 0
+    for n, p in r.model.named_parameters():
+        if n.startswith(("mtp.", "embed_tokens.")):
+            continue
+        share = min(1.0, batch * c.num_experts_per_tok / c.num_experts) if ".experts." in n else 1.0
+        weights += int(p.numel() * p.element_size() * share)
+    kv = len(c.attention_layers) * batch * ctx * (1 if r.model.shared_kv else 2) * c.num_key_value_heads * c.head_dim * 2
     state = len(c.linear_layers) * batch * 2 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     return weights, kv, state
 
@@ -238,14 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-demo", action="store_true", help="only the bandwidth and the 1B steps")
     ap.add_argument("--batch", default="1,16,64", help="1B batch sizes (comma-separated)")
     ap.add_argument("--skip-eager", action="store_true", help="1B decode with CUDA graphs only")
+    ap.add_argument("--family", choices=("qwen3_5", "kimi_linear"), default="qwen3_5",
+                    help="the random 1B checkpoint's family: Qwen3.5 (GDN) or Kimi Linear (KDA + MLA + MoE)")
     ap.add_argument("--make-1b", metavar="PATH", default=None,
                     help="only save the random 1B checkpoint (with a random MTP head) at PATH and exit")
     a = ap.parse_args(argv)
     import torch
 
+    make = make_random_kimi_checkpoint if a.family == "kimi_linear" else make_random_checkpoint
     if a.make_1b:
-        n = make_random_checkpoint(torch, a.make_1b, "cuda" if torch.cuda.is_available() else "cpu")
-        print(f"saved {a.make_1b}: {n / 1e9:.2f} B parameters + MTP head")
+        n = make(torch, a.make_1b, "cuda" if torch.cuda.is_available() else "cpu")
+        print(f"saved {a.make_1b}: {n / 1e9:.2f} B parameters" + (" + MTP head" if a.family == "qwen3_5" else ""))
         return 0
     from transformers import AutoTokenizer
 
@@ -274,10 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntime to first token, batch 1, {len(prompts[0])}-token prompt, MTP: {graphs * 1e3:.2f} ms "
               f"(eager prefill: {eager * 1e3:.2f} ms)")
     if not a.skip_1b:
-        path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
-        n = make_random_checkpoint(torch, path)
+        path = os.path.join(tempfile.mkdtemp(), f"{a.family}-1b")
+        n = make(torch, path)
         torch.cuda.empty_cache()
-        print(f"\nrandom Qwen3.5-shaped checkpoint: {n / 1e9:.2f} B parameters, bf16, context 1024; a verify "
+        print(f"\nrandom {a.family}-shaped checkpoint: {n / 1e9:.2f} B parameters, bf16, context 1024; a verify "
               "round is D = 4 tokens per request plus its commit\n")
         print("| batch | decode step, CUDA graphs (ms) | eager (ms) | roofline (ms) | graphs / roofline | "
               "verify round (ms) | verify / decode (range over blocks) | weight MB | KV MB | state MB |")

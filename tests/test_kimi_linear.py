@@ -191,3 +191,26 @@ def test_tensor_of_wrong_shape_is_named(make_ckpt, tmp_path):
     save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
         StageRunner(path, max_rows=1)
+
+
+def test_gpu_bench_kimi_checkpoint_and_step_bytes(tmp_path):
+    """gpu_bench's random Kimi checkpoint (here at toy size) loads, its decode and verify
+    round run, and a decode step's bytes count the MLA latent once and, at batch 1, only the
+    top-k of the routed experts."""
+    from ppspec.bench.gpu_bench import decode_and_verify, make_random_kimi_checkpoint, step_bytes
+
+    path = str(tmp_path / "kimi")
+    shape = dict(vocab_size=8192, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+                 num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                 linear_num_heads=2, linear_head_dim=16, moe_intermediate_size=32, num_local_experts=8,
+                 num_experts_per_tok=2, max_position_embeddings=512)
+    n = make_random_kimi_checkpoint(torch, path, "cpu", **shape)
+    dec, ver, ratios, r = decode_and_verify(torch, path, 1, 16, repeats=2, n=1, device="cpu", dtype=torch.float32)
+    assert n > 0 and dec > 0 and ver > 0 and len(ratios) == 2
+    w, kv, st = step_bytes(r, 1, 16)
+    assert kv == 1 * 16 * (32 + 8) * 2  # layer 4 (MLA) x 16 tokens x one latent of 40, 2 bytes each
+    experts = sum(p.numel() * 4 for name, p in r.model.named_parameters() if ".experts." in name)
+    others = sum(p.numel() * 4 for name, p in r.model.named_parameters()
+                 if ".experts." not in name and not name.startswith("embed_tokens."))
+    assert w == others + experts * 2 // 8
+    assert st == 4 * 2 * 4 * 2 * 16 * 16  # 4 KDA layers, read and written, fp32 [2, 16, 16]

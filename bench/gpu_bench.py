@@ -84,9 +84,9 @@ QWEN35_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num
                  linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                  max_position_embeddings=8192)
 
-# Kimi Linear at about the same size (0.96B parameters, 0.55B read per token): KDA layers of 16 heads of 128, MLA every 4th
-# layer (layers 4 and 8, transformers' default pattern), a dense first layer, then 16
-# experts of 512 (top 4) and one shared expert
+# Kimi Linear at about the same size (0.96B parameters, 0.55B read per token): KDA layers of
+# 16 heads of 128, MLA every 4th layer (layers 4 and 8, transformers' default pattern), a
+# dense first layer, then 16 experts of 512 (top 4) and one shared expert
 KIMI_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
                num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
                qk_rope_head_dim=64, v_head_dim=128, linear_num_heads=16, linear_head_dim=128,

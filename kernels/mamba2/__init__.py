@@ -1,6 +1,69 @@
-"""Mamba2 (SSD) state-space scan: chunked prefill, recurrent decode/verify and replay at
-stable rows. Today only the plain-torch reference (``naive.py``) exists; it is the oracle
-the GPU kernels will be checked against."""
-from .naive import chunk_scan_ref, discretize, gated_rms_norm_ref, recurrent_ref, replay_ref
+"""Mamba2 (SSD) state-space scan at stable rows: chunked prefill, recurrent decode / verify
+(both commit designs) and the replay of accepted verify steps, one dispatch per op.
 
-__all__ = ["chunk_scan_ref", "discretize", "gated_rms_norm_ref", "recurrent_ref", "replay_ref"]
+The plain-torch reference (``naive.py``, ``naive_replay.py``) is the CPU path and the
+oracle; on CUDA the same torch code runs on the device (``mamba2_recurrent*`` take a
+Triton kernel from ``triton_recurrent`` where that module imports).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_rows as _check_rows
+from ..dispatch import pick
+from .naive import chunk_scan_ref, discretize, gated_rms_norm_ref, recurrent_ref, replay_ref
+from .naive_replay import (Mamba2ReplayBuffers, alloc_mamba2_replay_buffers, recurrent_replay_ref,
+                           replay_flush_ref)
+
+__all__ = [
+    "chunk_scan_ref", "discretize", "gated_rms_norm_ref", "recurrent_ref", "replay_ref",
+    "Mamba2ReplayBuffers", "alloc_mamba2_replay_buffers",
+    "mamba2_prefill_rows", "mamba2_recurrent", "mamba2_recurrent_replay", "mamba2_replay_flush",
+]
+
+
+def mamba2_prefill_rows(x, dt, A, B, C, D, dt_bias, cu_seqlens, state, req_pool_indices, has_init,
+                        dt_limit=(0.0, float("inf")), chunk_size: int = 64):
+    """Chunked scan of packed sequences at stable rows of the state pool, in place: sequence
+    ``b`` starts from ``state[req_pool_indices[b]]`` where ``has_init[b]`` (a continuing
+    chunked prefill), else from zeros, and its final state is written back there.
+
+    x ``[T, H, P]``, dt ``[T, H]`` raw, B, C ``[T, G, N]``, A, D, dt_bias ``[H]``,
+    cu_seqlens ``[Bs + 1]`` int64, state ``[R, H, P, N]`` fp32, req_pool_indices ``[Bs]``
+    int64 (distinct), has_init ``[Bs]`` bool. Returns y ``[T, H, P]`` in x's dtype.
+
+    Raises:
+        IndexError: a row outside the pool, before anything is written.
+    """
+    _check_rows(req_pool_indices, state.shape[0])
+    rows = req_pool_indices
+    zero = torch.zeros((), dtype=state.dtype, device=state.device)
+    init = torch.where(has_init.view(-1, 1, 1, 1), state[rows], zero)
+    y, final = chunk_scan_ref(x, dt, A, B, C, D, dt_bias, cu_seqlens, init, chunk_size, dt_limit)
+    state[rows] = final.to(state.dtype)
+    return y
+
+
+def mamba2_recurrent(x, dt, A, B, C, D, dt_bias, state, req_pool_indices, scratch=None,
+                     dt_limit=(0.0, float("inf"))):
+    """Decode (``scratch=None``: the final state written to ``state[row]``) or copy-design
+    verify (the state after step t to ``scratch[row, t]``); shapes as
+    :func:`naive.recurrent_ref`. Raises IndexError before any write on a row outside the pool."""
+    _check_rows(req_pool_indices, state.shape[0])
+    fn = pick(x.is_cuda, "mamba2.triton_recurrent", "mamba2_recurrent_triton", recurrent_ref)
+    return fn(x, dt, A, B, C, D, dt_bias, state, req_pool_indices, scratch, dt_limit=dt_limit)
+
+
+def mamba2_recurrent_replay(x, dt, A, B, C, D, dt_bias, state, req_pool_indices, bufs: Mamba2ReplayBuffers,
+                            verify: bool = True, dt_limit=(0.0, float("inf"))):
+    """Replay design: the rows' pending accepted steps first, then a verify (its steps'
+    inputs recorded) or a decode; semantics of :func:`naive_replay.recurrent_replay_ref`."""
+    _check_rows(req_pool_indices, state.shape[0])
+    fn = pick(x.is_cuda, "mamba2.triton_recurrent", "mamba2_recurrent_replay_triton", recurrent_replay_ref)
+    return fn(x, dt, A, B, C, D, dt_bias, state, req_pool_indices, bufs, verify, dt_limit)
+
+
+def mamba2_replay_flush(state, bufs: Mamba2ReplayBuffers, req_pool_indices) -> None:
+    """Apply the rows' pending accepted steps to ``state[row]`` now (``pending[row]`` becomes 0)."""
+    _check_rows(req_pool_indices, state.shape[0])
+    replay_flush_ref(state, bufs, req_pool_indices)

@@ -42,11 +42,21 @@ def _expand_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if g == heads else x.repeat_interleave(heads // g, dim=-2)
 
 
+def ssd_decay(dt_t, A):
+    """``exp(dt A)``: a step's state decay, ``[..., H]`` fp32 (dt discretized)."""
+    return torch.exp(dt_t * A.float())
+
+
+def ssd_apply(s, x_t, dt_t, a_t, B_t):
+    """``a s + dt x B^T`` on ``s`` ``[B, H, P, N]`` fp32, with the step's decay ``a_t``
+    (:func:`ssd_decay`) ``[B, H]``; other shapes as :func:`ssd_step`."""
+    return a_t[..., None, None] * s + (dt_t[..., None] * x_t.float()).unsqueeze(-1) * B_t.float().unsqueeze(-2)
+
+
 def ssd_step(s, x_t, dt_t, A, B_t):
     """One state update on ``s`` ``[B, H, P, N]`` fp32: ``exp(dt A) s + dt x B^T``.
     x_t ``[B, H, P]``, dt_t ``[B, H]`` (discretized), A ``[H]``, B_t ``[B, H, N]`` (heads expanded)."""
-    a = torch.exp(dt_t * A.float())[..., None, None]
-    return a * s + (dt_t[..., None] * x_t.float()).unsqueeze(-1) * B_t.float().unsqueeze(-2)
+    return ssd_apply(s, x_t, dt_t, ssd_decay(dt_t, A), B_t)
 
 
 def ssd_read(s, x_t, C_t, D):

@@ -62,6 +62,43 @@ KINDS.update({
 })
 
 
+# NemotronH (Mamba2 hybrid): name -> config overrides of NEMOTRON_BASE. "a": 6 blocks (PP 4
+# splits them 2/2/1/1), GQA 4:2, 2 groups of B/C; "b": 7 blocks, GQA 6:2, 3 groups, conv width
+# 3, projection biases, tied embeddings, 8 experts in 2 routing groups
+NEMOTRON_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, head_dim=16, max_position_embeddings=2048, initializer_range=0.1,
+    intermediate_size=96, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, chunk_size=16,
+)
+NEMOTRON_KINDS = {
+    "nemotron_h_a": dict(hybrid_override_pattern="M*M-ME", num_attention_heads=4, num_key_value_heads=2,
+                         mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                         n_routed_experts=4, num_experts_per_tok=2),
+    "nemotron_h_b": dict(hybrid_override_pattern="M-ME*MM", num_attention_heads=6, num_key_value_heads=2,
+                         mamba_num_heads=6, mamba_head_dim=12, n_groups=3, ssm_state_size=8, conv_kernel=3,
+                         use_bias=True, tie_word_embeddings=True, n_routed_experts=8, num_experts_per_tok=2,
+                         n_group=2, topk_group=1, routed_scaling_factor=1.5),
+}
+
+
+def _make_nemotron(kind: str, path: str, seed: int) -> None:
+    """A random NemotronH checkpoint. transformers initialises biases to zero, D to ones and
+    the router's correction bias to zero: random ones, so that a misplaced one shows."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{**NEMOTRON_BASE, **NEMOTRON_KINDS[kind]})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".bias", ".D")):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.normal_(1.0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+
+
 def _model_class(model_type: str):
     import transformers as tf
 
@@ -128,6 +165,10 @@ def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> st
     """Write checkpoint ``kind`` (see KINDS) under ``root``; returns its folder."""
     path = os.path.join(root, kind)
     if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if kind in NEMOTRON_KINDS:  # no MTP head: transformers' NemotronH has none
+        _make_nemotron(kind, path, seed)
+        add_tokenizer(path)
         return path
     model_type, over = KINDS[kind]
     cfg_cls, model_cls = _model_class(model_type)

@@ -1,0 +1,50 @@
+"""Checkpoint tensor names of a NemotronH stage: the model's parameter names under the
+checkpoint's decoder prefix (``backbone.`` in published checkpoints and in what
+transformers 5.24's ``save_pretrained`` writes; ``model.`` as transformers names them in
+memory), and per-expert MoE weights (``experts.{e}.up_proj.weight``) stacked into
+``experts.up_proj`` / ``experts.down_proj``."""
+from __future__ import annotations
+
+import torch
+
+from ...fields import CheckpointError
+from .config import NemotronHConfig
+
+PREFIXES = ("backbone.", "model.")
+
+
+def resolve_prefix(cfg: NemotronHConfig, reader) -> None:
+    """Set ``cfg.weight_prefix`` to the prefix the checkpoint's decoder tensors carry.
+
+    Raises CheckpointError when no tensor carries either prefix."""
+    for p in PREFIXES:
+        if any(k.startswith(p) for k in reader.where):
+            cfg.weight_prefix = p
+            return
+    raise CheckpointError(f"{reader.model_dir}: no tensor under {' or '.join(PREFIXES)} (not a NemotronH checkpoint)")
+
+
+def checkpoint_key(cfg: NemotronHConfig, name: str) -> str:
+    """Checkpoint key of a ``NemotronHStageModel`` parameter name (before stacking experts)."""
+    return name if name == "lm_head.weight" else cfg.weight_prefix + name
+
+
+def read_param(reader, cfg: NemotronHConfig, name: str, cache: dict) -> torch.Tensor:
+    key = checkpoint_key(cfg, name)
+    if key in reader:
+        return reader.get(key)
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return reader.get(cfg.weight_prefix + "embeddings.weight")
+    for leaf in ("up_proj", "down_proj"):
+        if key.endswith(f".experts.{leaf}"):
+            experts = key.rsplit(".", 1)[0]
+            first = f"{experts}.0.{leaf}.weight"
+            if first not in reader:
+                raise CheckpointError(f"{reader.model_dir}: tensor {key!r} missing (neither stacked nor "
+                                      f"per-expert weights found)")
+            return torch.stack([reader.get(f"{experts}.{e}.{leaf}.weight") for e in range(cfg.n_routed_experts)])
+    return reader.get(key)  # raises, naming the tensor
+
+
+# kept fp32 in a bf16 stage, as transformers' ``_keep_in_fp32_modules_strict``: the router
+KEEP_FP32 = (".mixer.gate.weight", ".mixer.gate.e_score_correction_bias")

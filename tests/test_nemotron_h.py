@@ -1,0 +1,248 @@
+"""NemotronH (the Mamba2 hybrid family, ``stage_server/mamba2``) against Hugging Face
+transformers on the same random checkpoints (written by transformers itself; fp32, CPU):
+logits of prefill, decode and verify under both commit designs, layer-range slices, greedy
+generation against ``generate``, and a checkpoint setting we do not serve.
+
+transformers' Mamba2 mixer clamps ``dt`` below at ``time_step_min`` in its chunked scan
+(prompts, and several tokens fed at once) and not in its one-token update; a verify of D
+tokens is D decode steps (the tokens PP1 without speculation emits), so its reference is
+transformers fed one token at a time.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+
+from ppspec.proto.messages import StepInput
+from ppspec.router.llm import LLM
+from ppspec.router.types import SamplingParams
+from ppspec.stage_server.config import CheckpointError, load_config
+from ppspec.stage_server.loader import load_stage_model
+from ppspec.stage_server.runner import StageRunner, split_layers
+
+KINDS = ["nemotron_h_a", "nemotron_h_b"]
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_reference(model, ids, n_prompt, n_steps):
+    """Logits at every position of ``ids`` as transformers computes them in generation:
+    the first ``n_prompt`` tokens in one forward, the next ``n_steps`` one at a time, the
+    rest in one forward continuing from the cache (the chunked scan from its state)."""
+    out = model(torch.tensor([ids[:n_prompt]]), use_cache=True)
+    logits, cache = [out.logits[0]], out.cache
+    for t in ids[n_prompt:n_prompt + n_steps]:
+        out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+        logits.append(out.logits[0])
+        cache = out.cache
+    rest = ids[n_prompt + n_steps:]
+    if rest:
+        logits.append(model(torch.tensor([rest]), cache=cache, use_cache=True).logits[0])
+    return torch.cat(logits)
+
+
+def run(runners, inp):
+    """Chain the slices: each runner's hidden states feed the next; logits from the last."""
+    h = None
+    for r in runners:
+        inp.hidden_states = h
+        meta, h = r.forward_hidden(inp)
+    return runners[-1].model.logits(h)
+
+
+def close(got, ref):
+    return (got - ref).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_decode_verify_logits_match_transformers(make_ckpt, kind, design):
+    path = make_ckpt(kind)
+    hf = hf_model(path)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randint(0, 256, (48,), generator=g).tolist()
+    b = torch.randint(0, 256, (30,), generator=g).tolist()
+    # a: prompt 34 tokens, 6 verified / decoded, then a prefill chunk of 8; b: 19, 6, 5
+    ref_a, ref_b = hf_reference(hf, a, 34, 6), hf_reference(hf, b, 19, 6)
+    assert ref_a.abs().max() > 0.5, "logits too small for a meaningful comparison"
+    r = [StageRunner(path, max_rows=8, num_speculative_steps=3, commit_design=design)]
+    D = 4
+    # chunked prefill of both at rows 5 and 2 (not batch positions)
+    got = run(r, StepInput(0, 0, "prefill", [5, 2], [0, 0], [24, 10], a[:24] + b[:10]))
+    assert close(got[:24], ref_a[:24]) and close(got[24:], ref_b[:10])
+    got = run(r, StepInput(0, 1, "prefill", [5, 2], [24, 10], [10, 9], a[24:34] + b[10:19]))
+    assert close(got[:10], ref_a[24:34]) and close(got[10:], ref_b[10:19])
+    # verify D tokens each, commit different accept lengths
+    got = run(r, StepInput(0, 2, "verify", [5, 2], [34, 19], [D, D], a[34:38] + b[19:23], num_drafts=[3, 3]))
+    assert close(got[:D], ref_a[34:38]) and close(got[D:], ref_b[19:23])
+    r[0].commit_accept(0, 2, [5, 2], [3, 1])
+    # a holds 37 tokens, b 20: decode continues from the committed state
+    got = run(r, StepInput(0, 3, "decode", [5, 2], [37, 20], [1, 1], [a[37], b[20]]))
+    assert close(got[0], ref_a[37]) and close(got[1], ref_b[20])
+    got = run(r, StepInput(0, 4, "verify", [5, 2], [38, 21], [D, D], a[38:40] + [0, 0] + b[21:25], num_drafts=[1, 3]))
+    assert close(got[:2], ref_a[38:40]) and close(got[D:], ref_b[21:25])
+    r[0].commit_accept(0, 4, [5, 2], [2, 4])
+    # a prefill chunk continuing each row after the commit (replay: its pending steps first)
+    got = run(r, StepInput(0, 5, "prefill", [5, 2], [40, 25], [8, 5], a[40:48] + b[25:30]))
+    assert close(got[:8], ref_a[40:48]) and close(got[8:], ref_b[25:30])
+
+
+def test_layer_slices_chain_to_the_whole_model(make_ckpt):
+    """7 blocks over PP 2 to 4 (uneven splits): each slice holds only its blocks and pools,
+    and the chained slices give the whole model's logits."""
+    path = make_ckpt("nemotron_h_b")
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    whole = run([StageRunner(path, max_rows=2)], StepInput(0, 0, "prefill", [0], [0], [30], ids))
+    for pp in (2, 3, 4):
+        runners = [StageRunner(path, k, pp, max_rows=2) for k in range(pp)]
+        assert [(r.model.start, r.model.end) for r in runners] == split_layers(7, pp)
+        assert not hasattr(runners[-1].model, "embed_tokens") and not hasattr(runners[0].model, "lm_head")
+        for r in runners:  # a stage without Mamba2 blocks holds no state pool, one without attention no KV
+            assert (r.state is not None) == bool(r.model.state_layers)
+            assert (r.kv is not None) == bool(r.model.kv_layers)
+        sliced = run(runners, StepInput(0, 0, "prefill", [1], [0], [30], ids))
+        assert (sliced - whole).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind,spec", [("nemotron_h_a", "none"), ("nemotron_h_b", "ngram")])
+def test_greedy_generation_equals_transformers_generate(make_ckpt, kind, spec):
+    path = make_ckpt(kind)
+    prompt = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 9, 31] * 2
+    with torch.no_grad():
+        ref = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(path, max_rows=4, speculative_algorithm=spec, num_speculative_steps=3)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0].token_ids
+    assert out == ref
+
+
+def _edit(src, dst, fn):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    fn(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda c: c.update(mlp_hidden_act="silu"), "mlp_hidden_act"),
+    (lambda c: c.update(mamba_ssm_cache_dtype="float16"), "mamba_ssm_cache_dtype"),
+    (lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="M*X-")), "hybrid_override_pattern"),
+    (lambda c: c.update(layers_block_type=["linear_attention", "sliding_attention"]), "layers_block_type"),
+    (lambda c: c.update(n_groups=3), "n_groups"),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (lambda c: c.update(ssm_state_size=32), "mixer.in_proj.weight"),
+])
+def test_a_setting_we_do_not_serve_names_the_file_and_field(make_ckpt, tmp_path, edit, field):
+    path = _edit(__import__("pathlib").Path(make_ckpt("nemotron_h_a")), tmp_path / "bad", edit)
+    with pytest.raises(CheckpointError) as e:
+        load_stage_model(str(path))
+    msg = str(e.value)
+    # a config field names config.json; a tensor of the wrong shape names its file and key
+    assert field in msg and ("config.json" in msg or "model.safetensors" in msg), msg
+    assert load_config(make_ckpt("nemotron_h_a")).layer_types[:2] == ["linear_attention", "full_attention"]
+
+
+# ---------------------------------------------------------------- speculation and the commit
+# the drivers of the GDN invariance suite, on this family's checkpoint
+from test_spec_invariance import Oracle, check_design, drive, record_rounds, spy_replay_commits  # noqa: E402
+from ppspec.stage_server.runner import FAULTS  # noqa: E402
+
+N_REQ = 8
+
+
+def small_workload(seed=0):
+    import random
+
+    rnd = random.Random(seed)
+    reqs = []
+    for i in range(N_REQ):
+        n = rnd.choice([3, 9, 17, 40, 70])
+        prompt = [rnd.randrange(256) for _ in range(n)]
+        if i % 3 == 0:  # repetitive prompts give the n-gram drafter something to find
+            prompt = (prompt[:5] * 20)[:n]
+        reqs.append(dict(prompt=prompt, max_tokens=rnd.randint(10, 24), join_step=rnd.randint(0, 8)))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def spec_setup(make_ckpt):
+    torch.set_num_threads(1)
+    path = make_ckpt("nemotron_h_a")
+    reqs = small_workload()
+    return path, reqs, drive(LLM(path, max_rows=N_REQ), reqs)
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+@pytest.mark.parametrize("spec,pp,lanes", [("oracle", 1, 1), ("ngram", 2, 2), ("oracle", 3, 2), ("oracle", 4, 3)])
+def test_speculation_matches_pp1_without_speculation(spec_setup, spec, pp, lanes, design):
+    """Greedy tokens of PP 1 to 4 with n-gram or oracle drafts (every accept length 1..D,
+    requests joining and leaving, micro-batches in flight) equal PP1 without speculation."""
+    path, reqs, ref = spec_setup
+    kw = dict(drafter=Oracle(ref, seed=pp)) if spec == "oracle" else {}
+    llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, speculative_algorithm="ngram",
+              num_speculative_steps=3, commit_design=design, **kw)
+    check_design(llm, design)
+    rounds = record_rounds(llm)
+    committed = spy_replay_commits(llm)
+    assert drive(llm, reqs) == ref
+    accepts = {a for m, _, _, acc in rounds if m == "verify" for a in acc}
+    assert accepts == ({1, 2, 3, 4} if spec == "oracle" else accepts) and accepts, "nothing was verified"
+    if design == "replay":
+        assert committed[0] > 0, "no replay commit recorded accepted steps"
+    assert all(u == 0 for u in llm.rows_in_use())
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_invariance_catches_the_commit_bugs(spec_setup, fault, design):
+    """A non-last stage that skips its commit, commits positional rows, or commits another
+    micro-batch's rows changes the tokens, as on GDN (docs/DESIGN.md, "The failure")."""
+    path, reqs, ref = spec_setup
+    llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
+              num_speculative_steps=3, drafter=Oracle(ref, seed=3), fault=fault, commit_design=design)
+    out = drive(llm, reqs)
+    assert sum(o != r for o, r in zip(out, ref)) > 0, f"fault {fault} went unnoticed"
+
+
+# ---------------------------------------------------------------- real processes
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,design", [(2, "copy"), (3, "replay"), (4, "copy")])
+def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, pp, design, tmp_path):
+    """PP 2 to 4 stage processes and a router (tests/cluster.py), n-gram drafts, the
+    requests sent at once and finishing at different lengths: every completion equals PP1
+    without speculation in one process, and every row is free afterwards."""
+    import asyncio
+
+    import httpx
+    from cluster import Cluster
+
+    path, reqs, ref = spec_setup
+
+    async def complete(url):
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def one(q):
+                r = await client.post(url + "/v1/completions", json=dict(
+                    prompt=q["prompt"], max_tokens=q["max_tokens"], temperature=0.0, ignore_eos=True,
+                    return_token_ids=True))
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(q) for q in reqs))
+
+    with Cluster(path, pp, "ngram", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ) as c:
+        outs = asyncio.run(complete(c.url))
+        infos = c.wait_rows_free()
+    assert outs == ref
+    assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)

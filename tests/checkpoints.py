@@ -80,13 +80,38 @@ NEMOTRON_KINDS = {
 }
 
 
+# Granite 4.0 hybrid: "a": 4 layers (Mamba2, attention with RoPE, Mamba2, Mamba2), GQA 4:2,
+# 4 experts, dt clamped to [0.02, 10] in prefill; "b": 5 layers (PP 2 and 4 split them
+# unevenly), no RoPE, no experts, biases, conv width 3, one group, tied embeddings
+GRANITE_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, max_position_embeddings=2048, initializer_range=0.1,
+    embedding_multiplier=2.0, residual_multiplier=0.6, attention_multiplier=0.3, logits_scaling=1.7,
+    mamba_d_state=16, mamba_expand=2, mamba_chunk_size=16, shared_intermediate_size=48,
+)
+GRANITE_KINDS = {
+    "granite_a": dict(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+                      num_attention_heads=4, num_key_value_heads=2, position_embedding_type="rope",
+                      num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, mamba_n_heads=8,
+                      mamba_n_groups=2, mamba_d_conv=4, time_step_limit=(0.02, 10.0)),
+    "granite_b": dict(num_hidden_layers=5, layer_types=["mamba", "mamba", "attention", "mamba", "attention"],
+                      num_attention_heads=4, num_key_value_heads=4, position_embedding_type=None,
+                      num_local_experts=0, mamba_n_heads=4, mamba_n_groups=1, mamba_d_conv=3,
+                      attention_bias=True, mamba_proj_bias=True, tie_word_embeddings=True),
+}
+
+
 def _make_nemotron(kind: str, path: str, seed: int) -> None:
-    """A random NemotronH checkpoint. transformers initialises biases to zero, D to ones and
-    the router's correction bias to zero: random ones, so that a misplaced one shows."""
+    """A random NemotronH or Granite 4.0 hybrid checkpoint. transformers initialises biases
+    to zero, D and norm weights to ones and the router's correction bias to zero: random
+    ones, so that a misplaced one shows."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{**NEMOTRON_BASE, **NEMOTRON_KINDS[kind]})).eval()
+    if kind in GRANITE_KINDS:
+        model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**{**GRANITE_BASE, **GRANITE_KINDS[kind]}))
+    else:
+        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{**NEMOTRON_BASE, **NEMOTRON_KINDS[kind]}))
+    model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith((".bias", ".D")):
@@ -166,7 +191,7 @@ def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> st
     path = os.path.join(root, kind)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    if kind in NEMOTRON_KINDS:  # no MTP head: transformers' NemotronH has none
+    if kind in NEMOTRON_KINDS or kind in GRANITE_KINDS:  # no MTP head: transformers' models have none
         _make_nemotron(kind, path, seed)
         add_tokenizer(path)
         return path

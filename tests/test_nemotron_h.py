@@ -1,5 +1,6 @@
-"""NemotronH (the Mamba2 hybrid family, ``stage_server/mamba2``) against Hugging Face
-transformers on the same random checkpoints (written by transformers itself; fp32, CPU):
+"""The Mamba2 hybrids (the Mamba2 layer family, ``stage_server/layers/mamba2.py``, in the
+NemotronH and Granite 4.0 hybrid model families) against Hugging Face transformers on the
+same random checkpoints (written by transformers itself; fp32, CPU):
 logits of prefill, decode and verify under both commit designs, layer-range slices, greedy
 generation against ``generate``, and a checkpoint setting we do not serve.
 
@@ -21,7 +22,7 @@ from ppspec.stage_server.config import CheckpointError, load_config
 from ppspec.stage_server.loader import load_stage_model
 from ppspec.stage_server.runner import StageRunner, split_layers
 
-KINDS = ["nemotron_h_a", "nemotron_h_b"]
+KINDS = ["nemotron_h_a", "nemotron_h_b", "granite_a", "granite_b"]
 TOL = 1e-4
 
 
@@ -99,15 +100,16 @@ def test_prefill_decode_verify_logits_match_transformers(make_ckpt, kind, design
     assert close(got[:8], ref_a[40:48]) and close(got[8:], ref_b[25:30])
 
 
-def test_layer_slices_chain_to_the_whole_model(make_ckpt):
-    """7 blocks over PP 2 to 4 (uneven splits): each slice holds only its blocks and pools,
-    and the chained slices give the whole model's logits."""
-    path = make_ckpt("nemotron_h_b")
+@pytest.mark.parametrize("kind,n", [("nemotron_h_b", 7), ("granite_b", 5)])
+def test_layer_slices_chain_to_the_whole_model(make_ckpt, kind, n):
+    """7 and 5 layers over PP 2 to 4 (uneven splits): each slice holds only its layers and
+    pools, and the chained slices give the whole model's logits."""
+    path = make_ckpt(kind)
     ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     whole = run([StageRunner(path, max_rows=2)], StepInput(0, 0, "prefill", [0], [0], [30], ids))
     for pp in (2, 3, 4):
         runners = [StageRunner(path, k, pp, max_rows=2) for k in range(pp)]
-        assert [(r.model.start, r.model.end) for r in runners] == split_layers(7, pp)
+        assert [(r.model.start, r.model.end) for r in runners] == split_layers(n, pp)
         assert not hasattr(runners[-1].model, "embed_tokens") and not hasattr(runners[0].model, "lm_head")
         for r in runners:  # a stage without Mamba2 blocks holds no state pool, one without attention no KV
             assert (r.state is not None) == bool(r.model.state_layers)
@@ -116,7 +118,8 @@ def test_layer_slices_chain_to_the_whole_model(make_ckpt):
         assert (sliced - whole).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("kind,spec", [("nemotron_h_a", "none"), ("nemotron_h_b", "ngram")])
+@pytest.mark.parametrize("kind,spec", [("nemotron_h_a", "none"), ("nemotron_h_b", "ngram"), ("granite_a", "ngram"),
+                                       ("granite_b", "none")])
 def test_greedy_generation_equals_transformers_generate(make_ckpt, kind, spec):
     path = make_ckpt(kind)
     prompt = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 9, 31] * 2
@@ -144,9 +147,14 @@ def _edit(src, dst, fn):
     (lambda c: c.update(n_groups=3), "n_groups"),
     (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     (lambda c: c.update(ssm_state_size=32), "mixer.in_proj.weight"),
+    (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+    (lambda c: c.update(time_step_limit=[0.5, 0.1]), "time_step_limit"),
+    (lambda c: c.update(mamba_d_head=8), "mamba_d_head"),
+    (lambda c: c.update(layer_types=["mamba", "cross_attention", "mamba", "mamba"]), "layer_types"),
 ])
 def test_a_setting_we_do_not_serve_names_the_file_and_field(make_ckpt, tmp_path, edit, field):
-    path = _edit(__import__("pathlib").Path(make_ckpt("nemotron_h_a")), tmp_path / "bad", edit)
+    kind = "granite_a" if field in ("hidden_act", "time_step_limit", "mamba_d_head", "layer_types") else "nemotron_h_a"
+    path = _edit(__import__("pathlib").Path(make_ckpt(kind)), tmp_path / "bad", edit)
     with pytest.raises(CheckpointError) as e:
         load_stage_model(str(path))
     msg = str(e.value)
@@ -202,6 +210,21 @@ def test_speculation_matches_pp1_without_speculation(spec_setup, spec, pp, lanes
     assert accepts == ({1, 2, 3, 4} if spec == "oracle" else accepts) and accepts, "nothing was verified"
     if design == "replay":
         assert committed[0] > 0, "no replay commit recorded accepted steps"
+    assert all(u == 0 for u in llm.rows_in_use())
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+def test_granite_speculation_matches_pp1_without_speculation(make_ckpt, design):
+    """Granite 4.0 hybrid (RoPE attention, MoE, multipliers, clamped dt) at PP3 with oracle
+    drafts: every accept length, tokens equal PP1 without speculation."""
+    path = make_ckpt("granite_a")
+    reqs = small_workload(seed=1)
+    ref = drive(LLM(path, max_rows=N_REQ), reqs)
+    llm = LLM(path, pp_size=3, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
+              num_speculative_steps=3, drafter=Oracle(ref, seed=4), commit_design=design)
+    rounds = record_rounds(llm)
+    assert drive(llm, reqs) == ref
+    assert {a for m, _, _, acc in rounds if m == "verify" for a in acc} == {1, 2, 3, 4}
     assert all(u == 0 for u in llm.rows_in_use())
 
 

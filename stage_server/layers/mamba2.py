@@ -1,5 +1,6 @@
-"""Mamba2 (SSD), the layer family of the Mamba2 hybrids (NemotronH; docs/DESIGN.md, "Layer
-families" and "NemotronH (Mamba2)"): its per-row state, its replay record and its token mixer.
+"""Mamba2 (SSD), the layer family of the Mamba2 hybrids (NemotronH, Granite 4.0 hybrid):
+its per-row state, its replay record and its token mixer (docs/DESIGN.md, "Layer families";
+docs/DESIGN.md, "NemotronH (Mamba2)").
 
 Per row and layer (:meth:`Mamba2Family.layout`): the conv window ``conv [C, W - 1]`` in the
 stage's dtype over the ``x | B | C`` channels (``C = H P + 2 G N``; kept in a scratch after

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from ..family import ModelFamily
 from ..fields import CheckpointError
-from . import kimi_linear, nemotron_h, qwen3_next
+from . import granitemoehybrid, kimi_linear, nemotron_h, qwen3_next
 
-FAMILIES: tuple[ModelFamily, ...] = (qwen3_next.FAMILY, kimi_linear.FAMILY, nemotron_h.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (qwen3_next.FAMILY, kimi_linear.FAMILY, nemotron_h.FAMILY,
+                                      granitemoehybrid.FAMILY)
 
 
 def _by_model_type() -> dict[str, ModelFamily]:

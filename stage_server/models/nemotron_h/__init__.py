@@ -1,6 +1,7 @@
 """NemotronH (``model_type: nemotron_h``), a Mamba2 hybrid: Mamba2 (``stage_server.layers.mamba2``),
-attention, relu2 MLP and MoE blocks in the checkpoint's pattern (docs/DESIGN.md, "NemotronH
-(Mamba2)"). No MTP head: transformers' NemotronH has none (it ignores ``mtp.*`` tensors)."""
+attention, relu2 MLP and MoE blocks in the checkpoint's pattern
+(docs/DESIGN.md, "NemotronH (Mamba2)"). No MTP head: transformers' NemotronH has none (it
+ignores ``mtp.*`` tensors)."""
 from __future__ import annotations
 
 from ...family import ModelFamily

@@ -1,0 +1,180 @@
+"""Granite 4.0 hybrid configuration read from a Hugging Face ``config.json`` (``model_type``
+``granitemoehybrid``), as transformers 5.24's ``GraniteMoeHybridConfig`` and
+``modeling_granitemoehybrid`` read it.
+
+Layers (``layer_types`` / ``layers_block_type``: ``linear_attention`` or ``mamba``, and
+``full_attention`` or ``attention``) are ``x + m * mixer(rmsnorm(x))`` then ``x + m *
+ffn(rmsnorm(x))``, the mixer a Mamba2 layer (``stage_server.layers.mamba2``) or attention
+(RoPE when ``position_embedding_type`` is ``rope``, none otherwise; softmax scale
+``attention_multiplier``), the FFN a shared SwiGLU MLP plus, with ``num_local_experts > 0``,
+a top-k softmax MoE of SwiGLU experts; ``m = residual_multiplier``, the embedding times
+``embedding_multiplier``, the logits divided by ``logits_scaling``. ``time_step_limit``
+clamps ``dt`` in the chunked scan (prefill) only, as transformers does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...fields import CheckpointError, Fields, YarnScaling, rope_fields
+
+MODEL_TYPE = "granitemoehybrid"
+_KINDS = {"linear_attention": "linear_attention", "mamba": "linear_attention",
+          "full_attention": "full_attention", "attention": "full_attention"}
+
+
+@dataclass
+class GraniteHybridConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: list[str]
+    rms_norm_eps: float
+    # attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    use_rope: bool
+    rope_theta: float
+    max_position_embeddings: int
+    # Mamba2 (the names stage_server.layers.mamba2 reads)
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    use_conv_bias: bool
+    use_bias: bool
+    dt_limit: tuple[float, float]
+    # FFN
+    shared_intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # multipliers
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    # RoPE (layers.rotary.rope_frequencies)
+    partial_rotary_factor: float = 1.0
+    rope_type: str = "default"
+    rope_scaling_factor: float = 1.0
+    rope_yarn: YarnScaling | None = None
+    weight_prefix: str = "model."
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def max_context(self) -> int:
+        return self.max_position_embeddings
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the Mamba2 conv: x, B and C, ``H P + 2 G N``."""
+        return self.mamba_num_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state_size
+
+
+def _time_step_limit(f: Fields) -> tuple[float, float]:
+    """``time_step_limit`` ``[lo, hi]``; transformers writes an infinite ``hi`` as
+    ``{"__float__": "Infinity"}``."""
+    v = f.get("time_step_limit", [0.0, float("inf")])
+    if isinstance(v, list) and len(v) == 2:
+        vals = [x.get("__float__") if isinstance(x, dict) else x for x in v]
+        try:
+            lo, hi = (float(x) for x in vals)
+        except (TypeError, ValueError):
+            lo = hi = float("nan")
+        if lo == lo and hi == hi and 0.0 <= lo <= hi:
+            return lo, hi
+    raise CheckpointError(f"{f.path}: time_step_limit must be [lo, hi] with 0 <= lo <= hi, got {v!r}")
+
+
+def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
+    """Parse the ``config.json`` dict ``raw`` of a ``granitemoehybrid`` checkpoint (defaults
+    of absent fields: transformers 5.24's ``GraniteMoeHybridConfig``).
+
+    Raises:
+        CheckpointError: a missing required field, a value of the wrong type or out of
+            range, or a setting not served (an activation other than SiLU, a
+            ``quantization_config``, an unknown layer type, Mamba sizes that do not match);
+            the message names the file and the field.
+    """
+    f = Fields(path, raw)
+    if raw.get("quantization_config") is not None:
+        raise CheckpointError(f"{path}: quantization_config is not supported (fp32 / bf16 weights only)")
+    act = f.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported; supported: 'silu'")
+    hidden = f.int("hidden_size", 4096, lo=1)
+    n_layers = f.int("num_hidden_layers", 32, lo=1)
+    kinds = raw.get("layer_types", raw.get("layers_block_type"))
+    if kinds is None:
+        kinds = ["linear_attention"] * n_layers
+    if not isinstance(kinds, list) or not kinds:
+        raise CheckpointError(f"{path}: layer_types must be a non-empty list, got {kinds!r}")
+    bad = sorted({repr(k) for k in kinds if k not in _KINDS})
+    if bad:
+        raise CheckpointError(f"{path}: layer_types has unsupported layer types {bad}; supported: "
+                              f"{', '.join(_KINDS)}")
+    n_heads = f.int("num_attention_heads", 32, lo=1)
+    mamba_heads = f.int("mamba_n_heads", 128, lo=1)
+    expand = f.int("mamba_expand", 2, lo=1)
+    d_head = raw.get("mamba_d_head", "auto")
+    d_head = expand * hidden // mamba_heads if d_head == "auto" or d_head is None else f.int("mamba_d_head", lo=1)
+    if d_head * mamba_heads != expand * hidden:
+        raise CheckpointError(f"{path}: mamba_d_head ({d_head}) x mamba_n_heads ({mamba_heads}) must equal "
+                              f"mamba_expand x hidden_size ({expand * hidden})")
+    pos = raw.get("position_embedding_type")
+    rope = rope_fields(f, default_partial=1.0, default_max_pos=2048)
+    n_experts = f.int("num_local_experts", 8, lo=0)
+    cfg = GraniteHybridConfig(
+        model_type=MODEL_TYPE,
+        vocab_size=f.int("vocab_size", 32000, lo=1),
+        hidden_size=hidden,
+        layer_types=[_KINDS[k] for k in kinds],
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6, positive=True),
+        num_attention_heads=n_heads,
+        num_key_value_heads=f.int("num_key_value_heads", n_heads, lo=1),
+        head_dim=hidden // n_heads,
+        attention_bias=f.bool("attention_bias", False),
+        use_rope=pos == "rope",
+        rope_theta=rope.theta,
+        max_position_embeddings=rope.max_position_embeddings,
+        mamba_num_heads=mamba_heads,
+        mamba_head_dim=d_head,
+        ssm_state_size=f.int("mamba_d_state", 256, lo=1),
+        n_groups=f.int("mamba_n_groups", 1, lo=1),
+        conv_kernel=f.int("mamba_d_conv", 4, lo=2),
+        use_conv_bias=f.bool("mamba_conv_bias", True),
+        use_bias=f.bool("mamba_proj_bias", False),
+        dt_limit=_time_step_limit(f),
+        shared_intermediate_size=f.int("shared_intermediate_size", 1024, lo=1),
+        num_experts=n_experts,
+        num_experts_per_tok=f.int("num_experts_per_tok", 2, lo=1) if n_experts else 0,
+        moe_intermediate_size=f.int("intermediate_size", 11008, lo=1) if n_experts else 0,
+        embedding_multiplier=f.float("embedding_multiplier", 1.0),
+        residual_multiplier=f.float("residual_multiplier", 1.0),
+        attention_multiplier=f.float("attention_multiplier", 1.0),
+        logits_scaling=f.float("logits_scaling", 1.0, positive=True),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        eos_token_ids=f.ints("eos_token_id", lo=0),
+        partial_rotary_factor=rope.partial_rotary_factor,
+        rope_type=rope.rope_type,
+        rope_scaling_factor=rope.scaling_factor,
+        rope_yarn=rope.yarn,
+    )
+    if cfg.mamba_num_heads % cfg.n_groups:
+        raise CheckpointError(f"{path}: mamba_n_heads ({mamba_heads}) must be a multiple of mamba_n_groups "
+                              f"({cfg.n_groups})")
+    if hidden % n_heads or n_heads % cfg.num_key_value_heads:
+        raise CheckpointError(f"{path}: num_attention_heads must divide hidden_size and be a multiple of "
+                              f"num_key_value_heads")
+    if n_experts and cfg.num_experts_per_tok > n_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) is above "
+                              f"num_local_experts ({n_experts})")
+    return cfg

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ppspec.kernels.commit import commit_accept, commit_accept_conv_replay
+from ppspec.kernels.checks import check_commit, known
 from ppspec.kernels.commit.naive import commit_accept_conv_replay_ref, commit_accept_ref
 from ppspec.kernels.gdn import alloc_replay_meta, replay_reset
 
 from .family import SCRATCH, LayerState, StateLayout, StateSpec
+from .graphs import host_int64
 
 
 class PoolExhaustedError(RuntimeError):
@@ -218,6 +219,7 @@ class RowStatePool:
         }
         self.replay: list | None = None
         self.replay_pending = self.replay_slot = None
+        self.graphs = None  # CommitGraphs, when the stage captured them (use_graphs)
         self._record: dict[str, torch.Tensor] = {}
         if d > 1 and commit_design == "replay":
             self.replay_pending, self.replay_slot = alloc_replay_meta(L, n, device)
@@ -274,45 +276,19 @@ class RowStatePool:
         """Replay design: forget ``rows``' pending steps (a new request on the row)."""
         replay_reset(self.replay_pending, rows)
 
-    def _scratch_names(self) -> list[str]:
-        return [k for k, t in self.scratch.items() if t is not None]
+    def commit(self, rows: list[int] | torch.Tensor, accept_lengths: list[int] | torch.Tensor) -> None:
+        """The commit of one micro-batch's accepted verify steps, in every layer: the one
+        commit every stage runs, on CPU and CUDA alike, for every family and both designs
+        (docs/DESIGN.md, "Commit rule"); the rule itself is :meth:`launch_commit`'s.
+        ``rows`` ``[B]`` and ``accept_lengths`` ``[B]`` in ``[1, D]``: host lists (the
+        stage's), or integer tensors with their host-known bounds stated
+        (:func:`~ppspec.kernels.checks.known`) where a check should not read the device.
 
-    def launch_commit(self, rows: torch.Tensor, accept_lengths: torch.Tensor) -> None:
-        """:meth:`commit`'s writes alone: no checks and, on CUDA, no host sync, so a CUDA
-        graph can record it (``stage_server.graphs.CommitGraphs``). ``rows`` /
-        ``accept_lengths`` ``[B]`` int64, contiguous on the pool's device and validated by
-        the caller, except that an entry with accept length 0 writes nothing (a graph's
-        padding, whose row may repeat)."""
-        first = next(iter(self.state.values()))
-        if first.is_cuda:  # the kernels skip the padding entries themselves
-            from ppspec.kernels.commit.triton_commit import launch_commit as copy
-            from ppspec.kernels.commit.triton_commit import launch_commit_conv_replay as copy_and_mark
-        else:  # the references, on the entries that are not padding
-            real = accept_lengths > 0
-            rows, accept_lengths = rows[real], accept_lengths[real]
-            copy, copy_and_mark = commit_accept_ref, commit_accept_conv_replay_ref
-        names = self._scratch_names()
-        if self.commit_design == "replay":
-            copy_and_mark(self.state[names[0]], self.scratch[names[0]], self.replay_pending, self.replay_slot,
-                          rows, accept_lengths)
-            names = names[1:]
-        for k in names:
-            copy(self.state[k], self.scratch[k], rows, accept_lengths)
-
-    def commit(self, rows: torch.Tensor, accept_lengths: torch.Tensor) -> None:
-        """Commit the accepted verify steps of ``rows`` (``[B]`` int64) in every layer, with
-        ``accept_lengths`` ``[B]`` int64 in ``[1, D]`` (docs/DESIGN.md, "Commit rule").
-
-        Every scratch-kept tensor: ``state[:, row] = scratch[:, row, accept_length - 1]``
-        (copy design: all of them; replay design: the ``SCRATCH`` specs, conv windows).
-        Replay design, the rest: ``pending[:, row] = accept_length`` and ``slot[:, row]``
-        flips, for all layers in one call; the next verify, decode or continuing prefill of
-        the row replays the steps (the family's kernels). The replay design's commit of the
-        first scratch tensor and the counters is
-        :func:`~ppspec.kernels.commit.commit_accept_conv_replay`: one validation, and on CUDA
-        one launch. Pass ``rows`` and ``accept_lengths`` on the pool's device, with their
-        host-known bounds stated (:func:`~ppspec.kernels.checks.known`) so the check does
-        not read the device.
+        Validated first (rows in ``[0, R)`` and distinct, lengths in ``[1, D]``:
+        ``kernels.checks.check_commit``). Then host lists of a batch that a captured graph
+        holds replay it (``stage_server.graphs.CommitGraphs``, recorded from
+        :meth:`launch_commit`; :meth:`use_graphs`); anything else is one host-to-device copy
+        and :meth:`launch_commit`.
 
         Raises:
             RuntimeError: the pool has no verify scratch (started with D = 1).
@@ -322,15 +298,70 @@ class RowStatePool:
         """
         if not self.verifies:
             raise RuntimeError("commit without a verify scratch (the stage was started with D = 1)")
-        names = self._scratch_names()
+        if not isinstance(rows, torch.Tensor):
+            # host lists: what the check needs is computed here in Python and stated, so the
+            # check reads no tensor, and the device copy carries the same facts
+            rows_h, acc_h = host_int64(rows), host_int64(accept_lengths)
+            facts = [dict(min=min(rows), max=max(rows), unique=len(set(rows)) == len(rows)),
+                     dict(min=min(accept_lengths), max=max(accept_lengths))] if rows and accept_lengths else [{}, {}]
+            if not check_commit(known(rows_h, **facts[0]), known(acc_h, **facts[1]), self.num_rows,
+                                self.num_verify_tokens):
+                return
+            if self.graphs is not None and self.graphs.bucket(len(rows)) is not None:
+                self.graphs.run(rows, accept_lengths)
+                return
+            both = torch.stack([rows_h, acc_h]).to(self.device)  # one host-to-device copy
+            rows_t, acc_t = known(both[0], **facts[0]), known(both[1], **facts[1])
+        else:
+            if not check_commit(rows, accept_lengths, self.num_rows, self.num_verify_tokens):
+                return
+            rows_t, acc_t = (t.to(self.device, torch.long).contiguous() for t in (rows, accept_lengths))
+        self.launch_commit(rows_t, acc_t)
+
+    def use_graphs(self, graphs) -> None:
+        """Replay ``graphs`` (``stage_server.graphs.CommitGraphs`` of :meth:`launch_commit`)
+        for the commits of host lists they hold."""
+        self.graphs = graphs
+
+    def launch_commit(self, rows: torch.Tensor, accept_lengths: torch.Tensor) -> None:
+        """The commit rule (docs/DESIGN.md, "Commit rule"), for every layer of the pool at once:
+
+            for each tensor with a scratch (copy design: every one; replay design: the
+            SCRATCH specs, conv windows):  state[:, row] = scratch[:, row, accept_length - 1]
+            replay design, the REPLAY specs: pending[:, row] = accept_length, slot[:, row] flips;
+            the row's next verify, decode or continuing prefill replays the steps (the
+            family's kernels, LayerFamily.flush)
+
+        The writes alone: no checks and, on CUDA, no host sync, so a CUDA graph can record
+        it. ``rows`` / ``accept_lengths`` ``[B]`` int64, contiguous on the pool's device and
+        validated by the caller (:meth:`commit`), except that an entry with accept length 0
+        writes nothing (a graph's padding, whose row may repeat). On CUDA one launch per
+        tensor (``kernels/commit/triton_commit.py``; the replay design's first scratch
+        tensor and the counters in one); elsewhere the plain-torch references
+        (``kernels/commit/naive.py``)."""
+        if self.device.type == "cuda":  # the kernels skip the padding entries themselves
+            from ppspec.kernels.commit.triton_commit import launch_commit as copy
+            from ppspec.kernels.commit.triton_commit import launch_commit_conv_replay as copy_and_mark
+        else:  # the references, on the entries that are not padding
+            real = accept_lengths > 0
+            rows, accept_lengths = rows[real], accept_lengths[real]
+            copy, copy_and_mark = commit_accept_ref, commit_accept_conv_replay_ref
+        names = [k for k, t in self.scratch.items() if t is not None]
         if self.commit_design == "replay":
-            # validated once; on CUDA one launch for the first scratch tensor, pending and
-            # slot of every layer
-            commit_accept_conv_replay(self.state[names[0]], self.scratch[names[0]], self.replay_pending,
-                                      self.replay_slot, rows, accept_lengths)
+            copy_and_mark(self.state[names[0]], self.scratch[names[0]], self.replay_pending, self.replay_slot,
+                          rows, accept_lengths)
             names = names[1:]
-        for k in names:  # each validates before it writes; the first raises before any write
-            commit_accept(self.state[k], self.scratch[k], rows, accept_lengths)
+        for k in names:
+            copy(self.state[k], self.scratch[k], rows, accept_lengths)
+
+    @property
+    def num_rows(self) -> int:
+        """``R``: rows of the pool, the padding row included."""
+        return next(iter(self.state.values())).shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.state.values())).device
 
 
 class StatePool(RowStatePool):

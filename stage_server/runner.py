@@ -34,8 +34,8 @@ from ppspec.proto.messages import REPETITION_PENALTY_RANGE, SamplingSpec, StepIn
 
 from .grammar import GrammarRows
 from .sampler import verify_and_sample
-from .snapshots import (FAULT_SNAPSHOT_BEFORE_COMMIT, FAULT_SNAPSHOT_WRONG_SLOT, SnapshotPool, snapshot_nbytes,
-                        slots_for_budget)
+from .faults import FAULTS, SNAPSHOT_FAULTS, CommitFaults  # noqa: F401  (FAULTS: tests import it from here)
+from .snapshots import SnapshotPool, snapshot_nbytes, slots_for_budget
 
 
 def on_stage_device(method):
@@ -55,14 +55,6 @@ def on_stage_device(method):
 log = logging.getLogger("ppspec.stage")
 _GREEDY = SamplingSpec()  # the sampling of a request whose step names none
 
-# Fault injection, for the tests that prove the invariance test catches the bugs of
-# docs/DESIGN.md, "The failure". Never set in production.
-FAULT_SKIP_COMMIT = "skip_commit"            # non-last stages never commit
-FAULT_POSITIONAL_SCRATCH = "positional_scratch"  # scratch copied to rows 0..B-1, commit reads them
-#   (replay design: the commit marks rows 0..B-1, the verify's batch positions, not the real rows)
-FAULT_STALE_ROWS = "stale_rows"              # commit uses the rows of the latest verify on this stage
-FAULTS = (FAULT_SKIP_COMMIT, FAULT_POSITIONAL_SCRATCH, FAULT_STALE_ROWS)
-SNAPSHOT_FAULTS = (FAULT_SNAPSHOT_WRONG_SLOT, FAULT_SNAPSHOT_BEFORE_COMMIT)  # the prefix cache's
 
 
 class RowStateError(ValueError):
@@ -241,7 +233,6 @@ class StageRunner:
         self.max_context = max_context or cfg.max_context
         if fault is not None and fault not in FAULTS + SNAPSHOT_FAULTS:
             raise ValueError(f"unknown fault {fault!r}")
-        self.fault = fault
         c = self.cfg
         d = num_speculative_steps + 1
         lin, att = self.model.state_layers, self.model.kv_layers
@@ -287,9 +278,7 @@ class StageRunner:
         self._verify_open: dict[int, tuple[int, int]] = {}  # row -> (seq_len, most tokens a commit accepts)
         self.broken_rows: set[int] = set()  # state undefined after a failed step: release them
         self._touched = False  # the running step has started writing pools
-        self._positional_rows: dict[int, int] = {}  # FAULT_POSITIONAL_SCRATCH: row -> batch position
-        self._last_verify_rows: list[int] = []      # FAULT_STALE_ROWS
-        self._pos_scratch: dict[str, torch.Tensor] = {}  # FAULT_POSITIONAL_SCRATCH, copy design
+        self.faults = CommitFaults(fault, self.is_last, self.state)  # tests only (stage_server/faults.py)
         self.busy_seconds = 0.0
         self.graph_bytes = 0  # device memory the captured graphs took (bytes)
         self.warmup_seconds = 0.0  # stage_server.warmup.warm_up, run by the stage server
@@ -365,6 +354,7 @@ class StageRunner:
         if self.state is not None and self.state.verifies:
             self.commit_graphs = CommitGraphs(self.state.launch_commit, max_bs=max_bs, pad_row=self.max_rows,
                                               device=self.device, capture=capture, pool=pool)
+            self.state.use_graphs(self.commit_graphs)
 
     def _check_budget(self, budget, layout, n_lin, n_att, kv_tokens, page_size, d) -> int:
         """Raise ValueError when weights and pools exceed ``budget`` (bytes), before any pool
@@ -814,7 +804,7 @@ class StageRunner:
             self._touched = True
             meta, hidden = graphs.run(rows, inp.seq_lens, inp.input_ids, inp.hidden_states)
             if inp.mode == VERIFY:
-                self._after_verify_fault_hooks(meta)
+                self.faults.after_verify(meta)
             return meta, hidden
         parts = inp.parts()
         if inp.num_prefill and self._graphs_take(*parts):
@@ -841,7 +831,7 @@ class StageRunner:
         self._touched = True
         hidden = self.model(meta, hidden, self._layer_states())
         if inp.mode == VERIFY:
-            self._after_verify_fault_hooks(metas[0])
+            self.faults.after_verify(metas[0])
         return meta, hidden
 
     def _graphs_take(self, head: StepInput, chunks: StepInput) -> bool:
@@ -979,7 +969,7 @@ class StageRunner:
         out.output_ids = [r[: r[D]] for r in res]
         out.drafts = [r[D + 1:] for r in res]
         if inp.mode == VERIFY:
-            self._after_verify_fault_hooks(meta)
+            self.faults.after_verify(meta)
 
     def _greedy_round(self, metas, ids: torch.Tensor, hidden: torch.Tensor | None, num_drafts: torch.Tensor) -> torch.Tensor:
         """A decode or verify round of the last stage with MTP, on the device alone
@@ -1117,10 +1107,11 @@ class StageRunner:
     # ------------------------------------------------------------------ commit and release
     @on_stage_device
     def commit_accept(self, micro_batch_id: int, round: int, req_pool_indices: list[int], accept_lengths: list[int]) -> None:
-        """Commit the accepted verify state of one micro-batch in every linear layer
-        (``StatePool.commit``): copy design ``state[row] = scratch[row, accept_length - 1]``
-        (docs/DESIGN.md, "Commit rule"); replay design ``pending[row] = accept_length``, applied by the row's
-        next verify or decode (same section).
+        """Commit the accepted verify state of one micro-batch in every recurrent layer
+        (:meth:`RowStatePool.commit <stage_server.pools.RowStatePool.commit>`, the one commit
+        rule on CPU and CUDA alike: copy design ``state[row] = scratch[row, accept_length - 1]``,
+        replay design ``pending[row] = accept_length``, applied by the row's next verify or
+        decode; docs/DESIGN.md, "Commit rule").
 
         This is the only commit; every stage runs it, the last included, with the rows and
         accept lengths the router relays for exactly this micro-batch and round.
@@ -1140,7 +1131,8 @@ class StageRunner:
         if self.state is not None:
             if self.snapshots is not None:
                 self.snapshots.before_commit(req_pool_indices)  # fault injection only
-            self._commit_state(req_pool_indices, accept_lengths)
+            # the one commit (RowStatePool.commit), or a test's faulty one
+            self.faults.commit(req_pool_indices, accept_lengths)
         for r, a in zip(req_pool_indices, accept_lengths):
             base = self._verify_open.pop(r, None)
             if base is not None:
@@ -1170,57 +1162,14 @@ class StageRunner:
                     f"tokens can be accepted, got {a}"
                 )
 
-    def _commit_state(self, req_pool_indices: list[int], accept_lengths: list[int]) -> None:
-        rows = req_pool_indices
-        if self.fault == FAULT_SKIP_COMMIT and not self.is_last:
-            return
-        if self.fault == FAULT_STALE_ROWS and not self.is_last:
-            rows = self._last_verify_rows[: len(rows)]
-            accept_lengths = accept_lengths[: len(rows)]
-        if self.fault is None:
-            if self.commit_graphs is not None and self.commit_graphs.bucket(len(rows)) is not None:
-                self.commit_graphs.run(rows, accept_lengths)  # _check_commit validated both lists
-                return
-            # one host->device copy for the whole commit; _check_commit validated both lists
-            # on the host: state it, so the commit checks without reading the device
-            # (kernels.checks)
-            rows_t, acc_t = self._to_device(rows, accept_lengths)
-            known(rows_t, min=min(rows), max=max(rows), unique=True)
-            known(acc_t, min=min(accept_lengths), max=max(accept_lengths))
-            self.state.commit(rows_t, acc_t)
-            return
-        if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last and self.state.commit_design == "replay":
-            # the commit lands on the verify's batch positions 0..B-1 instead of the rows
-            pos = [self._positional_rows.get(r, i) for i, r in enumerate(rows)]
-            if len(set(pos)) < len(pos):
-                pos = list(range(len(rows)))
-            self.state.commit(*self._to_device(pos, accept_lengths))
-            return
-        if self.fault == FAULT_POSITIONAL_SCRATCH and not self.is_last:
-            pos, rows_t, acc = self._to_device([self._positional_rows.get(r, 0) for r in rows], rows, accept_lengths)
-            for name, scratch in self._pos_scratch.items():
-                self.state.state[name][:, rows_t] = scratch[:, pos, acc - 1]
-            return
-        self.state.commit(*self._to_device(rows, accept_lengths))
+    @property
+    def fault(self) -> str | None:
+        """The injected fault (tests only; stage_server/faults.py), None in production."""
+        return self.faults.fault
 
-    def _to_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
-        """Equal-length int lists as int64 tensors on the stage's device, in one
-        host->device copy (one ``[len(lists), n]`` tensor; each list is a contiguous row of it)."""
-        return torch.tensor(lists, dtype=torch.long, device=self.device).unbind(0)
-
-    def _after_verify_fault_hooks(self, meta: BatchMeta) -> None:
-        if self.fault == FAULT_STALE_ROWS:
-            self._last_verify_rows = meta.rows.tolist()
-        elif self.fault == FAULT_POSITIONAL_SCRATCH and self.state is not None:
-            self._positional_rows = {r: i for i, r in enumerate(meta.rows.tolist())}
-            if self.state.commit_design == "replay":
-                return  # replay design: the commit itself goes to the positions
-            # Emulate a kernel that wrote the scratch at batch positions 0..B-1.
-            if not self._pos_scratch:
-                self._pos_scratch = {k: torch.zeros_like(t) for k, t in self.state.scratch.items()}
-            B = meta.batch_size
-            for name, scratch in self._pos_scratch.items():
-                scratch[:, :B] = self.state.scratch[name][:, meta.rows]
+    @fault.setter
+    def fault(self, fault: str | None) -> None:
+        self.faults.fault = fault
 
     @on_stage_device
     def release(self, req_pool_indices: list[int], snapshot_slots: list[int] = (),

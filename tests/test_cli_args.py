@@ -43,6 +43,14 @@ CASES = [
     (["stage", "--pp-rank", "5", "--pp-size", "2"], "--pp-rank 5 is not below --pp-size 2"),
     (["stage", "--device", "cuda:x"], "--device: expected cpu, cuda or cuda:N"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens: must be >= 1"),
+    (["serve", "--speculative-config", "{nope"], "--speculative-config: not JSON"),
+    (["serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+     'method must be "mtp" (or a *_mtp name) or "ngram", got \'eagle\''),
+    (["serve", "--speculative-config", '{"method": "mtp", "model": "x"}'], "method and num_speculative_tokens only"),
+    (["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'],
+     "num_speculative_tokens must be an integer >= 1"),
+    (["serve", "--speculative-config", '{"method": "mtp"}', "--speculative-algorithm", "ngram"], "give one of them"),
+    (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ]
 
 
@@ -160,6 +168,18 @@ def test_vllm_option_names_are_aliases():
         a = parser.parse_args(["--max-model-len", "1000", "--max-num-seqs", "8"])
         assert (a.max_context, a.max_rows) == (1000, 8)
         assert parser.parse_args([]).dtype == "auto"
+
+
+def test_vllm_speculation_and_tool_options():
+    """vLLM's ``--speculative-config`` (an ``*_mtp`` method is the MTP head), ``-pp`` and
+    ``--enable-auto-tool-choice`` (accepted beside a parser) on ``ppspec serve``."""
+    from ppspec.launch.serve import parse_args
+
+    a = parse_args(["-pp", "2", "--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}',
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (a.pp_size, a.speculative_algorithm, a.speculative_num_steps, a.tool_call_parser) == (2, "mtp", 2, "hermes")
+    a = parse_args(["--pipeline-parallel-size", "3", "--speculative-config", '{"method": "ngram"}'])
+    assert (a.pp_size, a.speculative_algorithm, a.speculative_num_steps) == (3, "ngram", 3)
 
 
 def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():

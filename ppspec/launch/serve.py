@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -28,16 +29,41 @@ from ppspec.router.scheduler import check_token_budget
 from ppspec.router.server import add_router_args, load_chat_template, router_options
 
 
+def speculative_config(text: str) -> dict:
+    """vLLM's ``--speculative-config`` JSON as ``{"speculative_algorithm", "speculative_num_steps"}``."""
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise argparse.ArgumentTypeError('expected a JSON object such as {"method": "mtp", "num_speculative_tokens": 3}')
+    other = sorted(set(cfg) - {"method", "num_speculative_tokens"})
+    if other:
+        raise argparse.ArgumentTypeError(f"ppspec reads method and num_speculative_tokens only, got {', '.join(other)} "
+                                         f"(a draft model is not supported: drafts come from the checkpoint's MTP "
+                                         f"head or the prompt)")
+    method, k = cfg.get("method"), cfg.get("num_speculative_tokens", 3)
+    if not isinstance(method, str) or not (method == "ngram" or method == "mtp" or method.endswith("_mtp")):
+        raise argparse.ArgumentTypeError(f'method must be "mtp" (or a *_mtp name) or "ngram", got {method!r}')
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise argparse.ArgumentTypeError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+    return {"speculative_algorithm": "ngram" if method == "ngram" else "mtp", "speculative_num_steps": k}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every option has help text; ``--help`` shows each default (vLLM's names are aliases)."""
     ap = argparse.ArgumentParser(prog="ppspec serve", description="start N pipeline stages and the router",
                                  formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the bundled demo model)")
-    ap.add_argument("--pp-size", type=positive_int, default=1, help="pipeline stages (one process each)")
+    ap.add_argument("--pp-size", "--pipeline-parallel-size", "-pp", type=positive_int, default=1,
+                    help="pipeline stages (one process each)")
     ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"],
                     help="drafts: none, ngram (prompt lookup) or mtp (the checkpoint's MTP head)")
     ap.add_argument("--speculative-num-steps", type=positive_int, default=3,
                     help="drafts per round (a verify checks K + 1 tokens)")
+    ap.add_argument("--speculative-config", type=speculative_config, default=None,
+                    help='vLLM\'s form of the two above, JSON: {"method": "mtp" (or a *_mtp name such as '
+                         '"qwen3_next_mtp") or "ngram", "num_speculative_tokens": K} (default: the two above)')
     ap.add_argument("--host", default="127.0.0.1", help="address of the HTTP API (and of the stages)")
     ap.add_argument("--port", type=port, default=8000, help="port of the HTTP API")
     ap.add_argument("--stage-ports", type=port_list, default=None, help="comma-separated stage ports (default: free ports)")
@@ -60,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_plane_arg(ap)
     add_cuda_graph_args(ap)
     add_router_args(ap)
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="accepted, as vLLM's: with --tool-call-parser the model may always call tools "
+                         "(tool_choice auto); it needs --tool-call-parser")
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch threads per stage (0: cores / stages)")
     ap.add_argument("--startup-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for every stage and the router")
@@ -192,8 +221,22 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
     return True
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``ppspec serve``'s options, vLLM's spellings resolved; a conflict exits 2 (argparse's usage error)."""
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.speculative_config:
+        if a.speculative_algorithm not in ("none", a.speculative_config["speculative_algorithm"]):
+            ap.error(f"--speculative-config says {a.speculative_config['speculative_algorithm']}, "
+                     f"--speculative-algorithm {a.speculative_algorithm}: give one of them")
+        vars(a).update(a.speculative_config)
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)")
+    return a
+
+
 def main(argv: list[str]) -> int:
-    a = build_parser().parse_args(argv)
+    a = parse_args(argv)
     n = a.pp_size
     if a.stage_ports and len(a.stage_ports) != n:
         print(f"ppspec serve: --stage-ports lists {len(a.stage_ports)} ports for {n} stages", file=sys.stderr)

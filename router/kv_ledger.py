@@ -77,8 +77,29 @@ class PageLedger:
 
     def freed_by(self, holders) -> int:
         """Tokens that would be free once every one of ``holders`` let go (changes nothing)."""
-        count = Counter(p for h in set(holders) for p in self.pages.get(h, ()))
-        return sum(1 for p, n in count.items() if n == self.refs[p]) * self.page_size
+        return Letting(self, holders).freed
 
     def holders(self, kind: str) -> list[Holder]:
         return [h for h in self.pages if h[0] == kind]
+
+
+class Letting:
+    """Holders about to let go of their pages, as a plan (the ledger is not changed): what
+    they free together, and what one more would add, each in that holder's pages alone."""
+
+    def __init__(self, ledger: PageLedger, holders=()):
+        self.ledger, self.count, self.freed = ledger, Counter(), 0
+        for h in set(holders):
+            self.add(h)
+
+    def gain(self, h: Holder) -> int:
+        """Tokens that ``h`` letting go too would free beyond :attr:`freed`."""
+        refs, count = self.ledger.refs, self.count
+        return sum(1 for p in self.ledger.pages.get(h, ()) if count[p] + 1 == refs[p]) * self.ledger.page_size
+
+    def add(self, h: Holder) -> None:
+        refs, count = self.ledger.refs, self.count
+        for p in self.ledger.pages.get(h, ()):
+            count[p] += 1
+            if count[p] == refs[p]:
+                self.freed += self.ledger.page_size

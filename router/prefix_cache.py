@@ -39,6 +39,19 @@ class _Node:
         self.last_used = 0
 
 
+class _Charges:
+    """The default eviction plan: a snapshot's drop gives back its whole charge."""
+
+    def __init__(self, cache: "PrefixCache"):
+        self.cache = cache
+
+    def gain(self, slot: int) -> int:
+        return self.cache.charge(slot)
+
+    def add(self, slot: int) -> None:
+        pass
+
+
 class PrefixCache:
     """Radix tree and slot book-keeping of ``num_slots`` snapshot slots.
 
@@ -170,27 +183,28 @@ class PrefixCache:
         return node
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, tokens: int, keep: int = -1, freed=None) -> int:
+    def evict(self, tokens: int, keep: int = -1, plan=None) -> int:
         """Evict least recently used unpinned snapshots (not ``keep``) until dropping them
         gives back ``tokens`` of KV (or none is left), passing over those whose drop would
         give back nothing more (their pages are held by a running row, or by a snapshot
-        kept). ``freed(slots)``: the KV tokens dropping ``slots`` gives back (default: their
-        :meth:`charge`). Returns that of the evicted ones, which comes back once every stage
-        dropped them."""
-        freed = freed or (lambda slots: sum(self.charge(s) for s in slots))
+        kept). ``plan``: ``gain(slot)``, the KV tokens dropping ``slot`` too would give back,
+        and ``add(slot)`` (``router.kv_ledger.Letting`` over slots; default: each slot's
+        :meth:`charge`). Returns what the evicted ones give back once every stage dropped them."""
+        plan = plan or _Charges(self)
         evicted, got = [], 0
         left = sorted(self.evictable(keep), key=lambda s: self.nodes[s].last_used)
         progress = True
         while got < tokens and progress:  # again after a pass: a drop may free another's pages
-            progress = False
-            for slot in list(left):
-                if got >= tokens:
-                    break
-                more = freed(evicted + [slot])
-                if more > got:
+            progress, passed = False, []
+            for slot in left:
+                more = plan.gain(slot) if got < tokens else 0
+                if more > 0:
+                    plan.add(slot)
                     evicted.append(slot)
-                    left.remove(slot)
-                    got, progress = more, True
+                    got, progress = got + more, True
+                else:
+                    passed.append(slot)
+            left = passed
         for slot in evicted:
             self._remove(slot)
         return got

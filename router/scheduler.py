@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ppspec.proto.messages import FOLLOWS, Commit, SamplingSpec, StageInfo, StepInput
 
 from .drafter import ngram_draft
-from .kv_ledger import PageLedger
+from .kv_ledger import Letting, PageLedger
 from .types import ContextLengthError, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -368,11 +368,10 @@ class Scheduler:
             short = self.kv_reserved + need - from_slot + headroom * self.num_running - self.kv_tokens
             if short > 0:
                 req.num_computed = 0
-                freed = self._freed_by_drops() if self.cache else None
-                if freed and freed(self.cache.evictable(slot)) >= short - self._coming():
+                if self.cache:
                     # cached prefixes make room before a new request waits for running ones
-                    # (as vLLM counts cached blocks no request uses as free), when that is enough
-                    self.cache.evict(short - self._coming(), keep=slot, freed=freed)
+                    # (vLLM counts cached blocks no request uses as free)
+                    self.cache.evict(short - self._coming(), keep=slot, plan=self._drop_plan())
                 break
             self.waiting.popleft()
             if self.cache:
@@ -410,7 +409,7 @@ class Scheduler:
         coming = self._coming()  # freed by releases under way
         while self.kv_tokens - self.kv_reserved + coming < extra:
             if self.cache and self.cache.evict(extra - (self.kv_tokens - self.kv_reserved + coming),
-                                               freed=self._freed_by_drops()):
+                                               plan=self._drop_plan()):
                 coming = self._coming()
                 continue  # a cached prefix goes before a running request
             victims = [v for lane in self.lanes for v in lane
@@ -440,12 +439,10 @@ class Scheduler:
             holders += [("slot", s) for s in self.cache.dropping | set(self.cache.to_drop)]
         return self.kv.freed_by(holders)
 
-    def _freed_by_drops(self):
-        """``slots -> KV tokens`` dropping them gives back beyond the drops under way (not
-        the pages a running row or a kept snapshot shares)."""
-        base = [("slot", s) for s in self.cache.dropping | set(self.cache.to_drop)]
-        before = self.kv.freed_by(base)
-        return lambda slots: self.kv.freed_by(base + [("slot", s) for s in slots]) - before
+    def _drop_plan(self) -> "_SlotDrops":
+        """What dropping snapshot slots gives back beyond the drops under way (not the pages
+        a running row or a kept snapshot shares): :meth:`PrefixCache.evict`'s plan."""
+        return _SlotDrops(Letting(self.kv, [("slot", s) for s in self.cache.dropping | set(self.cache.to_drop)]))
 
     def _preempt(self, r: Request) -> None:
         """Give ``r``'s row and KV back (released by the driver: :meth:`take_preempted`) and
@@ -875,6 +872,19 @@ class Scheduler:
     def has_work(self, lane: int | None = None) -> bool:
         lanes = range(self.num_lanes) if lane is None else [lane]
         return bool(self.waiting) or any(self.lanes[i] for i in lanes)
+
+
+class _SlotDrops:
+    """:class:`~ppspec.router.kv_ledger.Letting` over snapshot slot ids."""
+
+    def __init__(self, letting: Letting):
+        self.letting = letting
+
+    def gain(self, slot: int) -> int:
+        return self.letting.gain(("slot", slot))
+
+    def add(self, slot: int) -> None:
+        self.letting.add(("slot", slot))
 
 
 # Defaults of the token budget per forward (``--max-num-batched-tokens``) and of the

@@ -50,3 +50,33 @@ def test_ledger_counts_a_shared_page_once():
     assert k.release(("row", 0)) == 0                  # the snapshot keeps all three
     assert k.freed_by([("slot", 0)]) == 4              # only the partial page is the snapshot's alone
     assert k.release(("slot", 0)) == 4 and k.release(("row", 1)) == 16 and k.used == 0
+
+
+def test_a_new_request_evicts_cached_prefixes_while_others_run(make_ckpt):
+    """Four finished requests' snapshots fill most of a 16-page pool; a request arriving
+    while another decodes is admitted at once, evicting least recently used snapshots (as
+    vLLM counts cached blocks no request uses as free), instead of waiting until nothing
+    runs."""
+    torch.set_num_threads(1)
+    ckpt = make_ckpt(CKPT)
+    old = [[(7 * i + 13 * k) % 250 for i in range(30)] for k in range(4)]
+    a, b = [(3 * i + 1) % 250 for i in range(20)], [(11 * i + 5) % 250 for i in range(30)]
+    pa, pb = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 10))
+    ref = LLM(ckpt, chunk_size=16)
+    want = [ref.generate([a], pa)[0].token_ids, ref.generate([b], pb)[0].token_ids]
+    llm = LLM(ckpt, chunk_size=16, enable_prefix_caching=True, kv_tokens=256)
+    sched = llm.scheduler
+    for q in old:
+        llm.generate([q], pb)
+    assert sched.kv_reserved >= 160  # the snapshots' pages
+    ra = llm.add_request(a, pa)
+    for _ in range(3):
+        llm.step()
+    rb = llm.add_request(b, pb)
+    for _ in range(2):  # the evicted slots' pages come back once every stage dropped them
+        llm.step()
+    assert sched.num_running == 2 and sched.requests[rb].status == "running"  # a still decodes
+    while llm.has_unfinished():
+        llm.step()
+    assert [llm.completions[r].token_ids for r in (ra, rb)] == want
+    assert_all_free(llm)

@@ -269,3 +269,21 @@ def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, pp
         infos = c.wait_rows_free()
     assert outs == ref
     assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+def test_prefix_cache_snapshots_mamba2_state(make_ckpt, design):
+    """The prefix cache (Mamba2 state and conv windows snapshotted mid-prompt and at the
+    end of a turn, after the last verify's commit; replay design: the pending steps flushed
+    first) at PP2 with n-gram drafts: multi-turn replies equal PP1 without speculation or
+    cache, prompts hit the cache, and nothing is held afterwards."""
+    from test_prefix_cache import CHUNK, assert_all_free, conversations, multi_turn
+
+    path = make_ckpt("nemotron_h_a")
+    ref = multi_turn(LLM(path, chunk_size=CHUNK), conversations())[0]
+    llm = LLM(path, pp_size=2, speculative_algorithm="ngram", chunk_size=CHUNK, enable_prefix_caching=True,
+              commit_design=design)
+    replies, cached = multi_turn(llm, conversations())
+    assert replies == ref
+    assert cached[0] == [0, 32, 32, 32] and all(c > 0 for c in cached[1])
+    assert_all_free(llm)

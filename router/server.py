@@ -45,6 +45,9 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
         add("--chunk-size", type=positive_int, default=None,
             help="prompt tokens of one request per micro-batch at most (default: the token budget)"),
         add("--max-waiting", type=positive_int, default=4096, help="queued requests before 429"),
+        add("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+            help="send a micro-batch's next round before its last one's result, decoding requests' input "
+                 "ids filled in by the first stage; off: each round after the last one's result"),
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
             help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); "
                  "default: on when every stage has a prefix cache (--prefix-cache-gb; ppspec serve gives each one), "
@@ -152,7 +155,7 @@ async def run_router(args) -> int:
                     mixed_prefill_tokens=args.mixed_prefill_tokens, chunk_size=args.chunk_size,
                     max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
                     stall_timeout=args.stall_timeout, enable_prefix_caching=args.enable_prefix_caching,
-                    metrics=metrics)
+                    async_scheduling=args.async_scheduling, metrics=metrics)
     try:
         await engine.start()
     except (ValueError, StageDownError) as e:

@@ -113,6 +113,33 @@ def make_random_kimi_checkpoint(torch, path, device="cuda", **shape) -> int:
         shutil.copy(os.path.join(DEMO_MODEL, name), path)
     return n
 
+# NemotronH at about the same size (0.87B): 32 blocks, four times "M-M-M-M*" (16 Mamba2 blocks
+# of 32 heads of 64 with 8 groups of B / C of 128, 12 relu2 MLPs of 8192, 4 attention blocks)
+NEMOTRON_1B = dict(vocab_size=32000, hidden_size=2048, hybrid_override_pattern="M-M-M-M*" * 4, intermediate_size=8192,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, mamba_num_heads=32, mamba_head_dim=64,
+                   n_groups=8, ssm_state_size=128, conv_kernel=4, max_position_embeddings=8192, pad_token_id=0,
+                   bos_token_id=1, eos_token_id=2)
+
+
+def make_random_nemotron_checkpoint(torch, path, device="cuda", **shape) -> int:
+    """Save a randomly initialised NemotronH-shaped checkpoint (bf16) at ``path``:
+    transformers' ``NemotronHForCausalLM`` with ``shape`` (default :data:`NEMOTRON_1B`) and
+    the demo checkpoint's tokenizer files. Returns its parameter count."""
+    import shutil
+
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    from ppspec.router.llm import DEMO_MODEL
+
+    with torch.device(device):
+        m = NemotronHForCausalLM(NemotronHConfig(**{**NEMOTRON_1B, **shape})).to(torch.bfloat16)
+    m.save_pretrained(path)
+    n = sum(p.numel() for p in m.parameters())
+    del m
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(DEMO_MODEL, name), path)
+    return n
+
 
 def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int:
     """Save a randomly initialised Qwen3.5-shaped checkpoint (bf16) at ``path``: transformers'
@@ -169,13 +196,15 @@ def step_bytes(r, batch, ctx) -> tuple[int, int, int]:
     values once where the pool shares them (MLA's latent); the state read and written once."""
     c = r.cfg
     weights = 0
+    experts = getattr(c, "num_experts", 0) or getattr(c, "n_routed_experts", 0)  # NemotronH's name for it
     for n, p in r.model.named_parameters():
-        if n.startswith(("mtp.", "embed_tokens.")):
+        if n.startswith(("mtp.", "embed_tokens.", "embeddings.")):
             continue
-        share = min(1.0, batch * c.num_experts_per_tok / c.num_experts) if ".experts." in n else 1.0
+        share = min(1.0, batch * c.num_experts_per_tok / experts) if ".experts." in n else 1.0
         weights += int(p.numel() * p.element_size() * share)
-    kv = len(c.attention_layers) * batch * ctx * (1 if r.model.shared_kv else 2) * c.num_key_value_heads * c.head_dim * 2
-    state = len(c.linear_layers) * batch * 2 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    kv = len(r.model.kv_layers) * batch * ctx * (1 if r.model.shared_kv else 2) * c.num_key_value_heads * c.head_dim * 2
+    # the recurrent state of a row in one layer (GDN [HV, K, V], Mamba2 [H, P, N]), fp32
+    state = 0 if r.state is None else len(r.model.state_layers) * batch * 2 * 4 * r.state.ssm[0, 0].numel()
     return weights, kv, state
 
 
@@ -272,14 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-demo", action="store_true", help="only the bandwidth and the 1B steps")
     ap.add_argument("--batch", default="1,16,64", help="1B batch sizes (comma-separated)")
     ap.add_argument("--skip-eager", action="store_true", help="1B decode with CUDA graphs only")
-    ap.add_argument("--family", choices=("qwen3_5", "kimi_linear"), default="qwen3_5",
-                    help="the random 1B checkpoint's family: Qwen3.5 (GDN) or Kimi Linear (KDA + MLA + MoE)")
+    ap.add_argument("--family", choices=("qwen3_5", "kimi_linear", "nemotron_h"), default="qwen3_5",
+                    help="the random 1B checkpoint's family: Qwen3.5 (GDN), Kimi Linear (KDA + MLA + MoE) or "
+                         "NemotronH (Mamba2 + attention + relu2 MLP)")
     ap.add_argument("--make-1b", metavar="PATH", default=None,
                     help="only save the random 1B checkpoint (with a random MTP head) at PATH and exit")
     a = ap.parse_args(argv)
     import torch
 
-    make = make_random_kimi_checkpoint if a.family == "kimi_linear" else make_random_checkpoint
+    make = {"kimi_linear": make_random_kimi_checkpoint, "nemotron_h": make_random_nemotron_checkpoint}.get(
+        a.family, make_random_checkpoint)
     if a.make_1b:
         n = make(torch, a.make_1b, "cuda" if torch.cuda.is_available() else "cpu")
         print(f"saved {a.make_1b}: {n / 1e9:.2f} B parameters" + (" + MTP head" if a.family == "qwen3_5" else ""))

@@ -287,3 +287,22 @@ def test_prefix_cache_snapshots_mamba2_state(make_ckpt, design):
     assert replies == ref
     assert cached[0] == [0, 32, 32, 32] and all(c > 0 for c in cached[1])
     assert_all_free(llm)
+
+
+def test_gpu_bench_nemotron_checkpoint_and_step_bytes(tmp_path):
+    """gpu_bench's random NemotronH checkpoint (here at toy size) loads, its decode and
+    verify round run, and a decode step's bytes count the embedding out, the attention
+    blocks' KV and the Mamba2 states [H, P, N] read and written."""
+    from ppspec.bench.gpu_bench import decode_and_verify, make_random_nemotron_checkpoint, step_bytes
+
+    path = str(tmp_path / "nemotron")
+    shape = dict(vocab_size=8192, hidden_size=64, hybrid_override_pattern="M-M*", intermediate_size=96,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+                 n_groups=2, ssm_state_size=8, max_position_embeddings=512)
+    n = make_random_nemotron_checkpoint(torch, path, "cpu", **shape)
+    dec, ver, ratios, r = decode_and_verify(torch, path, 1, 16, repeats=2, n=1, device="cpu", dtype=torch.float32)
+    assert n > 0 and dec > 0 and ver > 0 and len(ratios) == 2
+    w, kv, st = step_bytes(r, 1, 16)
+    assert kv == 1 * 16 * 2 * 2 * 16 * 2  # one attention block x 16 tokens x K and V of 2 heads of 16, 2 bytes
+    assert w == sum(p.numel() * 4 for name, p in r.model.named_parameters() if not name.startswith("embeddings."))
+    assert st == 2 * 2 * 4 * 4 * 16 * 8  # 2 Mamba2 blocks, read and written, fp32 [4, 16, 8]

@@ -13,29 +13,29 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
-import operator
 import time
 import weakref
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 
 from .batch import DECODE, PREFILL, VERIFY, BatchMeta, MixedMeta
+from .budget import check_fits, gib, pool_bytes
 from .config import PAGE_SIZE
 from .family import ModelConfig
 from .loader import load_stage_model
 from .graphs import CommitGraphs, PrefillGraphs, StepGraphs, host_int64
-from .pools import COMMIT_DESIGNS, KVPool, PoolExhaustedError, RowStatePool
+from .pools import COMMIT_DESIGNS, KVPool, RowStatePool
 from ppspec.kernels.attention import flashinfer as fi_attention
 from ppspec.kernels.checks import known
-from ppspec.proto.messages import REPETITION_PENALTY_RANGE, SamplingSpec, StepInput, StepOutput
+from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
 
 from .grammar import GrammarRows
+from .rows import RowTable
 from .sampler import verify_and_sample
 from .faults import FAULTS, SNAPSHOT_FAULTS, CommitFaults  # noqa: F401  (FAULTS: tests import it from here)
 from .snapshots import SnapshotPool, snapshot_nbytes, slots_for_budget
+from .validation import RowStateError, StepChecker, brief  # noqa: F401  (RowStateError, brief: the server's)
 
 
 def on_stage_device(method):
@@ -57,32 +57,9 @@ _GREEDY = SamplingSpec()  # the sampling of a request whose step names none
 
 
 
-class RowStateError(ValueError):
-    """A step or commit that does not fit the state of its rows on this stage (a row never
-    started or already released, a new request on a row still in use, a sequence length
-    other than the row holds, a row whose state a failed step left undefined), or a verify
-    or commit on a stage started without speculation. Nothing was changed. The gRPC
-    server answers FAILED_PRECONDITION; other ValueErrors are INVALID_ARGUMENT."""
-
-
 def _reserved(device: torch.device) -> int:
     """Bytes the caching allocator holds on ``device`` (0 off CUDA)."""
     return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-
-
-def _gib(n: int) -> str:
-    """``n`` bytes for a budget message: GiB to two decimals, and the exact bytes, which
-    tell a need from a budget that round alike."""
-    return f"{n / 2**30:.2f} GiB ({n} bytes)"
-
-
-def brief(xs, n: int = 16) -> str:
-    """A list or dict for an error message, cut after ``n`` items (a status message must
-    stay small)."""
-    if isinstance(xs, dict):
-        return str(xs) if len(xs) <= n else f"{str(dict(list(xs.items())[:n]))[:-1]}, ... ({len(xs)} in all)}}"
-    xs = list(xs)
-    return str(xs) if len(xs) <= n else f"{str(xs[:n])[:-1]}, ... ({len(xs)} in all)]"
 
 
 class ChainIndex(NamedTuple):
@@ -264,20 +241,19 @@ class StageRunner:
             n = slots_for_budget(budget, snapshot_nbytes(self.state))
             self.snapshots = SnapshotPool(n, self.state, [p for p in (self.kv, self.mtp_kv) if p], fault)
             if pool_bytes is not None and pool_bytes + self.snapshots.nbytes > memory_budget:
-                raise ValueError(f"stage {pp_rank} needs {_gib(pool_bytes + self.snapshots.nbytes)} with "
-                                 f"{n} prefix-cache snapshots; its memory budget is {_gib(memory_budget)}")
+                raise ValueError(f"stage {pp_rank} needs {gib(pool_bytes + self.snapshots.nbytes)} with "
+                                 f"{n} prefix-cache snapshots; its memory budget is {gib(memory_budget)}")
         if self.flashinfer_prefill:
             # after the budget check: a stage that cannot start does not wait for a build
             self.flashinfer_prefill = fi_attention.build_at_start(
                 device, dtype, c.head_dim, c.num_attention_heads, c.num_key_value_heads, page_size)
-        self.rows_in_use: set[int] = set()
+        self.checker = StepChecker(c, max_rows, self.max_context, num_speculative_steps, self.is_first, self.snapshots)
         # structured output: the grammar matcher of each constrained row (stage_server/grammar.py)
         self.grammars = GrammarRows(model_dir, c.vocab_size, list(c.eos_token_ids)) if self.is_last else None
         self.strict_lengths = strict_lengths
-        self.row_lens: dict[int, int] = {}  # tokens each row in use holds (committed)
-        self._verify_open: dict[int, tuple[int, int]] = {}  # row -> (seq_len, most tokens a commit accepts)
-        self.broken_rows: set[int] = set()  # state undefined after a failed step: release them
-        self._touched = False  # the running step has started writing pools
+        # the row lifecycle: rows in use, their lengths, open verifies, broken rows (stage_server/rows.py)
+        self.rows = RowTable(max_rows, num_speculative_steps, strict_lengths, self.kv, self.mtp_kv, self.snapshots,
+                             self.grammars)
         self.faults = CommitFaults(fault, self.is_last, self.state)  # tests only (stage_server/faults.py)
         self.busy_seconds = 0.0
         self.graph_bytes = 0  # device memory the captured graphs took (bytes)
@@ -306,9 +282,9 @@ class StageRunner:
                 self.graphs = self.mtp_graphs = self.round_graphs = {}
                 self.commit_graphs = self.prefill_graphs = None
                 raise ValueError(
-                    f"stage {pp_rank} needs {_gib(pool_bytes + self.graph_bytes)}: weights and pools "
+                    f"stage {pp_rank} needs {gib(pool_bytes + self.graph_bytes)}: weights and pools "
                     f"{pool_bytes / 2**30:.2f}, CUDA graphs for batches up to {min(cuda_graph_max_bs, max_rows)} "
-                    f"{self.graph_bytes / 2**30:.2f}; its memory budget is {_gib(memory_budget)}: lower "
+                    f"{self.graph_bytes / 2**30:.2f}; its memory budget is {gib(memory_budget)}: lower "
                     f"--cuda-graph-max-bs (or --max-rows / --kv-tokens) or raise the budget"
                 )
 
@@ -358,23 +334,11 @@ class StageRunner:
 
     def _check_budget(self, budget, layout, n_lin, n_att, kv_tokens, page_size, d) -> int:
         """Raise ValueError when weights and pools exceed ``budget`` (bytes), before any pool
-        is allocated; else return their bytes."""
-        c, esize = self.cfg, torch.empty((), dtype=self.dtype).element_size()
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        pages = -(-kv_tokens // page_size) + 1  # + the padding page
-        kv = ((n_att + (1 if self.use_mtp else 0)) * (1 if self.model.shared_kv else 2) * pages * page_size
-              * c.num_key_value_heads * c.head_dim * esize)
-        # recurrent state and the commit design's verify scratch / replay buffers
-        state = sum(RowStatePool.nbytes_of(layout, n_lin, self.max_rows, d, self.dtype,
-                                           self.commit_design).values()) if n_lin else 0
-        need = weights + kv + state + self._attention_workspace()
-        if need > budget:
-            raise ValueError(
-                f"stage {self.pp_rank} needs {_gib(need)} (weights {weights / 2**30:.2f}, KV {kv / 2**30:.2f}, "
-                f"state + verify scratch {state / 2**30:.2f}) but its memory budget is {_gib(budget)}: "
-                f"lower --max-rows / --kv-tokens or raise the budget"
-            )
-        return need
+        is allocated; else return their bytes (``stage_server.budget``)."""
+        c = self.cfg
+        parts = pool_bytes(self.model, self.dtype, n_att + (1 if self.use_mtp else 0), kv_tokens, page_size,
+                           c.num_key_value_heads, c.head_dim, layout, n_lin, self.max_rows, d, self.commit_design)
+        return check_fits(f"stage {self.pp_rank}", parts, self._attention_workspace(), budget)
 
     def _attention_workspace(self) -> int:
         """Device bytes of FlashInfer's workspace when this stage's prefill uses it (one per
@@ -473,277 +437,41 @@ class StageRunner:
             states[layer] = (states[layer], kv) if layer in states else kv
         return states
 
-    # ------------------------------------------------------------------ validation
-    def check_input(self, inp: StepInput, hidden: bool = True) -> None:
-        """Validate one micro-batch against this stage's limits; touches nothing.
+    # ------------------------------------------------------------------ rows
+    @property
+    def rows_in_use(self) -> set[int]:
+        return self.rows.rows_in_use
 
-        Every check but the hidden states' depends only on what every stage of a pipeline
-        shares (rows, context, vocabulary, D), so a step one stage refuses the first stage
-        refuses too, before any stage changed anything. The rows' state is checked when
-        the step runs (it changes as steps and commits apply). ``hidden=False`` skips the
-        ``hidden_states`` checks (the gRPC server's early check, on its event loop).
+    @property
+    def row_lens(self) -> dict[int, int]:
+        return self.rows.row_lens
 
-        Raises:
-            IndexError: a row outside ``[0, max_rows)``.
-            RowStateError: a verify on a stage started without speculation.
-            ValueError: any other malformed field; the message names it.
-        """
-        rows, seq, ext, ids = inp.req_pool_indices, inp.seq_lens, inp.extend_lens, inp.input_ids
-        mode, B, V = inp.mode, len(inp.req_pool_indices), self.cfg.vocab_size
-        if mode not in (PREFILL, DECODE, VERIFY):
-            raise ValueError(f"mode: unknown mode {mode!r} (prefill, decode or verify)")
-        if B == 0:
-            raise ValueError("req_pool_indices: empty micro-batch")
-        if not (len(seq) == len(ext) == B):
-            raise ValueError(
-                f"req_pool_indices, seq_lens and extend_lens differ in length ({B}, {len(seq)}, {len(ext)})"
-            )
-        for name in ("num_drafts", "sample", "next_token_ids", "sampling", "output_lens"):
-            n = len(getattr(inp, name))
-            if n not in (0, B):
-                raise ValueError(f"{name}: {n} entries for {B} requests (one per request, or none)")
-        # every step of every stage runs these checks before the device can start: builtins
-        # over whole lists first (min, max, sum in C), the offender is looked for on failure
-        if len(set(rows)) != B:
-            raise ValueError(f"req_pool_indices: micro-batch {inp.micro_batch_id} repeats rows {brief(rows)}")
-        if inp.num_prefill:
-            # a mixed micro-batch: each part obeys its kind's rules
-            if mode == PREFILL or not 0 < inp.num_prefill < B:
-                raise ValueError(f"num_prefill: {inp.num_prefill} prefill chunks in a {mode} micro-batch of {B} "
-                                 f"requests (a decode or verify with at least one request of its own)")
-            if sum(ext) != len(ids):
-                raise ValueError(f"extend_lens must sum to the number of input_ids ({sum(ext)} vs {len(ids)})")
-            k = B - inp.num_prefill
-            for name in ("restore_slots", "snapshot_slots"):  # the chunks' (parts() gives them the chunks only)
-                slots = getattr(inp, name)
-                if slots and (len(slots) != B or max(slots[:k]) >= 0):
-                    raise ValueError(f"{name}: {len(slots)} entries in a mixed {mode} of {B} requests (one per "
-                                     f"request, -1 for each of its first {k}: slots go with prefill chunks only)")
-            for part in inp.parts():
-                self.check_input(part, hidden=False)
-            if hidden and not self.is_first:
-                self._check_hidden(inp.hidden_states, len(ids))
-            return
-        if min(rows) < 0 or max(rows) >= self.max_rows:
-            r = next(r for r in rows if not 0 <= r < self.max_rows)
-            raise IndexError(f"req_pool_indices: row {r} outside [0, {self.max_rows})")
-        if min(seq) < 0:
-            raise ValueError(f"seq_lens must be >= 0, got {brief(seq)}")
-        if min(ext) < 1 or sum(ext) != len(ids):
-            raise ValueError(
-                f"extend_lens must be >= 1 and sum to the number of input_ids ({sum(ext)} vs {len(ids)})"
-            )
-        if min(ids) < 0 or max(ids) >= V:
-            raise ValueError(f"input_ids must be token ids in [0, {V}), got min {min(ids)} max {max(ids)}")
-        limit = self.max_context + self.num_steps + 1
-        if max(map(operator.add, seq, ext)) > limit:
-            b = next(b for b, (s, e) in enumerate(zip(seq, ext)) if s + e > limit)
-            raise ValueError(
-                f"seq_lens + extend_lens: request {b} (row {rows[b]}) reaches {seq[b] + ext[b]} tokens, beyond "
-                f"the context limit of {self.max_context} tokens"
-            )
-        if mode == VERIFY and self.num_steps == 0:
-            raise RowStateError("verify: this stage was started without speculative decoding (D = 1)")
-        d = 1 if mode == DECODE else self.num_steps + 1
-        if mode != PREFILL and ext.count(d) != B:
-            raise ValueError(f"extend_lens: {mode} expects {d} tokens per request, got {brief(ext)}")
-        most = d - 1 if mode == VERIFY else 0
-        if inp.num_drafts and (min(inp.num_drafts) < 0 or max(inp.num_drafts) > most):
-            raise ValueError(f"num_drafts must be in [0, {most}] for {mode}, got {brief(inp.num_drafts)}")
-        if mode != PREFILL and not all(inp.sample):
-            raise ValueError(f"sample: every request of a {mode} samples, got {brief(inp.sample)}")
-        if any(t != -1 and not 0 <= t < V for t in inp.next_token_ids):
-            raise ValueError(f"next_token_ids must be -1 or token ids in [0, {V}), got {brief(inp.next_token_ids)}")
-        for b, smp in enumerate(inp.sample):
-            if not smp and not (inp.next_token_ids and 0 <= inp.next_token_ids[b] < V):
-                raise ValueError(
-                    f"next_token_ids: request {b} (row {rows[b]}) ends a prefill chunk without sampling, "
-                    f"so it needs the prompt token after the chunk"
-                )
-        for b, spec in enumerate(inp.sampling):
-            if not self._sampling_ok(spec):
-                self._check_sampling(b, spec)  # raises, naming the field
-            if (spec.grammar or spec.grammar_accepted_ids) and not (inp.is_prefill(b) and spec.grammar):
-                raise ValueError(f"sampling[{b}]: grammar comes with a prefill chunk, grammar_accepted_ids only "
-                                 f"with it")
-        if inp.output_lens and min(inp.output_lens) < 0:
-            raise ValueError(f"output_lens must be >= 0, got {brief(inp.output_lens)}")
-        for name in ("restore_slots", "snapshot_slots"):
-            slots = getattr(inp, name)
-            if slots and (len(slots) != B or mode != PREFILL or self.snapshots is None):
-                raise ValueError(f"{name}: {len(slots)} entries in a {mode} of {B} requests on a stage "
-                                 f"{'with' if self.snapshots else 'without'} a prefix cache (prefill only, one per request)")
-        if hidden and not self.is_first:
-            self._check_hidden(inp.hidden_states, len(ids))
+    @property
+    def broken_rows(self) -> set[int]:
+        return self.rows.broken_rows
 
-    def _sampling_ok(self, s: SamplingSpec) -> bool:
-        """:meth:`_check_sampling`'s rules in one expression (per request and step: the
-        common case must cost little); False means that it raises."""
-        V, t = self.cfg.vocab_size, s.temperature
-        return (0 <= t < math.inf and (t == 0 or (0 < s.top_p <= 1 and s.top_k >= -1 and 0 <= s.min_p <= 1))
-                and (s.logprobs is None or 0 <= s.logprobs <= V) and s.min_tokens >= 0
-                and (s.prompt_logprobs is None or 0 <= s.prompt_logprobs <= V)
-                and (not s.banned_until_min or (min(s.banned_until_min) >= 0 and max(s.banned_until_min) < V))
-                and not (s.penalized or s.logit_bias_ids or s.output_token_ids or s.prompt_token_ids
-                         or s.logit_bias_values or s.output_token_counts or s.grammar_accepted_ids))  # those: the full check
-
-    def _check_sampling(self, b: int, spec: SamplingSpec) -> None:
-        V = self.cfg.vocab_size
-        bad = None
-        if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
-            bad = f"temperature must be a finite number >= 0, got {spec.temperature}"
-        elif spec.temperature > 0 and not 0 < spec.top_p <= 1:  # the filters apply only when sampling
-            bad = f"top_p must be in (0, 1], got {spec.top_p}"
-        elif spec.temperature > 0 and spec.top_k < -1:
-            bad = f"top_k must be -1, 0 (all tokens) or positive, got {spec.top_k}"
-        elif spec.temperature > 0 and not 0 <= spec.min_p <= 1:
-            bad = f"min_p must be in [0, 1], got {spec.min_p}"
-        elif spec.logprobs is not None and not 0 <= spec.logprobs <= V:
-            bad = f"logprobs must be in [0, {V}] (or none), got {spec.logprobs}"
-        elif spec.prompt_logprobs is not None and not 0 <= spec.prompt_logprobs <= V:
-            bad = f"prompt_logprobs must be in [0, {V}] (or none), got {spec.prompt_logprobs}"
-        elif spec.min_tokens < 0:
-            bad = f"min_tokens must be >= 0, got {spec.min_tokens}"
-        elif any(not 0 <= t < V for t in spec.banned_until_min):
-            bad = f"banned_until_min must be token ids in [0, {V}), got {brief(spec.banned_until_min)}"
-        elif not all(math.isfinite(x) and -2 <= x <= 2 for x in (spec.presence_penalty, spec.frequency_penalty)):
-            bad = (f"presence_penalty and frequency_penalty must be in [-2, 2], got {spec.presence_penalty} and "
-                   f"{spec.frequency_penalty}")
-        elif not REPETITION_PENALTY_RANGE[0] <= spec.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
-            bad = (f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]:g}, {REPETITION_PENALTY_RANGE[1]:g}], "
-                   f"got {spec.repetition_penalty}")
-        else:
-            for name, ids, vals in (("output_token_ids", spec.output_token_ids, spec.output_token_counts),
-                                    ("grammar_accepted_ids", list(set(spec.grammar_accepted_ids)), None),
-                                    ("prompt_token_ids", spec.prompt_token_ids, None),
-                                    ("logit_bias_ids", spec.logit_bias_ids, spec.logit_bias_values)):
-                if any(not 0 <= t < V for t in ids) or len(set(ids)) != len(ids):
-                    bad = f"{name} must be distinct token ids in [0, {V}), got {brief(ids)}"
-                elif vals is not None and len(vals) != len(ids):
-                    bad = f"{name}: {len(ids)} ids but {len(vals)} values"
-                elif name == "output_token_ids" and any(c < 1 for c in vals):
-                    bad = f"output_token_counts must be >= 1, got {brief(vals)}"
-                elif name == "logit_bias_ids" and not all(math.isfinite(x) and -100 <= x <= 100 for x in vals):
-                    bad = f"logit_bias_values must be in [-100, 100], got {brief(vals)}"
-                if bad:
-                    break
-        if bad:
-            raise ValueError(f"sampling[{b}]: {bad}")
-
-    def _check_hidden(self, h, tokens: int) -> None:
-        want = (tokens, self.cfg.hidden_size)
-        if h is None:
-            raise ValueError(f"hidden_states: stages after the first need hidden_states of shape {list(want)}")
-        if tuple(h.shape) != want:
-            raise ValueError(f"hidden_states: shape {list(h.shape)}, expected {list(want)} (tokens, hidden size)")
-        if not h.dtype.is_floating_point:
-            raise ValueError(f"hidden_states: dtype {str(h.dtype).removeprefix('torch.')} is not a floating-point type")
-        # a device tensor comes from a stage in this process; one received over the wire is
-        # checked here (a read of the device would wait for it)
-        if h.device.type == "cpu" and not bool(torch.isfinite(h).all()):
-            raise ValueError("hidden_states: contains NaN or infinite values")
-
-    def _check_rows_state(self, inp: StepInput) -> None:
-        """The rows' state admits the step (in the compute order: after earlier steps and
-        commits). Raises RowStateError."""
-        for part in inp.parts():
-            self._check_part_rows(part)
-
-    def _check_part_rows(self, inp: StepInput) -> None:
-        restore = inp.restore_slots or [-1] * len(inp.req_pool_indices)
-        for r, s, slot in zip(inp.req_pool_indices, inp.seq_lens, restore):
-            if r in self.broken_rows:
-                raise RowStateError(f"row {r}: a failed step left its state undefined; release the row")
-            if slot >= 0:  # a new request from a snapshot of its first s tokens
-                if r in self.rows_in_use:
-                    raise RowStateError(f"row {r} starts a new request but is still in use (not released)")
-                if self.snapshots.lens.get(slot) != s:
-                    raise RowStateError(f"row {r}: restore of snapshot slot {slot} at seq_lens {s}, but the slot "
-                                        f"holds {self.snapshots.lens.get(slot, 'no')} tokens")
-            elif inp.mode == PREFILL and s == 0:
-                if r in self.rows_in_use:
-                    raise RowStateError(f"row {r} starts a new request but is still in use (not released)")
-            elif r not in self.rows_in_use:
-                raise RowStateError(
-                    f"row {r}: {inp.mode} at seq_lens {s}, but the row holds no request (start one with a "
-                    f"prefill at seq_lens 0)"
-                )
-            elif self.strict_lengths and self.row_lens.get(r) != s:
-                raise RowStateError(f"seq_lens: row {r} holds {self.row_lens.get(r)} tokens, the {inp.mode} says {s}")
-
-    def _reserve_pages(self, inp: StepInput) -> None:
-        """KV pages for the whole step in every pool, taken all or nothing. The MTP head's
-        pool gets room for its draft chain too (``num_steps - 1`` positions past the step).
-
-        Raises PoolExhaustedError (no page taken)."""
-        rows = inp.req_pool_indices
-        lens = [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)]
-        plan = [(self.kv, lens, "KV pool")] if self.kv else []
-        if self.mtp_kv:
-            plan.append((self.mtp_kv, [n + max(self.num_steps - 1, 0) for n in lens], "MTP KV pool"))
-        needs = [pool.pages_needed(rows, want) for pool, want, _ in plan]
-        for (pool, _, name), need in zip(plan, needs):
-            if sum(need) > len(pool.free_pages):
-                raise PoolExhaustedError(f"{name}: need {sum(need)} pages, {len(pool.free_pages)} free")
-        for (pool, want, _), need in zip(plan, needs):
-            pool.ensure(rows, want, need)
-
-    @contextmanager
-    def _applying(self, inp: StepInput):
-        """Around the part of a step that writes pools: checks the rows' state and takes
-        the step's KV pages first; if the body raises, undoes what can be undone (rows the
-        step started are released) and marks rows it continued as broken (a decode or
-        prefill may have half-advanced their state; a verify leaves committed state as it
-        was). On success, records the rows' new lengths."""
-        self._check_rows_state(inp)
-        if inp.snapshot_slots:
-            self.snapshots.check(inp.snapshot_slots, "snapshot_slots", occupied=False)
-        restored = []
-        if inp.restore_slots:
-            restored = self.snapshots.restore(inp.req_pool_indices, inp.restore_slots)
-        try:
-            self._reserve_pages(inp)
-        except BaseException:
-            for r in restored:
-                self._forget(r)
-            raise
-        parts = inp.parts()
-        new = [r for p in parts if p.mode == PREFILL for r, s in zip(p.req_pool_indices, p.seq_lens) if s == 0] + restored
-        self._touched = False
-        try:
-            yield
-        except BaseException:
-            for r in new:
-                self._forget(r)
-            if self._touched:
-                self.broken_rows.update(r for p in parts if p.mode != VERIFY for r in p.req_pool_indices if r not in new)
-            raise
-        for p in parts:
-            for b, (r, s, e) in enumerate(zip(p.req_pool_indices, p.seq_lens, p.extend_lens)):
-                if p.mode == VERIFY:
-                    # the last stage accepts at most the real drafts (none when not given) + 1
-                    self._verify_open[r] = (s, (p.num_drafts[b] if p.num_drafts else 0) + 1)
-                else:
-                    self.row_lens[r] = s + e
-
-    def _forget(self, r: int) -> None:
-        if self.snapshots is not None:
-            self.snapshots.forget(r)
-        self.rows_in_use.discard(r)
-        self.row_lens.pop(r, None)
-        self._verify_open.pop(r, None)
-        self.broken_rows.discard(r)
-        if self.grammars is not None:
-            self.grammars.drop(r)
-        if self.kv:
-            self.kv.release(r)
-        if self.mtp_kv:
-            self.mtp_kv.release(r)
+    @property
+    def _verify_open(self) -> dict[int, tuple[int, int]]:  # the row table's, by the name tests use
+        return self.rows._verify_open
 
     def mark_broken(self, req_pool_indices: list[int]) -> None:
         """The rows' state is undefined (a later stage refused a step this stage applied):
         refuse steps on them until they are released."""
-        self.broken_rows.update(r for r in req_pool_indices if r in self.rows_in_use)
+        self.rows.mark_broken(req_pool_indices)
+
+    # ------------------------------------------------------------------ validation
+    def check_input(self, inp: StepInput, hidden: bool = True) -> None:
+        """Validate one micro-batch against this stage's limits; touches nothing
+        (:meth:`StepChecker.check <stage_server.validation.StepChecker.check>`, which says
+        what it raises). ``hidden=False`` skips the ``hidden_states`` checks (the gRPC
+        server's early check, on its event loop)."""
+        self.checker.check(inp, hidden)
+
+    def _sampling_ok(self, spec: SamplingSpec) -> bool:  # the checker's, by the name tests use
+        return self.checker._sampling_ok(spec)
+
+    def _check_sampling(self, b: int, spec: SamplingSpec) -> None:  # likewise
+        self.checker._check_sampling(b, spec)
 
     # ------------------------------------------------------------------ the path of a micro-batch
     @on_stage_device
@@ -761,7 +489,7 @@ class StageRunner:
         self.check_input(inp)
         out = StepOutput(inp.micro_batch_id, inp.round)
         grammars = self._prepare_grammars(inp)
-        with self._applying(inp):
+        with self.rows.applying(inp):
             if grammars:
                 self.grammars.install(grammars)
             graphs = self._greedy_round_graphs(inp)
@@ -794,14 +522,14 @@ class StageRunner:
         """Validate, lay out and run this stage's layers: ``(meta, hidden [T, hidden])``.
         Raises as :meth:`step`."""
         self.check_input(inp)
-        with self._applying(inp):
+        with self.rows.applying(inp):
             return self._run_layers(inp)
 
     def _run_layers(self, inp: StepInput) -> tuple[BatchMeta | MixedMeta, torch.Tensor]:
         rows = inp.req_pool_indices
         graphs = None if inp.num_prefill else self.graphs.get(inp.mode)
         if graphs is not None and graphs.bucket(len(rows)) is not None:
-            self._touched = True
+            self.rows.touched = True
             meta, hidden = graphs.run(rows, inp.seq_lens, inp.input_ids, inp.hidden_states)
             if inp.mode == VERIFY:
                 self.faults.after_verify(meta)
@@ -814,8 +542,8 @@ class StageRunner:
             return MixedMeta.of([m1, m2], [p.extend_lens for p in parts]), torch.cat([h1, h2])
         chunks = parts[-1]  # a prefill, or a mixed micro-batch's prefill chunks
         if chunks.mode == PREFILL:
-            self.rows_in_use.update(chunks.req_pool_indices)
-            self._touched = True
+            self.rows.rows_in_use.update(chunks.req_pool_indices)
+            self.rows.touched = True
             self._replay_before_prefill(chunks.req_pool_indices, chunks.seq_lens)
             if (not inp.num_prefill and self.prefill_graphs is not None
                     and self.prefill_graphs.bucket(len(rows), len(inp.input_ids)) is not None):
@@ -828,7 +556,7 @@ class StageRunner:
             hidden = self.model.embed_tokens(torch.tensor(inp.input_ids, dtype=torch.long, device=self.device))
         else:
             hidden = inp.hidden_states.to(device=self.device, dtype=self.dtype)
-        self._touched = True
+        self.rows.touched = True
         hidden = self.model(meta, hidden, self._layer_states())
         if inp.mode == VERIFY:
             self.faults.after_verify(metas[0])
@@ -960,7 +688,7 @@ class StageRunner:
         return graphs
 
     def _run_greedy_round(self, graphs: StepGraphs, inp: StepInput, out: StepOutput) -> None:
-        self._touched = True
+        self.rows.touched = True
         B = len(inp.req_pool_indices)
         meta, res = graphs.run(inp.req_pool_indices, inp.seq_lens, inp.input_ids, inp.hidden_states,
                                inp.num_drafts or [0] * B)
@@ -1125,7 +853,7 @@ class StageRunner:
             is written).
             RowStateError: the stage was started without speculation.
         """
-        self._check_commit(micro_batch_id, round, req_pool_indices, accept_lengths)
+        self.rows.check_commit(micro_batch_id, round, req_pool_indices, accept_lengths)
         if not req_pool_indices:
             return
         if self.state is not None:
@@ -1133,34 +861,7 @@ class StageRunner:
                 self.snapshots.before_commit(req_pool_indices)  # fault injection only
             # the one commit (RowStatePool.commit), or a test's faulty one
             self.faults.commit(req_pool_indices, accept_lengths)
-        for r, a in zip(req_pool_indices, accept_lengths):
-            base = self._verify_open.pop(r, None)
-            if base is not None:
-                self.row_lens[r] = base[0] + a
-
-    def _check_commit(self, micro_batch_id, round, rows, accept_lengths) -> None:
-        what = f"commit of micro-batch {micro_batch_id} round {round}"
-        if len(rows) != len(accept_lengths):
-            raise ValueError(f"{what}: {len(rows)} req_pool_indices but {len(accept_lengths)} accept_lengths")
-        if not rows:
-            return
-        if self.num_steps == 0:
-            raise RowStateError(f"{what}: this stage was started without speculative decoding: nothing to commit")
-        if min(rows) < 0 or max(rows) >= self.max_rows:
-            bad = [r for r in rows if not 0 <= r < self.max_rows]
-            raise IndexError(f"{what}: req_pool_indices {brief(bad)} outside [0, {self.max_rows})")
-        if len(set(rows)) != len(rows):
-            raise IndexError(f"{what}: req_pool_indices repeat rows {brief(rows)}")
-        d = self.num_steps + 1
-        if min(accept_lengths) < 1 or max(accept_lengths) > d:
-            raise ValueError(f"{what}: accept_lengths must be in [1, {d}], got {brief(accept_lengths)}")
-        for r, a in zip(rows, accept_lengths):
-            most = self._verify_open.get(r, (0, d))[1]
-            if a > most:
-                raise ValueError(
-                    f"{what}: accept_lengths: row {r} was verified with {most - 1} drafts, so at most {most} "
-                    f"tokens can be accepted, got {a}"
-                )
+        self.rows.committed(req_pool_indices, accept_lengths)
 
     @property
     def fault(self) -> str | None:
@@ -1200,4 +901,4 @@ class StageRunner:
         if drop_slots:
             self.snapshots.drop([s for s in drop_slots if 0 <= s < self.snapshots.num_slots])
         for r in req_pool_indices:
-            self._forget(r)
+            self.rows.forget(r)

@@ -15,7 +15,6 @@ import itertools
 import logging
 import time
 import weakref
-from typing import NamedTuple
 
 import torch
 
@@ -34,6 +33,7 @@ from .grammar import GrammarRows
 from .rows import RowTable
 from .sampler import verify_and_sample
 from .faults import FAULTS, SNAPSHOT_FAULTS, CommitFaults  # noqa: F401  (FAULTS: tests import it from here)
+from .mtp import ChainIndex, MTPDrafter
 from .snapshots import SnapshotPool, snapshot_nbytes, slots_for_budget
 from .validation import RowStateError, StepChecker, brief  # noqa: F401  (RowStateError, brief: the server's)
 
@@ -60,18 +60,6 @@ _GREEDY = SamplingSpec()  # the sampling of a request whose step names none
 def _reserved(device: torch.device) -> int:
     """Bytes the caching allocator holds on ``device`` (0 off CUDA)."""
     return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-
-
-class ChainIndex(NamedTuple):
-    """Index constants of :meth:`StageRunner._mtp_chain`, made once before the graphs are
-    captured: inside a graph every ``torch.arange`` / ``torch.ones`` is a kernel launched
-    at each replay. ``iota`` ``[n]`` = 0..n-1 and ``ones`` ``[n]`` int64, with ``n`` above
-    any batch size and chain length; ``last_before[D]`` ``[n]`` = ``b * D - 1``, so request
-    b's token ``a`` (1-based) of D sits at row ``last_before[D][b] + a``."""
-
-    iota: torch.Tensor
-    ones: torch.Tensor
-    last_before: dict[int, torch.Tensor]
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -261,6 +249,11 @@ class StageRunner:
         log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
         self.graphs: dict[str, StepGraphs] = {}
         self.mtp_graphs: dict[str, StepGraphs] = {}
+        # the MTP head's drafting (stage_server/mtp.py); it reaches the layout through a weak
+        # proxy (no runner <-> drafter cycle: see _capture_graphs)
+        me = weakref.proxy(self)
+        self.drafter = MTPDrafter(self.model, self.mtp_kv, num_speculative_steps, self.device,
+                                  lambda *a: me._meta(*a), self.mtp_graphs, self.grammars) if self.use_mtp else None
         self.round_graphs: dict[str, StepGraphs] = {}  # last stage, MTP, every request greedy
         self.commit_graphs: CommitGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # short prefill chunks
@@ -304,7 +297,7 @@ class StageRunner:
         pool = None
         if self.use_mtp and self.num_steps:
             iota = torch.arange(max(max_bs, self.num_steps) + 1, device=self.device)
-            self._chain_index = ChainIndex(iota, torch.ones_like(iota),
+            self.drafter.index = ChainIndex(iota, torch.ones_like(iota),
                                            {d: iota * d - 1 for d in (1, self.num_steps + 1)})
         for mode, d in ((DECODE, 1), (VERIFY, self.num_steps + 1)):
             if mode == VERIFY and self.num_steps == 0:
@@ -316,7 +309,7 @@ class StageRunner:
             self.graphs[mode], pool = g, g.pool
             if self.use_mtp and self.num_steps:
                 mtp_len = self.mtp_kv.max_pages_per_row * self.mtp_kv.page_size
-                g = StepGraphs(lambda metas, *a: me._mtp_chain(metas[0], *a), kvs=(self.mtp_kv,), takes_hidden=True,
+                g = StepGraphs(lambda metas, *a: me.drafter.chain(metas[0], *a), kvs=(self.mtp_kv,), takes_hidden=True,
                                max_kv_len=mtp_len, pool=pool, **common)
                 self.mtp_graphs[mode], pool = g, g.pool
                 g = StepGraphs(lambda *a: me._greedy_round(*a), kvs=(self.kv, self.mtp_kv), takes_hidden=not self.is_first,
@@ -637,7 +630,7 @@ class StageRunner:
                 acc = [len(e) for e in out.output_ids]
                 out.drafts = graphs.run(inp.req_pool_indices, inp.seq_lens, ids, hidden, acc)[1].tolist()
             else:
-                out.drafts = self._mtp_draft(inp, meta, hidden, out.output_ids)
+                out.drafts = self.drafter.draft(inp, meta, hidden, out.output_ids)
 
     def _prompt_logprobs(self, inp: StepInput, hidden: torch.Tensor, specs: list[SamplingSpec],
                          cu: list[int]) -> list:
@@ -714,123 +707,11 @@ class StageRunner:
         h = self.model(meta, self.model.embed_tokens(ids) if self.is_first else hidden, self._layer_states())
         B, D = meta.batch_size, meta.tokens_per_request
         targets = self.model.logits(h, upcast=False).view(B, D, -1).argmax(-1)  # [B, D]
-        j = self._chain_index.iota[: D - 1]  # made before capture: no arange kernel per replay
+        j = self.drafter.index.iota[: D - 1]  # made before capture: no arange kernel per replay
         match = (ids.view(B, D)[:, 1:] == targets[:, :-1]) & (j < num_drafts[:, None])
         accepted = 1 + match.long().cumprod(1).sum(1)
-        drafts = self._mtp_chain(mtp_meta, targets.flatten(), h, accepted)
+        drafts = self.drafter.chain(mtp_meta, targets.flatten(), h, accepted)
         return torch.cat([targets, accepted[:, None], drafts], 1)
-
-    # ------------------------------------------------------------------ MTP drafting
-    def _mtp_draft(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, emitted: list[list[int]]) -> list[list[int]]:
-        """Extend the MTP head over this step's committed positions, then chain drafts.
-
-        For position p the head takes ``(x[p+1], h_p)``. Prefill: every chunk position, the
-        last one conditioned on the sampled token (or the next chunk's first token).
-        Verify / decode: the ``a`` accepted positions, conditioned on the emitted tokens.
-        The head's KV at positions past the accepted ones is overwritten next round.
-        Constrained requests' drafts follow their grammar (``GrammarRows.draft_mask``).
-        """
-        B = meta.batch_size
-        cu = [0, *itertools.accumulate(inp.extend_lens)]
-        ids = inp.input_ids
-        wants = [bool(emitted[b]) for b in range(B)]
-        rows, seq_lens = list(inp.req_pool_indices), list(inp.seq_lens)
-        grammar = self.grammars.draft_mask(rows, wants) if self.grammars is not None and self.num_steps else None
-        chain = self.mtp_graphs.get(DECODE)
-        if (inp.mode == PREFILL and self.num_steps and chain is not None and chain.bucket(B) is not None
-                and grammar is None):
-            # the head over all but each chunk's last position fills the head's KV here;
-            # the last position and the draft chain from it are the decode chain's graph
-            # (the head at one position per request, then its steps): one replay instead of
-            # num_steps eager forwards
-            ext = [e - 1 for e in inp.extend_lens]
-            if any(ext):
-                sub = [b for b in range(B) if ext[b] > 0]
-                tok = [t for b in sub for t in ids[cu[b] + 1: cu[b + 1]]]
-                sel = [i for b in sub for i in range(cu[b], cu[b + 1] - 1)]
-                mmeta = self._meta(PREFILL, [rows[b] for b in sub], [seq_lens[b] for b in sub], [ext[b] for b in sub],
-                                   self.mtp_kv)
-                self.model.mtp(self.model.embed(torch.tensor(tok, dtype=torch.long, device=self.device)),
-                               hidden[torch.tensor(sel, device=self.device)], mmeta, self.mtp_kv.layer(0))
-            nxt = [emitted[b][0] if emitted[b] else inp.next_token_ids[b] for b in range(B)]
-            last = hidden[torch.tensor([c - 1 for c in cu[1:]], device=self.device)]
-            drafts = chain.run(rows, [s + e for s, e in zip(seq_lens, ext)], nxt, last, [1] * B)[1].tolist()
-            return [dr if w else [] for dr, w in zip(drafts, wants)]
-        tok, sel, ext = [], [], []
-        for b in range(B):
-            if inp.mode == PREFILL:
-                nxt = emitted[b][0] if emitted[b] else inp.next_token_ids[b]
-                chunk = ids[cu[b] + 1 : cu[b + 1]] + [nxt]
-                idx = list(range(cu[b], cu[b + 1]))
-            else:
-                a = len(emitted[b])
-                chunk = emitted[b]
-                idx = list(range(cu[b], cu[b] + a))
-            tok += chunk
-            sel += idx
-            ext.append(len(chunk))
-        mmeta = self._meta(PREFILL, rows, seq_lens, ext, self.mtp_kv)
-        mtp = self.model.mtp
-        kv = self.mtp_kv.layer(0)
-        tok_t = torch.tensor(tok, dtype=torch.long, device=self.device)
-        u = mtp(self.model.embed(tok_t), hidden[torch.tensor(sel, device=self.device)], mmeta, kv)
-        if not any(wants) or self.num_steps == 0:
-            return [[] for _ in range(B)]
-        ends = mmeta.cu_seqlens[1:] - 1
-        u = u[ends]  # [B, hidden]: the head's output at each request's last position
-        pos = [s + e for s, e in zip(seq_lens, ext)]
-        chain = []
-        try:
-            for step in range(self.num_steps):
-                logits = self.model.mtp_logits(u, upcast=False)
-                d = (logits if grammar is None else grammar.apply(logits)).argmax(-1)  # [B]
-                chain.append(d)
-                if step == self.num_steps - 1:
-                    break
-                if grammar is not None:  # a host read per step, for constrained micro-batches only
-                    grammar.accept(d.tolist())
-                cmeta = self._meta(DECODE, rows, [p + step for p in pos], [1] * B, self.mtp_kv)
-                u = mtp(self.model.embed(d), u, cmeta, kv)
-        finally:
-            if grammar is not None:
-                grammar.rollback()
-        drafts = torch.stack(chain, 1).tolist()  # one device read for the whole chain
-        return [dr if w else [] for dr, w in zip(drafts, wants)]
-
-    def _mtp_chain(self, meta: BatchMeta, ids: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-        """MTP drafting after a decode or verify, on the device alone (CUDA-graph capturable).
-
-        The head runs over all ``D`` positions of each request, position ``seq + j``
-        conditioned on emitted token ``ids[b * D + j]`` and the target's ``hidden``;
-        ``accepted`` ``[B]`` says how many are real (1..D). Positions past them write MTP
-        KV that the chain below and the next round overwrite before anything reads it
-        (attention is causal). Then ``num_steps`` greedy drafts chain from the last real
-        position. Returns ``[B, num_steps]`` int64 drafts. Same tokens as :meth:`_mtp_draft`.
-
-        The index work of every chain step is done up front, in a fixed number of ops
-        (``self._chain_index`` holds the constants, made by :meth:`_capture_graphs`).
-        """
-        mtp, kv, pool, c = self.model.mtp, self.mtp_kv.layer(0), self.mtp_kv, self._chain_index
-        B, D, S = meta.batch_size, meta.tokens_per_request, self.num_steps - 1
-        u = mtp(self.model.embed(ids), hidden, meta, kv)
-        u = u[c.last_before[D][:B] + accepted]  # each request's last emitted token
-        drafts = [self.model.mtp_logits(u, upcast=False).argmax(-1)]
-        if S:
-            # chain step s writes position seq + accepted + s: [S, B], so that each step's
-            # positions and kv_lens are a contiguous row, as the kernels read them
-            pos = (meta.seq_lens + accepted) + c.iota[:S, None]
-            slots = pool.slots(meta.rows, pos)  # the rows broadcast over the steps
-            kv_lens = pos + 1
-            ones = c.ones[:B]
-            cu = known(c.iota[: B + 1], total=B, max_len=1, queries_fit=True)
-            # bounds hold for every admitted step: pages for these positions were reserved
-            max_slot, max_len = pool.k.shape[1] * pool.page_size - 1, pool.max_pages_per_row * pool.page_size
-            for s in range(S):
-                cmeta = BatchMeta(DECODE, meta.rows, pos[s], ones, cu, pos[s], known(slots[s], min=0, max=max_slot),
-                                  pool.page_table, known(kv_lens[s], min=1, max=max_len), 1)
-                u = mtp(self.model.embed(drafts[-1]), u, cmeta, kv)
-                drafts.append(self.model.mtp_logits(u, upcast=False).argmax(-1))
-        return torch.stack(drafts, 1)
 
     # ------------------------------------------------------------------ commit and release
     @on_stage_device

@@ -146,6 +146,22 @@ class StepInput:
             return []
         return self.req_pool_indices[: len(self.req_pool_indices) - self.num_prefill]
 
+    def without(self, drop: list[int]) -> StepInput:
+        """This step less the requests at indices ``drop`` (decode or verify requests, not
+        prefill chunks; no hidden states: the first stage's step)."""
+        gone = set(drop)
+        keep = [b for b in range(len(self.req_pool_indices)) if b not in gone]
+        starts = [sum(self.extend_lens[:b]) for b in range(len(self.extend_lens))]
+
+        def cut(xs):
+            return [xs[b] for b in keep] if xs else []
+        ids = [t for b in keep for t in self.input_ids[starts[b]: starts[b] + self.extend_lens[b]]]
+        return StepInput(self.micro_batch_id, self.round, self.mode, cut(self.req_pool_indices), cut(self.seq_lens),
+                         cut(self.extend_lens), ids, cut(self.num_drafts), cut(self.sample), cut(self.next_token_ids),
+                         cut(self.sampling), cut(self.output_lens), restore_slots=cut(self.restore_slots),
+                         snapshot_slots=cut(self.snapshot_slots), num_prefill=self.num_prefill,
+                         follows_round=self.follows_round)
+
     def parts(self) -> list[StepInput]:
         """This step as one step per kind, in request and token order: itself when it is
         not mixed, else its ``mode`` requests then its prefill chunks (``hidden_states``
@@ -196,6 +212,22 @@ def follow_ids(input_ids: list[int], extend_lens: list[int], rows: list[int], em
     return ids
 
 
+def stopped_in_followed(inp: "StepInput", emitted: dict[int, int]) -> list[int]:
+    """Indices of the requests of ``inp`` that continue from the followed round (their
+    first input id :data:`FOLLOWS`) and whose token there is one of their stop ids
+    (``SamplingSpec.banned_until_min``: EOS unless ``ignore_eos``, and the request's stop
+    ids, the router's stop rule): they ended in that round, so the first stage runs the
+    step without them and their rows keep the state that round left (a finished row's
+    prefix-cache snapshot is of it)."""
+    out, start = [], 0
+    for b, (row, n) in enumerate(zip(inp.req_pool_indices, inp.extend_lens)):
+        if inp.input_ids[start] == FOLLOWS and b < len(inp.sampling) and \
+                emitted.get(row) in inp.sampling[b].banned_until_min:
+            out.append(b)
+        start += n
+    return out
+
+
 def emitted_last(rows: list[int], output_ids) -> dict[int, int]:
     """Per row, the last token a step's result emitted (rows that emitted none left out):
     what a step following it takes (:func:`follow_ids`)."""
@@ -219,6 +251,21 @@ class StepOutput:
     prompt_logprobs: list | None = None  # per request: [(token, logprob, top, rank)] per predicted prompt token, or None
     compute_seconds: float = 0.0
     stage_seconds: list[float] = field(default_factory=list)
+
+
+def with_left_out(out: StepOutput | None, n: int, left_out: list[int], micro_batch_id: int, round: int) -> StepOutput:
+    """The result of a step of ``n`` requests run without those at ``left_out`` (``out``:
+    the result of the others, None when none ran): they emit nothing, draft nothing."""
+    out = out or StepOutput(micro_batch_id, round)
+    ran = iter(range(n - len(left_out)))
+    gone = set(left_out)
+    idx = [None if b in gone else next(ran) for b in range(n)]
+
+    def spread(xs, empty):
+        return [empty if i is None else xs[i] for i in idx] if xs is not None else None
+    return StepOutput(out.micro_batch_id, out.round, None, spread(out.output_ids, []),
+                      spread(out.drafts or [[]] * (n - len(left_out)), []), spread(out.logprobs, None),
+                      spread(out.prompt_logprobs, None), out.compute_seconds, list(out.stage_seconds))
 
 
 @dataclass

@@ -12,7 +12,9 @@ import asyncio
 import concurrent.futures
 from typing import Callable
 
-from ppspec.proto.messages import Commit, Release, StageInfo, StepInput, StepOutput, emitted_last, follow_ids
+from ppspec.proto.messages import (
+    Commit, Release, StageInfo, StepInput, StepOutput, emitted_last, follow_ids, stopped_in_followed, with_left_out,
+)
 
 
 class Pipeline(abc.ABC):
@@ -155,16 +157,21 @@ class InProcessPipeline(Pipeline):
             await self._committed.wait_for(lambda: not any(r in self._pending for r in rows))
 
     async def step(self, inp: StepInput) -> StepOutput:
-        key, emitted = ("", inp.micro_batch_id), None
+        key, emitted, rows, left_out = ("", inp.micro_batch_id), None, list(inp.req_pool_indices), []
         try:
             if inp.follows_round:  # its continuing requests' input ids: that round's tokens
                 got = await self.sampled.wait(key, inp.follows_round, None)
+                left_out = stopped_in_followed(inp, got)  # ended in that round: not run again
                 inp.input_ids = follow_ids(inp.input_ids, inp.extend_lens, inp.req_pool_indices, got)
                 inp.follows_round = 0
+                if left_out:
+                    inp = inp.without(left_out)
             await self._wait_committed(inp.req_pool_indices)
-            out = await self._run(self.step_sync, inp)
+            out = await self._run(self.step_sync, inp) if inp.req_pool_indices else None
             self._pending.update((r, (inp.micro_batch_id, inp.round)) for r in inp.verify_rows)
-            emitted = emitted_last(inp.req_pool_indices, out.output_ids)
+            if left_out:
+                out = with_left_out(out, len(rows), left_out, inp.micro_batch_id, inp.round)
+            emitted = emitted_last(rows, out.output_ids)
             return out
         finally:  # None: the round failed, a step that follows it is refused
             await self.sampled.ended(key, inp.round, emitted)

@@ -568,15 +568,12 @@ class Scheduler:
         emits exactly one token there (a decode, or the chunk ending its prompt; no
         speculation, whose accept length is not known), that token cannot end it by length,
         and its next round needs nothing else of the result (no penalty counts of its
-        outputs, no grammar). With the prefix cache, only a request no token can stop
-        (``ignore_eos``, no stop ids): one that stops in ``batch`` leaves its row's snapshot
-        for the next turn, which the extra round would move past (:meth:`_finish` takes
-        none while a round in flight holds the row)."""
+        outputs, no grammar). One that a stop id ends in ``batch`` is left out of the next
+        round by the first stage (``stopped_in_followed``): its row keeps the state
+        ``batch`` leaves, and the snapshot a finished row leaves for the next turn."""
         r, p = batch.requests[i], batch.requests[i].params
         n = batch.output_lens[i] + 1  # its outputs once batch is processed
-        stoppable = bool(p.stop_token_ids) or not p.ignore_eos
         return (self.async_scheduling and not self.num_steps and batch.sample[i] and not r.aborted
-                and not (self.cache is not None and stoppable)
                 and n < p.max_tokens and len(r.prompt_ids) + n < self.max_context
                 and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0
                 and p.grammar is None)
@@ -773,10 +770,12 @@ class Scheduler:
         if self.cache:
             self._unpin(r)
             self.cache.abandon(r.request_id)  # snapshots of steps that failed
-            # the row's committed state after prompt and reply: the next turn's prefix (not
-            # while a later round in flight holds the row: it moves the state past them)
+            # the row's committed state after prompt and reply: the next turn's prefix. Not
+            # for an abort (a stop string) while a later round in flight holds the row: that
+            # round moves the state past them (a stop id's end is left out of it instead)
             n = r.num_computed
-            if reason in ("stop", "length") and r.prefill_done and n < len(r.all_ids) and not r.in_flight:
+            if reason in ("stop", "length") and r.prefill_done and n < len(r.all_ids) and not (
+                    r.in_flight and r.aborted):
                 slot = self._reserve_snapshot(r, n)
                 if slot >= 0:
                     self._row_snapshots[r.row] = (slot, r.all_ids[: n + 1])

@@ -36,10 +36,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, read_key_file
 from ppspec.proto.codec import (
-    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, info_to_pb, release_from_pb, result_to_pb, step_from_pb,
+    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, info_to_pb, release_from_pb, result_from_pb, result_to_pb,
+    step_from_pb, step_to_pb,
 )
 from ppspec.argtypes import DTYPES, resolve_dtype
-from ppspec.proto.messages import PREFILL, VERIFY, emitted_last, follow_ids
+from ppspec.proto.messages import (
+    PREFILL, VERIFY, emitted_last, follow_ids, stopped_in_followed, with_left_out,
+)
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from . import dataplane
@@ -191,33 +194,48 @@ class StageServicer(pb_grpc.StageServicer):
         if self.runner.pp_rank != 0:
             return await self._step_once(request, context, verify)
         key = (request.router_id, request.micro_batch_id)
-        emitted = None
+        rows, emitted = list(request.req_pool_indices), None
         try:
-            if request.follows_round:
-                await self._follow(request, context, key)
-            res = await self._step_once(request, context, verify)
-            emitted = emitted_last(request.req_pool_indices, [t.ids for t in res.output_ids])
+            left_out = await self._follow(request, context, key) if request.follows_round else []
+            if not left_out:
+                res = await self._step_once(request, context, verify)
+            else:  # requests that ended in the followed round: not run, they emit nothing
+                ran = await self._step_once(request, context, verify) if request.req_pool_indices else None
+                res = result_to_pb(with_left_out(ran and result_from_pb(ran), len(rows), left_out,
+                                                 request.micro_batch_id, request.round))
+            emitted = emitted_last(rows, [t.ids for t in res.output_ids])
             return res
         finally:  # an abort, a cancelled call, an error: the round failed
             await self.sampled.ended(key, request.round, emitted)
 
-    async def _follow(self, request: pb.StepRequest, context, key: tuple[str, int]) -> None:
+    async def _follow(self, request: pb.StepRequest, context, key: tuple[str, int]) -> list[int]:
         """Fill ``request``'s FOLLOWS input ids in from round ``follows_round``'s result, once
-        that round ended here; relayed without ``follows_round``."""
+        that round ended here, and take out the requests that round ended (a stop id:
+        ``stopped_in_followed``); relayed without ``follows_round``. Returns the indices of
+        those taken out."""
         rank, what = self.runner.pp_rank, f"round {request.round} of micro-batch {request.micro_batch_id}"
         try:
             emitted = await self.sampled.wait(key, request.follows_round, self.order_timeout)
-            ids = follow_ids(list(request.input_ids), list(request.extend_lens), list(request.req_pool_indices),
-                             emitted)
+            inp = step_from_pb(request)  # the first stage's: no hidden states
+            left_out = stopped_in_followed(inp, emitted)
+            inp.input_ids = follow_ids(inp.input_ids, inp.extend_lens, inp.req_pool_indices, emitted)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"stage {rank}: {what} waited {self.order_timeout:.0f}s for round "
                                 f"{request.follows_round}, which it follows")
         except ValueError as e:  # that round failed (FollowError), or malformed: refused, nothing changed
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {what}: {e}")
-        del request.input_ids[:]
-        request.input_ids.extend(ids)
-        request.follows_round = 0
+        if left_out:
+            inp = inp.without(left_out)
+            inp.follows_round = 0
+            router_id = request.router_id
+            request.CopyFrom(step_to_pb(inp))
+            request.router_id = router_id
+        else:
+            del request.input_ids[:]
+            request.input_ids.extend(inp.input_ids)
+            request.follows_round = 0
+        return left_out
 
     async def _step_once(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
         rank = self.runner.pp_rank

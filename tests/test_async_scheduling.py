@@ -277,28 +277,47 @@ def test_async_rounds_on_real_stages_give_the_synchronous_tokens(make_ckpt):
     assert sum(f > 0 for f in follows) > len(follows) // 2  # most rounds followed the one before
 
 
-def test_with_the_prefix_cache_only_requests_nothing_can_stop_continue():
-    """With the prefix cache a request that can stop (EOS, a stop id) waits for its round's
-    result: ending with a round in flight would cost its row's snapshot for the next turn.
-    One that nothing but its length ends continues; when an abort (a stop string) ends it
-    with a round in flight, its row is released after that round, without a snapshot (the
-    state moved past the tokens a snapshot would be filed under)."""
+def test_with_the_prefix_cache_a_stopped_row_keeps_its_snapshot():
+    """With the prefix cache: a request that a stop id ends while its next round is in
+    flight keeps its row's snapshot for the next turn (the first stage leaves it out of that
+    round, so the state stays that of prompt and reply); one that an abort (a stop string)
+    ends then leaves none (that round moves its state past them). Both rows are released
+    only after that round."""
     from ppspec.router.prefix_cache import PrefixCache
     from ppspec.router.scheduler import Scheduler
 
     sched = Scheduler(max_rows=4, kv_tokens=4096, max_context=256, page_size=16, eos_token_ids=[EOS],
                       prefix_cache=PrefixCache(8, 16), async_scheduling=True)
-    sched.add("stoppable", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
+    sched.add("stops", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
+    sched.add("aborted", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
     first = sched.schedule(0)
-    assert first.mode == "prefill" and sched.schedule(0) is None  # waits for the result
-    sched.process(first, [[4]])
-    sched.add("endless", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    mixed = sched.schedule(0)  # stoppable's decode, endless's prompt
-    ahead = sched.schedule(0)  # endless continues before the result; stoppable does not
-    assert [r.request_id for r in ahead.requests] == ["endless"] and ahead.follows_round == mixed.round
-    assert ahead.input_ids == [FOLLOWS] and ahead.seq_lens == [3]
-    assert sched.abort("endless", "stop") == []  # in flight: released after its rounds
-    up = sched.process(mixed, [[5], [8]])
-    assert up.release_rows == [] and sched._row_snapshots == {}  # held by `ahead`, no snapshot
-    up = sched.process(ahead, [[9]])
-    assert len(up.release_rows) == 1 and not up.outputs and sched._row_snapshots == {}
+    ahead = sched.schedule(0)  # both continue before the prefill's result
+    assert first.mode == "prefill" and ahead.follows_round == first.round and ahead.input_ids == [FOLLOWS] * 2
+    assert sched.abort("aborted", "stop") == []  # in flight: released after its rounds
+    up = sched.process(first, [[4], [8]])  # "stops" emitted 4, then EOS below
+    assert up.release_rows == [] and sched._row_snapshots == {}  # "aborted" ended, held, no snapshot
+    nxt = sched.schedule(0)
+    up = sched.process(ahead, [[EOS], []])  # the stage left "aborted" out
+    assert len(up.release_rows) == 1 and up.outputs[0].finish_reason == "stop"
+    assert list(sched._row_snapshots) == [ahead.rows[0]] and list(sched._held) == [ahead.rows[0]]  # held by `nxt`
+    up2 = sched.process(nxt, [[]])  # left out by the first stage (its EOS)
+    assert len(up2.release_rows) == 1 and not up2.outputs
+    # the snapshot of "stops": prompt and reply, taken at its end although `nxt` held the row
+    assert [key for _, key in sched._row_snapshots.values()] == [[1, 2, 3, 4, EOS]]
+
+
+def test_the_first_stage_leaves_out_requests_that_stopped():
+    """A follower's requests whose token in the followed round is one of their stop ids are
+    taken out of the step, and the result has empty entries for them."""
+    from ppspec.proto.messages import SamplingSpec, StepInput, stopped_in_followed, with_left_out
+
+    stop = SamplingSpec(banned_until_min=[EOS, 9])
+    inp = StepInput(0, 2, "decode", [3, 4, 5], [6, 7, 8], [1, 1, 1], [FOLLOWS, FOLLOWS, FOLLOWS],
+                    sampling=[stop, stop, SamplingSpec()], output_lens=[1, 1, 1], follows_round=1)
+    left = stopped_in_followed(inp, {3: 9, 4: 2, 5: EOS})  # row 5 may emit EOS (ignore_eos)
+    assert left == [0]
+    rest = inp.without(left)
+    assert (rest.req_pool_indices, rest.seq_lens, rest.input_ids, rest.output_lens) == ([4, 5], [7, 8], [FOLLOWS] * 2, [1, 1])
+    out = with_left_out(StepOutput(0, 2, output_ids=[[11], [12]], drafts=[[], []]), 3, left, 0, 2)
+    assert out.output_ids == [[], [11], [12]] and out.drafts == [[], [], []]
+    assert with_left_out(None, 2, [0, 1], 0, 2).output_ids == [[], []]

@@ -211,6 +211,24 @@ class ModelFamily:
         CheckpointError naming the file and the tensor."""
         return reader.get(self.checkpoint_key(cfg, name))
 
+    def layer_ranges(self, cfg, pp_size: int) -> list[tuple[int, int]]:
+        """Each PP rank's decoder layers ``[start, end)``; by default :func:`split_layers`.
+        Raises ValueError for a ``pp_size`` the model cannot be split into."""
+        return split_layers(cfg.num_hidden_layers, pp_size)
+
     def has_mtp(self, cfg, reader) -> bool:
         """Whether the checkpoint has an MTP head (may complete ``cfg`` from its tensors)."""
         return False
+
+
+def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, the first ``num_layers % pp_size`` stages one layer longer."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pp_size must be in [1, {num_layers}] for {num_layers} layers, got {pp_size}")
+    base, extra = divmod(num_layers, pp_size)
+    ranges, start = [], 0
+    for k in range(pp_size):
+        end = start + base + (1 if k < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges

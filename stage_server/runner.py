@@ -21,8 +21,9 @@ import torch
 from .batch import DECODE, PREFILL, VERIFY, BatchMeta, MixedMeta
 from .budget import check_fits, gib, pool_bytes
 from .config import PAGE_SIZE
-from .family import ModelConfig
+from .family import ModelConfig, split_layers  # noqa: F401  (split_layers: tests import it from here)
 from .loader import load_stage_model
+from .models import family_of
 from .graphs import CommitGraphs, PrefillGraphs, StepGraphs, host_int64
 from .pools import COMMIT_DESIGNS, KVPool, RowStatePool
 from ppspec.kernels.attention import flashinfer as fi_attention
@@ -62,26 +63,14 @@ def _reserved(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
-def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges, the first ``num_layers % pp_size`` stages one layer longer."""
-    if not 1 <= pp_size <= num_layers:
-        raise ValueError(f"pp_size must be in [1, {num_layers}] for {num_layers} layers, got {pp_size}")
-    base, extra = divmod(num_layers, pp_size)
-    ranges, start = [], 0
-    for k in range(pp_size):
-        end = start + base + (1 if k < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
-
-
 class StageRunner:
     """One stage of the pipeline.
 
     Args:
         model_dir: Hugging Face checkpoint folder.
         pp_rank, pp_size: this stage's rank and the pipeline size; layers split by
-            :func:`split_layers` unless ``layer_range`` is given.
+            its family (``ModelFamily.layer_ranges``; by default :func:`split_layers`)
+            unless ``layer_range`` is given.
         max_rows: request rows (``req_pool_index`` in ``[0, max_rows)``; row ``max_rows`` pads).
         kv_tokens: KV token budget of this stage's attention pool (tokens).
         num_speculative_steps: drafts per round (verify D = steps + 1); 0 = no speculation.
@@ -181,7 +170,7 @@ class StageRunner:
         # says so at once (eager prefill attention: FlashInfer or Triton)
         self.flashinfer_prefill = fi_attention.stage_uses_flashinfer(
             device, dtype, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
-        start, end = layer_range or split_layers(cfg.num_hidden_layers, pp_size)[pp_rank]
+        start, end = layer_range or family_of(cfg).layer_ranges(cfg, pp_size)[pp_rank]
         self.cfg: ModelConfig
         self.cfg, self.model = load_stage_model(model_dir, start, end, with_mtp=use_mtp, dtype=dtype, device=device)
         self.pp_rank, self.pp_size = pp_rank, pp_size

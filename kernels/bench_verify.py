@@ -159,7 +159,7 @@ def bench_batch(B: int, D: int, H: int = 16, HV: int = 32, K: int = 128, V: int 
     f_rep = _graph(replay_round)
     res["replay_round"] = {"ms": _time_ms(f_rep), "state_bytes": 2 * S * B,
                            "bytes": 2 * S * B + io_bytes(D) + B * 2 * D * step_in}
-    # A stage commits every layer in one launch (``StatePool.commit``): the round's commit
+    # A stage commits every layer in one launch (``RowStatePool.commit``): the round's commit
     # is a share of that launch, 1 / layers of it, not a launch per layer. The verify's
     # time is the round less a one-layer commit (each timed alone, same call).
     from ppspec.kernels.gdn.naive_replay import alloc_replay_meta

@@ -342,8 +342,8 @@ class Scheduler:
     def _kv_need(self, r: Request, extend: int) -> int:
         """KV tokens, in whole pages, that ``r`` must hold on every stage for a micro-batch
         adding ``extend`` tokens to its ``num_computed``: those, then verify's D - 1 tokens
-        past the committed length and the MTP chain's ``num_steps - 1`` (``_reserve_pages``
-        of the stage runner), never more than its whole life needs."""
+        past the committed length and the MTP chain's ``num_steps - 1`` (the stage's
+        ``RowTable.reserve_pages``), never more than its whole life needs."""
         n = min(r.num_computed + extend, len(r.prompt_ids) + r.params.max_tokens) + self.D + self.num_steps
         return -(-n // self.page_size) * self.page_size
 

@@ -248,7 +248,7 @@ class StepGraphs:
 
 
 class CommitGraphs:
-    """A stage's commit of accepted verify state (``StatePool.launch_commit``) replayed
+    """A stage's commit of accepted verify state (``RowStatePool.launch_commit``) replayed
     from one CUDA graph per padded batch size (:func:`capture_sizes`).
 
     The commit's device work is a few microseconds, but launching its Triton kernel from
@@ -260,7 +260,7 @@ class CommitGraphs:
 
     Args:
         commit: ``commit(rows [b] int64, accept_lengths [b] int64)``, device work only
-            (``StatePool.launch_commit``).
+            (``RowStatePool.launch_commit``).
         max_bs: the largest batch with a graph; pad_row: the pools' padding row.
         capture: record CUDA graphs (False: run the padded path eagerly, as the CPU tests do).
         pool: CUDA graph memory pool shared with the step graphs.

@@ -349,7 +349,7 @@ def commit_accept_replay_triton(pending, slot, req_pool_indices, accept_lengths)
     """Replay commit for all layers at once (``pending``/``slot`` ``[L, R]`` or ``[R]``):
     ``pending[:, row] = accept_length``, ``slot[:, row]`` flips: one tiny launch, no state
     moves. Rows are validated like :func:`kernels.commit.commit_accept` validates them.
-    A stage does not call this: its commit (``StatePool.commit``) is
+    A stage does not call this: its commit (``RowStatePool.commit``) is
     :func:`kernels.commit.commit_accept_conv_replay`, the same counters and the conv windows
     in one launch."""
     if not check_commit(req_pool_indices, accept_lengths, pending.shape[-1], None):

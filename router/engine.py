@@ -18,7 +18,9 @@ streams, whose detokenization, stop-string search and SSE writing follow, and th
 metrics) is handed to one output task through a queue, after the lane has sent its next
 micro-batch.
 
-Implements the ``AsyncEngine`` shape the HTTP layer (``router.api``) serves.
+Implements the ``AsyncEngine`` shape the HTTP layer (``router.api``) serves; ``LLM``
+(``router.llm``) drives the same engine from its own event loop (``submit``, ``settle``,
+``interrupted``).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ppspec.proto.messages import Release, StageInfo
 
@@ -34,7 +36,7 @@ from .metrics import RouterMetrics
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler, Update, default_token_budget, kv_budget
-from .types import EngineError, RequestOutput, SamplingParams, StageDownError
+from .types import EngineError, RequestOutput, SamplingParams, StageDownError, StepRefusedError
 
 log = logging.getLogger("ppspec.router")
 
@@ -82,6 +84,8 @@ class Engine:
             then, not at the step RPC's timeout.
         async_scheduling: form a lane's next micro-batch before its last one's result
             (``Scheduler``'s ``async_scheduling``); False: each round after the last's result.
+        drafter: ``f(request, k) -> drafts`` replacing the n-gram lookup (``Scheduler``).
+        on_round: called after each micro-batch's outputs went to their streams (``LLM.step``).
     """
 
     def __init__(self, pipeline: Pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
@@ -90,9 +94,10 @@ class Engine:
                  chunk_size: int | None = None,
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
                  metrics: RouterMetrics | None = None, enable_prefix_caching: bool | None = None,
-                 async_scheduling: bool = True):
+                 async_scheduling: bool = True, drafter=None, on_round: Callable[[], None] | None = None):
         self.pipeline = pipeline
         self.async_scheduling = async_scheduling
+        self.drafter, self.on_round = drafter, on_round
         self.prefix_caching = enable_prefix_caching
         self._cache_counted = (0, 0)  # prefix-cache token counters the metrics have (queried, hit)
         self.model_name, self.tokenizer = model_name, tokenizer
@@ -151,6 +156,7 @@ class Engine:
             chunk_size=self.chunk_size, speculative_algorithm=spec, num_steps=steps,
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
             prefix_cache=self._prefix_cache(infos, page_size), async_scheduling=self.async_scheduling,
+            drafter=self.drafter,
         )
         self.eos = last["eos_token_ids"]
         infos = await self.pipeline.check_start(infos)  # gRPC: one router per pipeline, the relay chain
@@ -164,7 +170,11 @@ class Engine:
         self.pipeline.start_monitor()
         self._stopping = False
         self._lane_gen = [0] * lanes
-        self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(lanes)]
+        self._start_tasks()
+
+    def _start_tasks(self) -> None:
+        """A loop per lane, the stats and stall watches, the output task."""
+        self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(self.scheduler.num_lanes)]
         self._tasks.append(asyncio.ensure_future(self._stats_loop()))
         self._tasks.append(asyncio.ensure_future(self._stall_watch()))
         self._tasks.append(asyncio.ensure_future(self._output_loop()))
@@ -207,15 +217,22 @@ class Engine:
         return len(slots)
 
     # ------------------------------------------------------------------ client side
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        if self.failure is not None or not self.pipeline.health()[0]:
-            raise StageDownError(self.health()[1])
-        q: asyncio.Queue = asyncio.Queue()
-        self.scheduler.add(request_id, prompt_token_ids, params)  # raises before allocating anything
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream=None):
+        """Queue a request; its outputs, then its final output or the error that ended it,
+        go to ``stream`` (anything with ``put_nowait``; default a new ``asyncio.Queue``),
+        which is returned. Raises before allocating anything."""
+        q = asyncio.Queue() if stream is None else stream
+        self.scheduler.add(request_id, prompt_token_ids, params)
         self.queues[request_id] = q
         if self.metrics:
             self.metrics.on_request_arrived(request_id)
         self._wake.set()
+        return q
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self.failure is not None or not self.pipeline.health()[0]:
+            raise StageDownError(self.health()[1])
+        q = self.submit(request_id, prompt_token_ids, params)
         finished = False
         try:
             while True:
@@ -262,7 +279,14 @@ class Engine:
     def _spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)
         self._background.add(t)
-        t.add_done_callback(self._background.discard)
+        t.add_done_callback(self._forget)
+
+    def _forget(self, t: asyncio.Task) -> None:
+        self._background.discard(t)
+        exc = None if t.cancelled() else t.exception()
+        # a KeyboardInterrupt went to the driver already (LLM: interrupted())
+        if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            log.error("background task %s failed", t.get_coro().__qualname__, exc_info=exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         q = self.queues.get(out.request_id)
@@ -276,7 +300,7 @@ class Engine:
             q.put_nowait(out)
 
     def _finished(self, request_id: str, out: RequestOutput) -> None:
-        q = self.queues.get(request_id)
+        q = self.queues.pop(request_id, None)
         if self.metrics:
             try:
                 self.metrics.on_request_finished(request_id, out.finish_reason)
@@ -377,6 +401,8 @@ class Engine:
                 self._record(batch, res, up)
                 for out in up.outputs:
                     self._deliver(out)
+                if self.on_round is not None:
+                    self.on_round()
             except Exception:  # noqa: BLE001  (a metrics error must not stop every stream)
                 log.exception("delivering micro-batch %d round %d failed", batch.micro_batch_id, batch.round)
 
@@ -492,7 +518,7 @@ class Engine:
     def _end_dropped(self, dropped, error) -> None:
         """Hand each dropped request's stream its error (``error(request_id)``); count it aborted."""
         for r in dropped:
-            q = self.queues.get(r.request_id)
+            q = self.queues.pop(r.request_id, None)
             if q is not None:
                 q.put_nowait(error(r.request_id))
             if self.metrics:
@@ -509,7 +535,7 @@ class Engine:
         log.error("micro-batch %d round %d refused, failing its %d requests: %s",
                   batch.micro_batch_id, batch.round, len(batch.requests), reason)
         dropped, rows = self.scheduler.fail_requests(batch.requests)
-        self._end_dropped(dropped, lambda rid: EngineError(f"request {rid} failed: a pipeline stage refused its step: {reason}"))
+        self._end_dropped(dropped, lambda rid: StepRefusedError(f"request {rid} failed: a pipeline stage refused its step: {reason}"))
         if rows:
             self._spawn(self._release_or_fail(rows, batch.micro_batch_id, batch.round,
                                               "release after a refused micro-batch", abandon=True))
@@ -525,6 +551,38 @@ class Engine:
         # signal): give the stages their rows back now, within the drain time
         self._spawn(self._stop_lanes())
 
+    # ------------------------------------------------------------------ the in-process driver
+    def settled(self) -> bool:
+        """No commit, release or output of a micro-batch that came back is left to do."""
+        return not self._background and self._outbox.empty()
+
+    async def settle(self) -> None:
+        """Until :meth:`settled` (``LLM`` between its calls: every row back on every stage)."""
+        while not self.settled():
+            if self._background:
+                await asyncio.wait(list(self._background))
+            else:
+                await asyncio.sleep(0)  # the output task delivers
+
+    def interrupted(self, reason: str) -> None:
+        """The driver's event loop was cut (Ctrl-C inside ``LLM``): any task may have
+        stopped anywhere, so end every request as after a stage failure, drop the commits
+        and releases under way (the recovery releases every row on every stage, abandoning
+        their commits), and restart the engine's tasks. Call :meth:`recover` next."""
+        for t in list(self._background) + self._tasks:
+            t.cancel()
+            if t.done() and not t.cancelled():
+                t.exception()  # a task the interrupt ended: retrieved, not logged at exit
+        self._fail(reason)
+        self._stale_rows = self._stale_rows + self.scheduler.releasing_rows()
+        self._lane_gen = [g + 1 for g in self._lane_gen]
+        self._start_tasks()
+
+    async def recover(self) -> None:
+        """Recover now after a failure (no-op without one); :attr:`failure` stays set when
+        a stage does not serve yet or came back with other settings."""
+        await self._recover(delay=0)
+
     async def _stop_lanes(self) -> None:
         """Stop the lane tasks (an in-flight step's RPC is cancelled down the relay chain),
         then release this router's rows on every stage."""
@@ -532,19 +590,20 @@ class Engine:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         if not self.closing and self.scheduler is not None:  # close() without shutdown(): end the requests first
             self.closing = True
             self._fail("the engine is closing")
         await self._release_own_rows()
         await self.pipeline.leave()
 
-    async def _recover(self) -> None:
+    async def _recover(self, delay: float = 0.5) -> None:
         """Once every stage serves again, release all rows everywhere and resume.
 
         Every lane calls this while the router is down; one recovers at a time, and a lane
         that finds the router recovered does nothing: a second release of every row,
         landing after serving resumed, would take rows from new requests."""
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(delay)
         async with self._recovering:
             if self.failure is None:
                 return

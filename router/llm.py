@@ -4,14 +4,17 @@
     llm = LLM("models/qwen35-demo", speculative_algorithm="mtp")
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
-It drives the router's scheduler (``router.scheduler``) over an in-process pipeline of
-stage runners, the same calls the gRPC router makes. With ``num_micro_batches > 1`` the
-driver runs every lane's step before any lane's commit, as a real pipeline interleaves
-micro-batches, so the stable-row commit is exercised in one process too.
+``LLM`` is the router's engine (``router.engine.Engine``, the one that serves HTTP) over
+an in-process pipeline of stage runners: the same lanes form micro-batches, send them,
+apply results and send the commits, so what runs here is what serves. Each call runs the
+engine's event loop until it is done; the stages compute on that loop's thread. With
+``num_micro_batches > 1`` lanes interleave micro-batches as a real pipeline does, so the
+stable-row commit is exercised in one process too.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -23,10 +26,10 @@ from dataclasses import dataclass, field
 from ppspec.argtypes import DEMO_MODEL, add_cuda_graph_args, cuda_graph_max_bs, device_list, positive_int
 
 from .detokenize import TextStream
+from .engine import Engine
 from .pipeline import InProcessPipeline
-from .prefix_cache import PrefixCache
-from .scheduler import Scheduler, default_token_budget, kv_budget
-from .types import RequestOutput, SamplingParams
+from .scheduler import Scheduler
+from .types import RequestOutput, SamplingParams, StageDownError
 
 __all__ = ["DEMO_MODEL", "LLM", "Completion"]
 
@@ -48,8 +51,24 @@ class Completion:
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: one TokenLogprob per prompt token after the first
 
 
+class _Inbox:
+    """A request's stream for :meth:`Engine.submit`: its outputs (or the error that ended
+    it) go to the LLM's one list, tagged with the request id, and wake the driver."""
+
+    __slots__ = ("request_id", "items", "wake")
+
+    def __init__(self, request_id: str, items: list, wake: asyncio.Event):
+        self.request_id, self.items, self.wake = request_id, items, wake
+
+    def put_nowait(self, item) -> None:
+        self.items.append((self.request_id, item))
+        self.wake.set()
+
+
 class LLM:
-    """In-process engine over ``pp_size`` stage runners.
+    """In-process engine over ``pp_size`` stage runners: the router's ``Engine`` (the one
+    that serves HTTP) over an in-process pipeline, driven from an event loop of its own,
+    one ``run_until_complete`` per call.
 
     Args:
         model: checkpoint folder (default: the bundled demo model).
@@ -124,25 +143,71 @@ class LLM:
             dtype=getattr(torch, dtype), device=device, fault=fault, commit_design=commit_design,
             cuda_graph_max_bs=cuda_graph_max_bs, prefix_cache_gb=prefix_cache_gb if enable_prefix_caching else 0.0,
         )
-        infos = self.pipeline.info_sync()
-        self.vocab_size = infos[-1]["vocab_size"]
-        self.eos_token_ids = infos[-1]["eos_token_ids"]
-        self.max_context = min(i["max_context"] for i in infos)
-        kv_tokens, page_size = kv_budget(infos)
-        budget, mixed = default_token_budget(infos, max_batch_size, steps)
-        self.scheduler = Scheduler(
-            max_rows=max_rows, kv_tokens=kv_tokens, page_size=page_size, max_context=self.max_context,
-            num_lanes=num_micro_batches or pp_size, max_batch_size=max_batch_size, chunk_size=chunk_size,
-            max_num_batched_tokens=max_num_batched_tokens or budget, mixed_prefill_tokens=mixed_prefill_tokens or mixed,
-            speculative_algorithm=speculative_algorithm, num_steps=num_speculative_steps,
-            eos_token_ids=self.eos_token_ids, drafter=drafter,
-            prefix_cache=PrefixCache(min(i["snapshot_slots"] for i in infos), page_size) if enable_prefix_caching else None,
+        self.pipeline.inline = True  # this loop serves nothing else: compute on its thread
+        self.model_dir = model
+        self._inbox: list[tuple[str, object]] = []  # (request id, output or error) from the engine
+        self._wake = asyncio.Event()
+        self.engine = Engine(
+            self.pipeline, model_name=model, tokenizer=None, speculative_algorithm=speculative_algorithm,
+            num_micro_batches=num_micro_batches or len(self.pipeline.runners), max_batch_size=max_batch_size,
+            max_num_batched_tokens=max_num_batched_tokens, mixed_prefill_tokens=mixed_prefill_tokens,
+            chunk_size=chunk_size, max_waiting=sys.maxsize, enable_prefix_caching=enable_prefix_caching,
+            drafter=drafter, on_round=self._wake.set,
+            # each lane's next round after its last one's result: step() is one round of
+            # every lane, and on the loop's thread nothing could overlap a round anyway
+            async_scheduling=False,
         )
-        self.max_context = self.scheduler.max_context  # the KV pool may hold less than the stages' context
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self.engine.start())
+        except BaseException:
+            self._loop.close()
+            raise
+        last = self.engine.stage_infos[-1]
+        self.vocab_size, self.eos_token_ids = last["vocab_size"], last["eos_token_ids"]
+        self.max_context = self.engine.max_model_len  # the KV pool may hold less than the stages' context
         self._ids = itertools.count()
         self.completions: dict[str, Completion] = {}
-        self.model_dir = model
-        self._generate_lock = threading.Lock()
+        self._streams: dict[str, TextStream] = {}  # requests of generate() with stop strings: their text
+        self._lock = threading.RLock()  # calls from several threads run one after another
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    # ---- the event loop: one run per call
+    def _run(self, coro):
+        """Run ``coro`` on this LLM's loop, the engine's tasks with it. Whatever cuts the
+        loop from outside the call (Ctrl-C, a KeyboardInterrupt out of a stage) ends every
+        request in flight and releases every row on every stage before it propagates; a
+        second one during that clean-up leaves the rest to the next call."""
+        with self._lock:
+            task = self._loop.create_task(coro)
+            try:
+                return self._loop.run_until_complete(task)
+            except BaseException as e:
+                if isinstance(e, Exception) and task.done():
+                    raise  # the call's own error: the engine is consistent
+                task.cancel()
+                self._loop.run_until_complete(self._after_interrupt(task, f"interrupted: {type(e).__name__}"))
+                raise
+
+    async def _after_interrupt(self, task: asyncio.Task, reason: str) -> None:
+        self.engine.interrupted(reason)  # in the loop: the engine's tasks restart on it
+        try:
+            await task  # its clean-up (generate: its requests end)
+        except (asyncio.CancelledError, Exception):
+            pass
+        self._take()  # the ended requests' completions: finish reason abort
+        await self._ready()
+
+    async def _ready(self) -> None:
+        """Recovered from a failure (every row released on every stage) before going on."""
+        if self.engine.failure is not None:
+            self.engine.interrupted(self.engine.failure)  # restarts tasks an interrupt ended
+            await self.engine.recover()
+            if self.engine.failure is not None:
+                raise StageDownError(self.engine.failure)
 
     # ---- step-level API: requests join and leave between steps
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -160,112 +225,98 @@ class LLM:
                 raise ValueError(f"{name}: token ids must be ints in [0, {self.vocab_size}), got {bad[:4]}")
         prompt_ids = [int(t) for t in prompt_ids]
         rid = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add(rid, prompt_ids, params)
-        self.completions[rid] = Completion(rid, list(prompt_ids))
+        with self._lock:
+            self.engine.submit(rid, prompt_ids, params, _Inbox(rid, self._inbox, self._wake))
+            self.completions[rid] = Completion(rid, list(prompt_ids))
         return rid
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End a request (``reason``: its finish reason, ``abort`` or ``stop``) and release its
         rows on every stage."""
-        rows = self.scheduler.abort(request_id, reason)
-        self._release(rows)
+        self._run(self._abort(request_id, reason))
+
+    async def _abort(self, request_id: str, reason: str) -> None:
+        await self.engine.abort(request_id, reason)
+        await self.engine.settle()
+        self._take()
         c = self.completions.get(request_id)
         if c is not None and c.finish_reason is None and request_id not in self.scheduler.requests:
             c.finish_reason = reason
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests queued or running, or rows of finished ones not yet released (also
+        after an interrupt, until the recovery has released every row)."""
+        return self.scheduler.has_work() or not self.engine.settled() or self.engine.failure is not None
 
     def step(self) -> list[RequestOutput]:
-        """One round of every lane: all lanes' micro-batches run, then all commits.
+        """One round of every lane: each lane with work sends one micro-batch (all of them
+        before any commit, as the lanes of a served pipeline interleave), until they are
+        back and committed; with no request left, until every row is released. Returns the
+        outputs the round brought.
 
-        Whatever interrupts it (a stage's error, KeyboardInterrupt) ends the requests of
-        every micro-batch not yet committed on every stage, releases their rows and
-        propagates; the engine stays usable."""
-        self._release_leftovers()
-        self._unsettled: list = []  # requests of micro-batches not yet committed everywhere
-        try:
-            return self._step()
-        except BaseException:
-            # between a schedule and its commit the stages' state of these requests is not
-            # what the scheduler believes: end them, and release every row not yet freed on
-            # every stage (release is idempotent)
-            self._drop_unsettled()
-            raise
+        A stage refusing a micro-batch ends that micro-batch's requests (finish reason
+        ``abort``) and raises a ValueError here; the engine stays usable."""
+        return self._run(self._step())
 
-    def _release_leftovers(self) -> None:
-        """Rows whose release was itself interrupted (a second Ctrl-C during the clean-up)."""
-        self._release(self.scheduler.releasing_rows())
-
-    def _release(self, rows: list[int]) -> None:
-        """Release ``rows`` on every stage (a finished one snapshotted first, for the prefix
-        cache), then drop the prefix-cache slots evicted since the last call."""
-        sched = self.scheduler
-        if rows:
-            self.pipeline.release_sync(rows, sched.release_snapshots(rows))
-            sched.free(rows)
-        slots = sched.take_dropped_slots()
-        if slots:
-            self.pipeline.release_sync([], drop_slots=slots)
-            sched.slots_dropped(slots)
-
-    def flush_cache(self) -> None:
-        """Evict every cached prefix not in use now, on every stage."""
-        self.scheduler.flush_cache()
-        self._release([])
-
-    def _drop_unsettled(self) -> None:
-        sched = self.scheduler
-        stuck = [r for r in sched.requests.values() if r.in_flight] + self._unsettled
-        sched.fail_requests(stuck)
-        for r in stuck:
-            c = self.completions.get(r.request_id)
-            if c is not None and c.finish_reason is None:
-                c.finish_reason = "abort"
-        self._release_leftovers()
-
-    def _step(self) -> list[RequestOutput]:
-        sched, pipe = self.scheduler, self.pipeline
-        launched, error = [], None
-        for lane in range(sched.num_lanes):
-            batch = sched.schedule(lane)
-            self._release(sched.take_preempted())
-            if batch is None:
-                continue
-            self._unsettled += batch.requests
+    async def _step(self) -> list[RequestOutput]:
+        await self._ready()
+        if self.scheduler.has_work():
+            self._wake.clear()
+            await self.pipeline.allow_steps(self.scheduler.num_lanes)
             try:
-                launched.append((batch, pipe.step_sync(batch.step_input(self.eos_token_ids))))
-            except Exception as e:
-                # a stage refused the micro-batch: its requests end (aborted) and give their
-                # rows back everywhere; the lanes already stepped are processed below, so
-                # the engine stays consistent and usable; then the error goes to the caller
-                dropped, rows = sched.fail_requests(batch.requests)
-                self._release(rows)
-                for r in dropped:
-                    if r.request_id in self.completions:
-                        self.completions[r.request_id].finish_reason = "abort"
-                error = e
-                break
-        outputs = []
-        for batch, res in launched:
-            up = sched.process(batch, res.output_ids, res.drafts, res.logprobs, res.prompt_logprobs)
-            if up.commit is not None:
-                pipe.commit_accept_sync(up.commit)
-            self._release(up.release_rows)
-            for o in up.outputs:
-                c = self.completions[o.request_id]
-                c.token_ids += o.new_token_ids
-                c.accept_lengths += o.accept_lengths
-                c.logprobs += o.logprobs or []
-                if o.prompt_logprobs is not None:
-                    c.prompt_logprobs = o.prompt_logprobs
-                c.finish_reason = o.finish_reason
-            outputs += up.outputs
-            settled = set(map(id, batch.requests))
-            self._unsettled = [r for r in self._unsettled if id(r) not in settled]
+                while not self._inbox and not self._wake.is_set():
+                    await self._wake.wait()  # the first micro-batch came back
+            finally:
+                await self.pipeline.allow_steps(0)
+            while self.pipeline.stepping:  # the others sent meanwhile
+                await asyncio.sleep(0)
+        await self.engine.settle()
+        outputs, error, _ = self._take()
         if error is not None:
             raise error
         return outputs
+
+    def _take(self) -> tuple[list[RequestOutput], BaseException | None, list[str]]:
+        """Apply what the engine handed this LLM's requests since the last call to their
+        completions: the outputs, the first error, and the requests a stop string ended
+        (to abort). At a stop string keep the tokens up to the one that completed it (a
+        verify round may have emitted more); the finish reason becomes ``stop``."""
+        items, self._inbox[:] = list(self._inbox), []
+        outputs, error, stopped = [], None, []
+        for rid, o in items:
+            c = self.completions.get(rid)
+            if isinstance(o, BaseException):
+                error = error or o
+                if c is not None and c.finish_reason is None:
+                    c.finish_reason = "abort"
+                continue
+            outputs.append(o)
+            if c is None or c.stop_reason is not None:
+                continue
+            first = len(c.token_ids)
+            c.token_ids += o.new_token_ids
+            c.accept_lengths += o.accept_lengths
+            c.logprobs += o.logprobs or []
+            if o.prompt_logprobs is not None:
+                c.prompt_logprobs = o.prompt_logprobs
+            c.finish_reason = o.finish_reason
+            st = self._streams.get(rid)
+            if st is None:
+                continue
+            for j, t in enumerate(o.new_token_ids):
+                if st.add(t):
+                    keep = first + j + 1
+                    c.token_ids, c.logprobs = c.token_ids[:keep], c.logprobs[:keep]
+                    c.stop_reason = st.stop_str
+                    if c.finish_reason is None:
+                        stopped.append(rid)
+                    c.finish_reason = "stop"
+                    break
+        return outputs, error, stopped
+
+    def flush_cache(self) -> None:
+        """Evict every cached prefix not in use now, on every stage."""
+        self._run(self.engine.flush_cache())
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *, n: int = 1,
              chat_template_kwargs: dict | None = None) -> list[Completion]:
@@ -331,57 +382,51 @@ class LLM:
                 if not isinstance(seq, list):  # a 0-d array or tensor
                     raise TypeError(f"a prompt is a string or a list of token ids, got a scalar {type(p).__name__}")
                 ids.append(seq)
-        with self._generate_lock:  # calls from several threads run one after another
-            return self._generate(ids, plist, tok)
+        if any(sp.stop for sp in plist):
+            tok = tok or self.tokenizer
+        return self._run(self._generate(ids, plist, tok))
 
-    def _generate(self, ids: list, plist: list[SamplingParams], tok) -> list[Completion]:
+    async def _generate(self, ids: list, plist: list[SamplingParams], tok) -> list[Completion]:
+        await self._ready()
         rids = []
-        streams: dict[str, TextStream] = {}  # requests with stop strings: their text so far
+        sched = self.scheduler
         try:
             for i, sp in zip(ids, plist):
                 rids.append(self.add_request(i, sp))
                 if sp.stop:
-                    tok = tok or self.tokenizer
-                    streams[rids[-1]] = TextStream(tok, list(i), sp.stop, min_tokens=sp.min_tokens)
-            while self.has_unfinished():
-                outputs = self.step()
-                if streams:
-                    self._match_stops(outputs, streams)
+                    self._streams[rids[-1]] = TextStream(tok, list(i), sp.stop, min_tokens=sp.min_tokens)
+            await self.pipeline.allow_steps(None)
+            while True:
+                self._wake.clear()
+                _, error, stopped = self._take()
+                for rid in stopped:
+                    await self.engine.abort(rid, "stop")
+                if error is not None:
+                    raise error
+                # done once every request has left the scheduler (a stopped one's round in flight came back)
+                if all(self.completions[r].finish_reason is not None and r not in sched.requests for r in rids):
+                    break
+                await self._wake.wait()
+            await self.engine.settle()
         except BaseException:
             # this call's requests end with it (the object stays usable for the next call)
             for r in rids:
-                self.abort(r)
+                await self.engine.abort(r)
+            await self.engine.settle()
+            self._take()
+            for r in rids:
                 self.completions.pop(r, None)
+                self._streams.pop(r, None)
             raise
         out = [self.completions.pop(r) for r in rids]
         for c in out:
-            st = streams.get(c.request_id)
+            st = self._streams.pop(c.request_id, None)
             if st is not None:
                 st.finish()
                 c.text = st.text
             elif tok is not None:
                 c.text = tok.decode(c.token_ids, skip_special_tokens=True)
         return out
-
-    def _match_stops(self, outputs: list[RequestOutput], streams: dict) -> None:
-        """Feed each request's new tokens to its text; at a stop string keep the tokens up
-        to the one that completed it (a verify round may have emitted more) and end the
-        request with finish reason ``stop``."""
-        for o in outputs:
-            st = streams.get(o.request_id)
-            if st is None or st.stopped:
-                continue
-            c = self.completions[o.request_id]
-            first = len(c.token_ids) - len(o.new_token_ids)
-            for j, t in enumerate(o.new_token_ids):
-                if st.add(t):
-                    keep = first + j + 1
-                    c.token_ids, c.logprobs = c.token_ids[:keep], c.logprobs[:keep]
-                    c.stop_reason = st.stop_str
-                    if c.finish_reason is None:
-                        self.abort(o.request_id, "stop")
-                    c.finish_reason = "stop"
-                    break
 
     @property
     def tokenizer(self):
@@ -393,6 +438,26 @@ class LLM:
 
     def rows_in_use(self) -> list[int]:
         return [i["rows_in_use"] for i in self.pipeline.info_sync()]
+
+    def close(self) -> None:
+        """Stop the engine (its rows back on every stage) and close the event loop; also
+        when the object is dropped."""
+        loop = getattr(self, "_loop", None)
+        if loop is None or loop.is_closed() or loop.is_running() or sys.is_finalizing():
+            return
+        try:
+            with self._lock:
+                loop.run_until_complete(self.engine.close())
+        finally:
+            # the engine's callbacks on the pipeline would keep both alive past this object
+            self.pipeline.on_restart = self.pipeline.on_displaced = None
+            loop.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (at interpreter exit modules may be gone)
+            pass
 
 
 def main(argv: list[str]) -> int:

@@ -83,6 +83,10 @@ class InProcessPipeline(Pipeline):
     Construct from runners, or with :meth:`build` from a checkpoint (one runner per PP
     rank). The router never touches ``hidden_states``: each runner's output is handed to
     the next runner as is.
+
+    The async API computes on one worker thread, so that an HTTP server in the same event
+    loop keeps answering; with ``inline`` (``LLM``, whose loop serves nothing else) on the
+    loop's thread, without a thread hand-off per call.
     """
 
     def __init__(self, runners: list):
@@ -100,6 +104,11 @@ class InProcessPipeline(Pipeline):
         # each micro-batch's last round, for a step that follows it (async scheduling), as
         # the first stage server keeps them
         self.sampled = SampledRounds()
+        self.inline = False
+        # micro-batches that may still start (None: any number): ``LLM.step`` lets one go
+        self._permits: int | None = None
+        self._gate: asyncio.Condition | None = None
+        self.stepping = 0  # micro-batches past the gate, not yet back
 
     @classmethod
     def build(cls, model_dir: str, pp_size: int = 1, device: str = "cpu", **runner_kwargs) -> "InProcessPipeline":
@@ -141,7 +150,26 @@ class InProcessPipeline(Pipeline):
 
     # ---- asynchronous API (the router's driver), compute on one worker thread
     async def _run(self, fn, *args):
+        if self.inline:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def allow_steps(self, n: int | None) -> None:
+        """From now on at most ``n`` more micro-batches start (None: no limit); the others
+        wait in :meth:`step`."""
+        if self._gate is None:
+            self._gate = asyncio.Condition()
+        async with self._gate:
+            self._permits = n
+            self._gate.notify_all()
+
+    async def _admit(self) -> None:
+        if self._permits is None:
+            return
+        async with self._gate:
+            await self._gate.wait_for(lambda: self._permits is None or self._permits > 0)
+            if self._permits is not None:
+                self._permits -= 1
 
     async def info(self) -> list[StageInfo]:
         return await self._run(self.info_sync)
@@ -158,6 +186,8 @@ class InProcessPipeline(Pipeline):
 
     async def step(self, inp: StepInput) -> StepOutput:
         key, emitted, rows, left_out = ("", inp.micro_batch_id), None, list(inp.req_pool_indices), []
+        await self._admit()
+        self.stepping += 1
         try:
             if inp.follows_round:  # its continuing requests' input ids: that round's tokens
                 got = await self.sampled.wait(key, inp.follows_round, None)
@@ -167,6 +197,10 @@ class InProcessPipeline(Pipeline):
                 if left_out:
                     inp = inp.without(left_out)
             await self._wait_committed(inp.req_pool_indices)
+            if self.inline:
+                # the other lanes' steps, the commits and the output task run between two
+                # steps, in the order a pipeline of stage servers meets them
+                await asyncio.sleep(0)
             out = await self._run(self.step_sync, inp) if inp.req_pool_indices else None
             self._pending.update((r, (inp.micro_batch_id, inp.round)) for r in inp.verify_rows)
             if left_out:
@@ -174,6 +208,7 @@ class InProcessPipeline(Pipeline):
             emitted = emitted_last(rows, out.output_ids)
             return out
         finally:  # None: the round failed, a step that follows it is refused
+            self.stepping -= 1
             await self.sampled.ended(key, inp.round, emitted)
 
     async def commit_accept(self, c: Commit) -> None:

@@ -219,6 +219,11 @@ class ContextLengthError(InvalidRequestError):
         self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
 
 
+class StepRefusedError(EngineError, ValueError):
+    """A stage refused the micro-batch the request rode in (HTTP 500); a ValueError as the
+    stage's refusal is, for ``LLM`` callers."""
+
+
 class QueueFullError(EngineError):
     http_status = 429
     error_type = "rate_limit_error"

@@ -144,16 +144,21 @@ def _slot_gb(ckpt) -> float:
     return snapshot_nbytes(r.state) / 2**30
 
 
-def test_eviction_under_a_small_snapshot_budget(ckpt, reference):
-    """Three snapshot slots for four conversations: snapshots are evicted (least recently
-    used, never one a micro-batch restores from) and the tokens stay the same."""
+def test_eviction_under_a_small_snapshot_budget(ckpt):
+    """Three snapshot slots for three conversations, each leaving chunk snapshots and a
+    finished one per turn: snapshots are evicted (least recently used, never one a
+    micro-batch restores from), later turns still hit, and the tokens stay the same. (With
+    four conversations cycling through three slots, LRU leaves a hit to the order in which
+    finished requests' releases land.)"""
+    convs = conversations(3)
+    reference = multi_turn(LLM(ckpt, chunk_size=CHUNK), convs)[0]
     llm = LLM(ckpt, speculative_algorithm="mtp", chunk_size=CHUNK, enable_prefix_caching=True,
               prefix_cache_gb=3.5 * _slot_gb(ckpt))
     assert llm.scheduler.cache.num_slots == 3
     dropped = []
     orig = llm.scheduler.slots_dropped
     llm.scheduler.slots_dropped = lambda slots: (dropped.extend(slots), orig(slots))
-    replies, cached = multi_turn(llm, conversations())
+    replies, cached = multi_turn(llm, convs)
     assert replies == reference
     assert dropped and any(c > 0 for turn in cached[1:] for c in turn)
     assert_all_free(llm)

@@ -170,14 +170,15 @@ class Engine:
         self.pipeline.start_monitor()
         self._stopping = False
         self._lane_gen = [0] * lanes
+        self._loop = asyncio.get_running_loop()
         self._start_tasks()
 
     def _start_tasks(self) -> None:
-        """A loop per lane, the stats and stall watches, the output task."""
-        self._tasks = [asyncio.ensure_future(self._lane_loop(k)) for k in range(self.scheduler.num_lanes)]
-        self._tasks.append(asyncio.ensure_future(self._stats_loop()))
-        self._tasks.append(asyncio.ensure_future(self._stall_watch()))
-        self._tasks.append(asyncio.ensure_future(self._output_loop()))
+        """A loop per lane, the stats and stall watches, the output task (on the engine's
+        loop: ``interrupted`` runs while it is stopped)."""
+        run = self._loop.create_task
+        self._tasks = [run(self._lane_loop(k)) for k in range(self.scheduler.num_lanes)]
+        self._tasks += [run(self._stats_loop()), run(self._stall_watch()), run(self._output_loop())]
 
     def _prefix_cache(self, infos: list[StageInfo], page_size: int) -> PrefixCache | None:
         """The prefix cache over the stages' snapshot slots (the fewest any stage has). With
@@ -568,8 +569,10 @@ class Engine:
         """The driver's event loop was cut (Ctrl-C inside ``LLM``): any task may have
         stopped anywhere, so end every request as after a stage failure, drop the commits
         and releases under way (the recovery releases every row on every stage, abandoning
-        their commits), and restart the engine's tasks. Call :meth:`recover` next."""
-        for t in list(self._background) + self._tasks:
+        their commits), and restart the engine's tasks. Call :meth:`recover` next; called
+        while the loop is stopped, before a task the interrupt woke runs on."""
+        steps = [t for flights in self._flights.values() for _, t, _ in flights]
+        for t in list(self._background) + self._tasks + steps:
             t.cancel()
             if t.done() and not t.cancelled():
                 t.exception()  # a task the interrupt ended: retrieved, not logged at exit

@@ -189,11 +189,12 @@ class LLM:
                 if isinstance(e, Exception) and task.done():
                     raise  # the call's own error: the engine is consistent
                 task.cancel()
-                self._loop.run_until_complete(self._after_interrupt(task, f"interrupted: {type(e).__name__}"))
+                # before the loop runs again: a task woken by the interrupt must not go on
+                self.engine.interrupted(f"interrupted: {type(e).__name__}")
+                self._loop.run_until_complete(self._after_interrupt(task))
                 raise
 
-    async def _after_interrupt(self, task: asyncio.Task, reason: str) -> None:
-        self.engine.interrupted(reason)  # in the loop: the engine's tasks restart on it
+    async def _after_interrupt(self, task: asyncio.Task) -> None:
         try:
             await task  # its clean-up (generate: its requests end)
         except (asyncio.CancelledError, Exception):

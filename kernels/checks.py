@@ -30,6 +30,15 @@ def known(t: torch.Tensor, **facts) -> torch.Tensor:
     return t
 
 
+def remember(t: torch.Tensor, name: str, value) -> None:
+    """Add ``name`` to ``t``'s still-valid facts: a value derived from them (e.g. a plan
+    made from the stated ``values``), which then lives exactly as long as they do."""
+    f = getattr(t, "_ppspec_facts", None)
+    facts = dict(f[1]) if f is not None and f[0] == _version(t) else {}
+    facts[name] = value
+    t._ppspec_facts = (_version(t), facts)
+
+
 def fact(t: torch.Tensor, name: str, compute: Callable[[], object]):
     """The fact ``name`` about ``t`` if still valid, else ``compute()`` (may sync)."""
     f = getattr(t, "_ppspec_facts", None)

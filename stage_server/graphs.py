@@ -28,6 +28,7 @@ import array
 import gc
 import itertools
 import logging
+import os
 import time
 from typing import Callable
 
@@ -301,10 +302,37 @@ class CommitGraphs:
             self.commit(*self._views(b))
 
 
-# token buckets: each within the one-launch GDN prefill's reach (a longer chunk takes fla,
-# whose host-side planning cannot be recorded)
+# token buckets: each within the one-launch GDN prefill's reach
 PREFILL_GRAPH_TOKENS = tuple(t for t in (16, 32, 64) if t <= SHORT_PREFILL_TOKENS)
 PREFILL_GRAPH_SEQS = (2, 4, 8)  # sequence buckets: requests + at least one padding sequence
+# long buckets: one request's chunk of up to 2^k tokens and one padding sequence of at
+# least one token, whose GDN layers take fla's chunked kernels. fla sizes its grids by the
+# number of 64-token chunks, ceil(T / 64) + ceil((t - T) / 64): t / 64, or one more where T
+# is not a multiple of 64, so each t gets two graphs (its key's third entry). The largest
+# bucket holds 2^k + 64 tokens: a chunk of a power-of-two token budget (512, 2048, 8192)
+# wastes 64 tokens on padding, not its own length.
+_FLA_CHUNK = 64
+PREFILL_GRAPH_LONG_TOKENS = tuple(2 ** k + _FLA_CHUNK for k in range(7, 14))
+
+
+def long_prefill_graph_tokens() -> int:
+    """The longest chunk (tokens) that gets a long-bucket prefill graph:
+    ``PPSPEC_PREFILL_GRAPH_TOKENS`` (default 0, off until checked on the GPU; 8192 the
+    intended value). They need fla's direct path (``PPSPEC_FLA_DIRECT=1``)."""
+    value = os.environ.get("PPSPEC_PREFILL_GRAPH_TOKENS", "0")
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"PPSPEC_PREFILL_GRAPH_TOKENS must be an integer, got {value!r}") from None
+
+
+def _fla_chunks(n: int) -> int:
+    return -(-n // _FLA_CHUNK)
+
+
+def _chunks(bucket: tuple) -> int:
+    """A long bucket's fla chunk count, 0 for a short bucket."""
+    return bucket[2] if len(bucket) == 3 else 0
 
 
 class PrefillGraphs:
@@ -321,6 +349,14 @@ class PrefillGraphs:
     sequences start from zero state (``seq_lens`` 0) and write their KV to the padding
     page, so they touch only what no request owns. Every sequence of a bucket is at most
     ``t <= 64`` tokens long, so the GDN layers take the one-launch recurrent prefill.
+
+    Long buckets (:data:`PREFILL_GRAPH_LONG_TOKENS`, CUDA only, up to
+    :func:`long_prefill_graph_tokens`) take one request's chunk beside one padding sequence,
+    keyed ``(2, t, chunks)``; their GDN layers run fla's chunked kernels, whose chunk plan
+    the graph derives from the bucket's ``cu_seqlens`` on the device
+    (``fla_prefill.device_chunk_plan``) and states as the fact ``fla_chunks``. Without
+    them a long chunk's eager forward spent ~50 ms of host time for 5 ms of kernels at 512
+    tokens on the H200 (docs/PERFORMANCE.md, "Prefill").
 
     Not recorded: dropping a new row's pending replay steps and applying a continuing
     row's (replay commit design); the stage does both before any prefill.
@@ -343,20 +379,45 @@ class PrefillGraphs:
         # (a short max_context) would read past it
         self.buckets = sorted(((n, t) for n in PREFILL_GRAPH_SEQS for t in PREFILL_GRAPH_TOKENS if t - 1 <= max_kv_len),
                               key=lambda b: (b[1], b[0]))
-        n_max, t_max = max(PREFILL_GRAPH_SEQS), max(PREFILL_GRAPH_TOKENS)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.long_tokens = self._long_tokens(capture, max_kv_len)
+        self.buckets += [(2, t, _fla_chunks(t) + extra) for t in self.long_tokens for extra in (0, 1)]
+        n_max = max(PREFILL_GRAPH_SEQS)
+        t_max = max([b[1] for b in self.buckets], default=max(PREFILL_GRAPH_TOKENS))
+        # keys: (n, t) short buckets, (2, t, chunks) long ones
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, torch.Tensor] = {}
+        self.plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         with torch.inference_mode():  # no version counter: the facts below survive the fills
             self.ints = torch.zeros(5 * n_max + 1 + 3 * t_max, dtype=torch.long, device=device)
             self.hidden = torch.zeros(t_max, hidden_size, dtype=dtype, device=device) if takes_hidden else None
-            self.views = {b: self._views(*b) for b in self.buckets}
+            for b in self.buckets:
+                if len(b) == 3:  # fla's chunk plan of a long bucket: (chunk_indices, chunk_offsets, slots)
+                    n, _, nt = b
+                    self.plans[b] = (torch.zeros(nt, 2, dtype=torch.long, device=device),
+                                     torch.zeros(n + 1, dtype=torch.long, device=device),
+                                     torch.arange(nt, dtype=torch.long, device=device))
+            self.views = {b: self._views(*b[:2]) for b in self.buckets}
             self.metas = {b: self._meta(b, max_kv_len) for b in self.buckets}
             if kv is not None:
                 known(kv.page_table, pages_in_pool=True)
-            for b in reversed(self.buckets):
+            for b in sorted(self.buckets, key=lambda b: (b[1], b[0], _chunks(b)), reverse=True):
                 self._fill(b, [], [], [], [])
                 if capture:
                     self.graphs[b], self.outputs[b], self.pool = record(lambda: self._forward(b), self.pool)
+
+    @staticmethod
+    def _long_tokens(capture: bool, max_kv_len: int) -> list[int]:
+        """The long buckets' sizes: on CUDA (graphs captured) where fla imports."""
+        limit = long_prefill_graph_tokens()
+        if not capture or not limit:
+            return []
+        try:
+            from ppspec.kernels.gdn import fla_prefill
+        except ImportError:
+            return []
+        if not fla_prefill.direct():
+            return []
+        return [t for t in PREFILL_GRAPH_LONG_TOKENS if t - _FLA_CHUNK <= limit and t - 1 <= max_kv_len]
 
     def _views(self, n: int, t: int) -> dict[str, torch.Tensor]:
         out, o = {}, 0
@@ -365,33 +426,48 @@ class PrefillGraphs:
             out[name], o = self.ints[o:o + size], o + size
         return out
 
-    def _meta(self, b: tuple[int, int], max_kv_len: int) -> BatchMeta:
-        (n, t), v = b, self.views[b]
+    def _meta(self, b: tuple, max_kv_len: int) -> BatchMeta:
+        (n, t), nt, v = b[:2], _chunks(b), self.views[b]
         # bounds that hold for every chunk the bucket takes (the kernels' checks read them
         # while capturing, and every sequence is at most t tokens long)
         known(v["rows"], min=0, max=self.pad_row)
-        known(v["cu"], total=t, max_len=t, queries_fit=True)
+        plan = {"fla_chunks": self.plans[b][:2]} if nt else {}
+        known(v["cu"], total=t, max_len=t, queries_fit=True, **plan)
         known(v["kv_lens"], min=1, max=max_kv_len)
         if self.kv is not None:
             known(v["slots"], min=0, max=self.kv.k.shape[1] * self.kv.page_size - 1)
         return BatchMeta(PREFILL, v["rows"], v["seq_lens"], v["ext"], v["cu"], v["positions"], v["slots"],
                          None if self.kv is None else self.kv.page_table, v["kv_lens"], 0)
 
-    def _forward(self, b: tuple[int, int]) -> torch.Tensor:
+    def _forward(self, b: tuple) -> torch.Tensor:
         meta = self.metas[b]
         meta.has_init = meta.seq_lens > 0  # inside the graph: recomputed by every replay
+        if _chunks(b):  # a long bucket: fla's chunk plan from this chunk's cu_seqlens, on the device
+            from ppspec.kernels.gdn.fla_prefill import device_chunk_plan
+
+            ci, co, slots = self.plans[b]
+            new_ci, new_co = device_chunk_plan(self.views[b]["cu"], _chunks(b), slots)
+            ci.copy_(new_ci)
+            co.copy_(new_co)
         hidden = None if self.hidden is None else self.hidden[: b[1]]
         return self.forward(meta, self.views[b]["ids"], hidden)
 
-    def bucket(self, batch_size: int, tokens: int) -> tuple[int, int] | None:
+    def bucket(self, batch_size: int, tokens: int) -> tuple | None:
         """The bucket a chunk of ``batch_size`` requests and ``tokens`` tokens runs in, or
         None when no bucket holds it (it runs eagerly)."""
-        return next(((n, t) for n, t in self.buckets if n > batch_size and t >= tokens + n - batch_size), None)
+        short = next(((n, t) for n, t, *long in self.buckets
+                      if not long and n > batch_size and t >= tokens + n - batch_size), None)
+        if short is not None or batch_size != 1:
+            return short
+        t = next((t for t in self.long_tokens if t > tokens), None)
+        return None if t is None else (2, t, _fla_chunks(tokens) + _fla_chunks(t - tokens))
 
     def _fill(self, b, rows, seq_lens, extend_lens, ids) -> None:
-        (n, t), B, T = b, len(rows), sum(extend_lens)
+        (n, t), nt, B, T = b[:2], _chunks(b), len(rows), sum(extend_lens)
         pad = n - B
         ext = list(extend_lens) + [t - T - (pad - 1)] + [1] * (pad - 1)
+        if not B and nt == _fla_chunks(t):  # a capture's all-padding fill, in as many chunks as the graph's
+            ext = [t - _FLA_CHUNK, _FLA_CHUNK]
         rows, seq = list(rows) + [self.pad_row] * pad, list(seq_lens) + [0] * pad
         cu = [0, *itertools.accumulate(ext)]
         positions = [s + j for s, e in zip(seq, ext) for j in range(e)]

@@ -47,7 +47,9 @@ def gdn_prefill_rows(q, k, v, g, beta, cu_seqlens, state, req_pool_indices, has_
     int64, ``state`` ``[R, HV, K, V]`` fp32, ``req_pool_indices`` ``[B]`` int64 (distinct),
     ``has_init`` ``[B]`` bool. Returns ``o [T, HV, V]`` in v's dtype. On CUDA, short
     sequences run :func:`triton_prefill.gdn_prefill_rows_triton` (one launch, the rows read
-    and written inside it); otherwise :func:`gdn_prefill` between a gather and a scatter.
+    and written inside it), longer ones :func:`fla_prefill.gdn_prefill_rows_fla` (fla's
+    forward-level kernels, no host read where the stage states ``cu_seqlens``' values or
+    chunk plan); elsewhere :func:`gdn_prefill` between a gather and a scatter.
 
     Raises:
         IndexError: a row outside the pool, before anything is written.
@@ -57,8 +59,15 @@ def gdn_prefill_rows(q, k, v, g, beta, cu_seqlens, state, req_pool_indices, has_
     if q.is_cuda and _longest(cu_seqlens) <= SHORT_PREFILL_TOKENS:
         fn = pick(True, "gdn.triton_prefill", "gdn_prefill_rows_triton", _prefill_rows_gathered)
     else:
-        fn = _prefill_rows_gathered
+        fn = pick(q.is_cuda, "gdn.fla_prefill", "gdn_prefill_rows_fla", _prefill_rows_gathered)
+        fn = fn if fn is _prefill_rows_gathered or _fla_direct() else _prefill_rows_gathered
     return fn(q, k, v, g, beta, cu_seqlens, state, req_pool_indices, has_init, scale)
+
+
+def _fla_direct() -> bool:
+    from .fla_prefill import direct
+
+    return direct()
 
 
 def _prefill_rows_gathered(q, k, v, g, beta, cu_seqlens, state, rows, has_init, scale=None):

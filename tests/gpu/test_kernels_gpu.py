@@ -561,6 +561,100 @@ def test_gdn_prefill_fla(dev, G, dtype):
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("G", [1, 2])
+def test_gdn_prefill_rows_fla_direct(dev, G, dtype, monkeypatch):
+    """fla's forward-level kernels at stable rows (``gdn_prefill_rows_fla``: q, k, v read
+    from the conv output's column views, the chunk plan made once from the stated values)
+    against the torch reference; rows it does not own untouched; the device-made chunk plan
+    equals the host's; and the path recorded in a CUDA graph (plan made inside it from a
+    static ``cu_seqlens``) replays another layout of the same chunk count right."""
+    if dev.type != "cuda":
+        pytest.skip("fla needs CUDA")
+    pytest.importorskip("fla")
+    from ppspec.kernels.checks import known
+    from ppspec.kernels.gdn import gdn_prefill_rows
+    from ppspec.kernels.gdn.fla_prefill import chunk_plan, device_chunk_plan, gdn_prefill_rows_fla
+    from ppspec.kernels.gdn.naive import chunk_gated_delta_rule_ref
+
+    monkeypatch.setenv("PPSPEC_FLA_DIRECT", "1")
+    gen = torch.Generator().manual_seed(7 * G + (dtype == BF16))
+    H, K, V, R = 4, 128, 128, 9
+    HV = G * H
+    tol = 5e-3 if dtype == F32 else 2e-2  # fla's products run in tf32 / bf16
+
+    def inputs(lens):
+        T = sum(lens)
+        conv = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(dev, dtype)
+        q, k, v = torch.split(conv, [H * K, H * K, HV * V], dim=-1)
+        g = (-torch.rand(T, HV, generator=gen) * 0.3).to(dev)
+        beta = torch.rand(T, HV, generator=gen).to(dev, dtype)
+        return q.view(T, H, K), k.view(T, H, K), v.view(T, HV, V), g, beta
+
+    def reference(q, k, v, g, beta, cu, state, rows, has_init):
+        init = torch.where(has_init.view(-1, 1, 1, 1), state[rows], torch.zeros_like(state[rows]))
+        return chunk_gated_delta_rule_ref(q.float(), k.float(), v.float(), g, beta.float(), cu, init)
+
+    lens = [200, 64, 1, 130]
+    cu_list = [0, 200, 264, 265, 395]
+    q, k, v, g, beta = inputs(lens)
+    state = torch.randn(R, HV, K, V, generator=gen).to(dev) * 0.1
+    rows = torch.tensor([6, 0, 3, 8], device=dev)
+    has_init = torch.tensor([True, False, True, False], device=dev)
+    cu = known(torch.tensor(cu_list, device=dev), values=cu_list, max_len=200)
+    st = state.clone()
+    o = gdn_prefill_rows_fla(q, k, v, g, beta, cu, st, rows, has_init)
+    o_ref, ht_ref = reference(q, k, v, g, beta, cu, state, rows, has_init)
+    assert o.dtype == dtype and o.shape == (395, HV, V)
+    assert _rel_err(o, o_ref) < tol
+    assert _rel_err(st[rows], ht_ref) < tol
+    others = [r for r in range(R) if r not in (6, 0, 3, 8)]
+    assert torch.equal(st[others], state[others])
+    st2 = state.clone()  # the dispatcher takes this path for sequences over 64 tokens
+    assert torch.equal(gdn_prefill_rows(q, k, v, g, beta, cu, st2, rows, has_init), o)
+    assert torch.equal(st2, st)
+    ci, co = chunk_plan(cu, dev)
+    assert ci.shape == (4 + 1 + 1 + 3, 2) and co.tolist() == [0, 4, 5, 6, 9]
+    ci2, co2 = device_chunk_plan(cu, ci.shape[0])
+    assert torch.equal(ci2, ci) and torch.equal(co2, co)
+
+    # in a graph: one request of T tokens and a padding sequence up to t = 320 tokens, the
+    # plan made from the static cu_seqlens inside the graph (5 chunks: T = 130 and 190 both)
+    t, nt = 320, 6
+    static_cu = torch.zeros(3, dtype=torch.long, device=dev)
+    plan = (torch.zeros(nt, 2, dtype=torch.long, device=dev), torch.zeros(3, dtype=torch.long, device=dev))
+    slots = torch.arange(nt, device=dev)
+    known(static_cu, fla_chunks=plan, max_len=t)
+    big = inputs([t])
+    sq, sk, sv, sg, sb = (x.clone() for x in big)
+    srows = torch.tensor([2, 5], device=dev)
+    shas = torch.tensor([True, False], device=dev)
+    sstate = state.clone()
+
+    def body():
+        new_ci, new_co = device_chunk_plan(static_cu, nt, slots)
+        plan[0].copy_(new_ci)
+        plan[1].copy_(new_co)
+        return gdn_prefill_rows_fla(sq, sk, sv, sg, sb, static_cu, sstate, srows, shas)
+
+    static_cu.copy_(torch.tensor([0, 100, t], device=dev))  # 2 + 4 chunks
+    from ppspec.stage_server.graphs import record
+    graph, out, _ = record(body)
+    for T in (130, 190):  # 3 + 3 chunks each
+        static_cu.copy_(torch.tensor([0, T, t], device=dev))
+        fresh = inputs([t])
+        for dst, src in zip((sq, sk, sv, sg, sb), fresh):
+            dst.copy_(src)
+        sstate.copy_(state)
+        graph.replay()
+        want_state = state.clone()
+        cu_e = known(torch.tensor([0, T, t], device=dev), values=[0, T, t], max_len=max(T, t - T))
+        want = gdn_prefill_rows_fla(*fresh, cu_e, want_state, srows, shas)
+        torch.cuda.synchronize()
+        assert _rel_err(out, want) < 1e-5  # the same kernels: equal up to a reordering at most
+        assert _rel_err(sstate, want_state) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("G", [1, 2])
 def test_gdn_prefill_recurrent(dev, G, dtype):
     """The one-launch prefill of short sequences (``triton_prefill``) against the chunked
     reference: empty, single-token and full 64-token sequences, a longer one (the kernel

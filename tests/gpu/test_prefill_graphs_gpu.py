@@ -1,0 +1,68 @@
+"""Long prefill chunks replayed from CUDA graphs (``PrefillGraphs``' long buckets: one
+request's chunk beside a padding sequence, fla's GDN kernels with the chunk plan made in the
+graph): the logits of every chunk, and of the decode after them, equal those of the eager
+forward (``PPSPEC_PREFILL_GRAPH_TOKENS=0``); chunks a multiple of 64 tokens long and not
+(the two graphs of a bucket), a chunk continuing a row's state, and a mixed micro-batch of
+decodes and a long chunk (the decode and the long-prefill graph replayed one after the
+other); value/key head ratios 1 and 2; fp32 and bf16."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _logits(runner, inp):
+    _, h = runner.forward_hidden(inp)
+    return runner.model.logits(h)
+
+
+def _close(got, want, tol):
+    assert got.shape == want.shape
+    assert not torch.isnan(got).any()
+    assert (got.float() - want.float()).abs().max().item() <= tol * max(1.0, want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_ratio1", "qwen3_5_ratio2_7l"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 8e-2)])
+def test_long_prefill_graphs_equal_eager(make_ckpt, monkeypatch, kind, dtype, tol):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+    pytest.importorskip("fla")
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server import graphs
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_ckpt(kind)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 256, (700,), generator=g).tolist()
+    other = torch.randint(0, 256, (300,), generator=g).tolist()
+    common = dict(max_rows=8, kv_tokens=4096, num_speculative_steps=0, dtype=dtype, device="cuda",
+                  cuda_graph_max_bs=8)
+    monkeypatch.setenv("PPSPEC_FLA_DIRECT", "1")
+    monkeypatch.setenv("PPSPEC_PREFILL_GRAPH_TOKENS", "1024")
+    graphed = StageRunner(path, **common)
+    monkeypatch.setenv("PPSPEC_PREFILL_GRAPH_TOKENS", "0")
+    eager = StageRunner(path, **common)
+    assert graphed.prefill_graphs.long_tokens == [192, 320, 576, 1088] and not eager.prefill_graphs.long_tokens
+    assert graphed.prefill_graphs.bucket(1, 512) == (2, 576, 9)  # 8 + 1 chunks
+    assert graphed.prefill_graphs.bucket(1, 130) == (2, 192, 4)  # 3 + 1 chunks
+    assert graphed.prefill_graphs.bucket(2, 130) is None  # two long sequences: eager
+
+    replays = []
+    run = graphs.PrefillGraphs.run
+    monkeypatch.setattr(graphs.PrefillGraphs, "run", lambda self, *a, **k: replays.append(len(a[3])) or run(self, *a, **k))
+    # the prompt in chunks of 512 (a multiple of 64) and 188 (not), then 300 tokens of another
+    # request's whole prompt: its first chunk from zero state, the next from the row's
+    for inp in (StepInput(0, 0, "prefill", [3], [0], [512], prompt[:512], sample=[False], next_token_ids=[prompt[512]]),
+                StepInput(0, 0, "prefill", [3], [512], [188], prompt[512:])):
+        _close(_logits(graphed, inp), _logits(eager, inp), tol)
+    inp = StepInput(0, 0, "prefill", [5], [0], [300], other)
+    _close(_logits(graphed, inp), _logits(eager, inp), tol)
+    assert replays == [512, 188, 300]
+    # decode of both, then a mixed micro-batch: both decode beside a new request's 200 tokens
+    dec = StepInput(0, 1, "decode", [3, 5], [700, 300], [1, 1], [7, 9])
+    _close(_logits(graphed, dec), _logits(eager, dec), tol)
+    new = torch.randint(0, 256, (200,), generator=g).tolist()
+    mixed = StepInput(0, 2, "decode", [3, 5, 0], [701, 301, 0], [1, 1, 200], [11, 13] + new, num_prefill=1)
+    _close(_logits(graphed, mixed), _logits(eager, mixed), tol)
+    assert replays[-1] == 200  # the mixed step's chunk took its long graph

@@ -126,10 +126,21 @@ def mixed_load(torch, llm, rnd, vocab: int, decoders: int, decoder_prompt: int, 
     long_req = llm.add_request(random_prompt(rnd, long_len, vocab), SamplingParams(temperature=0.0, max_tokens=1,
                                                                                    ignore_eos=True))
     t0 = time.perf_counter()
-    done = lambda: bool(llm.completions[long_req].token_ids)  # noqa: E731
-    before = llm.scheduler.rounds[0]
+    # its micro-batches: the rounds that computed some of its prompt (the engine forms a
+    # lane's next micro-batch while one is out, so a round counter would count one formed
+    # before the prompt arrived)
+    seen = {"computed": 0, "rounds": 0}
+
+    def done() -> bool:
+        req = llm.scheduler.requests.get(long_req)
+        finished = bool(llm.completions[long_req].token_ids)
+        computed = long_len if req is None and finished else req.num_computed if req is not None else 0
+        if computed > seen["computed"]:  # the request leaves the scheduler with its token
+            seen["computed"], seen["rounds"] = computed, seen["rounds"] + 1
+        return finished
+
     during, t1 = rounds(None, done)
-    n_rounds = llm.scheduler.rounds[0] - before
+    n_rounds = seen["rounds"]
     base, _ = rounds(max(n_rounds, 8))
     for r in ids:
         llm.abort(r)

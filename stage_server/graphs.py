@@ -356,7 +356,7 @@ class PrefillGraphs:
     the graph derives from the bucket's ``cu_seqlens`` on the device
     (``fla_prefill.device_chunk_plan``) and states as the fact ``fla_chunks``. Without
     them a long chunk's eager forward spent ~50 ms of host time for 5 ms of kernels at 512
-    tokens on the H200 (docs/PERFORMANCE.md, "Prefill").
+    tokens on the H200 (docs/PERFORMANCE.md, "Prefill and the token budget").
 
     Not recorded: dropping a new row's pending replay steps and applying a continuing
     row's (replay commit design); the stage does both before any prefill.

@@ -158,13 +158,13 @@ def make_targets() -> set[str]:
 # ---------------------------------------------------------------------------- commands
 def commands(body: str) -> list[list[str]]:
     """The commands of a shell block: continuation lines joined, comments dropped, split
-    at ``&&``, ``;`` and ``|``."""
+    at ``&&``, ``;``, ``|`` and ``&``."""
     out = []
     for line in body.replace("\\\n", " ").splitlines():
         words = shlex.split(line, comments=True)
         cmd: list[str] = []
         for w in words + [";"]:
-            if w in ("&&", ";", "|", "||"):
+            if w in ("&&", ";", "|", "||", "&"):
                 if cmd:
                     out.append(cmd)
                 cmd = []
@@ -201,6 +201,9 @@ def check_command(words: list[str], cwd: Path, where: str) -> Path:
     elif exe in ("python", "python3"):
         if args[:1] == ["-m"]:
             module, rest = args[1], args[2:]
+            if module == "cProfile":  # a profiled run: check what it profiles
+                rest = rest[rest.index("-o") + 2:] if "-o" in rest else rest
+                return check_command(["python", *rest], cwd, where)
             if module == "pytest":
                 for a in rest:
                     if a.startswith("tests/"):

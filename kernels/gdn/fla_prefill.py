@@ -4,7 +4,7 @@ of ``naive.chunk_gated_delta_rule_ref`` (same shapes and semantics).
 fla's public ``chunk_gated_delta_rule`` wraps its forward in an autograd Function, three
 decorators (input guard, backend dispatch, a dynamo-disable frame) and plans the chunks of
 every call itself: on the H200 that came to ~2.7 ms of host time per GDN layer and
-prefill step, ten times the layer's kernels at 512 tokens (docs/PERFORMANCE.md, "Prefill").
+prefill step, ten times the layer's kernels at 512 tokens (docs/PERFORMANCE.md, "Prefill and the token budget").
 Here the forward-level functions run directly (``_fla_forward``, the composition of fla's
 ``chunk_gated_delta_rule_fwd``), with the step's chunk plan made once per micro-batch
 (:func:`chunk_plan`, cached on the ``cu_seqlens`` tensor as a fact) or on the device

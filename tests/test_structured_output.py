@@ -449,7 +449,8 @@ def test_openai_client_gets_schema_valid_json_and_tool_calls_with_speculation(cl
 
 
 def test_a_bad_schema_is_a_400_before_any_row_is_taken(cluster):
-    before = [i.rows_in_use for i in cluster.stage_infos()]
+    # the earlier tests' releases reach the stages after their answers: wait for them
+    before = [i.rows_in_use for i in cluster.wait_rows_free()]
     body = {"messages": [{"role": "user", "content": "x"}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
                 "type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}}}}}

@@ -448,7 +448,11 @@ class LLM:
             return
         try:
             with self._lock:
-                loop.run_until_complete(self.engine.close())
+                closing = self.engine.close()
+                try:
+                    loop.run_until_complete(closing)
+                finally:
+                    closing.close()  # never started (the loop refused it): no 'never awaited' warning
         finally:
             # the engine's callbacks on the pipeline would keep both alive past this object
             self.pipeline.on_restart = self.pipeline.on_displaced = None

@@ -1,4 +1,4 @@
-"""The router's OpenAI-compatible HTTP API (FastAPI + sse-starlette, served by uvicorn on uvloop).
+"""The router's OpenAI-compatible HTTP API (FastAPI, served by uvicorn on uvloop).
 
 ``build_app(engine)`` serves any object with the ``AsyncEngine`` shape
 (``router/protocol.py``): ``POST /v1/completions``, ``POST /v1/chat/completions``,
@@ -18,6 +18,9 @@ One file per concern:
 * ``logprobs.py``: log-probabilities in OpenAI's two shapes.
 * ``handlers.py``: the two generation endpoints and their one SSE writer (``data: [DONE]``
   last; mid-stream errors as an error event).
+* ``sse.py``: server-sent events on raw ASGI (frames as bytes, plain text chunks spliced
+  into a template pydantic rendered once, keep-alive comments, a client's leaving cancels
+  the stream): the hot path of every streamed token.
 * ``guard.py``: API key (401) and body size (413), before any body is read.
 * ``app.py``: ``build_app`` (routes, error handlers) and ``serve_http`` (uvicorn).
 """

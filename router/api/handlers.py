@@ -19,8 +19,6 @@ from typing import AsyncIterator, Callable, Iterable
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
-from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from ..detokenize import IncrementalDecoder, TokenPieces
@@ -54,6 +52,7 @@ from .errors import APIError, check_utf8, error_body, renderable
 from ..structured import request_grammar
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, TokenRecord, check_ids, make_subs, unless_disconnected
 from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_id_pieces
+from .sse import DONE, SSEResponse, TextChunk, frame
 from .tokenize import PromptTooLong, TokenizerPool
 
 log = logging.getLogger("ppspec.router.api")
@@ -61,8 +60,9 @@ log = logging.getLogger("ppspec.router.api")
 ACCESS_KEY = "ppspec.access"
 """ASGI scope key of the dict where a handler leaves what the access-log line reports."""
 
-_Chunks = tuple[Callable[[Event], Iterable[BaseModel]], Callable[[UsageInfo], BaseModel]]
-"""An endpoint's stream shape: the chunks of one event, and the usage chunk."""
+_Chunks = tuple[Callable[[Event, "UsageInfo | None"], Iterable[bytes]], Callable[[UsageInfo], bytes]]
+"""An endpoint's stream shape: the JSON of the chunks of one event (each carrying the usage
+given, when not None), and of the usage chunk."""
 
 
 def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
@@ -358,7 +358,15 @@ class OpenAIHandlers:
     def _completion_chunks(self, body: CompletionRequest, prepared: Prepared, fanout: Fanout) -> _Chunks:
         created = int(time.time())
 
-        def chunks(ev: Event) -> Iterable[BaseModel]:
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionChunk:
+            return CompletionChunk(id=prepared.request_id, created=created, model=self.model_name, choices=choices,
+                                   usage=usage)
+
+        # the chunk of most tokens: text alone, spliced into one rendering per choice
+        plain = {sub.index: TextChunk(lambda s, i=sub.index: chunk([CompletionChoice(index=i, text=s)]))
+                 for sub in prepared.subs}
+
+        def chunks(ev: Event, usage: UsageInfo | None) -> Iterable[bytes]:
             sub = prepared.subs[ev.index]
             prefix = ""
             if ev.first and body.echo and prepared.prompt_texts:
@@ -368,6 +376,9 @@ class OpenAIHandlers:
             # the client asked for their ids or logprobs
             carries = body.return_token_ids or body.logprobs is not None
             if not (text or ev.finish_reason or (carries and (ev.token_ids or ev.first))):
+                return
+            if not carries and usage is None and ev.finish_reason is None and ev.stop_reason is None:
+                yield plain[ev.index](text)
                 return
             logprobs = None
             if body.logprobs is not None:
@@ -380,11 +391,10 @@ class OpenAIHandlers:
                 finish_reason=ev.finish_reason, stop_reason=ev.stop_reason,
                 token_ids=ev.token_ids if body.return_token_ids else None,
                 prompt_token_ids=sub.prompt_ids if (body.return_token_ids and ev.first) else None)
-            yield CompletionChunk(id=prepared.request_id, created=created, model=self.model_name, choices=[choice])
+            yield chunk([choice], usage).model_dump_json().encode()
 
-        def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return CompletionChunk(id=prepared.request_id, created=created, model=self.model_name, choices=[],
-                                   usage=usage)
+        def usage_chunk(usage: UsageInfo) -> bytes:
+            return chunk([], usage).model_dump_json().encode()
 
         return chunks, usage_chunk
 
@@ -394,7 +404,20 @@ class OpenAIHandlers:
         sent_prompt_ids = False
         split = {sub.index: self._choice_text(body, prepared) for sub in prepared.subs}
 
-        def chunks(ev: Event) -> Iterable[BaseModel]:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=prepared.request_id, created=created, model=self.model_name, choices=choices,
+                                       usage=usage, prompt_token_ids=prompt_token_ids)
+
+        # the chunks of most tokens: content alone or reasoning alone, spliced into one
+        # rendering per choice
+        content = {sub.index: TextChunk(lambda s, i=sub.index: chunk([ChatStreamChoice(
+            index=i, delta=ChatDelta(content=s))])) for sub in prepared.subs}
+        reasoning_only = {sub.index: TextChunk(lambda s, i=sub.index: chunk([ChatStreamChoice(
+            index=i, delta=ChatDelta(reasoning_content=s))])) for sub in prepared.subs}
+        carries = bool(body.return_token_ids or body.logprobs)
+
+        def chunks(ev: Event, usage: UsageInfo | None) -> Iterable[bytes]:
             nonlocal sent_prompt_ids
             parts = split[ev.index]
             reasoning, text, deltas = parts.feed(ev.text)
@@ -408,11 +431,13 @@ class OpenAIHandlers:
                 prompt_ids = None
                 if body.return_token_ids and not sent_prompt_ids:
                     prompt_ids, sent_prompt_ids = prepared.prompts[0], True
-                yield ChatCompletionChunk(
-                    id=prepared.request_id, created=created, model=self.model_name,
-                    choices=[ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=body.echoed))],
-                    prompt_token_ids=prompt_ids)
-            if not (text or reasoning or deltas or finish or ((body.return_token_ids or body.logprobs) and ev.token_ids)):
+                yield chunk([ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=body.echoed))],
+                            usage, prompt_ids).model_dump_json().encode()
+            if not (text or reasoning or deltas or finish or (carries and ev.token_ids)):
+                return
+            if (not (carries or deltas or finish) and usage is None and ev.stop_reason is None
+                    and not (text and reasoning)):
+                yield content[ev.index](text) if text else reasoning_only[ev.index](reasoning)
                 return
             delta = ChatDelta(content=text or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
             choice = ChatStreamChoice(
@@ -420,12 +445,10 @@ class OpenAIHandlers:
                 logprobs=chat_logprobs(self._pieces(body), ev.tokens, k) if body.logprobs else None,
                 finish_reason=finish, stop_reason=ev.stop_reason,
                 token_ids=ev.token_ids if body.return_token_ids else None)
-            yield ChatCompletionChunk(id=prepared.request_id, created=created, model=self.model_name,
-                                      choices=[choice])
+            yield chunk([choice], usage).model_dump_json().encode()
 
-        def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return ChatCompletionChunk(id=prepared.request_id, created=created, model=self.model_name, choices=[],
-                                       usage=usage)
+        def usage_chunk(usage: UsageInfo) -> bytes:
+            return chunk([], usage).model_dump_json().encode()
 
         return chunks, usage_chunk
 
@@ -443,8 +466,8 @@ class OpenAIHandlers:
             await fanout.close()
 
     async def _stream(self, request: Request, fanout: Fanout, prepared: Prepared, body: _GenerationRequest,
-                      chunks: Callable[[Event], Iterable[BaseModel]],
-                      usage_chunk: Callable[[UsageInfo], BaseModel]) -> Response:
+                      chunks: Callable[[Event, UsageInfo | None], Iterable[bytes]],
+                      usage_chunk: Callable[[UsageInfo], bytes]) -> Response:
         fanout.start()
         try:
             buffered = await unless_disconnected(request, fanout.prime())
@@ -458,35 +481,36 @@ class OpenAIHandlers:
         # (background), which also covers a client gone before the body started.
         sse = self._sse(request, fanout, prepared, buffered, chunks, usage_chunk if body.include_usage else None,
                         body.continuous_usage)
-        return EventSourceResponse(sse, background=BackgroundTask(fanout.close))
+        return SSEResponse(sse, background=BackgroundTask(fanout.close))
 
     async def _sse(self, request: Request, fanout: Fanout, prepared: Prepared, buffered: list[Event],
-                   chunks: Callable[[Event], Iterable[BaseModel]],
-                   usage_chunk: Callable[[UsageInfo], BaseModel] | None, continuous_usage: bool) -> AsyncIterator[str]:
-        """The one SSE writer: ``chunks(event)`` of every event (each with the usage so far
-        when ``continuous_usage``), ``usage_chunk`` (when not None) after the last, an error
-        event if a choice fails, then ``[DONE]``."""
+                   chunks: Callable[[Event, UsageInfo | None], Iterable[bytes]],
+                   usage_chunk: Callable[[UsageInfo], bytes] | None, continuous_usage: bool) -> AsyncIterator[bytes]:
+        """The one SSE writer: the frames of ``chunks(event)`` of every event, joined per
+        event (one ``send``; each chunk with the usage so far when ``continuous_usage``),
+        ``usage_chunk`` (when not None) after the last, an error event if a choice fails,
+        then ``[DONE]``."""
         total = 0
 
-        async def events() -> AsyncIterator[Event]:
-            for ev in buffered:
-                yield ev
-            while not fanout.done:
-                yield await fanout.next()
+        def frames(ev: Event) -> bytes:
+            nonlocal total
+            total += len(ev.token_ids)
+            usage = self.usage(prepared, total) if continuous_usage else None
+            return b"".join(frame(c) for c in chunks(ev, usage))
 
         try:
-            async for ev in events():
-                total += len(ev.token_ids)
-                for chunk in chunks(ev):
-                    if continuous_usage:
-                        chunk.usage = self.usage(prepared, total)
-                    yield chunk.model_dump_json()
+            for ev in buffered:
+                if data := frames(ev):
+                    yield data
+            while not fanout.done:
+                if data := frames(await fanout.next()):
+                    yield data
             if usage_chunk is not None:
-                yield usage_chunk(self.usage(prepared, total)).model_dump_json()
+                yield frame(usage_chunk(self.usage(prepared, total)))
         except EngineError as exc:
             log.warning("stream %s ended by %s: %s", prepared.request_id, type(exc).__name__, exc.message)
-            yield json.dumps(error_body(exc.message, exc.error_type, exc.param, exc.code))
+            yield frame(json.dumps(error_body(exc.message, exc.error_type, exc.param, exc.code)).encode())
         finally:
             note_usage(request, self.usage(prepared, total))
             await fanout.close()
-        yield "[DONE]"
+        yield DONE

@@ -1,6 +1,7 @@
 """Reading a Hugging Face ``config.json``, for every model family's parser: the error
 (:class:`CheckpointError`), typed field reads that name the file and the field
-(:class:`Fields`), the RoPE fields of families with rotary attention (:func:`rope_fields`).
+(:class:`Fields`), the RoPE fields of families with rotary attention (:func:`rope_fields`),
+the ``mamba_*`` fields of the Mamba2 hybrids that share them (:func:`mamba2_fields`).
 What a field means for one family lives in its folder (``stage_server/models/<family>/config.py``).
 """
 from __future__ import annotations
@@ -189,6 +190,51 @@ def rope_fields(text: Fields, default_partial: float = 1.0, default_max_pos: int
         yarn=_yarn_fields(rope, text, max_pos) if rope_type == "yarn" else None,
         max_position_embeddings=max_pos,
     )
+
+
+def time_step_limit(f: Fields) -> tuple[float, float]:
+    """``time_step_limit`` ``[lo, hi]`` (default ``[0, inf]``); transformers writes an infinite
+    ``hi`` as ``{"__float__": "Infinity"}``."""
+    v = f.get("time_step_limit", [0.0, float("inf")])
+    if isinstance(v, list) and len(v) == 2:
+        vals = [x.get("__float__") if isinstance(x, dict) else x for x in v]
+        try:
+            lo, hi = (float(x) for x in vals)
+        except (TypeError, ValueError):
+            lo = hi = float("nan")
+        if lo == lo and hi == hi and 0.0 <= lo <= hi:
+            return lo, hi
+    raise CheckpointError(f"{f.path}: time_step_limit must be [lo, hi] with 0 <= lo <= hi, got {v!r}")
+
+
+def mamba2_fields(f: Fields, hidden: int, inner: int | None = None) -> dict:
+    """The Mamba2 mixer's settings under the ``mamba_*`` names of Granite 4.0 hybrid, Bamba and
+    Falcon-H1 configs, as their transformers configs read them, keyed by the names
+    ``stage_server.layers.mamba2`` reads (a family's config dataclass takes them as they are):
+    ``mamba_n_heads`` (H), ``mamba_d_head`` (P; ``"auto"``: ``inner / H``), ``mamba_n_groups``,
+    ``mamba_d_state``, ``mamba_d_conv``, ``mamba_conv_bias``, ``mamba_proj_bias`` and
+    ``time_step_limit`` (the prefill's clamp of ``dt``). ``inner``, the mixer's width ``H P``,
+    is ``mamba_expand * hidden`` unless the family sets it (Falcon-H1's ``mamba_d_ssm``).
+
+    Raises:
+        CheckpointError: a field of the wrong type or out of range, ``H P`` other than
+            ``inner``, heads that do not divide into groups; naming the file and the field.
+    """
+    heads = f.int("mamba_n_heads", 128, lo=1)
+    if inner is None:
+        inner = f.int("mamba_expand", 2, lo=1) * hidden
+    d_head = f.get("mamba_d_head", "auto")
+    d_head = inner // heads if d_head == "auto" else f.int("mamba_d_head", lo=1)
+    if d_head * heads != inner:
+        raise CheckpointError(f"{f.path}: mamba_d_head ({d_head}) x mamba_n_heads ({heads}) must equal the Mamba "
+                              f"width ({inner}: mamba_expand x hidden_size, or mamba_d_ssm)")
+    groups = f.int("mamba_n_groups", 1, lo=1)
+    if heads % groups:
+        raise CheckpointError(f"{f.path}: mamba_n_heads ({heads}) must be a multiple of mamba_n_groups ({groups})")
+    return dict(mamba_num_heads=heads, mamba_head_dim=d_head, ssm_state_size=f.int("mamba_d_state", 256, lo=1),
+                n_groups=groups, conv_kernel=f.int("mamba_d_conv", 4, lo=2),
+                use_conv_bias=f.bool("mamba_conv_bias", True), use_bias=f.bool("mamba_proj_bias", False),
+                dt_limit=time_step_limit(f))
 
 
 def read_config_json(model_dir: str) -> tuple[str, dict]:

@@ -1,5 +1,5 @@
 """Building blocks that layer and model families share: projections fused into one GEMM,
-the SwiGLU MLP."""
+the SwiGLU MLP, the plain RMSNorm."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppspec.kernels.activation import silu_mul
+from ppspec.kernels.norm import rms_norm
 
 
 @torch.no_grad()
@@ -39,20 +40,37 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 class MLP(nn.Module):
-    """SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))``; gate and up run as one GEMM
-    against ``gate_up_weight`` ``[2 I, hidden]``, built by :meth:`fuse_projections`."""
+    """SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (with biases when ``bias``);
+    gate and up run as one GEMM against ``gate_up_weight`` ``[2 I, hidden]``, built by
+    :meth:`fuse_projections`."""
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.register_buffer("gate_up_weight", None, persistent=False)
+        self.register_buffer("gate_up_bias", None, persistent=False)
 
     def fuse_projections(self) -> None:
-        self.gate_up_weight, _ = fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[T, hidden]``. Returns ``[T, hidden]`` in x's dtype."""
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # silu_mul reads the halves in place
+        # silu_mul reads the halves in place
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         return self.down_proj(silu_mul(gate, up))
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)`` in fp32, cast to x's dtype (transformers' ``LlamaRMSNorm`` form, the
+    Mamba2 hybrids' ``*RMSNorm``); with ``residual`` the residual add is fused and ``(normed,
+    x + residual)`` returned, as ``stage_server.model.RMSNorm`` (whose weight is zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual, zero_centred=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...fields import CheckpointError, Fields, YarnScaling, rope_fields
+from ...fields import CheckpointError, Fields, YarnScaling, mamba2_fields, rope_fields
 
 MODEL_TYPE = "granitemoehybrid"
 _KINDS = {"linear_attention": "linear_attention", "mamba": "linear_attention",
@@ -74,24 +74,13 @@ class GraniteHybridConfig:
         return self.max_position_embeddings
 
     @property
+    def logits_multiplier(self) -> float:
+        return 1.0 / self.logits_scaling
+
+    @property
     def conv_dim(self) -> int:
         """Channels of the Mamba2 conv: x, B and C, ``H P + 2 G N``."""
         return self.mamba_num_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state_size
-
-
-def _time_step_limit(f: Fields) -> tuple[float, float]:
-    """``time_step_limit`` ``[lo, hi]``; transformers writes an infinite ``hi`` as
-    ``{"__float__": "Infinity"}``."""
-    v = f.get("time_step_limit", [0.0, float("inf")])
-    if isinstance(v, list) and len(v) == 2:
-        vals = [x.get("__float__") if isinstance(x, dict) else x for x in v]
-        try:
-            lo, hi = (float(x) for x in vals)
-        except (TypeError, ValueError):
-            lo = hi = float("nan")
-        if lo == lo and hi == hi and 0.0 <= lo <= hi:
-            return lo, hi
-    raise CheckpointError(f"{f.path}: time_step_limit must be [lo, hi] with 0 <= lo <= hi, got {v!r}")
 
 
 def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
@@ -122,13 +111,6 @@ def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
         raise CheckpointError(f"{path}: layer_types has unsupported layer types {bad}; supported: "
                               f"{', '.join(_KINDS)}")
     n_heads = f.int("num_attention_heads", 32, lo=1)
-    mamba_heads = f.int("mamba_n_heads", 128, lo=1)
-    expand = f.int("mamba_expand", 2, lo=1)
-    d_head = raw.get("mamba_d_head", "auto")
-    d_head = expand * hidden // mamba_heads if d_head == "auto" or d_head is None else f.int("mamba_d_head", lo=1)
-    if d_head * mamba_heads != expand * hidden:
-        raise CheckpointError(f"{path}: mamba_d_head ({d_head}) x mamba_n_heads ({mamba_heads}) must equal "
-                              f"mamba_expand x hidden_size ({expand * hidden})")
     pos = raw.get("position_embedding_type")
     rope = rope_fields(f, default_partial=1.0, default_max_pos=2048)
     n_experts = f.int("num_local_experts", 8, lo=0)
@@ -145,14 +127,7 @@ def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
         use_rope=pos == "rope",
         rope_theta=rope.theta,
         max_position_embeddings=rope.max_position_embeddings,
-        mamba_num_heads=mamba_heads,
-        mamba_head_dim=d_head,
-        ssm_state_size=f.int("mamba_d_state", 256, lo=1),
-        n_groups=f.int("mamba_n_groups", 1, lo=1),
-        conv_kernel=f.int("mamba_d_conv", 4, lo=2),
-        use_conv_bias=f.bool("mamba_conv_bias", True),
-        use_bias=f.bool("mamba_proj_bias", False),
-        dt_limit=_time_step_limit(f),
+        **mamba2_fields(f, hidden),
         shared_intermediate_size=f.int("shared_intermediate_size", 1024, lo=1),
         num_experts=n_experts,
         num_experts_per_tok=f.int("num_experts_per_tok", 2, lo=1) if n_experts else 0,
@@ -168,9 +143,6 @@ def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
         rope_scaling_factor=rope.scaling_factor,
         rope_yarn=rope.yarn,
     )
-    if cfg.mamba_num_heads % cfg.n_groups:
-        raise CheckpointError(f"{path}: mamba_n_heads ({mamba_heads}) must be a multiple of mamba_n_groups "
-                              f"({cfg.n_groups})")
     if hidden % n_heads or n_heads % cfg.num_key_value_heads:
         raise CheckpointError(f"{path}: num_attention_heads must divide hidden_size and be a multiple of "
                               f"num_key_value_heads")

@@ -19,56 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppspec.kernels.attention import paged_attention, store_kv
-from ppspec.kernels.norm import rms_norm
-
-from ...batch import per_part
-from ...layers.common import fuse_linears
+from ...layers.attention import Attention
+from ...layers.common import RMSNorm
 from ...layers.mamba2 import MAMBA2, Mamba2Mixer
 from .config import NemotronHConfig
-
-
-class RMSNorm(nn.Module):
-    """``(w * x / rms(x))`` in fp32, cast to x's dtype (``NemotronHRMSNorm``); with
-    ``residual`` the residual add is fused as in ``stage_server.model.RMSNorm``."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual, zero_centred=False)
-
-
-class Attention(nn.Module):
-    """Multi-head attention with grouped KV heads and no positional encoding
-    (``NemotronHAttention``); q/k/v run as one GEMM against ``qkv_weight``."""
-
-    def __init__(self, cfg: NemotronHConfig):
-        super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
-        self.register_buffer("qkv_weight", None, persistent=False)
-
-    def fuse_projections(self) -> None:
-        self.qkv_weight, _ = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-
-    def forward(self, x: torch.Tensor, meta, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = torch.split(F.linear(x, self.qkv_weight),
-                              [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
-        k_cache, v_cache = kv
-        store_kv(k_cache, v_cache, meta.slots, k, v)
-        o = per_part(meta, lambda m, q: paged_attention(
-            q, k_cache, v_cache, m.page_table, m.rows, m.kv_lens, m.cu_seqlens, self.hd ** -0.5, plan=m.attn_plan,
-        ), q)
-        return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +132,7 @@ class Block(nn.Module):
         if kind == "linear_attention":
             self.mixer = Mamba2Mixer(cfg)
         elif kind == "full_attention":
-            self.mixer = Attention(cfg)
+            self.mixer = Attention(cfg)  # no positional encoding, no biases (NemotronHAttention)
         elif kind == "moe":
             self.mixer = MoE(cfg)
         else:

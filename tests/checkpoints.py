@@ -100,15 +100,34 @@ GRANITE_KINDS = {
 }
 
 
+# Bamba: "a": 5 layers (PP 2 to 4 split them unevenly), attention at 1 and 3 with partial
+# RoPE, GQA 4:2, 2 groups, dt clamped to [0.05, 5] in prefill; "b": 7 layers, attention at
+# 0, 4 and 6, GQA 6:2 with head_dim 16 (not hidden / heads), biases everywhere, conv width
+# 3, one group, an explicit mamba_d_head, tied embeddings, its own rope_theta
+BAMBA_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, max_position_embeddings=2048, initializer_range=0.1, intermediate_size=96,
+    mamba_d_state=16, mamba_expand=2, mamba_chunk_size=16,
+)
+BAMBA_KINDS = {
+    "bamba_a": dict(num_hidden_layers=5, attn_layer_indices=[1, 3], num_attention_heads=4, num_key_value_heads=2,
+                    mamba_n_heads=8, mamba_n_groups=2, mamba_d_conv=4, time_step_limit=(0.05, 5.0)),
+    "bamba_b": dict(num_hidden_layers=7, attn_layer_indices=[0, 4, 6], num_attention_heads=6, num_key_value_heads=2,
+                    head_dim=16, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_conv=3,
+                    attention_bias=True, mlp_bias=True, mamba_proj_bias=True, tie_word_embeddings=True,
+                    rope_parameters=dict(rope_type="default", rope_theta=5000.0, partial_rotary_factor=0.5)),
+}
+
 def _make_nemotron(kind: str, path: str, seed: int) -> None:
-    """A random NemotronH or Granite 4.0 hybrid checkpoint. transformers initialises biases
-    to zero, D and norm weights to ones and the router's correction bias to zero: random
-    ones, so that a misplaced one shows."""
+    """A random NemotronH, Granite 4.0 hybrid or Bamba checkpoint. transformers
+    initialises biases to zero, D and norm weights to ones and the router's correction bias
+    to zero: random ones, so that a misplaced one shows."""
     import transformers as tf
 
     torch.manual_seed(seed)
     if kind in GRANITE_KINDS:
         model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**{**GRANITE_BASE, **GRANITE_KINDS[kind]}))
+    elif kind in BAMBA_KINDS:
+        model = tf.BambaForCausalLM(tf.BambaConfig(**{**BAMBA_BASE, **BAMBA_KINDS[kind]}))
     else:
         model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{**NEMOTRON_BASE, **NEMOTRON_KINDS[kind]}))
     model.eval()
@@ -191,7 +210,7 @@ def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> st
     path = os.path.join(root, kind)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    if kind in NEMOTRON_KINDS or kind in GRANITE_KINDS:  # no MTP head: transformers' models have none
+    if kind in {**NEMOTRON_KINDS, **GRANITE_KINDS, **BAMBA_KINDS}:  # no MTP head in these
         _make_nemotron(kind, path, seed)
         add_tokenizer(path)
         return path

@@ -1,5 +1,6 @@
 """The Mamba2 hybrids (the Mamba2 layer family, ``stage_server/layers/mamba2.py``, in the
-NemotronH and Granite 4.0 hybrid model families) against Hugging Face transformers on the
+NemotronH, Granite 4.0 hybrid and Bamba model families) against Hugging Face
+transformers on the
 same random checkpoints (written by transformers itself; fp32, CPU):
 logits of prefill, decode and verify under both commit designs, layer-range slices, greedy
 generation against ``generate``, and a checkpoint setting we do not serve.
@@ -22,7 +23,7 @@ from ppspec.stage_server.config import CheckpointError, load_config
 from ppspec.stage_server.loader import load_stage_model
 from ppspec.stage_server.runner import StageRunner, split_layers
 
-KINDS = ["nemotron_h_a", "nemotron_h_b", "granite_a", "granite_b"]
+KINDS = ["nemotron_h_a", "nemotron_h_b", "granite_a", "granite_b", "bamba_a", "bamba_b"]
 TOL = 1e-4
 
 
@@ -42,15 +43,20 @@ def hf_reference(model, ids, n_prompt, n_steps):
     """Logits at every position of ``ids`` as transformers computes them in generation:
     the first ``n_prompt`` tokens in one forward, the next ``n_steps`` one at a time, the
     rest in one forward continuing from the cache (the chunked scan from its state)."""
-    out = model(torch.tensor([ids[:n_prompt]]), use_cache=True)
+    def fwd(start, toks, cache=None):
+        # positions given: BambaModel counts them from 0 on every call without them
+        pos = torch.arange(start, start + len(toks))[None]
+        return model(torch.tensor([toks]), position_ids=pos, cache=cache, use_cache=True)
+
+    out = fwd(0, ids[:n_prompt])
     logits, cache = [out.logits[0]], out.cache
-    for t in ids[n_prompt:n_prompt + n_steps]:
-        out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+    for i in range(n_prompt, min(n_prompt + n_steps, len(ids))):
+        out = fwd(i, ids[i:i + 1], cache)
         logits.append(out.logits[0])
         cache = out.cache
     rest = ids[n_prompt + n_steps:]
     if rest:
-        logits.append(model(torch.tensor([rest]), cache=cache, use_cache=True).logits[0])
+        logits.append(fwd(n_prompt + n_steps, rest, cache).logits[0])
     return torch.cat(logits)
 
 
@@ -100,7 +106,7 @@ def test_prefill_decode_verify_logits_match_transformers(make_ckpt, kind, design
     assert close(got[:8], ref_a[40:48]) and close(got[8:], ref_b[25:30])
 
 
-@pytest.mark.parametrize("kind,n", [("nemotron_h_b", 7), ("granite_b", 5)])
+@pytest.mark.parametrize("kind,n", [("nemotron_h_b", 7), ("granite_b", 5), ("bamba_a", 5)])
 def test_layer_slices_chain_to_the_whole_model(make_ckpt, kind, n):
     """7 and 5 layers over PP 2 to 4 (uneven splits): each slice holds only its layers and
     pools, and the chained slices give the whole model's logits."""
@@ -119,7 +125,7 @@ def test_layer_slices_chain_to_the_whole_model(make_ckpt, kind, n):
 
 
 @pytest.mark.parametrize("kind,spec", [("nemotron_h_a", "none"), ("nemotron_h_b", "ngram"), ("granite_a", "ngram"),
-                                       ("granite_b", "none")])
+                                       ("granite_b", "none"), ("bamba_a", "ngram"), ("bamba_b", "none")])
 def test_greedy_generation_equals_transformers_generate(make_ckpt, kind, spec):
     path = make_ckpt(kind)
     prompt = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 9, 31] * 2
@@ -127,7 +133,8 @@ def test_greedy_generation_equals_transformers_generate(make_ckpt, kind, spec):
         ref = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                       pad_token_id=0)[0, len(prompt):].tolist()
     llm = LLM(path, max_rows=4, speculative_algorithm=spec, num_speculative_steps=3)
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0].token_ids
+    # min_tokens: EOS masked for all 64 tokens, as generate's min_new_tokens masks it
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, min_tokens=64))[0].token_ids
     assert out == ref
 
 
@@ -139,27 +146,34 @@ def _edit(src, dst, fn):
     return dst
 
 
-@pytest.mark.parametrize("edit,field", [
-    (lambda c: c.update(mlp_hidden_act="silu"), "mlp_hidden_act"),
-    (lambda c: c.update(mamba_ssm_cache_dtype="float16"), "mamba_ssm_cache_dtype"),
-    (lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="M*X-")), "hybrid_override_pattern"),
-    (lambda c: c.update(layers_block_type=["linear_attention", "sliding_attention"]), "layers_block_type"),
-    (lambda c: c.update(n_groups=3), "n_groups"),
-    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantization_config"),
-    (lambda c: c.update(ssm_state_size=32), "mixer.in_proj.weight"),
-    (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
-    (lambda c: c.update(time_step_limit=[0.5, 0.1]), "time_step_limit"),
-    (lambda c: c.update(mamba_d_head=8), "mamba_d_head"),
-    (lambda c: c.update(layer_types=["mamba", "cross_attention", "mamba", "mamba"]), "layer_types"),
+@pytest.mark.parametrize("kind,edit,field", [
+    ("nemotron_h_a", lambda c: c.update(mlp_hidden_act="silu"), "mlp_hidden_act"),
+    ("nemotron_h_a", lambda c: c.update(mamba_ssm_cache_dtype="float16"), "mamba_ssm_cache_dtype"),
+    ("nemotron_h_a", lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="M*X-")),
+     "hybrid_override_pattern"),
+    ("nemotron_h_a", lambda c: c.update(layers_block_type=["linear_attention", "sliding_attention"]),
+     "layers_block_type"),
+    ("nemotron_h_a", lambda c: c.update(n_groups=3), "n_groups"),
+    ("nemotron_h_a", lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ("nemotron_h_a", lambda c: c.update(ssm_state_size=32), "mixer.in_proj.weight"),
+    ("granite_a", lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+    ("granite_a", lambda c: c.update(time_step_limit=[0.5, 0.1]), "time_step_limit"),
+    ("granite_a", lambda c: c.update(mamba_d_head=8), "mamba_d_head"),
+    ("granite_a", lambda c: c.update(layer_types=["mamba", "cross_attention", "mamba", "mamba"]), "layer_types"),
+    ("bamba_a", lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+    ("bamba_a", lambda c: c.update(attn_layer_indices=[1, 5]), "attn_layer_indices"),
+    ("bamba_a", lambda c: c.update(mamba_n_groups=3), "mamba_n_groups"),
+    ("bamba_a", lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
+    ("bamba_a", lambda c: c.update(mamba_d_state=8), "mamba.in_proj.weight"),
 ])
-def test_a_setting_we_do_not_serve_names_the_file_and_field(make_ckpt, tmp_path, edit, field):
-    kind = "granite_a" if field in ("hidden_act", "time_step_limit", "mamba_d_head", "layer_types") else "nemotron_h_a"
+def test_a_setting_we_do_not_serve_names_the_file_and_field(make_ckpt, tmp_path, kind, edit, field):
     path = _edit(__import__("pathlib").Path(make_ckpt(kind)), tmp_path / "bad", edit)
     with pytest.raises(CheckpointError) as e:
         load_stage_model(str(path))
     msg = str(e.value)
-    # a config field names config.json; a tensor of the wrong shape names its file and key
-    assert field in msg and ("config.json" in msg or "model.safetensors" in msg), msg
+    # a config field names config.json, a tensor of the wrong shape its file, a missing one
+    # the checkpoint's folder; and the field or tensor
+    assert field in msg and any(where in msg for where in ("config.json", "model.safetensors", f"{path}: tensor")), msg
     assert load_config(make_ckpt("nemotron_h_a")).layer_types[:2] == ["linear_attention", "full_attention"]
 
 
@@ -226,6 +240,50 @@ def test_granite_speculation_matches_pp1_without_speculation(make_ckpt, design):
     assert drive(llm, reqs) == ref
     assert {a for m, _, _, acc in rounds if m == "verify" for a in acc} == {1, 2, 3, 4}
     assert all(u == 0 for u in llm.rows_in_use())
+
+
+@pytest.fixture(scope="module")
+def hybrid_refs(make_ckpt):
+    """kind -> (checkpoint, workload, PP1 tokens without speculation), made once per kind."""
+    refs = {}
+
+    def get(kind):
+        if kind not in refs:
+            torch.set_num_threads(1)
+            path, reqs = make_ckpt(kind), small_workload(seed=2)
+            refs[kind] = path, reqs, drive(LLM(path, max_rows=N_REQ), reqs)
+        return refs[kind]
+    return get
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+@pytest.mark.parametrize("pp,lanes", [(1, 1), (2, 2), (3, 2), (4, 3)])
+@pytest.mark.parametrize("kind", ["bamba_a"])
+def test_bamba_speculation_match_pp1_without_speculation(hybrid_refs, kind, pp, lanes, design):
+    """Bamba (Mamba2 and attention layers in a pattern) at PP 1 to 4 with oracle drafts: every accept length, requests joining and leaving,
+    tokens equal PP1 without speculation, every row free afterwards."""
+    path, reqs, ref = hybrid_refs(kind)
+    llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, speculative_algorithm="ngram",
+              num_speculative_steps=3, drafter=Oracle(ref, seed=pp), commit_design=design)
+    check_design(llm, design)
+    rounds = record_rounds(llm)
+    committed = spy_replay_commits(llm)
+    assert drive(llm, reqs) == ref
+    assert {a for m, _, _, acc in rounds if m == "verify" for a in acc} == {1, 2, 3, 4}
+    if design == "replay":
+        assert committed[0] > 0, "no replay commit recorded accepted steps"
+    assert all(u == 0 for u in llm.rows_in_use())
+
+
+@pytest.mark.parametrize("design", ["copy", "replay"])
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("kind", ["bamba_a"])
+def test_bamba_catches_the_commit_bugs(hybrid_refs, kind, fault, design):
+    """The three commit faults on a non-last stage change the tokens (docs/DESIGN.md, "The failure")."""
+    path, reqs, ref = hybrid_refs(kind)
+    llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
+              num_speculative_steps=3, drafter=Oracle(ref, seed=3), fault=fault, commit_design=design)
+    assert sum(o != r for o, r in zip(drive(llm, reqs), ref)) > 0, f"fault {fault} went unnoticed"
 
 
 @pytest.mark.parametrize("design", ["copy", "replay"])

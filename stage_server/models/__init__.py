@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from ..family import ModelFamily
 from ..fields import CheckpointError
-from . import granitemoehybrid, kimi_linear, nemotron_h, qwen3_next
+from . import bamba, granitemoehybrid, kimi_linear, nemotron_h, qwen3_next
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen3_next.FAMILY, kimi_linear.FAMILY, nemotron_h.FAMILY,
-                                      granitemoehybrid.FAMILY)
+                                      granitemoehybrid.FAMILY, bamba.FAMILY)
 
 
 def _by_model_type() -> dict[str, ModelFamily]:

@@ -117,8 +117,29 @@ BAMBA_KINDS = {
                     rope_parameters=dict(rope_type="default", rope_theta=5000.0, partial_rotary_factor=0.5)),
 }
 
+# Falcon-H1 (attention and Mamba2 side by side in every layer), every multiplier away from 1:
+# "a": 5 layers, GQA 4:2, Mamba2 width mamba_d_ssm 64 (not 2 x hidden), 2 groups, the gated
+# norm before the gate; "b": 6 layers, GQA 6:2 with head_dim 16, no Mamba2 norm (the gate
+# alone), width 2 x hidden, biases everywhere, conv width 3, tied embeddings
+FALCON_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, max_position_embeddings=2048, initializer_range=0.1, intermediate_size=96,
+    mamba_d_state=16, mamba_expand=2, mamba_chunk_size=16, embedding_multiplier=1.5, lm_head_multiplier=0.7,
+    mlp_multipliers=[0.8, 1.3], key_multiplier=0.9, attention_in_multiplier=1.2, attention_out_multiplier=0.8,
+    ssm_multipliers=[0.9, 1.1, 0.7, 1.2, 0.6], ssm_in_multiplier=1.1, ssm_out_multiplier=0.9,
+)
+FALCON_KINDS = {
+    "falcon_h1_a": dict(num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+                        mamba_d_ssm=64, mamba_n_groups=2, mamba_d_conv=4, mamba_rms_norm=True,
+                        mamba_norm_before_gate=True, time_step_limit=(0.05, 5.0)),
+    "falcon_h1_b": dict(num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                        mamba_n_heads=8, mamba_d_ssm=None, mamba_n_groups=1, mamba_d_conv=3, mamba_rms_norm=False,
+                        attention_bias=True, mlp_bias=True, mamba_proj_bias=True, projectors_bias=True,
+                        tie_word_embeddings=True),
+}
+
+
 def _make_nemotron(kind: str, path: str, seed: int) -> None:
-    """A random NemotronH, Granite 4.0 hybrid or Bamba checkpoint. transformers
+    """A random NemotronH, Granite 4.0 hybrid, Bamba or Falcon-H1 checkpoint. transformers
     initialises biases to zero, D and norm weights to ones and the router's correction bias
     to zero: random ones, so that a misplaced one shows."""
     import transformers as tf
@@ -128,6 +149,8 @@ def _make_nemotron(kind: str, path: str, seed: int) -> None:
         model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**{**GRANITE_BASE, **GRANITE_KINDS[kind]}))
     elif kind in BAMBA_KINDS:
         model = tf.BambaForCausalLM(tf.BambaConfig(**{**BAMBA_BASE, **BAMBA_KINDS[kind]}))
+    elif kind in FALCON_KINDS:
+        model = tf.FalconH1ForCausalLM(tf.FalconH1Config(**{**FALCON_BASE, **FALCON_KINDS[kind]}))
     else:
         model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{**NEMOTRON_BASE, **NEMOTRON_KINDS[kind]}))
     model.eval()
@@ -210,7 +233,7 @@ def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> st
     path = os.path.join(root, kind)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    if kind in {**NEMOTRON_KINDS, **GRANITE_KINDS, **BAMBA_KINDS}:  # no MTP head in these
+    if kind in {**NEMOTRON_KINDS, **GRANITE_KINDS, **BAMBA_KINDS, **FALCON_KINDS}:  # no MTP head in these
         _make_nemotron(kind, path, seed)
         add_tokenizer(path)
         return path

@@ -140,3 +140,20 @@ def test_gated_norm_matches_transformers():
         norm.weight.copy_(torch.randn(I))
     y, z = torch.randn(2, 5, I), torch.randn(2, 5, I)
     torch.testing.assert_close(gated_rms_norm_ref(y, z, norm.weight.detach(), I // G, 1e-5), norm(y, z).detach())
+
+
+@pytest.mark.parametrize("before", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_falcon_h1_gated_norm_matches_transformers(before, dtype):
+    """Falcon-H1's gated norm, the gate before or after the group norm (``mamba_norm_before_gate``)."""
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
+
+    I, G = 48, 3
+    norm = FalconH1RMSNormGated(I, eps=1e-5, n_groups=G, norm_before_gate=before)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(I))
+    norm = norm.to(dtype)
+    y, z = torch.randn(2, 5, I, dtype=dtype), torch.randn(2, 5, I, dtype=dtype)
+    got = gated_rms_norm_ref(y, z, norm.weight.detach(), I // G, 1e-5, norm_before_gate=before)
+    torch.testing.assert_close(got, norm(y, z).detach(), **({} if before or dtype == torch.float32 else
+                                                             dict(atol=2e-2, rtol=2e-2)))

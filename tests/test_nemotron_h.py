@@ -1,5 +1,5 @@
 """The Mamba2 hybrids (the Mamba2 layer family, ``stage_server/layers/mamba2.py``, in the
-NemotronH, Granite 4.0 hybrid and Bamba model families) against Hugging Face
+NemotronH, Granite 4.0 hybrid, Bamba and Falcon-H1 model families) against Hugging Face
 transformers on the
 same random checkpoints (written by transformers itself; fp32, CPU):
 logits of prefill, decode and verify under both commit designs, layer-range slices, greedy
@@ -23,7 +23,7 @@ from ppspec.stage_server.config import CheckpointError, load_config
 from ppspec.stage_server.loader import load_stage_model
 from ppspec.stage_server.runner import StageRunner, split_layers
 
-KINDS = ["nemotron_h_a", "nemotron_h_b", "granite_a", "granite_b", "bamba_a", "bamba_b"]
+KINDS = ["nemotron_h_a", "nemotron_h_b", "granite_a", "granite_b", "bamba_a", "bamba_b", "falcon_h1_a", "falcon_h1_b"]
 TOL = 1e-4
 
 
@@ -106,10 +106,10 @@ def test_prefill_decode_verify_logits_match_transformers(make_ckpt, kind, design
     assert close(got[:8], ref_a[40:48]) and close(got[8:], ref_b[25:30])
 
 
-@pytest.mark.parametrize("kind,n", [("nemotron_h_b", 7), ("granite_b", 5), ("bamba_a", 5)])
+@pytest.mark.parametrize("kind,n", [("nemotron_h_b", 7), ("granite_b", 5), ("bamba_a", 5), ("falcon_h1_a", 5)])
 def test_layer_slices_chain_to_the_whole_model(make_ckpt, kind, n):
     """7 and 5 layers over PP 2 to 4 (uneven splits): each slice holds only its layers and
-    pools, and the chained slices give the whole model's logits."""
+    pools (Falcon-H1: every layer both), and the chained slices give the whole model's logits."""
     path = make_ckpt(kind)
     ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     whole = run([StageRunner(path, max_rows=2)], StepInput(0, 0, "prefill", [0], [0], [30], ids))
@@ -125,7 +125,8 @@ def test_layer_slices_chain_to_the_whole_model(make_ckpt, kind, n):
 
 
 @pytest.mark.parametrize("kind,spec", [("nemotron_h_a", "none"), ("nemotron_h_b", "ngram"), ("granite_a", "ngram"),
-                                       ("granite_b", "none"), ("bamba_a", "ngram"), ("bamba_b", "none")])
+                                       ("granite_b", "none"), ("bamba_a", "ngram"), ("bamba_b", "none"),
+                                       ("falcon_h1_a", "none"), ("falcon_h1_b", "ngram")])
 def test_greedy_generation_equals_transformers_generate(make_ckpt, kind, spec):
     path = make_ckpt(kind)
     prompt = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 9, 31] * 2
@@ -165,6 +166,12 @@ def _edit(src, dst, fn):
     ("bamba_a", lambda c: c.update(mamba_n_groups=3), "mamba_n_groups"),
     ("bamba_a", lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
     ("bamba_a", lambda c: c.update(mamba_d_state=8), "mamba.in_proj.weight"),
+    ("falcon_h1_a", lambda c: c.update(ssm_multipliers=[1.0, 2.0]), "ssm_multipliers"),
+    ("falcon_h1_a", lambda c: c.update(mlp_multipliers="2"), "mlp_multipliers"),
+    ("falcon_h1_a", lambda c: c.update(mamba_d_ssm=60), "mamba_d_ssm"),
+    ("falcon_h1_a", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("falcon_h1_a", lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ("falcon_h1_b", lambda c: c.update(projectors_bias=False, mamba_rms_norm=True), "mamba.norm.weight"),
 ])
 def test_a_setting_we_do_not_serve_names_the_file_and_field(make_ckpt, tmp_path, kind, edit, field):
     path = _edit(__import__("pathlib").Path(make_ckpt(kind)), tmp_path / "bad", edit)
@@ -258,9 +265,10 @@ def hybrid_refs(make_ckpt):
 
 @pytest.mark.parametrize("design", ["copy", "replay"])
 @pytest.mark.parametrize("pp,lanes", [(1, 1), (2, 2), (3, 2), (4, 3)])
-@pytest.mark.parametrize("kind", ["bamba_a"])
-def test_bamba_speculation_match_pp1_without_speculation(hybrid_refs, kind, pp, lanes, design):
-    """Bamba (Mamba2 and attention layers in a pattern) at PP 1 to 4 with oracle drafts: every accept length, requests joining and leaving,
+@pytest.mark.parametrize("kind", ["bamba_a", "falcon_h1_a"])
+def test_bamba_and_falcon_speculation_match_pp1_without_speculation(hybrid_refs, kind, pp, lanes, design):
+    """Bamba (Mamba2 and attention layers in a pattern) and Falcon-H1 (both in every layer)
+    at PP 1 to 4 with oracle drafts: every accept length, requests joining and leaving,
     tokens equal PP1 without speculation, every row free afterwards."""
     path, reqs, ref = hybrid_refs(kind)
     llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, speculative_algorithm="ngram",
@@ -277,8 +285,8 @@ def test_bamba_speculation_match_pp1_without_speculation(hybrid_refs, kind, pp, 
 
 @pytest.mark.parametrize("design", ["copy", "replay"])
 @pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("kind", ["bamba_a"])
-def test_bamba_catches_the_commit_bugs(hybrid_refs, kind, fault, design):
+@pytest.mark.parametrize("kind", ["bamba_a", "falcon_h1_a"])
+def test_bamba_and_falcon_catch_the_commit_bugs(hybrid_refs, kind, fault, design):
     """The three commit faults on a non-last stage change the tokens (docs/DESIGN.md, "The failure")."""
     path, reqs, ref = hybrid_refs(kind)
     llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
@@ -300,17 +308,21 @@ def test_invariance_catches_the_commit_bugs(spec_setup, fault, design):
 
 # ---------------------------------------------------------------- real processes
 @pytest.mark.slow
-@pytest.mark.parametrize("pp,design", [(2, "copy"), (3, "replay"), (4, "copy")])
-def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, pp, design, tmp_path):
+@pytest.mark.parametrize("kind,pp,design", [("nemotron_h_a", 2, "copy"), ("nemotron_h_a", 3, "replay"),
+                                            ("nemotron_h_a", 4, "copy"), ("falcon_h1_a", 2, "replay"),
+                                            ("falcon_h1_a", 3, "copy")])
+def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, hybrid_refs, kind, pp, design,
+                                                                  tmp_path):
     """PP 2 to 4 stage processes and a router (tests/cluster.py), n-gram drafts, the
     requests sent at once and finishing at different lengths: every completion equals PP1
-    without speculation in one process, and every row is free afterwards."""
+    without speculation in one process, and every row is free afterwards (NemotronH; and
+    Falcon-H1, whose every layer holds both a Mamba2 state and KV)."""
     import asyncio
 
     import httpx
     from cluster import Cluster
 
-    path, reqs, ref = spec_setup
+    path, reqs, ref = spec_setup if kind == "nemotron_h_a" else hybrid_refs(kind)
 
     async def complete(url):
         async with httpx.AsyncClient(timeout=600) as client:

@@ -165,12 +165,16 @@ def replay_ref(state, req_pool_indices, x, dt, B, A, accept_lengths):
     state[req_pool_indices] = s.to(state.dtype)
 
 
-def gated_rms_norm_ref(y, gate, weight, group_size: int, eps: float = 1e-6):
-    """Mamba2's output norm (``norm_before_gate=False``): ``y * silu(gate)``, RMS-normalised
-    per group of ``group_size`` channels (``intermediate / n_groups``), times ``weight``.
+def gated_rms_norm_ref(y, gate, weight, group_size: int, eps: float = 1e-6, norm_before_gate: bool = False):
+    """Mamba2's output norm: ``y * silu(gate)`` RMS-normalised per group of ``group_size``
+    channels (``intermediate / n_groups``), times ``weight`` (``norm_before_gate=False``,
+    transformers' ``*RMSNormGated`` of the Mamba2 hybrids); or ``weight * rmsnorm_per_group(y)
+    * silu(gate)`` in fp32, cast once (``norm_before_gate=True``, ``FalconH1RMSNormGated``).
     y, gate ``[..., I]``; returns y's dtype."""
-    h = y.float() * F.silu(gate.float())
+    h = y.float() if norm_before_gate else y.float() * F.silu(gate.float())
     shape = h.shape
     h = h.view(*shape[:-1], shape[-1] // group_size, group_size)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if norm_before_gate:
+        return (weight * h.view(shape) * F.silu(gate.float())).to(y.dtype)
     return weight * h.view(shape).to(y.dtype)

@@ -1,4 +1,5 @@
-"""Mamba2 (SSD), the layer family of the Mamba2 hybrids (NemotronH, Granite 4.0 hybrid):
+"""Mamba2 (SSD), the layer family of the Mamba2 hybrids (NemotronH, Granite 4.0 hybrid, Bamba,
+Falcon-H1):
 its per-row state, its replay record and its token mixer (docs/DESIGN.md, "Layer families";
 docs/DESIGN.md, "NemotronH (Mamba2)").
 
@@ -11,11 +12,13 @@ and ``B (G, N)`` (``kernels/mamba2/naive_replay.py``): a replayed step reads no 
 model parameter. The config supplies ``mamba_num_heads`` (H), ``mamba_head_dim`` (P),
 ``n_groups`` (G), ``ssm_state_size`` (N), ``conv_kernel`` (W), ``conv_dim``, ``use_conv_bias``,
 ``use_bias`` (the in / out projections), ``dt_limit`` (the prefill's clamp of ``dt``),
-``hidden_size`` and ``rms_norm_eps``.
+``hidden_size`` and ``rms_norm_eps``; a model family sets what differs (Falcon-H1: the out
+projection's bias, the output norm's form) through :class:`Mamba2Mixer`'s arguments.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
@@ -28,18 +31,26 @@ from ..family import REPLAY, SCRATCH, LayerFamily, LayerState, RecordSpec, State
 CHUNK_SIZE = 64  # tokens per block of the chunked scan (the result does not depend on it)
 
 
-class GroupGatedRMSNorm(nn.Module):
-    """Mamba2's output norm: ``w * rmsnorm_per_group(y * silu(z))`` over groups of
-    ``group_size`` channels (norm after the gate; transformers' ``*RMSNormGated`` of the
-    Mamba2 hybrids)."""
+# the output gate and norm of a Mamba2 mixer (``Mamba2Mixer(norm=...)``)
+GATE_THEN_NORM = "gate_then_norm"  # w * rmsnorm_per_group(y * silu(z)): NemotronH, Granite, Bamba,
+#                                    Falcon-H1 with mamba_norm_before_gate false
+NORM_THEN_GATE = "norm_then_gate"  # w * rmsnorm_per_group(y) * silu(z): Falcon-H1's default
+GATE_ONLY = "gate_only"            # y * silu(z), no norm: Falcon-H1 with mamba_rms_norm false
+NORMS = (GATE_THEN_NORM, NORM_THEN_GATE, GATE_ONLY)
 
-    def __init__(self, dim: int, group_size: int, eps: float):
+
+class GroupGatedRMSNorm(nn.Module):
+    """Mamba2's output norm over groups of ``group_size`` channels, the gate ``silu(z)``
+    applied before the norm or after it (``norm_before_gate``; transformers' ``*RMSNormGated``
+    of the Mamba2 hybrids, ``kernels.mamba2.gated_rms_norm_ref``)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm_ref(y, z, self.weight, self.group_size, self.eps)
+        return gated_rms_norm_ref(y, z, self.weight, self.group_size, self.eps, self.norm_before_gate)
 
 
 class Mamba2Mixer(nn.Module):
@@ -50,10 +61,13 @@ class Mamba2Mixer(nn.Module):
     SiLU) runs over ``xBC``; then the SSD scan with ``A = -exp(A_log)``, ``dt = softplus(dt +
     dt_bias)`` (clamped to ``dt_limit`` in prefill, as transformers' chunked scan; unclamped
     in decode and verify, as its one-token update), B / C of group ``h // (H / G)``, skip
-    ``D x``; then the gated group norm and ``out_proj``.
+    ``D x``; then the gate and group norm (``norm``: one of :data:`NORMS`) and ``out_proj``.
+
+    out_bias: ``out_proj``'s bias (None: ``cfg.use_bias``, as ``in_proj``'s; Falcon-H1 reads
+    it from ``projectors_bias``).
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, out_bias: bool | None = None, norm: str = GATE_THEN_NORM):
         super().__init__()
         self.h, self.p = cfg.mamba_num_heads, cfg.mamba_head_dim
         self.g, self.n = cfg.n_groups, cfg.ssm_state_size
@@ -66,8 +80,11 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.h))
         self.A_log = nn.Parameter(torch.zeros(self.h))
         self.D = nn.Parameter(torch.ones(self.h))
-        self.norm = GroupGatedRMSNorm(self.inner, self.inner // self.g, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.use_bias)
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        self.norm = None if norm == GATE_ONLY else GroupGatedRMSNorm(
+            self.inner, self.inner // self.g, cfg.rms_norm_eps, norm_before_gate=norm == NORM_THEN_GATE)
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.use_bias if out_bias is None else out_bias)
 
     def fuse_projections(self) -> None:
         # the conv kernels load one tap of many channels at a time: tap-major in memory
@@ -80,7 +97,8 @@ class Mamba2Mixer(nn.Module):
         T = x.shape[0]
         z, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.h], dim=-1)
         y = per_part(meta, lambda m, xbc, dt: self._mix(m, st, xbc, dt), xbc, dt)
-        y = self.norm(y.reshape(T, self.inner), z)
+        y = y.reshape(T, self.inner)
+        y = y * F.silu(z) if self.norm is None else self.norm(y, z)
         return self.out_proj(y.to(x.dtype))
 
     def _mix(self, meta: BatchMeta, st: LayerState, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:

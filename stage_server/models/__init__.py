@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from ..family import ModelFamily
 from ..fields import CheckpointError
-from . import bamba, granitemoehybrid, kimi_linear, nemotron_h, qwen3_next
+from . import bamba, falcon_h1, granitemoehybrid, kimi_linear, nemotron_h, qwen3_next
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen3_next.FAMILY, kimi_linear.FAMILY, nemotron_h.FAMILY,
-                                      granitemoehybrid.FAMILY, bamba.FAMILY)
+                                      granitemoehybrid.FAMILY, bamba.FAMILY, falcon_h1.FAMILY)
 
 
 def _by_model_type() -> dict[str, ModelFamily]:

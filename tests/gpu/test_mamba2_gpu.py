@@ -103,9 +103,9 @@ def test_mamba2_replay_design_matches_copy_design(dev, Bs, D, pad):
     assert int(bufs.pending[real].abs().sum()) == 0
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h_b", "granite_a"])
+@pytest.mark.parametrize("kind", ["nemotron_h_b", "granite_a", "bamba_b", "falcon_h1_a"])
 def test_mamba2_hybrid_fp32_on_cuda_identical_to_pp1(tmp_path, kind):
-    """A random NemotronH / Granite 4.0 hybrid checkpoint (transformers' own) on CUDA in
+    """A random NemotronH / Granite 4.0 hybrid / Bamba / Falcon-H1 checkpoint (transformers' own) on CUDA in
     fp32: PP 2 and 4 with n-gram drafts under both commit designs (the Triton decode /
     verify kernel, the replay's records) give the greedy tokens of PP1 without speculation
     on CUDA, divergence allowed only at a near-tie of the reference (top-2 gap < 1e-4)."""

@@ -94,24 +94,31 @@ KIMI_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_h
                n_group=1, topk_group=1, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def make_random_kimi_checkpoint(torch, path, device="cuda", **shape) -> int:
-    """Save a randomly initialised Kimi-Linear-shaped checkpoint (bf16) at ``path``:
-    transformers' ``KimiLinearForCausalLM`` with ``shape`` (default :data:`KIMI_1B`) and the
-    demo checkpoint's tokenizer files. Returns its parameter count (all experts)."""
+def _save_random(torch, path, device, config_cls: str, model_cls: str, shape: dict) -> int:
+    """Save transformers' ``model_cls`` (a name in ``transformers``) built from ``config_cls(**shape)``,
+    randomly initialised, in bf16 at ``path``, with the demo checkpoint's tokenizer files.
+    Returns its parameter count (all experts)."""
     import shutil
 
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    import transformers
 
     from ppspec.router.llm import DEMO_MODEL
 
     with torch.device(device):
-        m = KimiLinearForCausalLM(KimiLinearConfig(**{**KIMI_1B, **shape})).to(torch.bfloat16)
+        m = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**shape)).to(torch.bfloat16)
     m.save_pretrained(path)
     n = sum(p.numel() for p in m.parameters())
     del m
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(DEMO_MODEL, name), path)
     return n
+
+
+def make_random_kimi_checkpoint(torch, path, device="cuda", **shape) -> int:
+    """A random Kimi-Linear-shaped checkpoint (``KimiLinearForCausalLM``, default
+    :data:`KIMI_1B`), as :func:`_save_random`."""
+    return _save_random(torch, path, device, "KimiLinearConfig", "KimiLinearForCausalLM", {**KIMI_1B, **shape})
+
 
 # NemotronH at about the same size (0.87B): 32 blocks, four times "M-M-M-M*" (16 Mamba2 blocks
 # of 32 heads of 64 with 8 groups of B / C of 128, 12 relu2 MLPs of 8192, 4 attention blocks)
@@ -120,25 +127,25 @@ NEMOTRON_1B = dict(vocab_size=32000, hidden_size=2048, hybrid_override_pattern="
                    n_groups=8, ssm_state_size=128, conv_kernel=4, max_position_embeddings=8192, pad_token_id=0,
                    bos_token_id=1, eos_token_id=2)
 
+# Falcon-H1 at about the same size (1.15B): 16 layers, each attention (16 heads of 128, 8 KV
+# heads) beside a Mamba2 mixer (32 heads of 64, one group of B / C of 128), SwiGLU MLPs of
+# 6144, transformers' default multipliers
+FALCON_H1_1B = dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=16, intermediate_size=6144,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, mamba_n_heads=32, mamba_d_head=64,
+                    mamba_d_ssm=2048, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_rms_norm=True,
+                    max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
 
 def make_random_nemotron_checkpoint(torch, path, device="cuda", **shape) -> int:
-    """Save a randomly initialised NemotronH-shaped checkpoint (bf16) at ``path``:
-    transformers' ``NemotronHForCausalLM`` with ``shape`` (default :data:`NEMOTRON_1B`) and
-    the demo checkpoint's tokenizer files. Returns its parameter count."""
-    import shutil
+    """A random NemotronH-shaped checkpoint (``NemotronHForCausalLM``, default
+    :data:`NEMOTRON_1B`), as :func:`_save_random`."""
+    return _save_random(torch, path, device, "NemotronHConfig", "NemotronHForCausalLM", {**NEMOTRON_1B, **shape})
 
-    from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    from ppspec.router.llm import DEMO_MODEL
-
-    with torch.device(device):
-        m = NemotronHForCausalLM(NemotronHConfig(**{**NEMOTRON_1B, **shape})).to(torch.bfloat16)
-    m.save_pretrained(path)
-    n = sum(p.numel() for p in m.parameters())
-    del m
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(DEMO_MODEL, name), path)
-    return n
+def make_random_falcon_h1_checkpoint(torch, path, device="cuda", **shape) -> int:
+    """A random Falcon-H1-shaped checkpoint (``FalconH1ForCausalLM``, default
+    :data:`FALCON_H1_1B`), as :func:`_save_random`."""
+    return _save_random(torch, path, device, "FalconH1Config", "FalconH1ForCausalLM", {**FALCON_H1_1B, **shape})
 
 
 def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int:
@@ -301,16 +308,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-demo", action="store_true", help="only the bandwidth and the 1B steps")
     ap.add_argument("--batch", default="1,16,64", help="1B batch sizes (comma-separated)")
     ap.add_argument("--skip-eager", action="store_true", help="1B decode with CUDA graphs only")
-    ap.add_argument("--family", choices=("qwen3_5", "kimi_linear", "nemotron_h"), default="qwen3_5",
-                    help="the random 1B checkpoint's family: Qwen3.5 (GDN), Kimi Linear (KDA + MLA + MoE) or "
-                         "NemotronH (Mamba2 + attention + relu2 MLP)")
+    ap.add_argument("--family", choices=("qwen3_5", "kimi_linear", "nemotron_h", "falcon_h1"), default="qwen3_5",
+                    help="the random 1B checkpoint's family: Qwen3.5 (GDN), Kimi Linear (KDA + MLA + MoE), "
+                         "NemotronH (Mamba2 + attention + relu2 MLP) or Falcon-H1 (attention beside Mamba2 in "
+                         "every layer)")
     ap.add_argument("--make-1b", metavar="PATH", default=None,
                     help="only save the random 1B checkpoint (with a random MTP head) at PATH and exit")
     a = ap.parse_args(argv)
     import torch
 
-    make = {"kimi_linear": make_random_kimi_checkpoint, "nemotron_h": make_random_nemotron_checkpoint}.get(
-        a.family, make_random_checkpoint)
+    make = {"kimi_linear": make_random_kimi_checkpoint, "nemotron_h": make_random_nemotron_checkpoint,
+            "falcon_h1": make_random_falcon_h1_checkpoint}.get(a.family, make_random_checkpoint)
     if a.make_1b:
         n = make(torch, a.make_1b, "cuda" if torch.cuda.is_available() else "cpu")
         print(f"saved {a.make_1b}: {n / 1e9:.2f} B parameters" + (" + MTP head" if a.family == "qwen3_5" else ""))

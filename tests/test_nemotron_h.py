@@ -376,3 +376,22 @@ def test_gpu_bench_nemotron_checkpoint_and_step_bytes(tmp_path):
     assert kv == 1 * 16 * 2 * 2 * 16 * 2  # one attention block x 16 tokens x K and V of 2 heads of 16, 2 bytes
     assert w == sum(p.numel() * 4 for name, p in r.model.named_parameters() if not name.startswith("embeddings."))
     assert st == 2 * 2 * 4 * 4 * 16 * 8  # 2 Mamba2 blocks, read and written, fp32 [4, 16, 8]
+
+
+def test_gpu_bench_falcon_h1_checkpoint_and_step_bytes(tmp_path):
+    """gpu_bench's random Falcon-H1 checkpoint (toy size) loads and runs a decode and a
+    verify round; a decode step's bytes count every layer twice over: its KV and its Mamba2
+    state [H, P, N] read and written."""
+    from ppspec.bench.gpu_bench import decode_and_verify, make_random_falcon_h1_checkpoint, step_bytes
+
+    path = str(tmp_path / "falcon_h1")
+    shape = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64,
+                 mamba_n_groups=2, mamba_d_state=8, max_position_embeddings=512)
+    n = make_random_falcon_h1_checkpoint(torch, path, "cpu", **shape)
+    dec, ver, ratios, r = decode_and_verify(torch, path, 1, 16, repeats=2, n=1, device="cpu", dtype=torch.float32)
+    assert n > 0 and dec > 0 and ver > 0 and len(ratios) == 2
+    w, kv, st = step_bytes(r, 1, 16)
+    assert kv == 3 * 16 * 2 * 2 * 16 * 2  # 3 layers x 16 tokens x K and V of 2 heads of 16, 2 bytes
+    assert w == sum(p.numel() * 4 for name, p in r.model.named_parameters() if not name.startswith("embed_tokens."))
+    assert st == 3 * 2 * 4 * 4 * 16 * 8  # 3 Mamba2 states, read and written, fp32 [4, 16, 8]

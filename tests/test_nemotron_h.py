@@ -342,14 +342,16 @@ def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, hy
 
 
 @pytest.mark.parametrize("design", ["copy", "replay"])
-def test_prefix_cache_snapshots_mamba2_state(make_ckpt, design):
+@pytest.mark.parametrize("kind", ["nemotron_h_a", "falcon_h1_a"])
+def test_prefix_cache_snapshots_mamba2_state(make_ckpt, kind, design):
     """The prefix cache (Mamba2 state and conv windows snapshotted mid-prompt and at the
     end of a turn, after the last verify's commit; replay design: the pending steps flushed
     first) at PP2 with n-gram drafts: multi-turn replies equal PP1 without speculation or
-    cache, prompts hit the cache, and nothing is held afterwards."""
+    cache, prompts hit the cache, and nothing is held afterwards. NemotronH, and Falcon-H1,
+    whose every layer's snapshot holds both its Mamba2 state and its KV pages."""
     from test_prefix_cache import CHUNK, assert_all_free, conversations, multi_turn
 
-    path = make_ckpt("nemotron_h_a")
+    path = make_ckpt(kind)
     ref = multi_turn(LLM(path, chunk_size=CHUNK), conversations())[0]
     llm = LLM(path, pp_size=2, speculative_algorithm="ngram", chunk_size=CHUNK, enable_prefix_caching=True,
               commit_design=design)

@@ -13,39 +13,18 @@ clamps ``dt`` in the chunked scan (prefill) only, as transformers does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ...fields import CheckpointError, Fields, YarnScaling, mamba2_fields, rope_fields
+from ...fields import CheckpointError, Fields, mamba2_fields, rope_fields
+from ..hybrid_config import Mamba2HybridConfig, check_heads, refuse_unserved, rope_config
 
 MODEL_TYPE = "granitemoehybrid"
 _KINDS = {"linear_attention": "linear_attention", "mamba": "linear_attention",
           "full_attention": "full_attention", "attention": "full_attention"}
 
 
-@dataclass
-class GraniteHybridConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    layer_types: list[str]
-    rms_norm_eps: float
-    # attention
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    attention_bias: bool
-    use_rope: bool
-    rope_theta: float
-    max_position_embeddings: int
-    # Mamba2 (the names stage_server.layers.mamba2 reads)
-    mamba_num_heads: int
-    mamba_head_dim: int
-    ssm_state_size: int
-    n_groups: int
-    conv_kernel: int
-    use_conv_bias: bool
-    use_bias: bool
-    dt_limit: tuple[float, float]
+@dataclass(kw_only=True)
+class GraniteHybridConfig(Mamba2HybridConfig):
     # FFN
     shared_intermediate_size: int
     num_experts: int = 0
@@ -56,31 +35,10 @@ class GraniteHybridConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    tie_word_embeddings: bool = False
-    eos_token_ids: list[int] = field(default_factory=list)
-    # RoPE (layers.rotary.rope_frequencies)
-    partial_rotary_factor: float = 1.0
-    rope_type: str = "default"
-    rope_scaling_factor: float = 1.0
-    rope_yarn: YarnScaling | None = None
-    weight_prefix: str = "model."
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def max_context(self) -> int:
-        return self.max_position_embeddings
 
     @property
     def logits_multiplier(self) -> float:
         return 1.0 / self.logits_scaling
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the Mamba2 conv: x, B and C, ``H P + 2 G N``."""
-        return self.mamba_num_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state_size
 
 
 def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
@@ -94,11 +52,7 @@ def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
             the message names the file and the field.
     """
     f = Fields(path, raw)
-    if raw.get("quantization_config") is not None:
-        raise CheckpointError(f"{path}: quantization_config is not supported (fp32 / bf16 weights only)")
-    act = f.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported; supported: 'silu'")
+    refuse_unserved(f)
     hidden = f.int("hidden_size", 4096, lo=1)
     n_layers = f.int("num_hidden_layers", 32, lo=1)
     kinds = raw.get("layer_types", raw.get("layers_block_type"))
@@ -125,8 +79,7 @@ def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
         head_dim=hidden // n_heads,
         attention_bias=f.bool("attention_bias", False),
         use_rope=pos == "rope",
-        rope_theta=rope.theta,
-        max_position_embeddings=rope.max_position_embeddings,
+        **rope_config(rope),
         **mamba2_fields(f, hidden),
         shared_intermediate_size=f.int("shared_intermediate_size", 1024, lo=1),
         num_experts=n_experts,
@@ -138,14 +91,10 @@ def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
         logits_scaling=f.float("logits_scaling", 1.0, positive=True),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
         eos_token_ids=f.ints("eos_token_id", lo=0),
-        partial_rotary_factor=rope.partial_rotary_factor,
-        rope_type=rope.rope_type,
-        rope_scaling_factor=rope.scaling_factor,
-        rope_yarn=rope.yarn,
     )
-    if hidden % n_heads or n_heads % cfg.num_key_value_heads:
-        raise CheckpointError(f"{path}: num_attention_heads must divide hidden_size and be a multiple of "
-                              f"num_key_value_heads")
+    if hidden % n_heads:
+        raise CheckpointError(f"{path}: num_attention_heads ({n_heads}) must divide hidden_size ({hidden})")
+    check_heads(f, cfg)
     if n_experts and cfg.num_experts_per_tok > n_experts:
         raise CheckpointError(f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) is above "
                               f"num_local_experts ({n_experts})")

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ppspec.router.api import build_app, serve_http
-from ppspec.router.detokenize import TextStream, TokenPieces
+from ppspec.router.detokenize import TextStream, TokenPieces, window_decoder
 from ppspec.router.protocol import AsyncEngine
 from ppspec.router.types import (
     ContextLengthError,
@@ -512,6 +512,29 @@ def test_detokenizer_units(load):
         out.append(stream.take())
     out.append(stream.take())
     assert "".join(out) == full[:full.index(char)] and stream.stop_str == char
+
+
+@pytest.mark.parametrize("load", TOKENIZERS_UNDER_TEST)
+def test_the_window_decoder_is_the_tokenizers_decode(load):
+    """``window_decoder`` (the backend's decode on streaming's hot path) gives what
+    ``tokenizer.decode`` gives, special tokens kept or skipped, on random windows of ids; a
+    tokenizer class with its own ``decode`` is called through it."""
+    tok = load()
+    rng = random.Random(0)
+    special = list(tok.all_special_ids)
+    for skip in (True, False):
+        fast = window_decoder(tok, skip)
+        for _ in range(300):
+            ids = [rng.choice(special) if special and rng.random() < 0.1 else rng.randrange(len(tok))
+                   for _ in range(rng.randrange(1, 12))]
+            assert fast(ids) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), ids
+
+    class Shouting(type(tok)):
+        def decode(self, ids, **kw):
+            return super().decode(ids, **kw).upper()
+
+    tok.__class__ = Shouting
+    assert window_decoder(tok, True)(tok.encode("abc def")) == "ABC DEF"
 
 
 @pytest.mark.parametrize("load", TOKENIZERS_UNDER_TEST)

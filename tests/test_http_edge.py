@@ -18,6 +18,7 @@ import uvloop
 from cluster import free_port
 from ppspec.router.api import build_app
 from ppspec.router.api.app import serve_http
+from ppspec.router.api.edge import MAX_HEAD_BYTES, edge_protocol
 from test_api import MODEL, FakeEngine, make_tokenizer
 
 READ_TIMEOUT = 1.0
@@ -27,15 +28,15 @@ MAX_BODY = 1 << 20
 class EdgeServer:
     """``serve_http`` on a free port in a thread of its own, stopped through its ``shutdown`` event."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, parser: str = "auto"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = build_app(engine, served_model_name=MODEL, max_request_bytes=MAX_BODY)
         self.loop = uvloop.new_event_loop()  # as the router runs it
         self.stop = asyncio.Event()
         self.thread = threading.Thread(target=self.loop.run_until_complete, daemon=True, args=(serve_http(
-            self.app, "127.0.0.1", self.port, log_level="warning", shutdown=self.stop, read_timeout=READ_TIMEOUT,
-            max_request_bytes=MAX_BODY),))
+            self.app, "127.0.0.1", self.port, log_level="warning", shutdown=self.stop,
+            http=edge_protocol(READ_TIMEOUT, MAX_BODY, parser)),))
 
     def __enter__(self):
         self.thread.start()
@@ -59,10 +60,11 @@ def tokenizer():
     return make_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def edge(tokenizer):
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def edge(tokenizer, request):
+    """The server on each parser's edge protocol (httptools: the default where installed)."""
     engine = FakeEngine(tokenizer)
-    with EdgeServer(engine) as srv:
+    with EdgeServer(engine, request.param) as srv:
         srv.engine = engine
         yield srv
 
@@ -116,6 +118,8 @@ CASES = {
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 400, "ambiguous"),
     "malformed request line": (b"GARBAGE\r\n\r\n", 400, "malformed HTTP request"),
+    "headers over the limit": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 3 * MAX_HEAD_BYTES,
+                               431, "larger than"),
 }
 
 

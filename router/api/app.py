@@ -229,6 +229,8 @@ async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
     uvicorn_kwargs.setdefault("access_log", False)  # the app's AccessLog writes one line per request
     # read deadline (seconds per request), strict framing, JSON refusals: router/api/edge.py
     uvicorn_kwargs.setdefault("http", edge_protocol(read_timeout, max_request_bytes))
+    http = uvicorn_kwargs["http"]
+    log.info("HTTP edge on %s", getattr(http, "func", http).__name__ if not isinstance(http, str) else http)
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level, **uvicorn_kwargs)
 
     class _Uvicorn(uvicorn.Server):

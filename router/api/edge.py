@@ -1,19 +1,25 @@
-"""The HTTP edge: uvicorn's h11 protocol with the limits no client may stretch.
+"""The HTTP edge: uvicorn's HTTP protocol with the limits no client may stretch.
 
 uvicorn (as of 0.55) bounds neither the time a client takes to send its request headers nor
 its body: a connection that sends half a request line, or a body shorter than its
 ``Content-Length``, holds a connection and an ASGI task for ever. h11 also takes a request
 with both ``Content-Length`` and ``Transfer-Encoding`` (RFC 9112, 6.1: the latter wins), which
-lets a proxy in front and this server disagree on where a request ends. ``EdgeProtocol``
-(``uvicorn.Config(http=...)``) adds, per connection:
+lets a proxy in front and this server disagree on where a request ends. The edge protocols
+(``uvicorn.Config(http=...)``, :func:`edge_protocol`) add, per connection:
 
 * a read deadline: ``read_timeout`` seconds from a request's first byte (or from the
   connection's start) until its whole body has arrived; past it, 408 and the connection
   closes (the app waiting for the body sees a disconnect);
 * 400 for ``Content-Length`` with ``Transfer-Encoding``, and 413 for a declared
   ``Content-Length`` over ``max_body`` bytes, both before any byte of the body is read;
-* OpenAI-style JSON bodies for these and for h11's own malformed-request answers.
+* 431 for a request line and headers over ``MAX_HEAD_BYTES`` (h11's own bound);
+* OpenAI-style JSON bodies for these and for the parser's own malformed-request answers.
 
+Two parsers, the same limits: ``HttpToolsEdgeProtocol`` over uvicorn's httptools protocol
+(llhttp; the default, where httptools is installed: a streamed token's ``send`` is a few
+byte joins there, against h11's event objects and state machine; see
+docs/PERFORMANCE.md, "CPU: the router's cost per streamed token"), and ``EdgeProtocol``
+over its h11 protocol.
 Keep-alive idleness between requests stays uvicorn's (``timeout_keep_alive``).
 """
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import sys
 from typing import Any
 
 import h11
@@ -31,6 +38,9 @@ from .guard import DEFAULT_MAX_REQUEST_BYTES
 
 READ_TIMEOUT_S = 30.0
 """Seconds a client may take to send one request, headers and body."""
+
+MAX_HEAD_BYTES = 16 * 1024
+"""Bytes of a request line and headers (uvicorn's default bound for h11)."""
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Content Too Large", 431: b"Request Header Fields Too Large"}
 
@@ -53,6 +63,8 @@ class _StrictConnection(h11.Connection):
             event = super().next_event()
         except h11.RemoteProtocolError as e:
             self.refusal = (e.error_status_hint, f"malformed HTTP request: {e}")
+            if e.error_status_hint == 431:
+                self.refusal = (431, f"request line and headers are larger than {self._max_incomplete_event_size} bytes")
             raise
         if isinstance(event, h11.Request):
             names = {name.lower() for name, _ in event.headers}
@@ -67,7 +79,32 @@ class _StrictConnection(h11.Connection):
         return event
 
 
-class EdgeProtocol(H11Protocol):
+class _Deadline:
+    """The read deadline and the JSON refusal of both edge protocols (their ``loop``,
+    ``transport``, ``read_timeout``); ``_on_deadline`` is each parser's."""
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.read_timeout, self._on_deadline)  # type: ignore[attr-defined]
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _on_deadline(self) -> None:
+        raise NotImplementedError
+
+    def _refuse(self, status: int, message: str) -> None:
+        body = json.dumps(error_body(message, "invalid_request_error")).encode()
+        head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                % (status, _REASONS.get(status, b"Error"), len(body)))
+        self.transport.write(head + body)  # type: ignore[attr-defined]
+
+
+class EdgeProtocol(_Deadline, H11Protocol):
     """``H11Protocol`` with a per-request read deadline, strict framing and JSON refusals."""
 
     def __init__(self, *args: Any, read_timeout: float = READ_TIMEOUT_S, max_body: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -75,17 +112,8 @@ class EdgeProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.conn = _StrictConnection(max_body, h11.SERVER, self.conn._max_incomplete_event_size)
         self.read_timeout = read_timeout
-        self._deadline: asyncio.TimerHandle | None = None
 
     # ---- the read deadline: armed while a request is incomplete
-    def _arm(self) -> None:
-        if self._deadline is None:
-            self._deadline = self.loop.call_later(self.read_timeout, self._on_deadline)
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -122,12 +150,6 @@ class EdgeProtocol(H11Protocol):
         self.transport.close()
 
     # ---- answers written here, not by the app
-    def _refuse(self, status: int, message: str) -> None:
-        body = json.dumps(error_body(message, "invalid_request_error")).encode()
-        head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-                % (status, _REASONS.get(status, b"Error"), len(body)))
-        self.transport.write(head + body)
-
     def send_400_response(self, msg: str) -> None:
         status, message = self.conn.refusal or (400, msg)
         self._refuse(status if status in _REASONS else 400, message)
@@ -135,6 +157,130 @@ class EdgeProtocol(H11Protocol):
         self.transport.close()
 
 
-def edge_protocol(read_timeout: float = READ_TIMEOUT_S, max_body: int = DEFAULT_MAX_REQUEST_BYTES) -> Any:
-    """The protocol class to pass as ``uvicorn.Config(http=...)``."""
-    return functools.partial(EdgeProtocol, read_timeout=read_timeout, max_body=max_body)
+try:
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # h11 alone
+    httptools = HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+
+class _Refused(Exception):
+    """A request refused at the edge, raised from a parser callback (httptools turns it
+    into the ``HttpParserError`` that uvicorn answers with ``send_400_response``)."""
+
+
+if HttpToolsProtocol is not None:
+
+    class HttpToolsEdgeProtocol(_Deadline, HttpToolsProtocol):
+        """``HttpToolsProtocol`` with the limits of ``EdgeProtocol``.
+
+        llhttp refuses ``Content-Length`` beside ``Transfer-Encoding`` itself; its leniency
+        for that is on so that the refusal is this one's (every header is checked as it is
+        parsed, and the request refused at the second of the two)."""
+
+        def __init__(self, *args: Any, read_timeout: float = READ_TIMEOUT_S,
+                     max_body: int = DEFAULT_MAX_REQUEST_BYTES, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True, lenient_chunked_length=True)
+            self.read_timeout, self.max_body = read_timeout, max_body
+            self.refusal: tuple[int, str] | None = None
+            self._reading = True  # a request is expected or partly in: from the connection's start
+            self._in_head = False  # a request has begun and its head is not complete
+            self._in_body = False
+            self._head_bytes = 0
+            self._framing: set[bytes] = set()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()  # a connection that sends nothing is a request that never comes
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            self._arm()
+            super().data_received(data)
+            if not self._reading:
+                self._disarm()  # the request is in (or the connection is done)
+            elif self._in_head and not self.transport.is_closing():
+                # a head still incomplete after this read (llhttp holds a header being read
+                # whole, unbounded): the read counts whole (a pipelined request's tail in it
+                # too: an over-count, never an under-count)
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self.refusal = (431, f"request line and headers are larger than {MAX_HEAD_BYTES} bytes")
+                    self.send_400_response("")
+
+        # ---- parser callbacks: what a request has sent so far
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._reading, self._in_head, self._in_body, self._head_bytes = True, True, False, 0
+            self._framing = set()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            lower = name.lower()
+            if lower in (b"content-length", b"transfer-encoding"):
+                self._framing.add(lower)
+                if len(self._framing) == 2:
+                    self._refusing(400, "a request with both Content-Length and Transfer-Encoding is ambiguous")
+                if lower == b"content-length" and value.strip().isdigit() and int(value) > self.max_body:
+                    self._refusing(413, f"request body is larger than {self.max_body} bytes "
+                                        f"(Content-Length {value.decode()})")
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._in_body = False, True
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._reading = self._in_head = self._in_body = False
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._reading:  # a pipelined request, still coming
+                self._arm()
+            else:  # between requests: uvicorn's keep-alive timeout
+                self._disarm()
+
+        def _refusing(self, status: int, message: str) -> None:
+            self.refusal = (status, message)
+            raise _Refused(message)
+
+        def _on_deadline(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing() or not self._reading:
+                return
+            cycle = self.cycle  # in the body: this request's; in the head: the one before, or None
+            what = "request body" if self._in_body else "request"
+            if cycle is None or not cycle.response_started or (not self._in_body and cycle.response_complete):
+                self._refuse(408, f"the {what} did not arrive within {self.read_timeout:g} s")
+            if self._in_body and cycle is not None:  # the app waiting for the body gets a disconnect
+                cycle.disconnected = True
+                cycle.message_event.set()
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            if self.refusal is None:  # uvicorn calls this while it handles the parser's error
+                error = sys.exc_info()[1]
+                self.refusal = (400, f"malformed HTTP request: {error or msg}")
+            status, message = self.refusal
+            self._refuse(status if status in _REASONS else 400, message)
+            self._disarm()
+            self.transport.close()
+
+
+def edge_protocol(read_timeout: float = READ_TIMEOUT_S, max_body: int = DEFAULT_MAX_REQUEST_BYTES,
+                  parser: str = "auto") -> Any:
+    """The protocol class to pass as ``uvicorn.Config(http=...)``. ``parser``: ``httptools``,
+    ``h11``, or ``auto`` (httptools where it is installed). Raises ValueError for httptools
+    when it is not installed, or another name."""
+    if parser == "auto":
+        parser = "h11" if HttpToolsProtocol is None else "httptools"
+    if parser == "httptools" and HttpToolsProtocol is not None:
+        return functools.partial(HttpToolsEdgeProtocol, read_timeout=read_timeout, max_body=max_body)
+    if parser == "h11":
+        return functools.partial(EdgeProtocol, read_timeout=read_timeout, max_body=max_body)
+    raise ValueError(f"HTTP parser {parser!r}: httptools is not installed" if parser == "httptools"
+                     else f"unknown HTTP parser {parser!r} (auto, httptools or h11)")

@@ -693,3 +693,20 @@ def test_decode_and_verify_are_timed_in_alternating_blocks():
                                             dtype=torch.float32, cuda_graph_max_bs=2)
     assert len(ratios) == 6 and ratios == sorted(ratios) and all(x > 0 for x in ratios)
     assert r.num_steps == 0 and dec > 0 and ver > 0
+
+
+def test_edge_cost_divides_the_servers_cpu_by_the_tokens_it_streamed(capsys):
+    """``bench/edge_cost.py`` end to end at toy size: the stand-in server streams every
+    sample's tokens (the client's count equals the samples' lengths, nothing failed) and
+    the figure is the server's CPU seconds over them, positive."""
+    from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
+    from ppspec.bench.edge_cost import main as edge_cost
+
+    assert edge_cost(["--num-prompts", "6", "--concurrency", "3", "--max-tokens", "8", "--round-ms", "1",
+                      "--tokens-per-round", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    want = sum(s.output_len for s in sample_sharegpt(load_sharegpt(), 6, 0, TokenCounter(None), max_output_len=8,
+                                                      max_input_len=1024))
+    first = out[0].split(", ")
+    assert first[2] == f"{want} tokens" and first[3] == "0 failed", out
+    assert float(first[0].split(": ")[1].split()[0]) > 0

@@ -22,6 +22,8 @@ One file per concern:
   into a template pydantic rendered once, keep-alive comments, a client's leaving cancels
   the stream): the hot path of every streamed token.
 * ``guard.py``: API key (401) and body size (413), before any body is read.
+* ``edge.py``: uvicorn's HTTP protocol (httptools where installed, else h11) with a read
+  deadline per request, strict framing and JSON refusals.
 * ``app.py``: ``build_app`` (routes, error handlers) and ``serve_http`` (uvicorn).
 """
 from .app import DEFAULT_MAX_TOKENS_CAP, build_app, serve_http

@@ -69,7 +69,9 @@ class SSEResponse(Response):
     others; then ``frames.aclose()`` runs the generator's cleanup whether it ended, failed or
     was cut off by the client (an engine request left running frees its rows there), then
     ``background``. An error of the writer (a bug: the generator's own errors are its
-    events) is raised after that, as any app error."""
+    events) is raised after that, as any app error. At server exit a stream runs until its
+    engine requests end (the router's ``on_exit`` ends them first, ``serve_http``) or
+    uvicorn's graceful-shutdown timeout cancels it (the same cleanup runs)."""
 
     media_type = "text/event-stream"
 

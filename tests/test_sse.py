@@ -240,3 +240,29 @@ def test_a_client_gone_mid_stream_frees_its_rows_on_every_stage(make_ckpt):
         loop.call_soon_threadsafe(stop.set)
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_a_stream_cancelled_by_the_server_runs_its_cleanup():
+    """uvicorn's graceful-shutdown timeout cancels the response's task: the generator's
+    cleanup (where an engine request left running is aborted) still runs."""
+    async def run():
+        asgi = _Asgi()
+        sent = asyncio.Event()
+        asgi.on_send = lambda m: m.get("body") and sent.set()
+        done: list[str] = []
+
+        async def frames():
+            try:
+                yield frame(b"1")
+                await asyncio.Event().wait()
+            finally:
+                done.append("frames closed")
+
+        task = asyncio.ensure_future(SSEResponse(frames())({"type": "http"}, asgi.receive, asgi.send))
+        await asyncio.wait_for(sent.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return done
+
+    assert asyncio.run(run()) == ["frames closed"]

@@ -98,7 +98,7 @@ class Engine:
         self.pipeline = pipeline
         self.async_scheduling = async_scheduling
         self.drafter, self.on_round = drafter, on_round
-        self.prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching  # None: on where every stage has a prefix cache
         self._cache_counted = (0, 0)  # prefix-cache token counters the metrics have (queried, hit)
         self.model_name, self.tokenizer = model_name, tokenizer
         self.spec = speculative_algorithm
@@ -183,16 +183,23 @@ class Engine:
     def _prefix_cache(self, infos: list[StageInfo], page_size: int) -> PrefixCache | None:
         """The prefix cache over the stages' snapshot slots (the fewest any stage has). With
         ``enable_prefix_caching`` None (the default): on when every stage has a prefix cache."""
-        if self.prefix_caching is False:
+        if self.enable_prefix_caching is False:
             return None
         none = [i["pp_rank"] for i in infos if not i.get("snapshot_slots")]
-        if none and self.prefix_caching is None:
+        if none and self.enable_prefix_caching is None:
             log.info("prefix caching off: stage %d has no prefix cache (--prefix-cache-gb)", none[0])
             return None
         if none:
             raise ValueError(f"--enable-prefix-caching, but stage {none[0]} has no prefix cache: start every stage "
                              f"with --prefix-cache-gb")
         return PrefixCache(min(i["snapshot_slots"] for i in infos), page_size)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prompts are looked up in a prefix cache: known once :meth:`start` read
+        the stages (``enable_prefix_caching`` None turns it on there where every stage has
+        one, as ``ppspec serve`` starts them)."""
+        return self.scheduler is not None and self.scheduler.cache is not None
 
     async def flush_cache(self) -> int:
         """Evict every cached prefix no micro-batch uses now, on every stage (requests may

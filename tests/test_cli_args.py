@@ -244,9 +244,9 @@ def test_prefix_caching_is_on_by_default_where_every_stage_has_a_cache():
         assert router_parser().parse_args(router_argv(a, [5001])[1:]).enable_prefix_caching is on
     infos = [{"pp_rank": 0, "snapshot_slots": 8}, {"pp_rank": 1, "snapshot_slots": 5}]
     bare = [{"pp_rank": 0, "snapshot_slots": 8}, {"pp_rank": 1, "snapshot_slots": 0}]
-    cache = Engine._prefix_cache(SimpleNamespace(prefix_caching=None), infos, 16)
+    cache = Engine._prefix_cache(SimpleNamespace(enable_prefix_caching=None), infos, 16)
     assert cache.num_slots == 5
-    assert Engine._prefix_cache(SimpleNamespace(prefix_caching=None), bare, 16) is None
-    assert Engine._prefix_cache(SimpleNamespace(prefix_caching=False), infos, 16) is None
+    assert Engine._prefix_cache(SimpleNamespace(enable_prefix_caching=None), bare, 16) is None
+    assert Engine._prefix_cache(SimpleNamespace(enable_prefix_caching=False), infos, 16) is None
     with pytest.raises(ValueError, match="stage 1 has no prefix cache"):
-        Engine._prefix_cache(SimpleNamespace(prefix_caching=True), bare, 16)
+        Engine._prefix_cache(SimpleNamespace(enable_prefix_caching=True), bare, 16)

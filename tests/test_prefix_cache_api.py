@@ -1,5 +1,6 @@
-"""Prefix caching served: stage processes with ``--prefix-cache-gb`` behind a router with
-``--enable-prefix-caching`` (PP2, MTP). Multi-turn conversations give the tokens of PP1
+"""Prefix caching served: stage processes with ``--prefix-cache-gb`` behind a router left at
+its default, which turns caching on because every stage has a cache, as ``ppspec serve``
+starts them (PP2, MTP). Multi-turn conversations give the tokens of PP1
 without speculation or cache, ``usage.prompt_tokens_details.cached_tokens`` says what the
 cache held, ``POST /v1/cache/flush`` (behind the API key) while a request runs changes no
 token, the metrics count queried and hit tokens, and afterwards every stage holds no row,
@@ -25,7 +26,7 @@ def served(make_ckpt, tmp_path_factory):
     path = make_ckpt("qwen3_5_ratio2_7l")
     c = Cluster(path, 2, "mtp", max_rows=8, kv_tokens=4096, log_dir=str(tmp_path_factory.mktemp("logs")),
                 stage_args=["--prefix-cache-gb", "0.01"],
-                router_args=["--enable-prefix-caching", "--api-key", KEY, "--chunk-size", "16"]).start()
+                router_args=["--api-key", KEY, "--chunk-size", "16"]).start()
     yield path, c
     c.stop()
 

@@ -324,7 +324,8 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages)
         or a list of conversations, each rendered by the checkpoint's chat template
         (``tokenizer.apply_chat_template`` with ``add_generation_prompt``; more of its
-        arguments in ``chat_template_kwargs``). Returns completions as :meth:`generate`."""
+        arguments in ``chat_template_kwargs``). Returns completions as :meth:`generate`, each
+        with its ``text`` (the reply decoded without special tokens)."""
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, (list, tuple)) or not all(
@@ -336,7 +337,11 @@ class LLM:
         for conv in messages:
             out = self.tokenizer.apply_chat_template(list(conv), **kwargs)
             ids.append([int(t) for t in (out["input_ids"] if isinstance(out, dict) else out)])
-        return self.generate(ids, params, n=n)
+        out = self.generate(ids, params, n=n)
+        for c in out:  # prompts of ids: generate decodes only where stop strings need the text
+            if c.text is None:
+                c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return out
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
                  n: int = 1) -> list[Completion]:

@@ -25,6 +25,8 @@ def test_chat_renders_the_template_and_answers_as_generate(llm):
     ref = llm.generate([llm.tokenizer.encode(t) for t in texts], GREEDY)
     assert [c.prompt_ids for c in out] == [c.prompt_ids for c in ref]
     assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    assert [c.text for c in out] == [llm.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in ref]
+    assert all(c.text for c in out)  # ignore_eos, 8 tokens: some text
     one = llm.chat(convs[0], GREEDY)  # a single conversation
     assert len(one) == 1 and one[0].token_ids == out[0].token_ids
     with pytest.raises(TypeError, match="messages must be"):

@@ -23,8 +23,9 @@ from ppspec.proto.stubs import STAGE_SERVICE
 METADATA_KEY = "ppspec-pipeline-key-bin"  # "-bin": the value is bytes, any key file works
 # the stage methods that change something whatever their request says ("Info" only when it
 # claims or leaves: checked on the parsed request)
-MUTATING = frozenset(f"/{STAGE_SERVICE}/{m}" for m in ("Forward", "Verify", "CommitAccept", "Release",
+MUTATING = frozenset(f"/{STAGE_SERVICE}/{m}" for m in ("Forward", "Verify", "Steps", "CommitAccept", "Release",
                                                        "AttachDataPlane"))
+STEPS = f"/{STAGE_SERVICE}/Steps"  # the one streaming method (proto/stream.py)
 INFO = f"/{STAGE_SERVICE}/Info"
 
 
@@ -87,6 +88,8 @@ class KeyCheck(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
             # no request deserializer: the bytes are never parsed
+            if method == STEPS:
+                return grpc.stream_stream_rpc_method_handler(refuse)
             return grpc.unary_unary_rpc_method_handler(refuse)
         handler = await continuation(details)
         if method != INFO or handler is None or sent:
@@ -113,5 +116,11 @@ class SendKey(grpc.aio.UnaryUnaryClientInterceptor):
 
 
 def client_interceptors(key: bytes | None) -> list:
-    """The interceptors of a channel to the stages: the key's, when there is one."""
+    """The interceptors of a channel to the stages: the key's, when there is one (unary
+    calls; a Steps stream sends :func:`key_metadata` when it opens)."""
     return [SendKey(key)] if key else []
+
+
+def key_metadata(key: bytes | None) -> tuple:
+    """The metadata that carries ``key`` (none without one)."""
+    return ((METADATA_KEY, key),) if key else ()

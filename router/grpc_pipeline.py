@@ -12,11 +12,12 @@ import uuid
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ppspec.auth import client_interceptors
+from ppspec.auth import client_interceptors, key_metadata
 from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, commit_to_pb, info_from_pb, release_to_pb, result_from_pb, step_to_pb,
 )
-from ppspec.proto.messages import VERIFY, Commit, Release, StageInfo, StepInput, StepOutput
+from ppspec.proto.messages import Commit, Release, StageInfo, StepInput, StepOutput
+from ppspec.proto.stream import StepStream
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from .pipeline import Pipeline
@@ -53,6 +54,7 @@ class GrpcPipeline(Pipeline):
                                                    interceptors=client_interceptors(key)) for a in self.addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self.health_stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
+        self.steps = StepStream(self.stubs[0], key_metadata(key))  # every step goes to stage 0 on it
         self.down: dict[int, str] = {}
         self._monitor: asyncio.Task | None = None
         # this router, as the stages' Info sees it (they tell a new router whether another
@@ -155,11 +157,10 @@ class GrpcPipeline(Pipeline):
         return out
 
     async def step(self, inp: StepInput) -> StepOutput:
-        call = self.stubs[0].Verify if inp.mode == VERIFY else self.stubs[0].Forward
         try:
             req = step_to_pb(inp)
             req.router_id = self.router_id  # stages refuse the steps of a router that lost them
-            res = await call(req, timeout=self.step_timeout)
+            res = await self.steps.step(req, self.step_timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise ValueError(e.details()) from None
@@ -347,6 +348,7 @@ class GrpcPipeline(Pipeline):
     async def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
+        self.steps.close()
         for c in self.channels:
             await c.close()
 

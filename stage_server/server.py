@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
-from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, read_key_file
+from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
 from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, info_to_pb, release_from_pb, result_from_pb, result_to_pb,
     step_from_pb, step_to_pb,
@@ -43,6 +43,7 @@ from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import (
     PREFILL, VERIFY, emitted_last, follow_ids, stopped_in_followed, with_left_out,
 )
+from ppspec.proto.stream import StepStream, serve_steps
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from . import dataplane
@@ -116,18 +117,20 @@ class StageServicer(pb_grpc.StageServicer):
         self.link = dataplane.BytesLink()
         self.transport_detail = ""
         self.receiver = dataplane.Receiver(str(runner.device))
-        self._next = None
+        self.hold = None  # test aid: awaited before each step of a Steps stream (DelayInterceptor.hold)
+        self._next = self._relay = None
         if next_stage:
             self._channel = grpc.aio.insecure_channel(next_stage, options=GRPC_OPTIONS + RECONNECT_OPTIONS,
                                                       interceptors=client_interceptors(key))
             self._next = pb_grpc.StageStub(self._channel)
+            self._relay = StepStream(self._next, key_metadata(key))  # steps to the next stage
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     @staticmethod
     def _code(e: BaseException) -> grpc.StatusCode:
-        if isinstance(e, RowStateError):
+        if isinstance(e, (RowStateError, dataplane.NotAttachedError)):
             return grpc.StatusCode.FAILED_PRECONDITION
         if isinstance(e, (ValueError, IndexError)):
             return grpc.StatusCode.INVALID_ARGUMENT
@@ -243,13 +246,10 @@ class StageServicer(pb_grpc.StageServicer):
         await self._check_router(request.router_id, context, what)
         try:
             inp = step_from_pb(request)
-            if request.HasField("hidden_ref"):  # on the data plane: checked against this step
-                inp.hidden_states = await self._compute(self.receiver.read, request.hidden_ref,
-                                                        request.micro_batch_id, request.round)
-        except dataplane.NotAttachedError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {rank}: {e}")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}")
+        # on the data plane: read on the compute thread with the step, no hand-off of its own
+        ref = request.hidden_ref if request.HasField("hidden_ref") else None
         if (inp.mode == VERIFY) != verify:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -270,7 +270,7 @@ class StageServicer(pb_grpc.StageServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         link = self.link  # the link this step's tensor goes on (a re-attach may replace it meanwhile)
         try:
-            out, sent = await self._compute(self._run, inp, link)
+            out, sent = await self._compute(self._run, inp, link, ref)
         except Exception as e:
             await self._unmark(inp.verify_rows, verify)
             await self._fail(context, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
@@ -278,10 +278,9 @@ class StageServicer(pb_grpc.StageServicer):
             out.stage_seconds = [out.compute_seconds]
             return result_to_pb(out)
         sent.fill(request)
-        call = self._next.Verify if verify else self._next.Forward
         answered = False  # by the next stage: then it is done with the data-plane slot
         try:
-            res = await call(request, timeout=self.relay_timeout)
+            res = await self._relay.step(request, self.relay_timeout)
             answered = True
         except grpc.aio.AioRpcError as e:
             code = e.code()
@@ -300,9 +299,12 @@ class StageServicer(pb_grpc.StageServicer):
         res.stage_seconds[:] = [out.compute_seconds] + list(res.stage_seconds)
         return res
 
-    def _run(self, inp, link) -> tuple:
-        """On the compute thread: the step, then (not on the last stage) its hidden states
-        into ``link`` (ordered after the kernels that wrote them)."""
+    def _run(self, inp, link, ref=None) -> tuple:
+        """On the compute thread: the hidden states ``ref`` names on the data plane (checked
+        against the step: a mismatch refuses it, nothing changed), the step, then (not on the
+        last stage) its hidden states into ``link`` (ordered after the kernels that wrote them)."""
+        if ref is not None:
+            inp.hidden_states = self.receiver.read(ref, inp.micro_batch_id, inp.round)
         out = self.runner.step(inp)
         if self._next is None:
             return out, None
@@ -387,6 +389,10 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def Verify(self, request, context):
         return await self._step(request, context, verify=True)
+
+    async def Steps(self, requests, context):
+        # Forward and Verify on one long-lived call (proto/stream.py), told apart by mode
+        await serve_steps(requests, context, lambda r, c: self._step(r, c, verify=r.mode == VERIFY), self.hold)
 
     async def CommitAccept(self, request: pb.CommitRequest, context):
         c = commit_from_pb(request)
@@ -500,8 +506,12 @@ class DelayInterceptor(grpc.aio.ServerInterceptor):
         self.max_s = max_ms / 1000.0
         self.rng = random.Random(seed)
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def hold(self) -> None:
+        """The delay of one call, or of one step on a Steps stream (a call of many steps)."""
         await asyncio.sleep(self.rng.random() * self.max_s)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        await self.hold()
         return await continuation(handler_call_details)
 
 
@@ -536,12 +546,14 @@ async def serve_stage(args) -> int:
         log.warning("stage %d: no --pipeline-key-file: any process that reaches %s:%d can change this stage",
                     args.pp_rank, args.host, args.port)
     delay = float(os.environ.get("PPSPEC_INJECT_DELAY_MS", "0") or 0)
-    if delay > 0:
-        interceptors.append(DelayInterceptor(delay, seed=args.pp_rank))
+    delayer = DelayInterceptor(delay, seed=args.pp_rank) if delay > 0 else None
+    if delayer is not None:
+        interceptors.append(delayer)
     # no SO_REUSEPORT (gRPC's default on Linux): a second stage on a served port must fail,
     # not share the port and take over the first one's traffic unnoticed
     server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)], interceptors=interceptors)
     servicer = StageServicer(runner, None if last else args.next_stage, data_plane=args.data_plane, key=key)
+    servicer.hold = delayer and delayer.hold
     swept = dataplane.sweep_dead_segments()
     if swept:
         log.info("stage %d: removed %d shared-memory segments of dead processes", args.pp_rank, len(swept))
@@ -626,6 +638,8 @@ async def serve_stage(args) -> int:
     await server.stop(grace=2)
     servicer.executor.shutdown(wait=False, cancel_futures=True)
     servicer.link.close()
+    if servicer._relay is not None:
+        servicer._relay.close()
     if wiring_error:
         print(f"ppspec stage {args.pp_rank}: {wiring_error[0]}", file=sys.stderr)
         return 2

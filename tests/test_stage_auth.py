@@ -1,5 +1,5 @@
 """The pipeline key (``ppspec.auth``): a stage started with ``--pipeline-key-file`` refuses
-every call that would change it (Forward, Verify, CommitAccept, Release, AttachDataPlane,
+every call that would change it (Forward, Verify, a Steps stream, CommitAccept, Release, AttachDataPlane,
 an Info that claims or leaves) without the key or with a wrong one (UNAUTHENTICATED), and with the key a
 call that names no router (PERMISSION_DENIED); each refusal changes nothing (rows, KV
 pages, pending commits, owner), and the request that held the rows finishes with the
@@ -39,6 +39,30 @@ def call(fn, req, key=KEY):
         return "OK", fn(req, timeout=TIMEOUT, metadata=md)
     except grpc.RpcError as e:
         return e.code(), e.details()
+
+
+class StepRefused(grpc.RpcError):
+    """A step the Steps stream answered with a refusal, read as the unary call's error."""
+
+    def __init__(self, res):
+        self._code = next(c for c in grpc.StatusCode if c.value[0] == res.error_code)
+        self._details = res.error
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def steps(stub):
+    """One step on a Steps stream of ``stub``, called as a unary method."""
+    def fn(req, timeout, metadata):
+        (res,) = stub.Steps(iter([req]), timeout=timeout, metadata=metadata)
+        if res.error_code:
+            raise StepRefused(res)
+        return res
+    return fn
 
 
 class KeyedStages:
@@ -154,7 +178,7 @@ def test_calls_without_the_key_change_nothing(make_ckpt, tmp_path):
         cases = []  # (stub, method, request, the key's router ids this refusal holds for)
         for s in (st.s0, st.s1):
             for rid in ("owner", ""):
-                for name, m in (("Forward", decode2), ("Verify", verify1)):
+                for name, m in (("Forward", decode2), ("Verify", verify1), ("Steps", decode2), ("Steps", verify1)):
                     req = type(m)()
                     req.CopyFrom(m)
                     req.router_id = rid
@@ -168,13 +192,14 @@ def test_calls_without_the_key_change_nothing(make_ckpt, tmp_path):
             cases.append((s, "Info", pb.InfoRequest(router_id="intruder", claim=True), "intruder"))
             cases.append((s, "Info", pb.InfoRequest(router_id="owner", leaving=True), "owner"))
         for s, name, req, rid in cases:
+            fn = steps(s) if name == "Steps" else getattr(s, name)
             for key in (None, WRONG):
-                code, msg = call(getattr(s, name), req, key)
+                code, msg = call(fn, req, key)
                 assert code == UNAUTH, (name, rid, key, code, msg)
                 assert "pipeline key" in msg and "refused" in msg, msg
                 assert st.state() == held, (name, rid, key)
             if rid == "" and name not in ("Info", "AttachDataPlane"):  # with the key, a call must name its router
-                code, msg = call(getattr(s, name), req)
+                code, msg = call(fn, req)
                 assert code == DENIED and "names no router" in msg, (name, code, msg)
                 assert st.state() == held, (name, "empty router id")
         # read-only Info stays open, the wrong key aside

@@ -36,7 +36,7 @@ from .metrics import RouterMetrics
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler, Update, default_token_budget, kv_budget
-from .types import EngineError, RequestOutput, SamplingParams, StageDownError, StepRefusedError
+from .types import EngineError, InvalidRequestError, RequestOutput, SamplingParams, StageDownError, StepRefusedError
 
 log = logging.getLogger("ppspec.router")
 
@@ -121,6 +121,7 @@ class Engine:
         self._stopping = False  # _stop_lanes: the lane loops end
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._compiling: set[asyncio.Task] = set()  # grammars compiling on the last stage (submit)
         # (batch, result, update, seconds in flight) of each processed micro-batch, for the
         # output task; None wakes it to end
         self._outbox: asyncio.Queue = asyncio.Queue()
@@ -230,12 +231,38 @@ class Engine:
         go to ``stream`` (anything with ``put_nowait``; default a new ``asyncio.Queue``),
         which is returned. Raises before allocating anything."""
         q = asyncio.Queue() if stream is None else stream
-        self.scheduler.add(request_id, prompt_token_ids, params)
+        # a structured output's request waits for its grammar's compile on the last stage,
+        # so that no step waits for one (stage_server/grammar.py)
+        self.scheduler.add(request_id, prompt_token_ids, params, ready=params.grammar is None)
         self.queues[request_id] = q
         if self.metrics:
             self.metrics.on_request_arrived(request_id)
+        if params.grammar is not None:
+            # not a background task: settle() (LLM.step) does not wait for a compile
+            t = self._loop.create_task(self._prepare_grammar(request_id, params.grammar))  # LLM: from outside it
+            self._compiling.add(t)
+            t.add_done_callback(self._compiling.discard)
         self._wake.set()
         return q
+
+    async def _prepare_grammar(self, request_id: str, grammar: str) -> None:
+        """Compile the request's grammar on the last stage, then let the scheduler admit it;
+        one that does not compile ends the request with InvalidRequestError (HTTP 400:
+        no row was taken)."""
+        try:
+            await self.pipeline.prepare_grammar(grammar)
+        except ValueError as e:
+            error: EngineError = InvalidRequestError(f"structured output: {e}", param="grammar")
+        except EngineError as e:
+            error = e
+        else:
+            self.scheduler.ready(request_id)
+            self._wake.set()
+            return
+        req = self.scheduler.preparing.get(request_id)  # not yet ended by an abort or a failure
+        if req is not None:
+            self.scheduler.abort(request_id)  # no row: nothing to release
+            self._end_dropped([req], lambda rid: error)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if self.failure is not None or not self.pipeline.health()[0]:
@@ -710,5 +737,7 @@ class Engine:
                 self.metrics.set_pool_usage(k, "state", i["rows_in_use"] / max(1, i["max_rows"]))
 
     async def close(self) -> None:
+        for t in list(self._compiling):
+            t.cancel()
         await self._stop_lanes()
         await self.pipeline.close()

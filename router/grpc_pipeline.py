@@ -171,6 +171,17 @@ class GrpcPipeline(Pipeline):
             raise self._error(stage, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}") from None
         return result_from_pb(res)
 
+    async def prepare_grammar(self, grammar: str) -> None:
+        """``PrepareGrammar`` on the last stage; ValueError (its reason) when it does not compile."""
+        stage = len(self.stubs) - 1
+        try:
+            await self.stubs[stage].PrepareGrammar(pb.GrammarRequest(grammar=grammar, router_id=self.router_id),
+                                                   timeout=self.step_timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            raise self._error(stage, e, "prepare grammar") from None
+
     async def commit_accept(self, c: Commit) -> list[float]:
         """CommitAccept to every stage, the last included; returns each stage's seconds."""
         req = commit_to_pb(c, self.router_id)

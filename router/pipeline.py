@@ -51,6 +51,10 @@ class Pipeline(abc.ABC):
         """Free ``r``'s rows on every stage once their pending commits are applied; with
         ``abandon`` (no commit will come: the round failed) without waiting for them."""
 
+    async def prepare_grammar(self, grammar: str) -> None:
+        """Compile a structured output's grammar (xgrammar EBNF) on the last stage before
+        the request's first step; raises ValueError (the reason) when it does not compile."""
+
     @abc.abstractmethod
     def health(self) -> tuple[bool, str]:
         """(serving, detail)."""
@@ -173,6 +177,10 @@ class InProcessPipeline(Pipeline):
 
     async def info(self) -> list[StageInfo]:
         return await self._run(self.info_sync)
+
+    async def prepare_grammar(self, grammar: str) -> None:
+        # on the last stage's grammar thread, beside the steps
+        await asyncio.wrap_future(self.runners[-1].prepare_grammar(grammar))
 
     @property
     def _committed(self) -> asyncio.Condition:

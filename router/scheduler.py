@@ -300,6 +300,7 @@ class Scheduler:
         self._short: set[str] = set()  # running requests that sat out a round for want of KV
         self.num_preemptions = 0
         self.waiting: deque[Request] = deque()
+        self.preparing: dict[str, Request] = {}  # added, waiting for their grammar's compile
         self.lanes: list[list[Request]] = [[] for _ in range(num_lanes)]
         self.requests: dict[str, Request] = {}
         self.rounds = [0] * num_lanes
@@ -311,9 +312,10 @@ class Scheduler:
         self._held: dict[int, Request] = {}  # row -> its ended request, until its last micro-batch in flight returns
 
     # ------------------------------------------------------------------ admission
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request. Raises InvalidRequestError / ContextLengthError (nothing
-        allocated) or QueueFullError."""
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, ready: bool = True) -> Request:
+        """Queue a request; not ``ready`` (its grammar compiling), it waits apart, passed by
+        the others, until :meth:`ready`. Raises InvalidRequestError / ContextLengthError
+        (nothing allocated) or QueueFullError."""
         from .types import QueueFullError
 
         params.validate()
@@ -323,7 +325,7 @@ class Scheduler:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_context)
-        if len(self.waiting) >= self.max_waiting:
+        if self.num_waiting >= self.max_waiting:
             raise QueueFullError(f"the queue is full ({self.max_waiting} waiting requests)")
         need = len(prompt_ids) + params.max_tokens + self.D + self.num_steps
         need = -(-need // self.page_size) * self.page_size
@@ -336,8 +338,17 @@ class Scheduler:
         # the same bits, two's complement
         req.seed = params.seed % (1 << 64) if params.seed is not None else random.getrandbits(62)
         self.requests[request_id] = req
-        self.waiting.append(req)
+        if ready:
+            self.waiting.append(req)
+        else:
+            self.preparing[request_id] = req
         return req
+
+    def ready(self, request_id: str) -> None:
+        """A request added not ready may be admitted now (no-op once it ended)."""
+        req = self.preparing.pop(request_id, None)
+        if req is not None:
+            self.waiting.append(req)
 
     def _kv_need(self, r: Request, extend: int) -> int:
         """KV tokens, in whole pages, that ``r`` must hold on every stage for a micro-batch
@@ -811,7 +822,8 @@ class Scheduler:
         r.aborted, r.abort_reason = True, reason
         if r.status == WAITING:
             self.requests.pop(request_id, None)
-            self.waiting.remove(r)  # not left to count as waiting (the gauge, the queue bound)
+            if self.preparing.pop(request_id, None) is None:
+                self.waiting.remove(r)  # not left to count as waiting (the gauge, the queue bound)
             r.status, r.finish_reason = FINISHED, reason
             return []
         if not r.in_flight:
@@ -852,6 +864,7 @@ class Scheduler:
                 rows.append(self._finish(r, "abort"))
             r.status = FINISHED
         self.waiting.clear()
+        self.preparing.clear()
         self.requests.clear()
         self._short.clear()
         if self.cache:  # the recovery drops every slot on every stage (clear_cache)
@@ -866,11 +879,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.preparing)
 
     def has_work(self, lane: int | None = None) -> bool:
         lanes = range(self.num_lanes) if lane is None else [lane]
-        return bool(self.waiting) or any(self.lanes[i] for i in lanes)
+        return bool(self.waiting) or bool(self.preparing) or any(self.lanes[i] for i in lanes)
 
 
 class _SlotDrops:

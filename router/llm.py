@@ -472,18 +472,20 @@ class LLM:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="ppspec generate", description="generate in one process (no gRPC)")
-    ap.add_argument("prompt", nargs="+")
-    ap.add_argument("--model", default=DEMO_MODEL)
-    ap.add_argument("--pp-size", type=positive_int, default=1)
-    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
-    ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
-    ap.add_argument("--max-tokens", type=positive_int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("prompt", nargs="+", help="prompts (raw text, no chat template), generated together")
+    ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the demo model)")
+    ap.add_argument("--pp-size", type=positive_int, default=1, help="pipeline stages (default: 1)")
+    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"],
+                    help="draft source (default: none)")
+    ap.add_argument("--speculative-num-steps", type=positive_int, default=3, help="drafts per round (default: 3)")
+    ap.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per prompt at most (default: 64)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit (default: replay on CUDA, copy on CPU)")
     ap.add_argument("--device", type=device_list, default="cpu", help="cpu, cuda, or a comma-separated device per stage")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="weights and activations (default: float32)")
     add_cuda_graph_args(ap)
     a = ap.parse_args(argv)
     # warnings on stderr, and the kernels' start-up notes (a FlashInfer build takes minutes)

@@ -701,10 +701,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="ppspec stage", description="run one pipeline stage (gRPC)")
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the demo model)")
-    ap.add_argument("--pp-rank", type=nonneg_int, default=0)
-    ap.add_argument("--pp-size", type=positive_int, default=1)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=port, default=50051)
+    ap.add_argument("--pp-rank", type=nonneg_int, default=0, help="this stage's PP rank, 0 to pp_size - 1 (default: 0)")
+    ap.add_argument("--pp-size", type=positive_int, default=1, help="pipeline stages in all (default: 1)")
+    ap.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
+    ap.add_argument("--port", type=port, default=50051, help="gRPC port (default: 50051)")
     ap.add_argument("--next-stage", type=address, default=None,
                     help="host:port of stage pp_rank + 1 (every stage but the last)")
     ap.add_argument("--max-rows", "--max-num-seqs", type=positive_int, default=64,
@@ -712,11 +712,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache budget in tokens")
     ap.add_argument("--max-context", "--max-model-len", type=positive_int, default=None,
                     help="context limit in tokens (default: the checkpoint's)")
-    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"])
-    ap.add_argument("--speculative-num-steps", type=positive_int, default=3)
+    ap.add_argument("--speculative-algorithm", default="none", choices=["none", "ngram", "mtp"],
+                    help="draft source: ngram, or mtp (the last stage runs the checkpoint's MTP head) "
+                         "(default: none)")
+    ap.add_argument("--speculative-num-steps", type=positive_int, default=3,
+                    help="drafts per round, a verify checks K + 1 tokens (default: 3)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES,
                     help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--device", type=device, default="cpu")
+    ap.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     ap.add_argument("--memory-budget-gb", type=positive_finite_float, default=None,
                     help="GiB this stage may use for weights, pools and CUDA graphs (stages sharing a GPU)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],

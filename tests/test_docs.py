@@ -2,7 +2,8 @@
 docs/PERFORMANCE.md show parses with the real argument parser of its subcommand or script, every ``make``
 target they name exists, every relative link in the repository's Markdown resolves
 (anchors included), the README's ``ppspec serve`` options table names real options with
-their real defaults, and every code comment citing a section of docs/DESIGN.md or
+their real defaults, every option of every ``ppspec`` subcommand has a help text, and every
+code comment citing a section of docs/DESIGN.md or
 docs/PERFORMANCE.md names a section that exists.
 
 Parsers are read in-process: the subcommand's ``main`` is called with
@@ -279,6 +280,14 @@ def test_every_shown_command_parses(doc):
             check_command(words, ROOT, where)  # the module exists and the flags shown parse
             checked += 1
     assert checked, f"{doc} shows no command"
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_subcommand_option_has_help(name):
+    """``ppspec NAME --help`` says what each option and argument it lists is for."""
+    parser = subcommand_parser(name, f"ppspec {name}")
+    bare = [a.option_strings or [a.dest] for a in parser._actions if not a.help]
+    assert not bare, f"`ppspec {name} --help` explains nothing for {bare}"
 
 
 def _number(s: str) -> float | None:

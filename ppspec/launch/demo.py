@@ -35,12 +35,13 @@ def accept_stats(url: str) -> tuple[float | None, list[float]]:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="ppspec demo", description=__doc__)
-    ap.add_argument("--model", default=DEMO_MODEL)
-    ap.add_argument("--pp-size", type=positive_int, default=2)
-    ap.add_argument("--speculative-algorithm", default="mtp", choices=["none", "ngram", "mtp"])
-    ap.add_argument("--port", type=port, default=8000)
-    ap.add_argument("--num-prompts", type=positive_int, default=4)
-    ap.add_argument("--max-tokens", type=positive_int, default=96)
+    ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the demo model)")
+    ap.add_argument("--pp-size", type=positive_int, default=2, help="pipeline stages (default: 2)")
+    ap.add_argument("--speculative-algorithm", default="mtp", choices=["none", "ngram", "mtp"],
+                    help="draft source (default: mtp)")
+    ap.add_argument("--port", type=port, default=8000, help="port of the HTTP API (default: 8000)")
+    ap.add_argument("--num-prompts", type=positive_int, default=4, help="ShareGPT prompts to send (default: 4)")
+    ap.add_argument("--max-tokens", type=positive_int, default=96, help="max_tokens of each (default: 96)")
     ap.add_argument("--no-keep-serving", action="store_true", help="exit after the demo prompts")
     a = ap.parse_args(argv)
     url = f"http://127.0.0.1:{a.port}"

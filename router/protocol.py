@@ -171,8 +171,10 @@ class ResponseFormat(_Request):
 
     @model_validator(mode="after")
     def _check_format(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given with type json_schema, and only then")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type json_schema needs its schema: "json_schema": {"name": ..., "schema": {...}}')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema goes with type json_schema, not {self.type}")
         return self
 
 

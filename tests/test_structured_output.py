@@ -224,6 +224,13 @@ def test_bad_constraints_are_named(kw, param, words):
     assert "/project/" not in e.value.message  # xgrammar's source location is not the client's business
 
 
+def test_response_format_refusals_say_what_is_wrong():
+    with pytest.raises(ValueError, match="type json_schema needs its schema"):
+        CompletionRequest(prompt="x", response_format={"type": "json_schema"})
+    with pytest.raises(ValueError, match="json_schema goes with type json_schema, not json_object"):
+        CompletionRequest(prompt="x", response_format={"type": "json_object", "json_schema": {"name": "x", "schema": {}}})
+
+
 def test_tool_choice_needs_a_tool_call_parser_and_a_known_function():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required")

@@ -318,7 +318,7 @@ class StageInfo(TypedDict, total=False):
     memory_bytes: dict[str, int]
     busy_seconds: float         # compute seconds since start
     commit_design: str          # "copy" or "replay"
-    prefill_attention: str      # "flashinfer" or "triton"
+    prefill_attention: str      # "flashinfer" or "triton" (CUDA), "torch" (CPU)
     warmup_seconds: float       # the warm-up at start
     device_type: str            # "cuda" or "cpu" (the router's default token budget)
     # the stage server's

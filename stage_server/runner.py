@@ -331,8 +331,11 @@ class StageRunner:
 
     @property
     def prefill_attention(self) -> str:
-        """The kernel of eager prefill chunks' attention: ``"flashinfer"`` or ``"triton"``."""
-        return "flashinfer" if self.flashinfer_prefill else "triton"
+        """The kernel of eager prefill chunks' attention: ``"flashinfer"``, else ``"triton"`` on
+        CUDA and ``"torch"`` (the plain-torch reference, kernels/attention/naive.py) on the CPU."""
+        if self.flashinfer_prefill:
+            return "flashinfer"
+        return "triton" if self.device.type == "cuda" else "torch"
 
     # ------------------------------------------------------------------ info
     def memory_report(self) -> dict[str, int]:

@@ -891,6 +891,12 @@ def test_unparseable_bodies_get_400(server, client, raw, ctype):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_cache_flush_without_a_prefix_cache_says_what_turns_it_on(server):
+    r = httpx.post(f"{server}/v1/cache/flush")  # the fake engine has no prefix cache
+    assert r.status_code == 400
+    assert "every stage started with --prefix-cache-gb" in r.json()["error"]["message"]
+
+
 def test_large_body_gets_413(server):
     r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}',
                    headers={"content-type": "application/json"}, timeout=30)

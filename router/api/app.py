@@ -122,7 +122,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         """Evict every cached prefix no running request uses, on every stage (behind the API
         key, as all of ``/v1``; safe while requests run)."""
         if not getattr(engine, "prefix_caching", False):
-            raise InvalidRequestError("prefix caching is off (start with --enable-prefix-caching)")
+            raise InvalidRequestError("prefix caching is off: it needs every stage started with --prefix-cache-gb "
+                                      "(ppspec serve does that unless --no-enable-prefix-caching)")
         return JSONResponse({"flushed_snapshots": await engine.flush_cache()})
 
     @app.get("/version")

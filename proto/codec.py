@@ -82,6 +82,8 @@ def step_to_pb(s: StepInput) -> "pb.StepRequest":
                 logit_bias_values=x.logit_bias_values, grammar=x.grammar,
                 grammar_accepted_ids=x.grammar_accepted_ids,
                 **({} if x.prompt_logprobs is None else {"prompt_logprobs": x.prompt_logprobs}),
+                allowed_token_ids=x.allowed_token_ids, bad_word_ids=x.bad_word_ids, bad_word_lens=x.bad_word_lens,
+                recent_output_ids=x.recent_output_ids,
             )
             for x in s.sampling
         ],
@@ -110,6 +112,7 @@ def step_from_pb(m: "pb.StepRequest") -> StepInput:
                 list(x.output_token_ids), list(x.output_token_counts), list(x.prompt_token_ids),
                 list(x.logit_bias_ids), list(x.logit_bias_values), x.grammar, list(x.grammar_accepted_ids),
                 x.prompt_logprobs if x.HasField("prompt_logprobs") else None,
+                list(x.allowed_token_ids), list(x.bad_word_ids), list(x.bad_word_lens), list(x.recent_output_ids),
             )
             for x in m.sampling
         ],

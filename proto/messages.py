@@ -69,6 +69,21 @@ class SamplingSpec:
     # prefill chunks: log-probabilities of the prompt tokens the chunk's positions predict,
     # with this many alternatives (None: none)
     prompt_logprobs: int | None = None
+    # vLLM's allowed_token_ids and bad_words (token sequences, concatenated, with their
+    # lengths), and the last outputs before the step that the longest bad word can need
+    allowed_token_ids: list[int] = field(default_factory=list)
+    bad_word_ids: list[int] = field(default_factory=list)
+    bad_word_lens: list[int] = field(default_factory=list)
+    recent_output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def bad_words(self) -> list[list[int]]:
+        """The bad words as token sequences."""
+        out, at = [], 0
+        for n in self.bad_word_lens:
+            out.append(self.bad_word_ids[at:at + n])
+            at += n
+        return out
 
     @property
     def penalized(self) -> bool:

@@ -36,7 +36,9 @@ from .metrics import RouterMetrics
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler, Update, default_token_budget, kv_budget
-from .types import EngineError, InvalidRequestError, RequestOutput, SamplingParams, StageDownError, StepRefusedError
+from .types import (
+    EngineError, InvalidRequestError, RequestOutput, SamplingParams, StageDownError, StepRefusedError, bad_words_token_ids,
+)
 
 log = logging.getLogger("ppspec.router")
 
@@ -94,8 +96,10 @@ class Engine:
                  chunk_size: int | None = None,
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
                  metrics: RouterMetrics | None = None, enable_prefix_caching: bool | None = None,
-                 async_scheduling: bool = True, drafter=None, on_round: Callable[[], None] | None = None):
+                 async_scheduling: bool = True, drafter=None, on_round: Callable[[], None] | None = None,
+                 max_logprobs: int = 20):
         self.pipeline = pipeline
+        self.max_logprobs = max_logprobs
         self.async_scheduling = async_scheduling
         self.drafter, self.on_round = drafter, on_round
         self.enable_prefix_caching = enable_prefix_caching  # None: on where every stage has a prefix cache
@@ -157,7 +161,7 @@ class Engine:
             chunk_size=self.chunk_size, speculative_algorithm=spec, num_steps=steps,
             eos_token_ids=last["eos_token_ids"], max_waiting=self.max_waiting,
             prefix_cache=self._prefix_cache(infos, page_size), async_scheduling=self.async_scheduling,
-            drafter=self.drafter,
+            drafter=self.drafter, max_logprobs=self.max_logprobs, vocab_size=last["vocab_size"],
         )
         self.eos = last["eos_token_ids"]
         infos = await self.pipeline.check_start(infos)  # gRPC: one router per pipeline, the relay chain
@@ -231,6 +235,9 @@ class Engine:
         go to ``stream`` (anything with ``put_nowait``; default a new ``asyncio.Queue``),
         which is returned. Raises before allocating anything."""
         q = asyncio.Queue() if stream is None else stream
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.validate(self.scheduler.max_logprobs, self.scheduler.vocab_size)  # the words' types first
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         # a structured output's request waits for its grammar's compile on the last stage,
         # so that no step waits for one (stage_server/grammar.py)
         self.scheduler.add(request_id, prompt_token_ids, params, ready=params.grammar is None)

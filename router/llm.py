@@ -29,7 +29,7 @@ from .detokenize import TextStream
 from .engine import Engine
 from .pipeline import InProcessPipeline
 from .scheduler import Scheduler
-from .types import RequestOutput, SamplingParams, StageDownError
+from .types import RequestOutput, SamplingParams, StageDownError, bad_words_token_ids
 
 __all__ = ["DEMO_MODEL", "LLM", "Completion"]
 
@@ -216,8 +216,11 @@ class LLM:
         are not ints in ``[0, vocab_size)`` and for parameters the scheduler refuses."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()  # before its lists are read below
+        params.validate(self.scheduler.max_logprobs, self.vocab_size)  # before its lists are read below
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
+                          ("bad_words", [t for w in params.bad_words_token_ids or () for t in w]),
                           ("logit_bias", list(params.logit_bias or {}))):
             # any integer type (numpy's and torch's included), never a bool or a float
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)

@@ -42,7 +42,7 @@ MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # length of one stop string, in characters
-MAX_LOGPROBS = 20  # top alternatives per token (SamplingParams.validate allows 0..20)
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs (the server's cap: SamplingParams.validate)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -236,12 +236,17 @@ class _GenerationRequest(_Request):
     """vLLM's extension: > 1 discourages tokens of the prompt and the output (1 = off)."""
     logit_bias: Optional[dict[str, float]] = None
     """Token id (as a string, as OpenAI) -> bias in [-100, 100], added to its logit."""
+    allowed_token_ids: Optional[list[int]] = Field(None, max_length=1 << 20)
+    """vLLM's: every other token is masked."""
+    bad_words: Optional[list[str]] = Field(None, max_length=1024)
+    """vLLM's: words that may not be generated (a word's last token is masked where its
+    other tokens end the output)."""
     include_stop_str_in_output: bool = False
     """vLLM's: keep the stop string that ended a choice at the end of its text."""
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
     """vLLM's: run only the last k tokens of each prompt (the rendered chat's included);
     -1: the last ``max_model_len``; at most ``max_model_len``."""
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Optional[int] = Field(None, ge=-1)
     """vLLM's: the log-probability, rank and this many top alternatives of every prompt
     token (the first's null), in ``choices[i].prompt_logprobs`` (completions) or the
     response's ``prompt_logprobs`` (chat); not with ``stream``."""
@@ -329,7 +334,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     """Prepend the prompt text to each choice's text; with ``logprobs``, the prompt tokens'
     log-probabilities come first too (the first token's null: nothing predicts it)."""
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(None, ge=0)
     """Return the log-probability of each generated token and this many top alternatives."""
     suffix: Optional[str] = None
     """Not supported: only null or an empty string."""
@@ -458,7 +463,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     """Return per-token log-probabilities in ``choices[i].logprobs.content``."""
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(None, ge=0)
     """Top alternatives per token; needs ``logprobs: true``."""
     tools: Optional[list[dict[str, Any]]] = None
     """Functions the model may call (``{"type": "function", "function": {"name", ...}}``),

@@ -159,6 +159,13 @@ class ScheduledBatch:
                     spec.prompt_token_ids = r.distinct_prompt_ids
             if p.logit_bias:
                 spec.logit_bias_ids, spec.logit_bias_values = list(p.logit_bias), list(p.logit_bias.values())
+            if p.allowed_token_ids:
+                spec.allowed_token_ids = p.allowed_token_ids
+            if p.bad_words_token_ids:
+                spec.bad_word_lens = [len(w) for w in p.bad_words_token_ids]
+                spec.bad_word_ids = [t for w in p.bad_words_token_ids for t in w]
+                k = max(spec.bad_word_lens) - 1  # the outputs the longest word can need
+                spec.recent_output_ids = list(r.output_ids[-k:]) if k else []
             if p.grammar is not None and chunk and seq + ext == r.prefill_len:
                 # once per row, with the chunk that ends its prefill (the first sample, or a
                 # recomputed request's next decode, needs it), whatever the chunk's start;
@@ -257,6 +264,8 @@ class Scheduler:
         drafter=None,
         prefix_cache=None,
         async_scheduling: bool = False,
+        max_logprobs: int = 20,
+        vocab_size: int | None = None,
     ):
         if speculative_algorithm not in ("none", "ngram", "mtp"):
             raise ValueError(f"unknown speculative algorithm {speculative_algorithm!r}")
@@ -289,6 +298,7 @@ class Scheduler:
         self.context_limited_by_kv = pool_limit < max_context
         self.num_lanes, self.max_batch_size, self.chunk_size = num_lanes, max_batch_size, chunk_size
         self.eos = list(eos_token_ids or [])
+        self.max_logprobs, self.vocab_size = max_logprobs, vocab_size  # SamplingParams.validate
         self.max_waiting = max_waiting
         self.ngram = (ngram_min, ngram_max)
         # drafter(request, k) -> up to k draft tokens; replaces the n-gram lookup when given
@@ -318,7 +328,7 @@ class Scheduler:
         (nothing allocated) or QueueFullError."""
         from .types import QueueFullError
 
-        params.validate()
+        params.validate(self.max_logprobs, self.vocab_size)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if request_id in self.requests:
@@ -579,7 +589,7 @@ class Scheduler:
         emits exactly one token there (a decode, or the chunk ending its prompt; no
         speculation, whose accept length is not known), that token cannot end it by length,
         and its next round needs nothing else of the result (no penalty counts of its
-        outputs, no grammar). One that a stop id ends in ``batch`` is left out of the next
+        outputs, no grammar, no bad word of several tokens). One that a stop id ends in ``batch`` is left out of the next
         round by the first stage (``stopped_in_followed``): its row keeps the state
         ``batch`` leaves, and the snapshot a finished row leaves for the next turn."""
         r, p = batch.requests[i], batch.requests[i].params
@@ -587,7 +597,7 @@ class Scheduler:
         return (self.async_scheduling and not self.num_steps and batch.sample[i] and not r.aborted
                 and n < p.max_tokens and len(r.prompt_ids) + n < self.max_context
                 and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0
-                and p.grammar is None)
+                and p.grammar is None and all(len(w) == 1 for w in p.bad_words_token_ids or ()))
 
     # ------------------------------------------------------------------ prefix cache
     def _reserve_snapshot(self, r: Request, length: int) -> int:

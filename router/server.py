@@ -28,6 +28,13 @@ def load_chat_template(value: str) -> str:
     raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
 
 
+def _max_logprobs(value: str) -> int:
+    n = int(value)
+    if n < -1:
+        raise ValueError(f"--max-logprobs {n}: give a count >= 0, or -1 for no cap")
+    return n
+
+
 def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
     """The router's options that ``ppspec serve`` takes as well and hands on to the router
     it starts (scheduling, timeouts, the HTTP API): their help texts and defaults, once.
@@ -52,6 +59,9 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
             help="reuse the state of cached prompt prefixes (snapshots of the recurrent state, shared KV pages); "
                  "default: on when every stage has a prefix cache (--prefix-cache-gb; ppspec serve gives each one), "
                  "as it costs first turns no throughput (docs/PERFORMANCE.md); on requires it of every stage"),
+        add("--max-logprobs", type=_max_logprobs, default=20,
+            help="log-probabilities a request may ask for per token (logprobs, top_logprobs, prompt_logprobs; "
+                 "vLLM's option): more is a 400; -1: no cap (prompt_logprobs -1, the whole vocabulary, needs it)"),
         add("--api-key", default=None, help="bearer key required on /v1/* (default: none)"),
         add("--served-model-name", default=None, help="the model id clients send (default: the folder's name)"),
         add("--chat-template", default=None,
@@ -155,7 +165,7 @@ async def run_router(args) -> int:
                     mixed_prefill_tokens=args.mixed_prefill_tokens, chunk_size=args.chunk_size,
                     max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
                     stall_timeout=args.stall_timeout, enable_prefix_caching=args.enable_prefix_caching,
-                    async_scheduling=args.async_scheduling, metrics=metrics)
+                    async_scheduling=args.async_scheduling, metrics=metrics, max_logprobs=args.max_logprobs)
     try:
         await engine.start()
     except (ValueError, StageDownError) as e:

@@ -62,11 +62,23 @@ class SamplingParams:
     grammar: str | None = None
     prompt_logprobs: int | None = None
     """None, or the number of top log-probabilities to return per prompt token (its first
-    excepted: nothing predicts it); they come with the request's first output."""
+    excepted: nothing predicts it); they come with the request's first output. -1 (and
+    ``logprobs`` -1): the whole vocabulary, as vLLM, where ``max_logprobs`` allows it."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: every other token is masked (applied with the penalties, at every verified position)."""
+    bad_words: list[str] = field(default_factory=list)
+    """vLLM's: each word's token sequences (:func:`bad_words_token_ids`: as written and after
+    a space) may not be generated: a sequence's last token is masked where its other tokens
+    end the output so far."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """``bad_words`` tokenized (the engine fills it from ``bad_words`` at submission)."""
 
-    def validate(self) -> None:
+    def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
         """Raise ``InvalidRequestError`` naming the bad field (a wrong type included: a
-        float ``max_tokens`` or a bool ``logprobs`` is refused, not truncated)."""
+        float ``max_tokens`` or a bool ``logprobs`` is refused, not truncated).
+        ``max_logprobs``: the server's cap on ``logprobs`` and ``prompt_logprobs`` (vLLM's
+        ``--max-logprobs``; -1: none); with ``vocab_size`` known, -1 asks for every token
+        and is replaced by it."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -77,7 +89,7 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be a finite number, got an integer of "
                                           f"{len(str(abs(int(v))))} digits", param=name) from None
         for name, optional in (("top_k", False), ("max_tokens", False), ("min_tokens", False),
-                               ("seed", True), ("logprobs", True)):
+                               ("seed", True), ("logprobs", True), ("prompt_logprobs", True)):
             v = getattr(self, name)
             if (v is None and optional) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)):
                 continue
@@ -113,10 +125,8 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens must be in [0, max_tokens]", param="min_tokens")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
-        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
-            raise InvalidRequestError("prompt_logprobs must be in [0, 20]", param="prompt_logprobs")
+        self._check_logprobs(max_logprobs, vocab_size)
+        self._check_token_rules(vocab_size)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
@@ -138,12 +148,72 @@ class SamplingParams:
             raise InvalidRequestError("ignore_eos cannot be combined with structured output: the grammar ends the "
                                       "output with EOS", param="ignore_eos")
 
+    def _check_logprobs(self, max_logprobs: int, vocab_size: int | None) -> None:
+        """vLLM's rule: -1 counts as the vocabulary, and neither may exceed ``max_logprobs``
+        (-1: the vocabulary)."""
+        cap = max_logprobs if max_logprobs >= 0 else vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is None:
+                continue
+            if n < -1:
+                raise InvalidRequestError(f"{name} must be >= 0, or -1 for the whole vocabulary, got {n}", param=name)
+            if n == -1 and vocab_size is None:
+                raise InvalidRequestError(f"{name} -1 (the whole vocabulary) needs the vocabulary's size here",
+                                          param=name)
+            want = vocab_size if n == -1 else n
+            if cap is not None and want > cap:
+                raise InvalidRequestError(f"{name}: {want} log-probabilities asked for, more than the server's "
+                                          f"--max-logprobs {cap}", param=name)
+            setattr(self, name, want)
+
+    def _check_token_rules(self, vocab_size: int | None) -> None:
+        """``allowed_token_ids``, ``bad_words`` and their token sequences."""
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if (not isinstance(ids, (list, tuple)) or not ids
+                    or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in ids)):
+                raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}",
+                                          param="allowed_token_ids")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
+            if vocab_size is not None and self.allowed_token_ids[-1] >= vocab_size:
+                raise InvalidRequestError(f"allowed_token_ids: token id {self.allowed_token_ids[-1]} is outside the "
+                                          f"vocabulary [0, {vocab_size})", param="allowed_token_ids")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w for w in self.bad_words):
+            raise InvalidRequestError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}",
+                                      param="bad_words")
+        seqs = self.bad_words_token_ids
+        if seqs is not None and not all(isinstance(s, (list, tuple)) and s and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in s) for s in seqs):
+            raise InvalidRequestError("bad_words_token_ids must be non-empty lists of token ids", param="bad_words")
+        if ids is not None and self.min_tokens > 0 and set(self.allowed_token_ids) <= set(self.stop_token_ids):
+            raise InvalidRequestError("allowed_token_ids: every allowed token is a stop token, so min_tokens "
+                                      "cannot be met", param="allowed_token_ids")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of ``bad_words``: each word as written (leading spaces stripped)
+    and, when that gives another first token and the same length, after one space (a word
+    inside text). Raises InvalidRequestError for a word that tokenizes to nothing."""
+    out: list[list[int]] = []
+    for w in words:
+        bare = tokenizer.encode(w.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise InvalidRequestError(f"bad_words: {w!r} tokenizes to no token", param="bad_words")
+        out.append(list(bare))
+        spaced = tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(list(spaced))
+    return out
 
 
 @dataclass

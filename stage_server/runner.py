@@ -679,7 +679,7 @@ class StageRunner:
         out_lens = inp.output_lens or [0] * len(inp.req_pool_indices)
         for spec, n in zip(inp.sampling, out_lens):
             if (spec.temperature != 0.0 or spec.logprobs is not None or (spec.banned_until_min and n < spec.min_tokens)
-                    or spec.penalized or spec.logit_bias_ids):
+                    or spec.penalized or spec.logit_bias_ids or spec.allowed_token_ids or spec.bad_word_lens):
                 return None
         return graphs
 

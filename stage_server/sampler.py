@@ -111,7 +111,10 @@ def filter_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
 def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[SamplingSpec],
                   output_lens: list[int]) -> torch.Tensor:
     """The logits a request samples from, at each of its D verified positions, in vLLM's
-    order: EOS / stop ids masked before ``min_tokens``; ``logit_bias`` added (OpenAI);
+    order: EOS / stop ids masked before ``min_tokens``; every token but ``allowed_token_ids``
+    masked, and the last token of each bad word whose other tokens end the output before
+    the position (vLLM's ``allowed_token_ids`` and ``bad_words``; :func:`_ban_bad_words`);
+    ``logit_bias`` added (OpenAI);
     then the penalties over the tokens generated before the position (the step's drafts
     ahead of it included, as they are accepted when the position is reached): repetition
     (CTRL, Keskar et al. 2019, eq. 2, as transformers' ``RepetitionPenaltyLogitsProcessor``:
@@ -132,7 +135,8 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
     """
     B, D, V = logits.shape
     bans = [b for b, spec in enumerate(specs) if spec.banned_until_min and output_lens[b] < spec.min_tokens]
-    other = [b for b, spec in enumerate(specs) if spec.logit_bias_ids or spec.penalized]
+    other = [b for b, spec in enumerate(specs)
+             if spec.logit_bias_ids or spec.penalized or spec.allowed_token_ids or spec.bad_word_lens]
     if not bans and not other:
         return logits
     # a copy (the caller's logits stay as they were); fp32 only where a penalty or bias
@@ -146,6 +150,12 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
     for b in other:
         spec = specs[b]
         rows = logits[b]  # [D, V], a view
+        if spec.allowed_token_ids:
+            keep = torch.full((V,), float("-inf"), dtype=torch.float32, device=dev)
+            keep[torch.tensor(spec.allowed_token_ids, dtype=torch.long, device=dev)] = 0.0
+            rows += keep
+        if spec.bad_word_lens:
+            _ban_bad_words(rows, spec, drafts[b][: D - 1])
         if spec.logit_bias_ids:
             ids = torch.tensor(spec.logit_bias_ids, dtype=torch.long, device=dev)
             rows[:, ids] += torch.tensor(spec.logit_bias_values, dtype=torch.float32, device=dev)
@@ -167,6 +177,25 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
         if spec.presence_penalty or spec.frequency_penalty:
             rows.sub_(counts * spec.frequency_penalty + seen * spec.presence_penalty)
     return logits
+
+
+def _ban_bad_words(rows: torch.Tensor, spec: SamplingSpec, drafts: list[int]) -> None:
+    """vLLM's ``bad_words`` on one request's ``[D, V]`` fp32 logits, in place: at position
+    ``j`` the outputs before it are ``spec.recent_output_ids`` then ``drafts[:j]``; a bad
+    word's last token is masked where its other tokens end them (a one-token word always).
+    Where that would leave no token (every allowed one a bad word's end) the position keeps
+    its logits: a soft rule never leaves the sampler nothing."""
+    words = spec.bad_words
+    for j in range(rows.shape[0]):
+        past = spec.recent_output_ids + drafts[:j]
+        ends = [w[-1] for w in words if len(w) - 1 <= len(past) and past[len(past) - len(w) + 1:] == w[:-1]]
+        if not ends:
+            continue
+        row, ids = rows[j], torch.tensor(ends, dtype=torch.long, device=rows.device)
+        kept = row[ids]
+        row[ids] = float("-inf")
+        if bool(torch.isneginf(row).all()):
+            row[ids] = kept
 
 
 @dataclass

@@ -153,7 +153,8 @@ class StepChecker:
                 and (s.prompt_logprobs is None or 0 <= s.prompt_logprobs <= V)
                 and (not s.banned_until_min or (min(s.banned_until_min) >= 0 and max(s.banned_until_min) < V))
                 and not (s.penalized or s.logit_bias_ids or s.output_token_ids or s.prompt_token_ids
-                         or s.logit_bias_values or s.output_token_counts or s.grammar_accepted_ids))  # those: the full check
+                         or s.logit_bias_values or s.output_token_counts or s.grammar_accepted_ids
+                         or s.allowed_token_ids or s.bad_word_ids or s.bad_word_lens or s.recent_output_ids))  # those: the full check
 
     def _check_sampling(self, b: int, spec: SamplingSpec) -> None:
         V = self.cfg.vocab_size
@@ -180,8 +181,13 @@ class StepChecker:
         elif not REPETITION_PENALTY_RANGE[0] <= spec.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
             bad = (f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]:g}, {REPETITION_PENALTY_RANGE[1]:g}], "
                    f"got {spec.repetition_penalty}")
+        elif (any(n < 1 for n in spec.bad_word_lens) or sum(spec.bad_word_lens) != len(spec.bad_word_ids)
+              or any(not 0 <= t < V for t in spec.bad_word_ids + spec.recent_output_ids)):
+            bad = (f"bad_word_ids must be token ids in [0, {V}) of bad_word_lens (each >= 1) tokens, and "
+                   f"recent_output_ids token ids, got {brief(spec.bad_word_ids)}, {brief(spec.bad_word_lens)}")
         else:
-            for name, ids, vals in (("output_token_ids", spec.output_token_ids, spec.output_token_counts),
+            for name, ids, vals in (("allowed_token_ids", spec.allowed_token_ids, None),
+                                    ("output_token_ids", spec.output_token_ids, spec.output_token_counts),
                                     ("grammar_accepted_ids", list(set(spec.grammar_accepted_ids)), None),
                                     ("prompt_token_ids", spec.prompt_token_ids, None),
                                     ("logit_bias_ids", spec.logit_bias_ids, spec.logit_bias_values)):

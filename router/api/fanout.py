@@ -69,7 +69,8 @@ def check_ids(ids: list[int], param: str, vocab_size: int) -> None:
 
 
 def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logprobs: int | None, param: str,
-                    max_model_len: int, max_tokens_cap: int | None, grammar: str | None = None) -> SamplingParams:
+                    max_model_len: int, max_tokens_cap: int | None, grammar: str | None = None,
+                    max_logprobs: int = 20, vocab_size: int | None = None) -> SamplingParams:
     """SamplingParams of one choice; raises ContextLengthError / InvalidRequestError."""
     limit = int(max_model_len)
     requested = body.requested_max_tokens
@@ -98,14 +99,16 @@ def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logp
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=body.logit_bias_ids,
         grammar=grammar,
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=list(body.bad_words or []),
     )
-    params.validate()
+    params.validate(max_logprobs, vocab_size)
     return params
 
 
 def make_subs(body: _GenerationRequest, request_id: str, prompts: list[list[int]], logprobs: int | None,
               param: str, *, vocab_size: int, max_model_len: int, max_tokens_cap: int | None,
-              grammar: str | None = None) -> list[Sub]:
+              grammar: str | None = None, max_logprobs: int = 20) -> list[Sub]:
     """One ``Sub`` per (prompt, choice), request ids ``{request_id}-{index}``. ``param``
     names the prompt's field (``prompt`` / ``messages``) in errors; ``grammar``: the
     structured output's (``router/structured.py``), every choice's. Raises
@@ -117,7 +120,8 @@ def make_subs(body: _GenerationRequest, request_id: str, prompts: list[list[int]
     subs = []
     for p, ids in enumerate(prompts):
         for i in range(body.n):
-            params = sampling_params(body, len(ids), i, logprobs, param, max_model_len, max_tokens_cap, grammar)
+            params = sampling_params(body, len(ids), i, logprobs, param, max_model_len, max_tokens_cap, grammar,
+                                     max_logprobs, vocab_size)
             index = p * body.n + i
             subs.append(Sub(index, p, f"{request_id}-{index}", ids, params))
     return subs

@@ -126,11 +126,14 @@ class OpenAIHandlers:
         structured output starts after the thinking when ``in_reasoning``."""
         subs = make_subs(body, request_id, prompts, logprobs, param, vocab_size=self.vocab_size,
                          max_model_len=int(self.engine.max_model_len), max_tokens_cap=self.max_tokens_cap,
-                         grammar=request_grammar(body, self.tool_call_parser, bool(in_reasoning)))
-        asked = [k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
+                         grammar=request_grammar(body, self.tool_call_parser, bool(in_reasoning)),
+                         max_logprobs=getattr(self.engine, "max_logprobs", 20))
+        # vLLM's prompt_logprobs -1: the whole vocabulary, within --max-logprobs
+        asked = [self.vocab_size if k == -1 else k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         if asked:
             for sub in subs:
                 sub.params.prompt_logprobs = max(asked)
+                sub.params.validate(getattr(self.engine, "max_logprobs", 20), self.vocab_size)
         return subs
 
     def _vllm_prompt_logprobs(self, body, fanout: Fanout, sub: Sub):
@@ -138,7 +141,7 @@ class OpenAIHandlers:
         if body.prompt_logprobs is None:
             return None
         return prompt_logprobs(self.pieces, sub.prompt_ids, fanout.prompt_logprobs.get(sub.index) or [],
-                               body.prompt_logprobs)
+                               self.vocab_size if body.prompt_logprobs == -1 else body.prompt_logprobs)
 
     # -- preparing -------------------------------------------------------------------------
 

@@ -163,11 +163,24 @@ class JsonSchemaSpec(_Request):
     """Accepted; the output always follows the schema (no properties beyond it)."""
 
 
+class StructuralTagItem(_Request):
+    """One tag of vLLM's legacy ``structural_tag`` response format."""
+
+    begin: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
 class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     """``json_object``: any JSON object; ``json_schema``: one that validates against
-    ``json_schema.schema`` (``router/structured.py`` builds the grammar)."""
+    ``json_schema.schema`` (``router/structured.py`` builds the grammar); ``structural_tag``
+    (vLLM's): xgrammar's structural tag ``format``, or the legacy ``structures`` (begin,
+    schema, end) and ``triggers``."""
     json_schema: Optional[JsonSchemaSpec] = None
+    format: Optional[dict[str, Any]] = None
+    structures: Optional[list[StructuralTagItem]] = None
+    triggers: Optional[list[str]] = None
 
     @model_validator(mode="after")
     def _check_format(self):
@@ -175,6 +188,8 @@ class ResponseFormat(_Request):
             raise ValueError('type json_schema needs its schema: "json_schema": {"name": ..., "schema": {...}}')
         if self.type != "json_schema" and self.json_schema is not None:
             raise ValueError(f"json_schema goes with type json_schema, not {self.type}")
+        if self.type == "structural_tag" and (self.format is None) == (self.structures is None):
+            raise ValueError("structural_tag takes format, or structures and triggers (vLLM's legacy form)")
         return self
 
 
@@ -187,6 +202,8 @@ class StructuredOutputs(_Request):
     choice: Optional[list[str]] = Field(None, min_length=1)
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    structural_tag: Union[dict[str, Any], str, None] = None
+    """xgrammar's structural tag (``{"type": "structural_tag", "format": ...}``), as an object or its JSON text."""
     disable_any_whitespace: bool = False
     """Accepted: JSON output is always compact here (``", "`` and ``": "``, no newlines)."""
 

@@ -5,9 +5,10 @@ to the last stage (``SamplingParams.grammar``; ``stage_server/grammar.py`` masks
 verified position with it):
 
 * ``response_format``: ``{"type": "json_object"}`` (any JSON object) or ``{"type":
-  "json_schema", "json_schema": {"schema": ...}}`` (OpenAI);
+  "json_schema", "json_schema": {"schema": ...}}`` (OpenAI), or vLLM's ``{"type":
+  "structural_tag", "format": ...}`` (its legacy ``structures`` and ``triggers`` too);
 * vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
-  ``json_object``) and its older ``guided_json``, ``guided_regex``, ``guided_choice``,
+  ``json_object``, ``structural_tag``: xgrammar's structural tag) and its older ``guided_json``, ``guided_regex``, ``guided_choice``,
   ``guided_grammar``;
 * ``tool_choice`` ``"required"`` (one or more calls) or naming a function (one call of it),
   with ``tools``: calls in the format of the server's ``--tool-call-parser``, each call's
@@ -174,13 +175,15 @@ def _constraints(body: "_GenerationRequest", tool_call_parser: str | None) -> li
     elif rf is not None and rf.type == "json_schema":
         schema = _schema(rf.json_schema.schema_, "response_format.json_schema.schema")
         found.append(("response_format", lambda s=schema: _json_grammar(s)))
+    elif rf is not None and rf.type == "structural_tag":
+        found.append(("response_format", lambda: _structural_tag(_response_format_tag(rf))))
     so = body.structured_outputs
     if so is not None:
-        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(so, k) is not None]
+        given = [k for k in ("json_", "regex", "choice", "grammar", "structural_tag") if getattr(so, k) is not None]
         given += ["json_object"] if so.json_object else []
         if len(given) != 1:
             raise InvalidRequestError("structured_outputs: give exactly one of json, regex, choice, grammar, "
-                                      f"json_object (got {', '.join(k.rstrip('_') for k in given) or 'none'})",
+                                      f"json_object, structural_tag (got {', '.join(k.rstrip('_') for k in given) or 'none'})",
                                       param="structured_outputs")
         kind = given[0]
         if kind == "json_":
@@ -188,6 +191,8 @@ def _constraints(body: "_GenerationRequest", tool_call_parser: str | None) -> li
             found.append(("structured_outputs", lambda s=schema: _json_grammar(s)))
         elif kind == "json_object":
             found.append(("structured_outputs", lambda: _json_grammar(None)))
+        elif kind == "structural_tag":
+            found.append(("structured_outputs", lambda: _structural_tag(so.structural_tag)))
         elif kind == "regex":
             found.append(("structured_outputs", lambda: _xgrammar().Grammar.from_regex(so.regex)))
         elif kind == "choice":
@@ -214,6 +219,40 @@ def _constraints(body: "_GenerationRequest", tool_call_parser: str | None) -> li
         parallel = body.parallel_tool_calls is not False
         found.append(("tool_choice", lambda: fmt(body.tools, name, parallel)))
     return found
+
+
+def _structural_tag(tag: dict | str):
+    """xgrammar's structural tag (``{"type": "structural_tag", "format": {...}}``, as an
+    object or its JSON text) as a grammar; the JSON schemas it holds are checked as
+    ``response_format``'s are."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as e:
+            raise ValueError(f"the structural tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"a structural tag must be an object, got {type(tag).__name__}")
+    todo = [tag]
+    while todo:  # JSON schemas inside, at any depth
+        node = todo.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                check_enforced(node["json_schema"])
+            todo += list(node.values())
+        elif isinstance(node, list):
+            todo += node
+    return _xgrammar().Grammar.from_structural_tag(json.dumps(tag))
+
+
+def _response_format_tag(rf) -> dict:
+    """vLLM's ``response_format`` ``structural_tag`` as xgrammar's: its ``format``, or the
+    legacy ``structures`` each allowed after one of ``triggers``."""
+    if rf.format is not None:
+        return {"type": "structural_tag", "format": rf.format}
+    tags = [{"begin": s.begin, "content": {"type": "json_schema", "json_schema": s.schema_}, "end": s.end}
+            for s in rf.structures]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": list(rf.triggers or []),
+                                                 "tags": tags}}
 
 
 def _after_thinking(grammar):

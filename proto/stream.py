@@ -34,13 +34,26 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class _Open:
-    """One open Steps call and the steps waiting for their answer on it."""
+    """One open Steps call, the steps waiting for their answer on it, and its outbox (one
+    writer task writes it in order: a caller never awaits a write, so a cancelled caller
+    cannot cancel the call mid-write, which would end every step on it)."""
 
     def __init__(self, call):
         self.call = call
         self.waiting: dict[int, asyncio.Future] = {}
         self.error: grpc.aio.AioRpcError | None = None  # set once the call ended
+        self.outbox: asyncio.Queue = asyncio.Queue()
         self.reader: asyncio.Task | None = None
+        self.writer: asyncio.Task | None = None
+
+
+class _Expired(Exception):
+    """A step's timeout passed (set on its future by a timer)."""
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
 
 
 class StepStream:
@@ -56,8 +69,6 @@ class StepStream:
         self.stub, self.metadata = stub, tuple(metadata)
         self._open: _Open | None = None
         self._ids = itertools.count(1)
-        self._lock = asyncio.Lock()  # one write at a time on the call
-        self._background: set[asyncio.Task] = set()
 
     async def step(self, request: pb.StepRequest, timeout: float) -> pb.StepResult:
         """Send ``request`` (its ``call_id`` is set here) and return its answer.
@@ -69,38 +80,39 @@ class StepStream:
         if op is None or op.error is not None:
             op = self._open = _Open(self.stub.Steps(metadata=self.metadata))
             op.reader = asyncio.ensure_future(self._read(op))
+            op.writer = asyncio.ensure_future(self._write(op))
         cid = next(self._ids)
         request.call_id = cid
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         op.waiting[cid] = fut
+        op.outbox.put_nowait(request)
+        timer = loop.call_later(timeout, _expire, fut)  # not wait_for: no extra future and task wake-up
         try:
-            # shielded: a caller cancelled mid-write must not cancel the whole call (grpc
-            # cancels a call whose write is cancelled), only its own step
-            await asyncio.shield(self._write(op, request))
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+            return await fut
+        except _Expired:
             self._cancel(op, cid)
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except asyncio.CancelledError:
             self._cancel(op, cid)
             raise
         finally:
+            timer.cancel()
             op.waiting.pop(cid, None)
 
-    async def _write(self, op: _Open, request: pb.StepRequest) -> None:
+    async def _write(self, op: _Open) -> None:
         try:
-            async with self._lock:
-                await op.call.write(request)
+            while True:
+                await op.call.write(await op.outbox.get())
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            # the call ended: the reader fails every waiting step with its status
+            # the call ended: every waiting step fails with its status
             await self._ended(op)
 
     def _cancel(self, op: _Open, cid: int) -> None:
         """Tell the stage to cancel step ``cid`` (best effort: a broken stream ended it)."""
-        if op.error is None and op.waiting.pop(cid, None) is not None:
-            t = asyncio.ensure_future(self._write(op, pb.StepRequest(call_id=cid, cancel=True)))
-            self._background.add(t)
-            t.add_done_callback(self._background.discard)
+        op.waiting.pop(cid, None)
+        if op.error is None:
+            op.outbox.put_nowait(pb.StepRequest(call_id=cid, cancel=True))
 
     async def _read(self, op: _Open) -> None:
         try:
@@ -126,8 +138,9 @@ class StepStream:
                 if c != grpc.StatusCode.OK:
                     code, details = c, await op.call.details()
             op.error = rpc_error(code, details)
-            if op.reader is not None and op.reader is not asyncio.current_task():
-                op.reader.cancel()
+            for t in (op.reader, op.writer):
+                if t is not None and t is not asyncio.current_task():
+                    t.cancel()
             op.call.cancel()
         for fut in op.waiting.values():
             if not fut.done():

@@ -125,6 +125,14 @@ def test_bad_values_are_a_400_naming_the_field_before_any_row(body, param):
     assert rows == [set()]
 
 
+def test_top_logprobs_over_the_cap_is_a_400_naming_it():
+    r, rows = _post(dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True, top_logprobs=21),
+                    path="/v1/chat/completions")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "top_logprobs", r.json()
+    assert rows == [set()]
+
+
 def test_max_logprobs_minus_one_lets_prompt_logprobs_take_the_vocabulary():
     """--max-logprobs -1: ``prompt_logprobs: -1`` is every token's log-probability at each
     prompt position (vLLM's), ranks 1..V."""
@@ -135,7 +143,7 @@ def test_max_logprobs_minus_one_lets_prompt_logprobs_take_the_vocabulary():
     assert rows == [set()]
 
 
-def _post(body: dict, max_logprobs: int = 20):
+def _post(body: dict, max_logprobs: int = 20, path: str = "/v1/completions"):
     from ppspec.router.api import build_app
     from ppspec.router.engine import Engine
     from ppspec.router.pipeline import InProcessPipeline
@@ -149,7 +157,7 @@ def _post(body: dict, max_logprobs: int = 20):
         await engine.start()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "t")), base_url="http://t",
                                      timeout=120) as c:
-            r = await c.post("/v1/completions", json=body)
+            r = await c.post(path, json=body)
         await engine.settle()
         for t in engine._tasks:
             t.cancel()

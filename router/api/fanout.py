@@ -102,7 +102,12 @@ def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logp
         allowed_token_ids=body.allowed_token_ids,
         bad_words=list(body.bad_words or []),
     )
-    params.validate(max_logprobs, vocab_size)
+    try:
+        params.validate(max_logprobs, vocab_size)
+    except InvalidRequestError as e:
+        if e.param == "logprobs" and getattr(body, "top_logprobs", None) is not None:
+            e.param = "top_logprobs"  # chat's count of alternatives (its logprobs is a bool)
+        raise
     return params
 
 

@@ -69,7 +69,12 @@ def test_guidellm_benchmark(served, tmp_path, path, backend_extra, profile):
     requests = bench["requests"]
     assert (len(requests["errored"]), len(requests["incomplete"])) == (0, 0), requests["errored"][:1]
     ok = requests["successful"]
-    assert len(ok) == REQUESTS
+    # guidellm may cancel a queued request before sending it when its max_requests constraint
+    # ends the run (seen once on a loaded host): such a request never reaches the server (the
+    # access-log check below), and the rest must all have succeeded
+    state = bench["scheduler_state"]
+    assert len(ok) == state["successful_requests"] == REQUESTS - state["cancelled_requests"], state
+    assert len(ok) >= REQUESTS - 1
     for r in ok:
         body = json.loads(r["request_args"])["body"]
         assert body["stream"] is True  # streamed, with vLLM's continuous usage stats

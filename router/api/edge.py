@@ -81,9 +81,18 @@ class _StrictConnection(h11.Connection):
 
 class _Deadline:
     """The read deadline and the JSON refusal of both edge protocols (their ``loop``,
-    ``transport``, ``read_timeout``); ``_on_deadline`` is each parser's."""
+    ``transport``, ``read_timeout``), armed from a connection's start; placed before the
+    uvicorn protocol in the bases. ``_on_deadline`` is each parser's."""
 
     _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm()  # a connection that sends nothing is a request that never comes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm(self) -> None:
         if self._deadline is None:
@@ -114,14 +123,6 @@ class EdgeProtocol(_Deadline, H11Protocol):
         self.read_timeout = read_timeout
 
     # ---- the read deadline: armed while a request is incomplete
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()  # a connection that sends nothing is a request that never comes
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         self._arm()
@@ -189,14 +190,6 @@ if HttpToolsProtocol is not None:
             self._in_body = False
             self._head_bytes = 0
             self._framing: set[bytes] = set()
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()  # a connection that sends nothing is a request that never comes
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             self._arm()

@@ -75,6 +75,15 @@ def rope_config(rope: RopeFields) -> dict:
                 rope_scaling_factor=rope.scaling_factor, rope_yarn=rope.yarn)
 
 
+def attention_fields(f: Fields, hidden: int, n_heads: int) -> dict:
+    """KV heads, head size and bias as Bamba's and Falcon-H1's configs read them:
+    ``num_key_value_heads`` absent is 8, null one KV head per query head; ``head_dim``
+    absent is ``hidden / n_heads``."""
+    kv = n_heads if f.d.get("num_key_value_heads", 8) is None else f.int("num_key_value_heads", 8, lo=1)
+    return dict(num_attention_heads=n_heads, num_key_value_heads=kv,
+                head_dim=f.int("head_dim", hidden // n_heads, lo=1), attention_bias=f.bool("attention_bias", False))
+
+
 def check_heads(f: Fields, cfg: Mamba2HybridConfig) -> None:
     """Query heads in whole groups of KV heads, or a CheckpointError naming both fields."""
     if cfg.num_attention_heads % cfg.num_key_value_heads:

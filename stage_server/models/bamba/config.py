@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ...fields import CheckpointError, Fields, mamba2_fields, rope_fields
 from ..hybrid import ATTENTION, MAMBA
-from ..hybrid_config import Mamba2HybridConfig, check_heads, refuse_unserved, rope_config
+from ..hybrid_config import Mamba2HybridConfig, attention_fields, check_heads, refuse_unserved, rope_config
 
 MODEL_TYPE = "bamba"
 
@@ -56,11 +56,7 @@ def load_bamba_config(path: str, raw: dict) -> BambaConfig:
         rms_norm_eps=f.float("rms_norm_eps", 1e-5, positive=True),
         intermediate_size=f.int("intermediate_size", 14336, lo=1),
         mlp_bias=f.bool("mlp_bias", False),
-        num_attention_heads=n_heads,
-        # absent: BambaConfig's default 8; null: one KV head per query head, as BambaConfig
-        num_key_value_heads=n_heads if raw.get("num_key_value_heads", 8) is None else f.int("num_key_value_heads", 8, lo=1),
-        head_dim=f.int("head_dim", hidden // n_heads, lo=1),
-        attention_bias=f.bool("attention_bias", False),
+        **attention_fields(f, hidden, n_heads),
         **rope_config(rope),
         **mamba2_fields(f, hidden),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ...fields import CheckpointError, Fields, mamba2_fields, rope_fields
 from ...layers.mamba2 import GATE_ONLY, GATE_THEN_NORM, NORM_THEN_GATE
 from ..hybrid import PARALLEL
-from ..hybrid_config import Mamba2HybridConfig, check_heads, refuse_unserved, rope_config
+from ..hybrid_config import Mamba2HybridConfig, attention_fields, check_heads, refuse_unserved, rope_config
 
 MODEL_TYPE = "falcon_h1"
 
@@ -90,11 +90,7 @@ def load_falcon_h1_config(path: str, raw: dict) -> FalconH1Config:
         rms_norm_eps=f.float("rms_norm_eps", 1e-5, positive=True),
         intermediate_size=f.int("intermediate_size", 14336, lo=1),
         mlp_bias=f.bool("mlp_bias", False),
-        num_attention_heads=n_heads,
-        # absent: FalconH1Config's default 8; null: one KV head per query head
-        num_key_value_heads=n_heads if raw.get("num_key_value_heads", 8) is None else f.int("num_key_value_heads", 8, lo=1),
-        head_dim=f.int("head_dim", hidden // n_heads, lo=1),
-        attention_bias=f.bool("attention_bias", False),
+        **attention_fields(f, hidden, n_heads),
         **rope_config(rope),
         **mamba2_fields(f, hidden, inner),
         mamba_norm=norm,

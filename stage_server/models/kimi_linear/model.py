@@ -27,30 +27,17 @@ from torch import nn
 from ppspec.kernels.attention import paged_attention, store_kv
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from ppspec.kernels.kda import kda_prefill_rows, kda_recurrent, kda_recurrent_replay
-from ppspec.kernels.norm import rms_norm, sigmoid_gated_rms_norm
+from ppspec.kernels.norm import sigmoid_gated_rms_norm
 
 from ...batch import PREFILL, VERIFY, BatchMeta, per_part
 from ...family import LayerState
-from ...layers.common import MLP, fuse_linears
+from ...layers.common import MLP, RMSNorm, fuse_linears
 from ...layers.kda import KDA
 from ...layers.moe import Experts, run_experts
 from .config import KimiLinearConfig
 
 # transformers' MLA builds its latent norms with the RMSNorm default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
-
-
-class RMSNorm(nn.Module):
-    """``w * x / rms(x)`` in fp32 (not zero-centred); with ``residual``, the residual add
-    fused as in ``models/qwen3_next/model.py``'s ``RMSNorm``."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual, zero_centred=False)
 
 
 class KimiDeltaAttention(nn.Module):

@@ -622,7 +622,6 @@ def test_gdn_prefill_rows_fla_direct(dev, G, dtype, monkeypatch):
     static_cu = torch.zeros(3, dtype=torch.long, device=dev)
     plan = (torch.zeros(nt, 2, dtype=torch.long, device=dev), torch.zeros(3, dtype=torch.long, device=dev))
     slots = torch.arange(nt, device=dev)
-    known(static_cu, fla_chunks=plan, max_len=t)
     big = inputs([t])
     sq, sk, sv, sg, sb = (x.clone() for x in big)
     srows = torch.tensor([2, 5], device=dev)
@@ -636,6 +635,9 @@ def test_gdn_prefill_rows_fla_direct(dev, G, dtype, monkeypatch):
         return gdn_prefill_rows_fla(sq, sk, sv, sg, sb, static_cu, sstate, srows, shas)
 
     static_cu.copy_(torch.tensor([0, 100, t], device=dev))  # 2 + 4 chunks
+    # stated after the fill: an in-place copy drops a tensor's facts (the stage's graphs use
+    # inference-mode tensors, which keep no version counter)
+    known(static_cu, fla_chunks=plan, max_len=t)
     from ppspec.stage_server.graphs import record
     graph, out, _ = record(body)
     for T in (130, 190):  # 3 + 3 chunks each

@@ -317,9 +317,9 @@ PREFILL_GRAPH_LONG_TOKENS = tuple(2 ** k + _FLA_CHUNK for k in range(7, 14))
 
 def long_prefill_graph_tokens() -> int:
     """The longest chunk (tokens) that gets a long-bucket prefill graph:
-    ``PPSPEC_PREFILL_GRAPH_TOKENS`` (default 0, off until checked on the GPU; 8192 the
-    intended value). They need fla's direct path (``PPSPEC_FLA_DIRECT=1``)."""
-    value = os.environ.get("PPSPEC_PREFILL_GRAPH_TOKENS", "0")
+    ``PPSPEC_PREFILL_GRAPH_TOKENS`` (default 8192; 0 turns them off). They need fla's direct
+    path (``kernels.gdn.fla_prefill.direct``, the default)."""
+    value = os.environ.get("PPSPEC_PREFILL_GRAPH_TOKENS", "8192")
     try:
         return max(0, int(value))
     except ValueError:

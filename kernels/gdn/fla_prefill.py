@@ -38,9 +38,10 @@ from ..checks import fact, remember
 from .naive import check_prefill_shapes
 
 def direct() -> bool:
-    """Whether the GDN prefill takes fla's forward-level functions (``PPSPEC_FLA_DIRECT=1``;
-    off by default until checked on the GPU) rather than its public autograd entry point."""
-    return os.environ.get("PPSPEC_FLA_DIRECT", "0") == "1"
+    """Whether the GDN prefill takes fla's forward-level functions (the default;
+    ``PPSPEC_FLA_DIRECT=0`` takes its public autograd entry point instead, whose Python costs
+    ~2.7 ms per layer call: docs/PERFORMANCE.md, "Prefill and the token budget")."""
+    return os.environ.get("PPSPEC_FLA_DIRECT", "1") != "0"
 
 
 CHUNK = 64  # fla's chunk length (tokens); a sequence of n tokens has ceil(n / CHUNK) chunks

@@ -9,7 +9,12 @@ running) and through ``ppspec serve`` at each ``--pp`` with the ``ppspec bench``
 - served TPOT at concurrency 1 against the engine's time per round (a decode step, or a
   verify round with speculation) at batch 1;
 - PPk against PP1: tok/s at concurrency 64, TPOT at 1, TTFT of a ``--long-prompt`` token prompt;
-- the first request after ``/health`` turned 200 against the same request in steady state.
+- the first request after ``/health`` turned 200 against the same request in steady state;
+- the host's CPU per round: CPU milliseconds (user + system, ``/proc/PID/stat``) of the
+  router process and of the stage processes per micro-batch and per output token, at
+  concurrency ``--concurrency`` and at 1, beside the engine's own process per round (a
+  round of ``LLM.generate``: one micro-batch through every stage). CPU time, not wall, so
+  that a host whose cores other work shares still measures the work itself.
 
 GPU (the H200 of docs/PERFORMANCE.md)::
 
@@ -58,8 +63,9 @@ def make_tiny(path: str) -> str:
 
 # ------------------------------------------------------------------ the engine in one process
 def engine_figures(a, prompts: list[list[int]]) -> dict:
-    """``LLM.generate`` of every prompt at once (tok/s), and of one prompt alone: tok/s and
-    the median seconds of a round after its prefill (``round_s``)."""
+    """``LLM.generate`` of every prompt at once (tok/s; ``cpu_round_s``, ``cpu_token_s``:
+    the process's CPU seconds per micro-batch and per output token), and of one prompt
+    alone: tok/s and the median seconds of a round after its prefill (``round_s``)."""
     from ppspec.router.llm import LLM
     from ppspec.router.types import SamplingParams
 
@@ -71,9 +77,18 @@ def engine_figures(a, prompts: list[list[int]]) -> dict:
               max_batch_size=a.max_rows, kv_tokens=a.kv_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], params)  # its first steps (allocations, kernels) are not timed
-    t0 = time.perf_counter()
+    rounds_done, on_round = [0], llm.engine.on_round
+
+    def counted() -> None:  # one call per micro-batch whose outputs went to their streams
+        rounds_done[0] += 1
+        on_round()
+
+    llm.engine.on_round = counted
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    batch_tok_s = sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0)
+    cpu, tokens = time.process_time() - c0, sum(len(c.token_ids) for c in outs)
+    batch_tok_s = tokens / (time.perf_counter() - t0)
+    llm.engine.on_round = on_round
     rounds, solo = [], []
     for p in prompts[: a.solo_prompts]:
         t0 = time.perf_counter()
@@ -86,10 +101,77 @@ def engine_figures(a, prompts: list[list[int]]) -> dict:
         solo.append(len(llm.completions.pop(rid).token_ids) / (time.perf_counter() - t0))
         rounds += times[1:]  # after the prefill
     del llm
-    return {"tok_s": batch_tok_s, "solo_tok_s": statistics.median(solo), "round_s": statistics.median(rounds)}
+    return {"tok_s": batch_tok_s, "solo_tok_s": statistics.median(solo), "round_s": statistics.median(rounds),
+            "cpu_round_s": cpu / max(1, rounds_done[0]), "cpu_token_s": cpu / max(1, tokens)}
 
 
 # ------------------------------------------------------------------ served
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the state on (the name in parentheses may hold spaces)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (every thread), from /proc."""
+    f = _proc_stat(pid)
+    return (int(f[11]) + int(f[12])) / _CLK_TCK  # utime, stime: fields 14 and 15 of proc(5)
+
+
+def serve_children(pid: int) -> dict[str, int]:
+    """``ppspec serve``'s processes by role: ``router`` and ``stage`` K -> pid (Linux /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if int(_proc_stat(int(entry))[1]) != pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if "router" in argv:
+            found["router"] = int(entry)
+        elif "stage" in argv:
+            found[f"stage {argv[argv.index('--pp-rank') + 1]}"] = int(entry)
+    return found
+
+
+def _rounds(url: str) -> float:
+    """Micro-batches the router has sent through the pipeline (its step-latency histogram's count)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ppspec:pipeline_step_latency_seconds_count"))
+
+
+class CpuMeter:
+    """CPU seconds the router and the stages (together) spend while a block runs, per
+    micro-batch and per output token (``figures``)."""
+
+    def __init__(self, url: str, pids: dict[str, int]):
+        self.url, self.pids = url, pids
+
+    def __enter__(self):
+        self.rounds0 = _rounds(self.url)
+        self.cpu0 = {k: _cpu_seconds(p) for k, p in self.pids.items()}
+        return self
+
+    def __exit__(self, *exc):
+        self.cpu = {k: _cpu_seconds(p) - self.cpu0[k] for k, p in self.pids.items()}
+        self.rounds = _rounds(self.url) - self.rounds0
+
+    def figures(self, tokens: int) -> dict:
+        router = self.cpu.get("router", float("nan"))
+        stages = sum(v for k, v in self.cpu.items() if k.startswith("stage"))
+        per = lambda x, n: x / n if n else float("nan")  # noqa: E731
+        return {"router_round_s": per(router, self.rounds), "stages_round_s": per(stages, self.rounds),
+                "router_token_s": per(router, tokens), "stages_token_s": per(stages, tokens),
+                "rounds": self.rounds, "tokens": tokens}
+
 def _free_port() -> int:
     import socket
 
@@ -145,8 +227,12 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
         steady = statistics.median(_timed_request(url, first_prompt, 32) for _ in range(5))
         cfg = dict(base_url=url, progress=False, test_request=False, ignore_eos=True)
         count = lambda s: len(s.split())  # noqa: E731  (the served usage counts the tokens)
-        full = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
-        solo = asyncio.run(run_benchmark(RunConfig(max_concurrency=1, **cfg), samples[: a.solo_prompts], count, "words"))
+        pids = serve_children(proc.pid)
+        with CpuMeter(url, pids) as cpu_full:
+            full = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
+        with CpuMeter(url, pids) as cpu_solo:
+            solo = asyncio.run(run_benchmark(RunConfig(max_concurrency=1, **cfg), samples[: a.solo_prompts], count,
+                                             "words"))
         long_ids = [(7 * i) % 8000 + 100 for i in range(a.long_prompt)]
         ttft = statistics.median(_timed_request(url, long_ids, 1) for _ in range(3))
     finally:
@@ -160,7 +246,8 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
         log.close()
     return {"tok_s": full["output_throughput"], "solo_tok_s": solo["output_throughput"],
             "tpot_s": solo["tpot_ms"]["mean"] / 1e3, "long_ttft_s": ttft, "first_s": first, "steady_s": steady,
-            "failed": full["failed"] + solo["failed"]}
+            "failed": full["failed"] + solo["failed"],
+            "cpu": cpu_full.figures(full["total_output_tokens"]), "solo_cpu": cpu_solo.figures(solo["total_output_tokens"])}
 
 
 # ------------------------------------------------------------------ report
@@ -204,6 +291,17 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
         # the system's own cost of a round at batch 1: served TPOT less the engine's round
         lines.append(f"| PP{pp} overhead per round c1 (ms) | " + " | ".join(
             fmt((served[n][pp]["tpot_s"] - eng["round_s"]) * 1e3) for n in names) + " |")
+    lines += ["", f"host CPU (user + system, /proc) per micro-batch and per output token; engine in one process: "
+              f"{eng['cpu_round_s'] * 1e3:.2f} ms per micro-batch, {eng['cpu_token_s'] * 1e3:.3f} ms per token "
+              f"(all prompts at once)", "", "| CPU | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for pp in pps:
+        for key, conc in (("cpu", a.concurrency), ("solo_cpu", 1)):
+            for part in ("router", "stages"):
+                lines.append(f"| PP{pp} {part} c{conc}: ms per micro-batch / per token | " + " | ".join(
+                    fmt(served[n][pp][key][f"{part}_round_s"] * 1e3) + " / "
+                    + fmt(served[n][pp][key][f"{part}_token_s"] * 1e3, "{:.3f}") for n in names) + " |")
+            lines.append(f"| PP{pp} tokens per micro-batch c{conc} | " + " | ".join(
+                fmt(served[n][pp][key]["tokens"] / max(1, served[n][pp][key]["rounds"]), "{:.1f}") for n in names) + " |")
     return "\n".join(lines)
 
 

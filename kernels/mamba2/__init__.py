@@ -2,10 +2,13 @@
 (both commit designs) and the replay of accepted verify steps, one dispatch per op.
 
 The plain-torch reference (``naive.py``, ``naive_replay.py``) is the CPU path and the
-oracle; on CUDA the same torch code runs on the device (``mamba2_recurrent*`` take a
-Triton kernel from ``triton_recurrent`` where that module imports).
+oracle. On CUDA ``mamba2_recurrent*`` take a Triton kernel from ``triton_recurrent`` and
+the prefill takes fla's simple-GLA chunk kernels (``fla_scan``, :func:`fla_scan_on`) where
+those modules import.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -36,6 +39,19 @@ def mamba2_prefill_rows(x, dt, A, B, C, D, dt_bias, cu_seqlens, state, req_pool_
         IndexError: a row outside the pool, before anything is written.
     """
     _check_rows(req_pool_indices, state.shape[0])
+    fn = pick(x.is_cuda and fla_scan_on(), "mamba2.fla_scan", "mamba2_prefill_rows_fla", _prefill_rows_ref)
+    return fn(x, dt, A, B, C, D, dt_bias, cu_seqlens, state, req_pool_indices, has_init, dt_limit, chunk_size)
+
+
+def fla_scan_on() -> bool:
+    """Whether the CUDA prefill takes fla's chunk kernels (``PPSPEC_MAMBA2_FLA=1``; off by
+    default until a GPU run checks it: under Triton's interpreter the fp32 path matches the
+    reference, bf16 cannot be checked there)."""
+    return os.environ.get("PPSPEC_MAMBA2_FLA", "0") == "1"
+
+
+def _prefill_rows_ref(x, dt, A, B, C, D, dt_bias, cu_seqlens, state, req_pool_indices, has_init,
+                      dt_limit=(0.0, float("inf")), chunk_size: int = 64):
     rows = req_pool_indices
     zero = torch.zeros((), dtype=state.dtype, device=state.device)
     init = torch.where(has_init.view(-1, 1, 1, 1), state[rows], zero)

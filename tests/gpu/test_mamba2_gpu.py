@@ -103,6 +103,48 @@ def test_mamba2_replay_design_matches_copy_design(dev, Bs, D, pad):
     assert int(bufs.pending[real].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("H,P,G,N", [(8, 16, 2, 32), (4, 64, 4, 128), (6, 12, 1, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_prefill_rows_fla(dev, H, P, G, N, dtype, monkeypatch):
+    """fla's simple-GLA chunk kernels as the Mamba2 chunked scan (``fla_scan``) against the
+    plain-torch ``chunk_scan_ref`` at stable rows: sequences longer than a chunk, one of a
+    single token, an empty one (keeps its state), continuing rows (``has_init``) and new
+    ones (a fresh row's garbage ignored), dt clamped; other rows untouched. On CUDA the
+    dispatcher takes this path with ``PPSPEC_MAMBA2_FLA=1``. (Under the interpreter only
+    fp32 is meaningful: its bf16 emulation breaks fla's own kernels too.)"""
+    pytest.importorskip("fla")
+    monkeypatch.setenv("PPSPEC_MAMBA2_FLA", "1")
+    from ppspec.kernels.mamba2 import mamba2_prefill_rows
+    from ppspec.kernels.mamba2.fla_scan import mamba2_prefill_rows_fla
+    from ppspec.kernels.mamba2.naive import chunk_scan_ref
+
+    gen = torch.Generator().manual_seed(H * 100 + N)
+    lens = [200, 1, 0, 130, 64]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    T, R = sum(lens), 12
+    x, dt, B, C = (t[0] for t in _inputs(gen, 1, T, H, P, G, N, dev, dtype))
+    A, Dk, bias = _params(gen, H, dev)
+    rows = torch.tensor([7, 0, 3, 10, 5], device=dev)
+    has_init = torch.tensor([True, False, True, False, True], device=dev)
+    state = torch.randn(R, H, P, N, generator=gen).to(dev) * 0.3
+    limit = (0.001, 5.0)
+    st = state.clone()
+    y = mamba2_prefill_rows_fla(x, dt, A, B, C, Dk, bias, cu.to(dev), st, rows, has_init, limit)
+    init = torch.where(has_init.view(-1, 1, 1, 1), state[rows], torch.zeros(()).to(dev))
+    y_ref, final_ref = chunk_scan_ref(x.float(), dt, A, B, C, Dk, bias, cu, init, 64, limit)
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    assert y.dtype == dtype and y.shape == (T, H, P)
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol)
+    torch.testing.assert_close(st[rows], final_ref, **tol)
+    others = [r for r in range(R) if r not in rows.tolist()]
+    assert torch.equal(st[others], state[others])
+    assert torch.equal(st[3], state[3])  # the empty sequence's row: its state as it was
+    if torch.device(dev).type == "cuda":
+        st2 = state.clone()
+        assert torch.equal(mamba2_prefill_rows(x, dt, A, B, C, Dk, bias, cu.to(dev), st2, rows, has_init, limit), y)
+        assert torch.equal(st2, st)
+
+
 @pytest.mark.parametrize("kind", ["nemotron_h_b", "granite_a", "bamba_b", "falcon_h1_a"])
 def test_mamba2_hybrid_fp32_on_cuda_identical_to_pp1(tmp_path, kind):
     """A random NemotronH / Granite 4.0 hybrid / Bamba / Falcon-H1 checkpoint (transformers' own) on CUDA in

@@ -326,6 +326,18 @@ def long_prefill_graph_tokens() -> int:
         raise ValueError(f"PPSPEC_PREFILL_GRAPH_TOKENS must be an integer, got {value!r}") from None
 
 
+def family_graphs() -> bool:
+    """Whether the Mamba2 hybrids and Kimi Linear record their decode and verify steps in
+    CUDA graphs: ``PPSPEC_FAMILY_GRAPHS=1`` (default 0, off until a GPU run has checked
+    them). Their decode / verify forward reads nothing on the host (the stage states every
+    fact its checks need); their prefill does (the Mamba2 scan's torch path, fla's
+    ``chunk_kda``), so their prefill chunks stay eager either way."""
+    value = os.environ.get("PPSPEC_FAMILY_GRAPHS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"PPSPEC_FAMILY_GRAPHS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _fla_chunks(n: int) -> int:
     return -(-n // _FLA_CHUNK)
 

@@ -96,7 +96,9 @@ class StageRunner:
             and so do commits of as many rows and short prefill chunks (``PrefillGraphs``);
             0 runs every step eagerly. None: ``min(max_rows, 256)`` on CUDA, 0 on CPU. On a
             CPU stage a positive value runs the graphs' padded path eagerly (tests). Stages
-            with MoE layers always run eagerly (the expert grouping is read on the host).
+            with MoE layers always run eagerly (the expert grouping is read on the host), and
+            so do the Mamba2 hybrids and Kimi Linear unless ``PPSPEC_FAMILY_GRAPHS=1``
+            (``graphs.family_graphs``; their prefill chunks always).
 
     Eager prefill chunks take FlashInfer's attention where it is installed and the stage
     allows it (bf16/fp16 on CUDA; ``PPSPEC_ATTENTION_BACKEND``, ``auto`` by default, see
@@ -253,7 +255,8 @@ class StageRunner:
         if cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
         if cuda_graph_max_bs and not self.model.capturable:
-            # e.g. MoE layers group tokens by expert on the host
+            # e.g. MoE layers group tokens by expert on the host; the Mamba2 / KDA families
+            # without PPSPEC_FAMILY_GRAPHS=1
             log.info("stage %d: CUDA graphs off (this stage's %s layers run eagerly)", pp_rank, c.model_type)
         elif cuda_graph_max_bs:
             before = _reserved(self.device)
@@ -305,11 +308,12 @@ class StageRunner:
                 g = StepGraphs(lambda *a: me._greedy_round(*a), kvs=(self.kv, self.mtp_kv), takes_hidden=not self.is_first,
                                max_kv_len=mtp_len, pool=pool, **common)
                 self.round_graphs[mode], pool = g, g.pool
-        self.prefill_graphs = PrefillGraphs(
-            lambda meta, ids, hidden: layers((meta,), ids, hidden, None), pad_row=self.max_rows, kv=self.kv,
-            takes_hidden=not self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype, device=self.device,
-            max_kv_len=self.max_context + self.num_steps + 1, capture=capture, pool=pool)
-        pool = self.prefill_graphs.pool
+        if getattr(self.model, "prefill_capturable", True):  # not where a prefill reads the device on the host
+            self.prefill_graphs = PrefillGraphs(
+                lambda meta, ids, hidden: layers((meta,), ids, hidden, None), pad_row=self.max_rows, kv=self.kv,
+                takes_hidden=not self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype,
+                device=self.device, max_kv_len=self.max_context + self.num_steps + 1, capture=capture, pool=pool)
+            pool = self.prefill_graphs.pool
         if self.state is not None and self.state.verifies:
             self.commit_graphs = CommitGraphs(self.state.launch_commit, max_bs=max_bs, pad_row=self.max_rows,
                                               device=self.device, capture=capture, pool=pool)

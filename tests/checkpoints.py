@@ -59,6 +59,10 @@ KINDS.update({
                                           linear_head_dim=8, q_lora_rank=24, attention_bias=True, num_local_experts=6,
                                           num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
                                           mlp_layer_types=["dense"] * 2 + ["sparse"] * 5)),
+    # dense MLPs only: a stage that CUDA graphs can record (MoE groups tokens on the host)
+    "kimi_dense_4l": ("kimi_linear", dict(num_hidden_layers=4, layer_types=[_L, _F, _L, _L], linear_num_heads=2,
+                                          linear_head_dim=16, num_local_experts=4, num_experts_per_tok=2, n_group=1,
+                                          topk_group=1, n_shared_experts=1, mlp_layer_types=["dense"] * 4)),
 })
 
 
@@ -77,6 +81,9 @@ NEMOTRON_KINDS = {
                          mamba_num_heads=6, mamba_head_dim=12, n_groups=3, ssm_state_size=8, conv_kernel=3,
                          use_bias=True, tie_word_embeddings=True, n_routed_experts=8, num_experts_per_tok=2,
                          n_group=2, topk_group=1, routed_scaling_factor=1.5),
+    # no MoE block: a stage that CUDA graphs can record
+    "nemotron_h_c": dict(hybrid_override_pattern="M*-MM-", num_attention_heads=4, num_key_value_heads=2,
+                         mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4),
 }
 
 

@@ -140,7 +140,9 @@ def _launch(x, dt, A, B, C, D, dt_bias, state, rows, scratch, bufs, verify, dt_l
         REPLAY=replay, RECORD=replay and verify,
     )
     if replay:
-        bufs.pending[rows] = 0
+        # one kernel, as KDA's (``pending[rows] = 0`` launches two: a device scalar's fill,
+        # then the index put)
+        bufs.pending.index_fill_(0, rows, 0)
     return y
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..family import ModelFamily
+from ..graphs import family_graphs
 from ..layers.common import RMSNorm
 from ..layers.mamba2 import MAMBA2
 from ..layers.rotary import Rotary, rope_frequencies
@@ -64,9 +65,14 @@ class HybridStageModel(nn.Module):
 
     layer_family = MAMBA2  # the recurrent layers' family (stage_server.family.LayerFamily)
     shared_kv = False
-    # the Mamba2 scan's torch path reads sequence bounds and pending counts on the host
-    # (and Granite's MoE groups tokens by expert there): eager steps only
-    capturable = False
+    # the Mamba2 prefill's chunked scan (plain torch on CUDA) reads sequence bounds on the host
+    prefill_capturable = False
+
+    @property
+    def capturable(self) -> bool:
+        """Decode / verify in CUDA graphs: with ``PPSPEC_FAMILY_GRAPHS=1``
+        (``graphs.family_graphs``) and no MoE (Granite's groups tokens by expert on the host)."""
+        return family_graphs() and not getattr(self.cfg, "num_experts", 0)
 
     def __init__(self, cfg, start: int, end: int, final_norm: str = "norm"):
         super().__init__()

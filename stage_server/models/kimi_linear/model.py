@@ -31,6 +31,7 @@ from ppspec.kernels.norm import sigmoid_gated_rms_norm
 
 from ...batch import PREFILL, VERIFY, BatchMeta, per_part
 from ...family import LayerState
+from ...graphs import family_graphs
 from ...layers.common import MLP, RMSNorm, fuse_linears
 from ...layers.kda import KDA
 from ...layers.moe import Experts, run_experts
@@ -252,9 +253,15 @@ class KimiStageModel(nn.Module):
     layer_family = KDA  # the recurrent layers' family (stage_server.family.LayerFamily)
     # the KV pool holds the MLA latent once, as keys and values alike
     shared_kv = True
-    # eager steps only: a prefill chunk runs fla's chunk_kda (host-side chunk offsets), and
-    # the MoE layers group tokens by expert on the host
-    capturable = False
+    # a prefill chunk runs fla's chunk_kda, which reads its chunk offsets on the host
+    prefill_capturable = False
+
+    @property
+    def capturable(self) -> bool:
+        """Decode / verify in CUDA graphs: with ``PPSPEC_FAMILY_GRAPHS=1``
+        (``graphs.family_graphs``) and no MoE layer in the stage (it groups tokens by expert
+        on the host)."""
+        return family_graphs() and not any(self.cfg.is_moe_layer(i) for i in range(self.start, self.end))
 
     @property
     def linear_layers(self) -> list[int]:

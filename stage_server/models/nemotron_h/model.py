@@ -21,6 +21,7 @@ from torch import nn
 
 from ...layers.attention import Attention
 from ...layers.common import RMSNorm
+from ...graphs import family_graphs
 from ...layers.mamba2 import MAMBA2, Mamba2Mixer
 from .config import NemotronHConfig
 
@@ -173,9 +174,15 @@ class NemotronHStageModel(nn.Module):
 
     layer_family = MAMBA2  # the recurrent layers' family (stage_server.family.LayerFamily)
     shared_kv = False
-    # the Mamba2 scan's torch path reads sequence bounds and pending counts on the host, and
-    # MoE blocks group tokens by expert there: eager steps only
-    capturable = False
+    # the Mamba2 prefill's chunked scan (plain torch on CUDA) reads sequence bounds on the host
+    prefill_capturable = False
+
+    @property
+    def capturable(self) -> bool:
+        """Decode / verify in CUDA graphs: with ``PPSPEC_FAMILY_GRAPHS=1``
+        (``graphs.family_graphs``) and no MoE block in the stage (it groups tokens by expert
+        on the host)."""
+        return family_graphs() and all(layer.kind != "moe" for layer in self.layers.values())
 
     @property
     def state_layers(self) -> list[int]:

@@ -1,0 +1,89 @@
+"""CUDA graphs of the Mamba2 hybrids' and Kimi Linear's decode and verify steps
+(``PPSPEC_FAMILY_GRAPHS=1``) on CUDA in fp32 (``make test-gpu``), for NemotronH, Falcon-H1
+and Kimi Linear checkpoints without MoE layers:
+
+- a graphed stage (captured at start, three requests replayed in the bucket of four) gives
+  the logits of every decode and verify step and the committed state after a commit of
+  the eager stage on the same GPU, both commit designs;
+- greedy tokens of PP2 with n-gram speculation through the graphs equal PP1 without
+  speculation run eagerly on CUDA (where they differ, only at a near-tie of the reference)."""
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ["nemotron_h_c", "falcon_h1_a", "kimi_dense_4l"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    sys.path.insert(0, TESTS)
+    from checkpoints import make_checkpoint
+
+    root = str(tmp_path_factory.mktemp("families"))
+    return {k: make_checkpoint(k, root) for k in KINDS}
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+
+
+@pytest.mark.parametrize("design", ["replay", "copy"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_graphed_decode_and_verify_equal_eager(ckpts, monkeypatch, kind, design):
+    _needs_cuda()
+    monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
+    from test_family_graphs import _steps
+
+    from ppspec.stage_server.runner import StageRunner
+
+    kw = dict(device="cuda", max_rows=6, num_speculative_steps=3, commit_design=design)
+    eager = StageRunner(ckpts[kind], cuda_graph_max_bs=0, **kw)
+    graphed = StageRunner(ckpts[kind], cuda_graph_max_bs=4, **kw)
+    assert all(graphed.graphs[m].graphs for m in ("decode", "verify"))  # captured
+    assert graphed.prefill_graphs is None and not eager.graphs
+    replays = []
+    for mode in ("decode", "verify"):
+        orig = graphed.graphs[mode].run
+        graphed.graphs[mode].run = lambda rows, *a, _o=orig, _m=mode: replays.append((_m, len(rows))) or _o(rows, *a)
+    prompts = [[5, 9, 2, 7, 7, 1], [3] * 9, [11, 4, 8]]
+    rows = [4, 0, 2]
+    want = _steps(eager, prompts, rows)
+    got = _steps(graphed, prompts, rows)
+    assert replays == [("decode", 3), ("verify", 3), ("decode", 3)]
+    steps = 4  # prefill, decode, verify, decode: their hidden states; then the state tensors
+    with torch.inference_mode():
+        for i, (a, b) in enumerate(zip(got, want)):
+            if i < steps:
+                a, b = graphed.model.logits(a), eager.model.logits(b)
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_graphed_ngram_pp2_tokens_equal_eager_pp1(ckpts, monkeypatch, kind):
+    _needs_cuda()
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    rnd = random.Random(0)
+    prompts = [[rnd.randrange(256) for _ in range(n)] for n in (5, 17, 40, 70)]
+    prompts[0] = (prompts[3][:6] * 20)[:100]  # repetitive: the n-gram drafter finds drafts
+    monkeypatch.delenv("PPSPEC_FAMILY_GRAPHS", raising=False)
+    ref = LLM(ckpts[kind], device="cuda", max_rows=8).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2))
+    monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
+    llm = LLM(ckpts[kind], device="cuda", pp_size=2, speculative_algorithm="ngram", max_rows=8)
+    assert all(r.graphs["verify"].graphs for r in llm.pipeline.runners)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert any(a > 1 for o in outs for a in o.accept_lengths)  # drafts were accepted
+    for o, r in zip(outs, ref):
+        if o.token_ids != r.token_ids:
+            j = next(j for j, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b)
+            gap = r.logprobs[j].top[0][1] - r.logprobs[j].top[1][1]
+            assert gap < 1e-4, f"divergence at {j} where the reference's top-2 gap is {gap}"

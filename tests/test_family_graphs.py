@@ -1,0 +1,82 @@
+"""The Mamba2 hybrids and Kimi Linear through the CUDA graphs' padded decode / verify path
+(``stage_server.graphs.StepGraphs``, run eagerly on the CPU: ``capture=False``) with
+``PPSPEC_FAMILY_GRAPHS=1``: the hidden states of every decode and verify step and the
+committed state after a commit equal the unpadded eager forward's, three requests at rows
+that are not batch positions padded to the bucket of four; a stage with MoE layers, and
+every stage without the switch, stays eager."""
+import pytest
+import torch
+
+from ppspec.proto.messages import StepInput
+from ppspec.stage_server.runner import StageRunner
+
+KINDS = ["nemotron_h_c", "falcon_h1_a", "granite_b", "bamba_a", "kimi_dense_4l"]
+
+
+def _steps(r: StageRunner, prompts: list[list[int]], rows: list[int]) -> list[torch.Tensor]:
+    """Prefill, decode, a verify of D = 4, its commit (accept lengths 4, 1, 2), a decode:
+    each step's hidden states ``[T, hidden]``, then every state tensor of the pool at ``rows``
+    (the replay design's pending steps applied)."""
+    B = len(rows)
+    seq = [len(p) for p in prompts]
+    out = []
+
+    def run(rnd, mode, ext, ids, **kw):
+        out.append(r.forward_hidden(StepInput(0, rnd, mode, rows, list(seq), [ext] * B, ids, **kw))[1].clone())
+
+    out.append(r.forward_hidden(StepInput(0, 0, "prefill", rows, [0] * B, seq, sum(prompts, [])))[1].clone())
+    run(1, "decode", 1, [7, 3, 11])
+    seq = [s + 1 for s in seq]
+    run(2, "verify", 4, [5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4], num_drafts=[3, 3, 3])
+    acc = [4, 1, 2]
+    r.commit_accept(0, 2, rows, acc)
+    seq = [s + a for s, a in zip(seq, acc)]
+    run(3, "decode", 1, [13, 14, 15])
+    idx = torch.tensor(rows, device=r.device)
+    if r.state.replay is not None:  # the pending steps applied, as before a snapshot
+        for i in range(len(r.model.state_layers)):
+            r.model.layer_family.flush(r.state.layer(i), idx)
+    out += [t[:, idx].clone() for t in r.state.state.values()]
+    return out
+
+
+@pytest.mark.parametrize("design", ["replay", "copy"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, kind, design):
+    torch.set_num_threads(1)
+    monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
+    path = make_ckpt(kind)
+    runners = {n: StageRunner(path, max_rows=6, num_speculative_steps=3, cuda_graph_max_bs=n, commit_design=design)
+               for n in (0, 4)}
+    g = runners[4]
+    assert not runners[0].graphs and set(g.graphs) == {"decode", "verify"}
+    assert g.prefill_graphs is None  # their prefill reads sequence bounds on the host: eager
+    assert g.graphs["decode"].bucket(3) == 4  # three requests and one padding entry
+    runs = []
+    for mode in ("decode", "verify"):
+        orig = g.graphs[mode].run
+        g.graphs[mode].run = lambda rows, *a, _o=orig, _m=mode: runs.append((_m, len(rows))) or _o(rows, *a)
+    prompts = [[5, 9, 2, 7, 7, 1], [3] * 9, [11, 4, 8]]
+    rows = [4, 0, 2]
+    want = _steps(runners[0], prompts, rows)
+    got = _steps(g, prompts, rows)
+    assert runs == [("decode", 3), ("verify", 3), ("decode", 3)]
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h_a", "kimi_moe_5l", "granite_a"])
+def test_a_stage_with_moe_layers_stays_eager(make_ckpt, monkeypatch, kind):
+    monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
+    r = StageRunner(make_ckpt(kind), max_rows=2, num_speculative_steps=1, cuda_graph_max_bs=2)
+    assert not r.model.capturable and not r.graphs and r.prefill_graphs is None
+
+
+def test_without_the_switch_the_families_stay_eager(make_ckpt, monkeypatch):
+    monkeypatch.delenv("PPSPEC_FAMILY_GRAPHS", raising=False)
+    r = StageRunner(make_ckpt("falcon_h1_a"), max_rows=2, num_speculative_steps=1, cuda_graph_max_bs=2)
+    assert not r.model.capturable and not r.graphs
+    monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="PPSPEC_FAMILY_GRAPHS must be 0 or 1, got 'yes'"):
+        StageRunner(make_ckpt("falcon_h1_a"), max_rows=2, cuda_graph_max_bs=2)

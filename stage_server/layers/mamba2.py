@@ -85,12 +85,15 @@ class Mamba2Mixer(nn.Module):
         self.norm = None if norm == GATE_ONLY else GroupGatedRMSNorm(
             self.inner, self.inner // self.g, cfg.rms_norm_eps, norm_before_gate=norm == NORM_THEN_GATE)
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.use_bias if out_bias is None else out_bias)
+        self.register_buffer("A", None, persistent=False)  # -exp(A_log) fp32, made by fuse_projections
 
     def fuse_projections(self) -> None:
         # the conv kernels load one tap of many channels at a time: tap-major in memory
         w = self.conv1d.weight
         self.conv1d.weight = nn.Parameter(w.detach().permute(2, 1, 0).contiguous().permute(2, 1, 0),
                                           requires_grad=w.requires_grad)
+        # the decay rate, the same for every step: computed once, not by two kernels per step
+        self.A = -torch.exp(self.A_log.detach().float())
 
     def forward(self, x: torch.Tensor, meta, st: LayerState) -> torch.Tensor:
         """x: ``[T, hidden]`` (normed). Returns ``[T, hidden]`` in x's dtype."""
@@ -114,7 +117,7 @@ class Mamba2Mixer(nn.Module):
             xbc = causal_conv1d_update(xbc.reshape(Bs, D, -1), weight, bias, st.conv, meta.rows, scratch).reshape(T, -1)
         xs, B, C = torch.split(xbc, [self.inner, self.g * self.n, self.g * self.n], dim=-1)
         xs, B, C = xs.reshape(T, self.h, self.p), B.reshape(T, self.g, self.n), C.reshape(T, self.g, self.n)
-        A = -torch.exp(self.A_log.float())
+        A = self.A
         if meta.mode == PREFILL:
             # replay design: the stage has applied a continuing row's pending steps and
             # dropped a new row's before this chunk (StageRunner._replay_before_prefill)

@@ -75,6 +75,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(self.dim, hidden, bias=False)
         self.register_buffer("in_proj_weight", None, persistent=False)
         self.register_buffer("conv_weight", None, persistent=False)
+        # fp32, made by fuse_projections: -exp(A_log) [H, 1] and dt_bias [H K]
+        self.register_buffer("neg_A", None, persistent=False)
+        self.register_buffer("dt_bias_f32", None, persistent=False)
 
     def fuse_projections(self) -> None:
         self.in_proj_weight, _ = fuse_linears(self.q_proj, self.k_proj, self.v_proj, self.b_proj,
@@ -84,13 +87,16 @@ class KimiDeltaAttention(nn.Module):
         # of many channels at a time
         conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         self.conv_weight = conv.t().contiguous().t()
+        # the gate's constants in fp32, once: not three kernels per layer and step
+        self.neg_A = -self.A_log.detach().float().view(self.h, 1).exp()
+        self.dt_bias_f32 = self.dt_bias.detach().float()
 
     def forward(self, x: torch.Tensor, meta, st: LayerState) -> torch.Tensor:
         """x: ``[T, hidden]`` (normed). Returns ``[T, hidden]`` in x's dtype."""
         T = x.shape[0]
         mixed, b, fa, ga = torch.split(F.linear(x, self.in_proj_weight), [3 * self.dim, self.h, self.dk, self.dk], -1)
-        g = (self.f_b_proj(fa).float() + self.dt_bias.float()).view(T, self.h, self.dk)
-        g = -self.A_log.float().view(self.h, 1).exp() * F.softplus(g)  # softplus: x past 20 as transformers
+        g = (self.f_b_proj(fa).float() + self.dt_bias_f32).view(T, self.h, self.dk)
+        g = self.neg_A * F.softplus(g)  # softplus: x past 20 as transformers
         beta = torch.sigmoid(b)
         o = per_part(meta, lambda m, *xs: self._mix(m, st, *xs), mixed, g, beta)
         o = sigmoid_gated_rms_norm(o, self.g_b_proj(ga).view(T, self.h, self.dk), self.o_norm.weight, self.o_norm.eps)

@@ -131,14 +131,16 @@ def stage_devices(device: str, n: int, spread_cuda: bool = True) -> list[str]:
     return [device] * n
 
 
-DATA_PLANES = ("auto", "shm", "cuda_ipc", "bytes")
+DATA_PLANES = ("auto", "shm", "cuda_ipc", "dist", "bytes")
 
 
 def add_data_plane_arg(ap) -> None:
     """``--data-plane`` of ``ppspec stage`` and ``ppspec serve`` (stage_server/dataplane.py)."""
     ap.add_argument("--data-plane", default="auto", choices=DATA_PLANES,
                     help="how hidden states go to the next stage: auto (shm between CPU stages, cuda_ipc between "
-                         "CUDA stages, of one host), shm, cuda_ipc, or bytes (inline in the gRPC message); a hop "
+                         "CUDA stages, of one host; dist to a stage on another host), shm, cuda_ipc, dist "
+                         "(torch.distributed point-to-point: gloo on CPU, NCCL on CUDA), or bytes (inline in the "
+                         "gRPC message); a hop "
                          "the next stage cannot take that way falls back to bytes (Info, the log and the router's "
                          "/health say so)")
 

@@ -344,7 +344,7 @@ class StageInfo(TypedDict, total=False):
     owner_router_id: str        # the router that last claimed the stage
     not_serving: str            # why it takes no step now ("" when it does)
     replaced: bool              # another router's claim took the stage from the asking one
-    transport: str              # data plane to the next stage: "shm", "cuda_ipc", "bytes" ("" on the last)
+    transport: str              # data plane to the next stage: "shm", "cuda_ipc", "dist", "bytes" ("" on the last)
     transport_detail: str       # why "bytes" where the stage asked for another
     snapshot_slots: int         # prefix-cache snapshot slots of the stage
     snapshots_in_use: int

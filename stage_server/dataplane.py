@@ -1,7 +1,7 @@
 """The stage-to-stage data plane: how a stage hands its hidden states to the next one.
 
 The gRPC ``StepRequest`` always carries the micro-batch's control data; the hidden states
-``[T, hidden]`` travel one of three ways, agreed by ``AttachDataPlane`` when the next
+``[T, hidden]`` travel one of four ways, agreed by ``AttachDataPlane`` when the next
 stage is first reached and again whenever it restarted:
 
 - ``shm`` (CPU stages on one host): the sender copies the tensor into a POSIX
@@ -10,6 +10,9 @@ stage is first reached and again whenever it restarted:
 - ``cuda_ipc`` (CUDA stages on one host): the slot's payload is a device buffer exported by
   CUDA IPC; the sender records an interprocess event after its copy, the receiver's stream
   waits for it before copying the tensor out (device to device).
+- ``dist`` (stages on different hosts; ``dataplane_dist.py``): ``torch.distributed``
+  point-to-point in a 2-rank group per link, gloo between CPU stages, NCCL between CUDA
+  stages; a header message before each tensor, checked as the slots' header is.
 - ``bytes`` (anything else, and the fallback): the tensor inline in
   ``StepRequest.hidden_states``.
 
@@ -79,7 +82,8 @@ def host_id() -> str:
 
 def choose(requested: str, device: str) -> str:
     """The transport a stage on ``device`` offers its next stage for ``--data-plane
-    requested`` (``auto``: ``cuda_ipc`` from a CUDA stage, ``shm`` from a CPU stage)."""
+    requested`` (``auto``: ``cuda_ipc`` from a CUDA stage, ``shm`` from a CPU stage, and
+    ``dist`` instead where the next stage is on another host: ``AttachRequest.dist_if_remote``)."""
     if requested != "auto":
         return requested
     return "cuda_ipc" if str(device).startswith("cuda") else "shm"
@@ -335,6 +339,9 @@ class _Inbox:
         self.segments: dict[int, Segment] = {}
         self.cuda: dict[int, tuple[tuple, torch.Tensor, object]] = {}  # slot -> (handle key, buffer, event)
 
+    def close(self) -> None:
+        pass  # the mappings go with the last reference
+
 
 class Receiver:
     """Receiver side of the data plane: the links of senders that attached, and reading
@@ -350,17 +357,50 @@ class Receiver:
         self.inboxes: dict[str, _Inbox] = {}
         self.lock = threading.Lock()
 
-    def attach(self, req: "pb.AttachRequest") -> tuple[str, str]:
-        """Answer a sender's offer: ``(transport, why "bytes" if not the offer)``, the why
-        worded for the sender's Info and log. The
-        offer stands only if the sender is on this host and the probe slot opens here and
-        holds the nonce; then the sender's earlier link (if any) is replaced."""
+    def attach(self, req: "pb.AttachRequest", peer_host: str = "127.0.0.1") -> "pb.AttachReply":
+        """Answer a sender's offer: the transport agreed and, where it is "bytes" but the
+        offer was another, why (worded for the sender's Info and log). A slot offer stands
+        only if the sender is on this host and the probe slot opens here and holds the
+        nonce; from another host it becomes ``dist`` where the sender allows
+        (``dist_if_remote``). ``dist``: a fresh group, its store's port in the reply
+        (``peer_host``: the sender's address, as its call came). The sender's earlier link
+        (if any) is replaced."""
         offer = req.transport
+        remote = req.host_id.rsplit("/", 1)[-1] != self.host.rsplit("/", 1)[-1]
+        if offer in ("shm", "cuda_ipc") and remote and req.dist_if_remote:
+            offer = "dist"
         if offer == "bytes":
-            return "bytes", ""
+            return pb.AttachReply(transport="bytes")
+        if offer == "dist":
+            return self._attach_dist(req, peer_host)
+        transport, detail = self._attach_slots(req, offer, remote)
+        return pb.AttachReply(transport=transport, detail=detail)
+
+    def _attach_dist(self, req, peer_host: str) -> "pb.AttachReply":
+        from .dataplane_dist import DistInbox  # torch.distributed only where a hop uses it
+
+        try:
+            inbox = DistInbox(req.sender_id, req.dist_backend, self.device, peer_host)
+        except Exception as e:  # noqa: BLE001 - no store, another backend: bytes, and why
+            return pb.AttachReply(transport="bytes", detail=f"the next stage cannot host a dist link: {e}")
+        self._keep(req.sender_id, inbox)
+        return pb.AttachReply(transport="dist", store_port=inbox.port)
+
+    def _keep(self, sender_id: str, inbox) -> None:
+        """``inbox`` is ``sender_id``'s link from now on (its earlier one closed)."""
+        with self.lock:
+            dropped = [self.inboxes.pop(sender_id, None)]
+            self.inboxes[sender_id] = inbox
+            while len(self.inboxes) > MAX_SENDERS:
+                dropped.append(self.inboxes.pop(next(iter(self.inboxes))))
+        for old in dropped:
+            if old is not None:
+                old.close()
+
+    def _attach_slots(self, req, offer: str, remote: bool) -> tuple[str, str]:
         if offer not in ("shm", "cuda_ipc"):
             return "bytes", f"the next stage knows no transport {offer!r}"
-        if req.host_id.rsplit("/", 1)[-1] != self.host.rsplit("/", 1)[-1]:
+        if remote:
             return "bytes", f"the next stage is on another host ({self.host}; this stage is on {req.host_id})"
         if offer == "cuda_ipc" and not self.device.startswith("cuda"):
             return "bytes", f"the next stage runs on {self.device}, not on a CUDA device"
@@ -373,11 +413,7 @@ class Receiver:
         except Exception as e:  # noqa: BLE001 - whatever fails here, the hop goes as bytes and says why
             return "bytes", (f"the next stage cannot open this stage's {offer} buffer: {e} (do the stages share "
                              f"/dev/shm, or for CUDA IPC the IPC namespace? see deploy/README.md)")
-        with self.lock:
-            self.inboxes.pop(req.sender_id, None)
-            self.inboxes[req.sender_id] = inbox
-            while len(self.inboxes) > MAX_SENDERS:
-                del self.inboxes[next(iter(self.inboxes))]
+        self._keep(req.sender_id, inbox)
         return offer, ""
 
     def read(self, ref: "pb.TensorRef", micro_batch_id: int, round_: int) -> torch.Tensor:
@@ -397,6 +433,8 @@ class Receiver:
         if inbox is None:
             raise NotAttachedError(f"hidden_ref: no data-plane link from stage instance {ref.sender_id!r}; "
                                    f"it must attach first (AttachDataPlane)")
+        if inbox.transport == "dist":
+            return inbox.read(ref, micro_batch_id, round_)
         try:
             return self._read(inbox, ref, micro_batch_id, round_)
         except OSError as e:

@@ -4,7 +4,8 @@ Compute runs on one worker thread, off the event loop, in the order this server 
 it. A non-last stage relays each step to the next stage with its hidden states and
 returns the next stage's answer, so activations go stage to stage and the last stage's
 result travels back up the chain to the router. The hidden states travel on the data plane
-agreed with the next stage (``dataplane.py``: shared memory, CUDA IPC, or inline bytes).
+agreed with the next stage (``dataplane.py``: shared memory, CUDA IPC, torch.distributed
+point-to-point between hosts, or inline bytes).
 
 **Ordering.** ``CommitAccept(mb, r)`` and ``Verify(mb, r + 1)`` come from different
 senders (the router, the previous stage) and may arrive in either order. A verify marks
@@ -47,6 +48,7 @@ from ppspec.proto.stream import StepStream, serve_steps
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from . import dataplane
+from .dataplane_dist import DistLink, backend_for, peer_host
 from .config import CheckpointError
 from .pools import PoolExhaustedError
 from .rounds import SampledRounds
@@ -114,6 +116,7 @@ class StageServicer(pb_grpc.StageServicer):
         # data plane: what this stage offers its next stage, the link agreed (bytes until the
         # attach), and the links of the stages that send to this one
         self.data_plane = dataplane.choose(data_plane, str(runner.device))
+        self.dist_if_remote = data_plane == "auto"  # a slot transport's offer turns dist across hosts
         self.link = dataplane.BytesLink()
         self.transport_detail = ""
         self.receiver = dataplane.Receiver(str(runner.device))
@@ -316,11 +319,11 @@ class StageServicer(pb_grpc.StageServicer):
             return out, dataplane.BytesLink().put(out.hidden_states, inp.micro_batch_id, inp.round)
 
     async def AttachDataPlane(self, request: pb.AttachRequest, context):
-        transport, detail = await self._compute(self.receiver.attach, request)
-        level = logging.INFO if not detail else logging.WARNING
+        reply = await self._compute(self.receiver.attach, request, peer_host(context.peer()))
+        level = logging.INFO if not reply.detail else logging.WARNING
         log.log(level, "stage %d: the previous stage (instance %s) offered %s: %s%s", self.runner.pp_rank,
-                request.sender_id, request.transport, transport, f" ({detail})" if detail else "")
-        return pb.AttachReply(transport=transport, detail=detail)
+                request.sender_id, request.transport, reply.transport, f" ({reply.detail})" if reply.detail else "")
+        return reply
 
     async def attach_next(self) -> None:
         """Agree on the data plane with the next stage (at start, and whenever it is a new
@@ -331,9 +334,10 @@ class StageServicer(pb_grpc.StageServicer):
             grpc.aio.AioRpcError: the next stage did not answer (try again later).
         """
         rank, offer = self.runner.pp_rank, self.data_plane
-        req = pb.AttachRequest(sender_id=self.instance_id, host_id=dataplane.host_id(), transport=offer)
+        req = pb.AttachRequest(sender_id=self.instance_id, host_id=dataplane.host_id(), transport=offer,
+                               dist_if_remote=self.dist_if_remote, dist_backend=backend_for(self.runner.device))
         link, probe, transport, detail = dataplane.BytesLink(), None, "bytes", ""
-        if offer != "bytes":
+        if offer in ("shm", "cuda_ipc"):
             try:
                 link = dataplane.SlotLink(offer, self.instance_id, str(self.runner.device))
                 probe, req.nonce = await self._compute(dataplane.make_probe, link)
@@ -341,9 +345,10 @@ class StageServicer(pb_grpc.StageServicer):
             except Exception as e:  # noqa: BLE001 - no shared memory here, no IPC export: bytes, and why
                 link.close()
                 link, req.transport, detail = dataplane.BytesLink(), "bytes", f"this stage cannot export {offer}: {e}"
+        store_port = 0
         try:
             reply = await self._next.AttachDataPlane(req, timeout=10.0)
-            transport, detail = reply.transport, detail or reply.detail
+            transport, detail, store_port = reply.transport, detail or reply.detail, reply.store_port
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                 link.close()
@@ -351,14 +356,20 @@ class StageServicer(pb_grpc.StageServicer):
             detail = "the next stage has no data plane (an older ppspec)"
         if probe is not None:
             link.done(probe, answered=True)
-        if transport != offer:
+        if transport != link.transport:
             link.close()
             link = dataplane.BytesLink()
+        if transport == "dist":  # the next stage hosts the group's store: join it
+            try:
+                link = await self._compute(DistLink, self.instance_id, str(self.runner.device),
+                                           peer_host(self.next_stage), store_port)
+            except Exception as e:  # noqa: BLE001 - no route, no NCCL: bytes, and why
+                transport, detail = "bytes", f"this stage cannot join the next stage's dist group: {e}"
         old, self.link, self.transport_detail = self.link, link, detail
         old.close()
         if detail:
             log.warning("stage %d: data plane to stage %d at %s: bytes (fell back from %s: %s)", rank, rank + 1,
-                        self.next_stage, offer, detail)
+                        self.next_stage, "dist" if store_port else offer, detail)
         else:
             log.info("stage %d: data plane to stage %d at %s: %s", rank, rank + 1, self.next_stage, transport)
 

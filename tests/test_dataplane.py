@@ -18,6 +18,10 @@ from ppspec.proto.stubs import pb
 from ppspec.stage_server import dataplane as dp
 
 
+def agreed(reply: pb.AttachReply) -> tuple[str, str]:
+    return reply.transport, reply.detail
+
+
 def ours(link: dp.SlotLink) -> list[str]:
     """This link's segments still in /dev/shm."""
     return [n for n in os.listdir(dp.SHM_DIR) if n.startswith(f"{dp.PREFIX}{os.getpid()}-{link.sender_id}-")]
@@ -30,7 +34,7 @@ def link_and_receiver():
     probe, nonce = dp.make_probe(link)
     req = pb.AttachRequest(sender_id=link.sender_id, host_id=dp.host_id(), transport="shm", probe=probe.ref,
                            nonce=nonce)
-    assert rx.attach(req) == ("shm", "")
+    assert agreed(rx.attach(req)) == ("shm", "")
     link.done(probe, answered=True)
     yield link, rx
     link.close()
@@ -110,17 +114,17 @@ def test_attach_falls_back_to_bytes_and_says_why(link_and_receiver):
     link, rx = link_and_receiver
     probe, nonce = dp.make_probe(link)
     base = dict(sender_id="x", host_id=dp.host_id(), probe=probe.ref, nonce=nonce)
-    assert rx.attach(pb.AttachRequest(**{**base, "host_id": "elsewhere/1"}, transport="shm")) == (
+    assert agreed(rx.attach(pb.AttachRequest(**{**base, "host_id": "elsewhere/1"}, transport="shm"))) == (
         "bytes", f"the next stage is on another host ({dp.host_id()}; this stage is on elsewhere/1)")
-    assert rx.attach(pb.AttachRequest(**base, transport="cuda_ipc"))[1] == "the next stage runs on cpu, not on a CUDA device"
-    assert rx.attach(pb.AttachRequest(**{**base, "nonce": b"wrong"}, transport="shm"))[0] == "bytes"
-    assert rx.attach(pb.AttachRequest(**base, transport="bytes")) == ("bytes", "")
+    assert rx.attach(pb.AttachRequest(**base, transport="cuda_ipc")).detail == "the next stage runs on cpu, not on a CUDA device"
+    assert rx.attach(pb.AttachRequest(**{**base, "nonce": b"wrong"}, transport="shm")).transport == "bytes"
+    assert agreed(rx.attach(pb.AttachRequest(**base, transport="bytes"))) == ("bytes", "")
     assert "x" not in rx.inboxes
     # another container of this host: another hostname, the same kernel; the probe decides
     probe2, nonce2 = dp.make_probe(link)  # (the wrong nonce's attach mapped and unlinked the first)
     same_kernel = "container-b/" + dp.host_id().rsplit("/", 1)[1]
-    assert rx.attach(pb.AttachRequest(sender_id="x", host_id=same_kernel, probe=probe2.ref, nonce=nonce2,
-                                      transport="shm")) == ("shm", "")
+    assert agreed(rx.attach(pb.AttachRequest(sender_id="x", host_id=same_kernel, probe=probe2.ref, nonce=nonce2,
+                                             transport="shm"))) == ("shm", "")
     link.done(probe, answered=True)
 
 

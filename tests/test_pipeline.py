@@ -250,12 +250,13 @@ def _mapped_segments(pid) -> int:
 
 def test_each_hop_on_its_data_plane_and_no_segment_left(random_ref, tmp_path):
     """PP4 with a hop per transport: 0 -> 1 shared memory, 1 -> 2 inline bytes (``--data-plane
-    bytes``), 2 -> 3 falls back to bytes (stage 3 acts as if on another host). Greedy tokens
+    bytes``), 2 -> 3 falls back to bytes (stage 3 acts as if on another host, and stage 2 asks
+    for ``--data-plane shm``, not ``auto``, which would go ``dist``). Greedy tokens
     are PP1's; Info, the router's /health and the stage log say how each hop runs. The
     stages map their slots while /dev/shm lists none (unlinked once mapped), and none is
     left after they stop."""
     path, prompts, ref, gaps = random_ref
-    with Cluster(path, 4, "mtp", log_dir=str(tmp_path), data_plane=[None, "bytes", None, None],
+    with Cluster(path, 4, "mtp", log_dir=str(tmp_path), data_plane=[None, "bytes", "shm", None],
                  stage_env={3: {"PPSPEC_HOST_ID": "elsewhere/1"}}) as c:
         outs = complete(c.url, prompts[:8], max_tokens=32)
         infos = c.wait_rows_free()
@@ -276,6 +277,38 @@ def test_each_hop_on_its_data_plane_and_no_segment_left(random_ref, tmp_path):
         assert _segments(pids) == []
     real, _ = divergences(outs, ref[:8], gaps[:8])
     assert not real, real
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_stages_on_several_hosts_go_dist_and_a_restarted_stage_rejoins(random_ref, pp, tmp_path):
+    """PP2 and PP3 with ngram, each stage acting as if on a host of its own (``PPSPEC_HOST_ID``):
+    under ``--data-plane auto`` every hop goes ``dist`` (a gloo group over loopback,
+    stage_server/dataplane_dist.py), concurrent requests give PP1's greedy tokens, and Info,
+    /health and the log say so. The last stage is killed and started again: the stage
+    before it attaches to the new process on a fresh group and the same prompts give the
+    same tokens."""
+    path, prompts, ref, gaps = random_ref
+    hosts = {k: {"PPSPEC_HOST_ID": f"host{k}/{k}"} for k in range(pp)}
+    last, before = f"stage{pp - 1}", pp - 2
+    with Cluster(path, pp, "ngram", log_dir=str(tmp_path), stage_env=hosts) as c:
+        outs = complete(c.url, prompts[:8], max_tokens=32)
+        infos = c.wait_rows_free()
+        assert [(i.transport, i.transport_detail) for i in infos] == [("dist", "")] * (pp - 1) + [("", "")]
+        assert "data plane: dist" in httpx.get(c.url + "/health", timeout=5).text
+        c.kill(last)
+        c.procs[last].wait(10)
+        wait_health(c.url, 503, "is not serving", timeout=30)
+        c.start_stage(pp - 1)
+        wait_health(c.url, 200, "data plane: dist", timeout=90)
+        again = complete(c.url, prompts[:8], max_tokens=32)
+        infos = c.wait_rows_free()
+        assert [(i.transport, i.transport_detail) for i in infos] == [("dist", "")] * (pp - 1) + [("", "")]
+        with open(tmp_path / f"stage{before}.log") as f:
+            attached = f": data plane to stage {pp - 1} at 127.0.0.1:{c.stage_ports[pp - 1]}: dist"
+            assert f.read().count(attached) == 2
+    for o in (outs, again):
+        real, _ = divergences(o, ref[:8], gaps[:8])
+        assert not real, real
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])

@@ -625,6 +625,45 @@ def test_a_data_plane_tensor_that_does_not_match_its_step_is_refused(st, change,
         link.close()
 
 
+@pytest.mark.parametrize("change,fragment", [
+    (dict(shape=[10, 2 * HIDDEN]), "shape [20, 64] in the header, [10, 128] in the step"),
+    (dict(dtype="float16"), "dtype float32 in the header, 'float16' in the step"),
+    (dict(micro_batch_id=2), "micro-batch 1 round 1 in the header, micro-batch 2 round 1 in the step"),
+])
+def test_a_dist_data_plane_tensor_that_does_not_match_its_step_is_refused(st, change, fragment):
+    """The same over ``dist`` (a gloo group with stage 1, as a stage on another host would
+    build): a tensor whose header disagrees with its step is refused by stage 1
+    (INVALID_ARGUMENT) before anything changes, and the true step then reads it."""
+    import torch
+
+    from ppspec.stage_server import dataplane_dist as dd
+    from test_dataplane import tampered
+
+    sender = "dist" + os.urandom(3).hex()
+    reply = st.s1.AttachDataPlane(pb.AttachRequest(sender_id=sender, host_id="elsewhere/1", transport="dist",
+                                                   dist_backend="gloo"), timeout=TIMEOUT)
+    assert (reply.transport, reply.detail) == ("dist", "")
+    link = dd.DistLink(sender, "cpu", "127.0.0.1", reply.store_port)
+    try:
+        sent = link.put(torch.randn(20, HIDDEN), 1, 1)  # for prefill([0]): micro-batch 1, round 1
+
+        def step(**change):
+            m = step_to_pb(prefill([0]))
+            for k in ("micro_batch_id", "round"):
+                if k in change:
+                    setattr(m, k, change.pop(k))
+            m.hidden_ref.CopyFrom(tampered(sent.ref, **change))
+            return m
+
+        expect(call(st.s1.Forward, step(**change)), INV, "stage 1: hidden_ref", fragment)
+        assert st.state() == [(0, 0, 0), (0, 0, 0)]
+        expect(call(st.s1.Forward, step()), "OK")
+        assert st.state()[1][0] == 1  # stage 1 holds the row
+        expect(call(st.s1.Release, pb.ReleaseRequest(req_pool_indices=[0])), "OK")
+    finally:
+        link.close()
+
+
 def test_a_stage_whose_data_plane_link_was_pushed_out_attaches_again(st):
     """Stage 1 keeps the links of its last MAX_SENDERS senders: four others attaching push
     stage 0's out. Stage 0's next step is refused (FAILED_PRECONDITION, stage 0 undoes its

@@ -126,7 +126,8 @@ def test_cuda_ipc_hop_between_two_processes():
         probe, nonce, host = parent.recv()
         req = pb.AttachRequest(sender_id="gpuchild", host_id=host, transport="cuda_ipc",
                                probe=pb.TensorRef.FromString(probe), nonce=nonce)
-        assert rx.attach(req) == ("cuda_ipc", "")
+        reply = rx.attach(req)
+        assert (reply.transport, reply.detail) == ("cuda_ipc", "")
         parent.send("ok")
         for i, shape in enumerate(shapes):
             ref = pb.TensorRef.FromString(parent.recv())

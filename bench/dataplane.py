@@ -3,10 +3,12 @@
 A receiver process serves ``Forward`` the way a stage takes its hidden states (inline
 bytes decoded by ``proto.codec`` and moved to its device, or a ``TensorRef`` read by
 ``stage_server.dataplane.Receiver``) and answers once the tensor is on its device; this
-process sends each tensor the way a stage relays one (``BytesLink`` or ``SlotLink.put``, the
-gRPC call, the slot given back). Prints the median milliseconds per hop and the effective
-GB/s of each size and transport; no model runs, so what is left is the data plane's own
-cost. ``--device cuda:0``: both processes on that GPU, ``cuda_ipc`` against bytes.
+process sends each tensor the way a stage relays one (``BytesLink``, ``SlotLink.put`` or
+``DistLink.put``, the gRPC call, the slot given back). Prints the median milliseconds per hop
+and the effective GB/s of each size and transport; no model runs, so what is left is the
+data plane's own cost. On the CPU: bytes, ``shm`` and ``dist`` (gloo over loopback, as
+between hosts). ``--device cuda:0``: both processes on that GPU, ``cuda_ipc`` against bytes
+(``dist`` would be NCCL, which refuses two ranks on one GPU).
 """
 from __future__ import annotations
 
@@ -46,8 +48,7 @@ async def _serve(port: int, device: str) -> None:
             return pb.StepResult(micro_batch_id=request.micro_batch_id, stage_seconds=[float(h.shape[0])])
 
         async def AttachDataPlane(self, request, context):
-            transport, detail = rx.attach(request)
-            return pb.AttachReply(transport=transport, detail=detail)
+            return rx.attach(request, "127.0.0.1")
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_StageServicer_to_server(Sink(), server)
@@ -74,10 +75,18 @@ async def _measure(port: int, iters: int, device: str) -> list[tuple[str, str, f
                                                             transport=shm.transport, probe=probe.ref, nonce=nonce))
         assert reply.transport == shm.transport, reply.detail
         shm.done(probe, answered=True)
+        links = [dp.BytesLink(), shm]
+        if device == "cpu":
+            from ppspec.stage_server.dataplane_dist import DistLink
+
+            reply = await stub.AttachDataPlane(pb.AttachRequest(sender_id="bench-dist", host_id="elsewhere/1",
+                                                                transport="dist", dist_backend="gloo"))
+            assert reply.transport == "dist", reply.detail
+            links.append(await asyncio.to_thread(DistLink, "bench-dist", device, "127.0.0.1", reply.store_port))
         try:
             for name, (tokens, hidden, dtype) in SIZES.items():
                 h = torch.randn(tokens, hidden).to(device=device, dtype=getattr(torch, dtype))
-                for link in (dp.BytesLink(), shm):
+                for link in links:
                     times = []
                     for i in range(iters + 2):  # the first two warm the slot and the channel
                         req = pb.StepRequest(micro_batch_id=i, round=i, mode="decode")
@@ -93,7 +102,8 @@ async def _measure(port: int, iters: int, device: str) -> list[tuple[str, str, f
                     ms = statistics.median(times[2:]) * 1e3
                     rows.append((name, link.transport, ms, h.numel() * h.element_size() / ms / 1e6))
         finally:
-            shm.close()
+            for link in links:
+                link.close()
     return rows
 
 
@@ -123,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, transport, ms, gbs in rows:
         print(f"{name:40s} {transport:>9s} {ms:9.3f} {gbs:7.2f}")
     by = {(n, t): ms for n, t, ms, _ in rows}
-    plane = rows[-1][1]
     for name in SIZES:
-        print(f"{name}: {plane} {by[(name, 'bytes')] / by[(name, plane)]:.1f}x faster than bytes")
+        print(f"{name}: " + ", ".join(f"{t} {by[(name, 'bytes')] / by[(name, t)]:.1f}x" for n, t, _, _ in rows
+                                      if n == name and t != "bytes") + " faster than bytes")
     return 0
 
 

@@ -1,6 +1,6 @@
 """``dist``: hidden states by ``torch.distributed`` point-to-point, for stages on different hosts.
 
-One 2-rank process group per link (the sender rank 0, the receiver rank 1), built directly
+A 2-rank process group per link (the sender rank 0, the receiver rank 1), built directly
 from a ``TCPStore`` the receiver hosts on a port it picks and answers in the attach
 (``AttachReply.store_port``; the sender dials it on the host of the next stage's gRPC address):
 ``ProcessGroupGloo`` between CPU stages, ``ProcessGroupNCCL`` between CUDA stages (NCCL over
@@ -12,9 +12,13 @@ Point-to-point messages arrive in the order they were sent, but steps can reach 
 receiver's compute thread in another order (async rounds, a verify that waits for its
 commit). So each tensor goes as two messages, a fixed-size header (seq, micro_batch_id,
 round, dtype, shape) and then the payload, and a thread per link receives continuously
-into a buffer keyed by seq; :meth:`DistInbox.read` (the compute thread) waits for the seq its
-step names and checks the header against the step's control data, as the slot transports do
-(a mismatch: :class:`DataPlaneError`, nothing changed).
+into a buffer keyed by seq. The headers always go through gloo (host memory: the receiving
+thread learns each payload's size without waiting on the device); between CUDA stages the
+payloads go through a second group, NCCL, device to device (as vLLM sends a tensor dict's
+metadata on its CPU group and the tensors on its device group). :meth:`DistInbox.read`
+(the compute thread) waits for the seq its step names and checks the header against the
+step's control data, as the slot transports do (a mismatch: :class:`DataPlaneError`,
+nothing changed).
 
 A broken link (the peer gone, a transport error) makes the next read raise
 :class:`NotAttachedError`: the sender then attaches again (a fresh group, or bytes).
@@ -69,21 +73,23 @@ def _local_address(peer_host: str) -> str:
         return s.getsockname()[0]
 
 
-def _group(store, rank: int, backend: str, device: torch.device, peer_host: str):
-    """The link's 2-rank process group. Gloo connects both ways here (blocks until the
-    peer joins); NCCL's communicator comes up at the first send / receive."""
-    timeout = datetime.timedelta(seconds=CONNECT_TIMEOUT)
+def _groups(store, rank: int, backend: str, device: torch.device, peer_host: str) -> tuple:
+    """The link's 2-rank process groups ``(headers, payloads)``: gloo for the headers (and
+    the payloads between CPU stages), NCCL for the payloads between CUDA stages. Gloo
+    connects both ways here (blocks until the peer joins); NCCL's communicator comes up at
+    the first send / receive."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=CONNECT_TIMEOUT)
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface else
+                     dist.ProcessGroupGloo.create_device(hostname=_local_address(peer_host))]
+    headers = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, 2, opts)
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        iface = os.environ.get("GLOO_SOCKET_IFNAME")
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface else
-                         dist.ProcessGroupGloo.create_device(hostname=_local_address(peer_host))]
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
+        return headers, headers
     torch.cuda.set_device(device)  # the NCCL communicator's device (this thread's current one)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = IDLE  # the watchdog must not end a receive that waits for the next step
-    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    nccl = dist.ProcessGroupNCCL.Options()
+    nccl._timeout = IDLE  # the watchdog must not end a receive that waits for the next step
+    return headers, dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, 2, nccl)
 
 
 def _header(seq: int, micro_batch_id: int, round_: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -116,23 +122,26 @@ class DistLink:
         self.sender_id, self.device = sender_id, torch.device(device)
         self.backend = backend_for(device)
         store = dist.TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT))
-        self.group = _group(store, 0, self.backend, self.device, host)
+        self.headers, self.payloads = _groups(store, 0, self.backend, self.device, host)
         self.seq = 0
         self._send(0, 0, 0, torch.zeros(1, device=self.device))  # the probe: NCCL connects here
         if self.backend == "nccl":
             torch.cuda.current_stream(self.device).synchronize()  # a communicator that cannot connect raises
 
     def _send(self, seq: int, micro_batch_id: int, round_: int, t: torch.Tensor) -> None:
-        group = self.group  # a re-attach may close this link meanwhile (on the event loop)
-        if group is None:
+        headers, payloads = self.headers, self.payloads  # a re-attach may close this link meanwhile
+        if headers is None:
             raise RuntimeError("the link was closed (the next stage restarted)")
-        head = _header(seq, micro_batch_id, round_, t.dtype, t.shape).to(self.device)
         wait = datetime.timedelta(seconds=SEND_TIMEOUT)
         # gloo: returns once the receiver has the bytes; NCCL: the current stream waits for the
-        # send (the tensors stay alive until then), the host goes on
-        group.send([head], 1, 0).wait(wait)
-        if t.numel():
-            group.send([t.reshape(-1).view(torch.uint8)], 1, 0).wait(wait)
+        # send (the tensor stays alive until then), the host goes on
+        head = headers.send([_header(seq, micro_batch_id, round_, t.dtype, t.shape)], 1, 0)
+        body = payloads.send([t.reshape(-1).view(torch.uint8)], 1, 0) if t.numel() else None
+        head.wait(wait)
+        if body is not None and self.backend == "nccl":
+            body.wait()  # with a timeout NCCL's wait would block the host too
+        elif body is not None:
+            body.wait(wait)
 
     def put(self, t: torch.Tensor, micro_batch_id: int, round_: int):
         """Send ``t`` to the next stage (on the compute thread, after the step that made it)."""
@@ -151,10 +160,10 @@ class DistLink:
         pass  # the receiver has its own copy once the send completed
 
     def close(self) -> None:
-        group, self.group = self.group, None
-        if group is not None and self.backend == "nccl":
-            group.abort()  # gloo closes its sockets when dropped; the receiver's thread then ends
-        del group
+        payloads, self.headers, self.payloads = self.payloads, None, None
+        if payloads is not None and self.backend == "nccl":
+            payloads.abort()  # gloo closes its sockets when dropped; the receiver's thread then ends
+        del payloads
 
 
 class DistInbox:
@@ -179,27 +188,24 @@ class DistInbox:
         self.got: dict[int, tuple] = {}
         self.last = 0  # the highest seq received
         self.error = ""  # why the link broke ("" while it works)
-        self.group = None
+        self.headers = self.payloads = None
         self.thread = threading.Thread(target=self._receive, args=(peer_host,), daemon=True,
                                        name=f"dist-from-{sender_id}")
         self.thread.start()
 
-    def _recv(self, t: torch.Tensor) -> None:
-        self.group.recv([t], 0, 0).wait(IDLE)
-
     def _receive(self, peer_host: str) -> None:
         try:
-            self.group = _group(self.store, 1, self.backend, self.device, peer_host)
+            self.headers, self.payloads = _groups(self.store, 1, self.backend, self.device, peer_host)
             while True:
-                head = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-                self._recv(head)
-                magic, seq, mb, rnd, code, ndim, *dims = head.tolist()  # NCCL: waits for the header
+                head = torch.empty(_HEADER_LEN, dtype=torch.int64)
+                self.headers.recv([head], 0, 0).wait(IDLE)
+                magic, seq, mb, rnd, code, ndim, *dims = head.tolist()
                 if magic != _MAGIC or code >= len(DTYPES) or ndim > 4:
                     raise DataPlaneError(f"the dist link from {self.sender_id} carried no tensor header")
                 dtype, shape = DTYPES[code], tuple(dims[:ndim])
                 buf = torch.empty(_payload_bytes(dtype, shape), dtype=torch.uint8, device=self.device)
-                if buf.numel():
-                    self._recv(buf)
+                if buf.numel():  # NCCL: this thread's stream waits for the receive, the host goes on
+                    self.payloads.recv([buf], 0, 0).wait(IDLE)
                 ready = None
                 if self.device.type == "cuda":  # the step's stream waits for this, not the host
                     ready = torch.cuda.Event()
@@ -264,5 +270,5 @@ class DistInbox:
             self.error = self.error or "closed"
             self.got.clear()
             self.cond.notify_all()
-        if self.group is not None and self.backend == "nccl":
-            self.group.abort()
+        if self.payloads is not None and self.backend == "nccl":
+            self.payloads.abort()

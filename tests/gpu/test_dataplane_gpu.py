@@ -2,7 +2,8 @@
 hidden states handed from stage to stage as device buffers exported by CUDA IPC (an
 interprocess event orders the receiver's copy after the sender's), fp32 greedy tokens
 identical to PP1 without speculation in one process (divergence only at near-ties of the
-reference, docs/DESIGN.md, "Correctness"). The same prompts over inline bytes give the same tokens."""
+reference, docs/DESIGN.md, "Correctness"). The same prompts over inline bytes give the same tokens.
+With two GPUs, the ``dist`` data plane (NCCL between a stage per GPU, as between hosts) too."""
 import asyncio
 import os
 import sys
@@ -142,6 +143,101 @@ def test_cuda_ipc_hop_between_two_processes():
             parent.send("ok")
         slots, free = parent.recv()
         assert slots == 1 and free == [0]  # one relay at a time: one slot, grown in place
+        parent.send("ok")
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0
+
+
+def needs_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL refuses two ranks on one GPU: the dist data plane needs two GPUs (nvidia-h200-x2)")
+
+
+@pytest.mark.parametrize("plane,env", [("dist", {}), ("auto", {"PPSPEC_HOST_ID": "elsewhere/1"})])
+def test_fp32_stages_on_two_gpus_over_nccl_identical_to_pp1(reference, plane, env, tmp_path):
+    """PP2 with a stage per GPU and the hop on ``dist`` (NCCL payloads, gloo headers;
+    stage_server/dataplane_dist.py): forced by ``--data-plane dist``, or chosen by ``auto``
+    with stage 1 acting as if on another host. fp32 greedy tokens are PP1's."""
+    needs_two_gpus()
+    prompts, ref, gaps = reference
+    c = Cluster(DEMO, 2, "none", max_rows=N, kv_tokens=16384, log_dir=str(tmp_path), data_plane=plane,
+                stage_env={0: {"CUDA_VISIBLE_DEVICES": "0"}, 1: {"CUDA_VISIBLE_DEVICES": "1", **env}},
+                stage_args=["--device", "cuda:0", "--dtype", "float32", "--memory-budget-gb", "12"],
+                router_args=["--step-timeout", "300"])
+    try:
+        c.start(timeout=600)
+        outs = asyncio.run(_complete(c.url, prompts))
+        infos = c.wait_rows_free()
+        assert [(i.transport, i.transport_detail) for i in infos] == [("dist", ""), ("", "")]
+        assert "data plane: dist" in httpx.get(c.url + "/health", timeout=5).text
+    finally:
+        c.stop()
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        if o != r:
+            j = next(j for j, (a, b) in enumerate(zip(o, r)) if a != b)
+            assert gaps[i][j] < TIE, f"request {i} diverges at {j} with top-2 gap {gaps[i][j]:.2e}"
+
+
+def _nccl_sender(conn, port, shapes):
+    """Child process: a dist link from cuda:1; each tensor filled by a kernel queued behind a
+    long matmul (an unordered receive would see stale data), all sent before the parent
+    reads any."""
+    import torch
+
+    try:
+        from ppspec.stage_server import dataplane_dist as dd
+    except ImportError:  # a bare checkout: map it as tests/gpu/conftest.py does
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        sys.path.insert(0, root)
+        import ppspec
+
+        ppspec.__path__.append(root)
+        from ppspec.stage_server import dataplane_dist as dd
+
+    link = dd.DistLink("ncclchild", "cuda:1", "127.0.0.1", port)
+    a = torch.randn(4096, 4096, device="cuda:1")
+    refs = []
+    for i, shape in enumerate(shapes):
+        busy = a @ a
+        t = torch.full(shape, float(i + 1), device="cuda:1") + busy[0, 0] * 0
+        refs.append(link.put(t, i, i).ref.SerializeToString())
+    conn.send(refs)
+    conn.recv()
+    link.close()
+
+
+def test_nccl_dist_hop_between_two_processes():
+    """The dist link alone between two processes on two GPUs: tensors read in the reverse
+    of their send order arrive with their values on the receiver's GPU, a mismatched shape
+    is refused and the tensor stays for its step."""
+    import multiprocessing as mp
+
+    from ppspec.proto.stubs import pb
+    from ppspec.stage_server import dataplane as dp
+
+    needs_two_gpus()
+    shapes = [(16, 256), (2048, 256), (8000, 2048), (1, 256)]
+    rx = dp.Receiver("cuda:0")
+    reply = rx.attach(pb.AttachRequest(sender_id="ncclchild", host_id="elsewhere/1", transport="dist",
+                                       dist_backend="nccl"))
+    assert (reply.transport, reply.detail) == ("dist", "")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_nccl_sender, args=(child, reply.store_port, shapes))
+    p.start()
+    try:
+        refs = [pb.TensorRef.FromString(r) for r in parent.recv()]
+        bad = pb.TensorRef.FromString(refs[0].SerializeToString())
+        bad.shape[0] += 1
+        with pytest.raises(dp.DataPlaneError, match="shape"):
+            rx.read(bad, 0, 0)
+        for i in reversed(range(len(shapes))):
+            got = rx.read(refs[i], i, i)
+            assert got.device == torch.device("cuda:0") and tuple(got.shape) == shapes[i]
+            assert bool((got == float(i + 1)).all()), f"tensor {i} read before it arrived"
         parent.send("ok")
     finally:
         p.join(60)

@@ -63,59 +63,113 @@ def tensor_from_pb(m: "pb.Tensor"):
         raise ValueError(f"tensor of dtype {m.dtype!r} cannot be decoded ({e})") from None
 
 
-def step_to_pb(s: StepInput) -> "pb.StepRequest":
+def _spec_to_pb(x: SamplingSpec) -> "pb.SamplingSpec":
+    return pb.SamplingSpec(
+        temperature=x.temperature, top_p=x.top_p, top_k=x.top_k, min_p=x.min_p, seed=x.seed,
+        logprobs=-1 if x.logprobs is None else x.logprobs, min_tokens=x.min_tokens,
+        banned_until_min=x.banned_until_min, presence_penalty=x.presence_penalty,
+        frequency_penalty=x.frequency_penalty,
+        **({} if x.repetition_penalty == 1.0 else {"repetition_penalty": x.repetition_penalty}),
+        output_token_ids=x.output_token_ids, output_token_counts=x.output_token_counts,
+        prompt_token_ids=x.prompt_token_ids, logit_bias_ids=x.logit_bias_ids,
+        logit_bias_values=x.logit_bias_values, grammar=x.grammar,
+        grammar_accepted_ids=x.grammar_accepted_ids,
+        **({} if x.prompt_logprobs is None else {"prompt_logprobs": x.prompt_logprobs}),
+        allowed_token_ids=x.allowed_token_ids, bad_word_ids=x.bad_word_ids, bad_word_lens=x.bad_word_lens,
+        recent_output_ids=x.recent_output_ids,
+    )
+
+
+def _spec_from_pb(x: "pb.SamplingSpec") -> SamplingSpec:
+    return SamplingSpec(
+        # an unset field is the default, not proto3's zero (top_p 0 would be refused,
+        # logprobs 0 would ask for the sampled token's logprob)
+        x.temperature, x.top_p if x.HasField("top_p") else 1.0, x.top_k, x.min_p, x.seed,
+        x.logprobs if x.HasField("logprobs") and x.logprobs >= 0 else None,
+        x.min_tokens, list(x.banned_until_min), x.presence_penalty, x.frequency_penalty,
+        x.repetition_penalty if x.HasField("repetition_penalty") else 1.0,
+        list(x.output_token_ids), list(x.output_token_counts), list(x.prompt_token_ids),
+        list(x.logit_bias_ids), list(x.logit_bias_values), x.grammar, list(x.grammar_accepted_ids),
+        x.prompt_logprobs if x.HasField("prompt_logprobs") else None,
+        list(x.allowed_token_ids), list(x.bad_word_ids), list(x.bad_word_lens), list(x.recent_output_ids),
+    )
+
+
+class SpecMemo:
+    """Each row's last sampling spec beside its protobuf form, so that a step encodes (the
+    router) or decodes (a stage) only the specs that changed since the row's last step.
+
+    A request's ``SamplingSpec`` is the same from one round to the next (its sampling
+    parameters; the per-round parts, with penalties, bad words, a grammar or prompt
+    logprobs, make a new one), while converting one costs ~5 us each way: per request
+    and round the largest part of a step's encode and decode at batch 32
+    (docs/PERFORMANCE.md, "CPU: the host's work per round at concurrency 64"). Encoding
+    reuses a row's message while the spec is the same object (the scheduler's
+    ``Request.spec`` is never changed once built); decoding reuses a row's spec while its
+    message's bytes are the same, and the stage treats specs as read-only. At most
+    ``max_rows`` rows are kept (a malformed step's rows cannot grow it without bound).
+    """
+
+    def __init__(self, max_rows: int = 1 << 16):
+        self.max_rows = max_rows
+        self._encoded: dict[int, tuple[SamplingSpec, "pb.SamplingSpec"]] = {}
+        self._decoded: dict[int, tuple[bytes, SamplingSpec]] = {}
+
+    def encode(self, rows: list[int], specs: list[SamplingSpec]) -> list["pb.SamplingSpec"]:
+        if len(rows) != len(specs):
+            return [_spec_to_pb(x) for x in specs]
+        out, memo = [], self._encoded
+        for row, x in zip(rows, specs):
+            hit = memo.get(row)
+            if hit is None or hit[0] is not x:
+                hit = memo[row] = (x, _spec_to_pb(x))
+            out.append(hit[1])
+        if len(memo) > self.max_rows:
+            memo.clear()
+        return out
+
+    def decode(self, rows, msgs) -> list[SamplingSpec]:
+        if len(rows) != len(msgs):
+            return [_spec_from_pb(x) for x in msgs]
+        out, memo = [], self._decoded
+        for row, x in zip(rows, msgs):
+            key = x.SerializeToString()
+            hit = memo.get(row)
+            if hit is None or hit[0] != key:
+                hit = memo[row] = (key, _spec_from_pb(x))
+            out.append(hit[1])
+        if len(memo) > self.max_rows:
+            memo.clear()
+        return out
+
+
+def step_to_pb(s: StepInput, specs: SpecMemo | None = None) -> "pb.StepRequest":
+    """``specs``: the sender's memo of encoded sampling specs (None: encode every one)."""
     m = pb.StepRequest(
         micro_batch_id=s.micro_batch_id, round=s.round, mode=s.mode, num_prefill=s.num_prefill,
         follows_round=s.follows_round, req_pool_indices=s.req_pool_indices, seq_lens=s.seq_lens,
         extend_lens=s.extend_lens,
         input_ids=s.input_ids, num_drafts=s.num_drafts, sample=s.sample, next_token_ids=s.next_token_ids,
         output_lens=s.output_lens, restore_slots=s.restore_slots, snapshot_slots=s.snapshot_slots,
-        sampling=[
-            pb.SamplingSpec(
-                temperature=x.temperature, top_p=x.top_p, top_k=x.top_k, min_p=x.min_p, seed=x.seed,
-                logprobs=-1 if x.logprobs is None else x.logprobs, min_tokens=x.min_tokens,
-                banned_until_min=x.banned_until_min, presence_penalty=x.presence_penalty,
-                frequency_penalty=x.frequency_penalty,
-                **({} if x.repetition_penalty == 1.0 else {"repetition_penalty": x.repetition_penalty}),
-                output_token_ids=x.output_token_ids, output_token_counts=x.output_token_counts,
-                prompt_token_ids=x.prompt_token_ids, logit_bias_ids=x.logit_bias_ids,
-                logit_bias_values=x.logit_bias_values, grammar=x.grammar,
-                grammar_accepted_ids=x.grammar_accepted_ids,
-                **({} if x.prompt_logprobs is None else {"prompt_logprobs": x.prompt_logprobs}),
-                allowed_token_ids=x.allowed_token_ids, bad_word_ids=x.bad_word_ids, bad_word_lens=x.bad_word_lens,
-                recent_output_ids=x.recent_output_ids,
-            )
-            for x in s.sampling
-        ],
+        sampling=(specs.encode(s.req_pool_indices, s.sampling) if specs is not None
+                  else [_spec_to_pb(x) for x in s.sampling]),
     )
     if s.hidden_states is not None:
         m.hidden_states.CopyFrom(tensor_to_pb(s.hidden_states))
     return m
 
 
-def step_from_pb(m: "pb.StepRequest") -> StepInput:
-    """Raises ValueError (naming hidden_states) when the hidden states cannot be decoded."""
+def step_from_pb(m: "pb.StepRequest", specs: SpecMemo | None = None) -> StepInput:
+    """Raises ValueError (naming hidden_states) when the hidden states cannot be decoded.
+    ``specs``: the receiver's memo of decoded sampling specs (None: decode every one)."""
+    rows = list(m.req_pool_indices)
     return StepInput(
         micro_batch_id=m.micro_batch_id, round=m.round, mode=m.mode, num_prefill=m.num_prefill,
-        follows_round=m.follows_round, req_pool_indices=list(m.req_pool_indices), seq_lens=list(m.seq_lens),
+        follows_round=m.follows_round, req_pool_indices=rows, seq_lens=list(m.seq_lens),
         extend_lens=list(m.extend_lens),
         input_ids=list(m.input_ids), num_drafts=list(m.num_drafts), sample=list(m.sample),
         next_token_ids=list(m.next_token_ids), output_lens=list(m.output_lens),
-        sampling=[
-            SamplingSpec(
-                # an unset field is the default, not proto3's zero (top_p 0 would be refused,
-                # logprobs 0 would ask for the sampled token's logprob)
-                x.temperature, x.top_p if x.HasField("top_p") else 1.0, x.top_k, x.min_p, x.seed,
-                x.logprobs if x.HasField("logprobs") and x.logprobs >= 0 else None,
-                x.min_tokens, list(x.banned_until_min), x.presence_penalty, x.frequency_penalty,
-                x.repetition_penalty if x.HasField("repetition_penalty") else 1.0,
-                list(x.output_token_ids), list(x.output_token_counts), list(x.prompt_token_ids),
-                list(x.logit_bias_ids), list(x.logit_bias_values), x.grammar, list(x.grammar_accepted_ids),
-                x.prompt_logprobs if x.HasField("prompt_logprobs") else None,
-                list(x.allowed_token_ids), list(x.bad_word_ids), list(x.bad_word_lens), list(x.recent_output_ids),
-            )
-            for x in m.sampling
-        ],
+        sampling=specs.decode(rows, m.sampling) if specs is not None else [_spec_from_pb(x) for x in m.sampling],
         hidden_states=_hidden_from_pb(m),
         restore_slots=list(m.restore_slots), snapshot_slots=list(m.snapshot_slots),
     )

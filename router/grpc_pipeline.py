@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ppspec.auth import client_interceptors, key_metadata
 from ppspec.proto.codec import (
-    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_to_pb, info_from_pb, release_to_pb, result_from_pb, step_to_pb,
+    GRPC_OPTIONS, RECONNECT_OPTIONS, SpecMemo, commit_to_pb, info_from_pb, release_to_pb, result_from_pb, step_to_pb,
 )
 from ppspec.proto.messages import Commit, Release, StageInfo, StepInput, StepOutput
 from ppspec.proto.stream import StepStream
@@ -55,6 +55,7 @@ class GrpcPipeline(Pipeline):
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self.health_stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
         self.steps = StepStream(self.stubs[0], key_metadata(key))  # every step goes to stage 0 on it
+        self.specs = SpecMemo()  # each row's last sampling spec, encoded once (codec.SpecMemo)
         self.down: dict[int, str] = {}
         self._monitor: asyncio.Task | None = None
         # this router, as the stages' Info sees it (they tell a new router whether another
@@ -158,7 +159,7 @@ class GrpcPipeline(Pipeline):
 
     async def step(self, inp: StepInput) -> StepOutput:
         try:
-            req = step_to_pb(inp)
+            req = step_to_pb(inp, self.specs)
             req.router_id = self.router_id  # stages refuse the steps of a router that lost them
             res = await self.steps.step(req, self.step_timeout)
         except grpc.aio.AioRpcError as e:

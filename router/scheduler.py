@@ -17,6 +17,7 @@ and KV by that row.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import random
@@ -72,6 +73,7 @@ class Request:
     cached_tokens: int = 0   # prompt tokens found in the prefix cache at its admission
     branch_at: int = 0       # a prefill chunk ends here: the snapshot there serves the next request that shares it
     prompt_lps: list | None = None  # prompt_logprobs collected so far (None once sent)
+    _spec: SamplingSpec | None = field(default=None, repr=False, compare=False)  # spec()
 
     def __post_init__(self):
         if self.params.prompt_logprobs is not None:
@@ -82,6 +84,28 @@ class Request:
     @functools.cached_property
     def distinct_prompt_ids(self) -> list[int]:
         return sorted(set(self.prompt_ids))
+
+    def spec(self, eos_token_ids: list[int]) -> SamplingSpec:
+        """The request's sampling spec without what a step adds (the outputs its penalties
+        and bad words count, its grammar, prompt logprobs: ``ScheduledBatch.step_input``),
+        built once: never changed after, so that the router encodes it once
+        (codec.SpecMemo)."""
+        if self._spec is None:
+            p = self.params
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, self.seed, p.logprobs, p.min_tokens, banned,
+                                p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            if p.repetition_penalty != 1.0:
+                spec.prompt_token_ids = self.distinct_prompt_ids
+            if p.logit_bias:
+                spec.logit_bias_ids, spec.logit_bias_values = list(p.logit_bias), list(p.logit_bias.values())
+            if p.allowed_token_ids:
+                spec.allowed_token_ids = p.allowed_token_ids
+            if p.bad_words_token_ids:
+                spec.bad_word_lens = [len(w) for w in p.bad_words_token_ids]
+                spec.bad_word_ids = [t for w in p.bad_words_token_ids for t in w]
+            self._spec = spec
+        return self._spec
 
     @property
     def prefill_done(self) -> bool:
@@ -149,31 +173,23 @@ class ScheduledBatch:
         first_chunk = self.first_chunk
         for b, (r, seq, ext) in enumerate(zip(self.requests, self.seq_lens, self.extend_lens)):
             chunk = b >= first_chunk  # a prefill chunk (a prefill batch, or a mixed one's tail)
-            p = r.params
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, r.seed, p.logprobs, p.min_tokens, banned,
-                                p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            p, spec = r.params, r.spec(eos_token_ids)
+            step = {}  # what this step adds to the request's spec
             if spec.penalized:  # what the penalties count: the history before this step
-                spec.output_token_ids, spec.output_token_counts = list(r.output_counts), list(r.output_counts.values())
-                if p.repetition_penalty != 1.0:
-                    spec.prompt_token_ids = r.distinct_prompt_ids
-            if p.logit_bias:
-                spec.logit_bias_ids, spec.logit_bias_values = list(p.logit_bias), list(p.logit_bias.values())
-            if p.allowed_token_ids:
-                spec.allowed_token_ids = p.allowed_token_ids
-            if p.bad_words_token_ids:
-                spec.bad_word_lens = [len(w) for w in p.bad_words_token_ids]
-                spec.bad_word_ids = [t for w in p.bad_words_token_ids for t in w]
+                step["output_token_ids"], step["output_token_counts"] = list(r.output_counts), list(r.output_counts.values())
+            if spec.bad_word_lens:
                 k = max(spec.bad_word_lens) - 1  # the outputs the longest word can need
-                spec.recent_output_ids = list(r.output_ids[-k:]) if k else []
+                if k:
+                    step["recent_output_ids"] = list(r.output_ids[-k:])
             if p.grammar is not None and chunk and seq + ext == r.prefill_len:
                 # once per row, with the chunk that ends its prefill (the first sample, or a
                 # recomputed request's next decode, needs it), whatever the chunk's start;
                 # a recomputed request's outputs are the grammar's already
-                spec.grammar, spec.grammar_accepted_ids = p.grammar, list(r.output_ids)
+                step["grammar"], step["grammar_accepted_ids"] = p.grammar, list(r.output_ids)
             if chunk and p.prompt_logprobs is not None and r.prompt_lps is not None:
-                spec.prompt_logprobs = p.prompt_logprobs  # until they are sent (a recompute asks none)
-            specs.append(spec)
+                step["prompt_logprobs"] = p.prompt_logprobs  # until they are sent (a recompute asks none)
+            # the same object from round to round where nothing is added (codec.SpecMemo)
+            specs.append(dataclasses.replace(spec, **step) if step else spec)
         return StepInput(
             self.micro_batch_id, self.round, self.mode, self.req_pool_indices, list(self.seq_lens),
             list(self.extend_lens), list(self.input_ids), list(self.num_drafts), list(self.sample),

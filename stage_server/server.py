@@ -38,7 +38,7 @@ from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cu
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
 from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, info_to_pb, release_from_pb, result_from_pb, result_to_pb,
-    step_from_pb, step_to_pb,
+    SpecMemo, step_from_pb, step_to_pb,
 )
 from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import (
@@ -113,6 +113,7 @@ class StageServicer(pb_grpc.StageServicer):
         self.replaced: dict[str, str] = {}
         self.cond = asyncio.Condition()
         self.sampled = SampledRounds()  # the first stage: each micro-batch's last round (async scheduling)
+        self.specs = SpecMemo()  # each row's last sampling spec, decoded once (codec.SpecMemo)
         # data plane: what this stage offers its next stage, the link agreed (bytes until the
         # attach), and the links of the stages that send to this one
         self.data_plane = dataplane.choose(data_plane, str(runner.device))
@@ -222,7 +223,7 @@ class StageServicer(pb_grpc.StageServicer):
         rank, what = self.runner.pp_rank, f"round {request.round} of micro-batch {request.micro_batch_id}"
         try:
             emitted = await self.sampled.wait(key, request.follows_round, self.order_timeout)
-            inp = step_from_pb(request)  # the first stage's: no hidden states
+            inp = step_from_pb(request, self.specs)  # the first stage's: no hidden states
             left_out = stopped_in_followed(inp, emitted)
             inp.input_ids = follow_ids(inp.input_ids, inp.extend_lens, inp.req_pool_indices, emitted)
         except asyncio.TimeoutError:
@@ -248,7 +249,7 @@ class StageServicer(pb_grpc.StageServicer):
         what = f"{request.mode or 'step'} of micro-batch {request.micro_batch_id}"
         await self._check_router(request.router_id, context, what)
         try:
-            inp = step_from_pb(request)
+            inp = step_from_pb(request, self.specs)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}")
         # on the data plane: read on the compute thread with the step, no hand-off of its own

@@ -188,7 +188,9 @@ def result_to_pb(o: StepOutput) -> "pb.StepResult":
     m = pb.StepResult(
         micro_batch_id=o.micro_batch_id, round=o.round,
         output_ids=[pb.TokenList(ids=t) for t in o.output_ids],
-        drafts=[pb.TokenList(ids=t) for t in o.drafts],
+        # none at all without speculation: not a TokenList per request (receivers read an
+        # empty drafts list as no drafts, StepOutput.drafts)
+        drafts=[pb.TokenList(ids=t) for t in o.drafts] if any(o.drafts) else [],
         stage_seconds=o.stage_seconds or [o.compute_seconds],
         has_logprobs=o.logprobs is not None,
     )

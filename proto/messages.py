@@ -253,7 +253,8 @@ def emitted_last(rows: list[int], output_ids) -> dict[int, int]:
 class StepOutput:
     """A stage's answer: hidden states (non-last stages) or, from the last stage, the
     tokens each request emitted (``len`` = accept length; empty for a non-final prefill
-    chunk), MTP drafts for its next round, optional log-probabilities
+    chunk), MTP drafts for its next round (per request, or empty: none for any),
+    optional log-probabilities
     (``[(token, logprob, [(id, logprob)])]`` per request), and per-stage compute times
     (seconds, index = PP rank)."""
 

@@ -89,7 +89,7 @@ def stage_main(out: str, argv: list[str]) -> int:
             return res
         return f
 
-    server.step_from_pb = stamped(server.step_from_pb, "decode0", "decode1", lambda m: m.round)
+    server.step_from_pb = stamped(server.step_from_pb, "decode0", "decode1", lambda m, *a: m.round)
     server.result_to_pb = stamped(server.result_to_pb, "encode0", "encode1", lambda o: o.round)
     runner.StageRunner.step = stamped(runner.StageRunner.step, "step0", "step1", lambda self, inp: inp.round)
     server.StageServicer._run = stamped(server.StageServicer._run, "thread0", "thread1",
@@ -130,8 +130,11 @@ async def drive(addresses: list[str], rounds: int, batch: int, events: list) -> 
     await pipe.info(claim=True)
     rows, prompt = list(range(batch)), list(range(100, 116))
 
+    # each request's spec built once, as the router's scheduler does (Request.spec)
+    request_specs = [SamplingSpec() for _ in rows]
+
     def specs():
-        return [SamplingSpec() for _ in rows]
+        return list(request_specs)
     out = await pipe.step(StepInput(0, 1, "prefill", rows, [0] * batch, [len(prompt)] * batch, prompt * batch,
                                     sample=[True] * batch, next_token_ids=[-1] * batch, sampling=specs(),
                                     output_lens=[0] * batch))

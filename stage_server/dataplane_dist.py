@@ -204,7 +204,7 @@ class DistInbox:
                     raise DataPlaneError(f"the dist link from {self.sender_id} carried no tensor header")
                 dtype, shape = DTYPES[code], tuple(dims[:ndim])
                 buf = torch.empty(_payload_bytes(dtype, shape), dtype=torch.uint8, device=self.device)
-                if buf.numel():  # NCCL: this thread's stream waits for the receive, the host goes on
+                if buf.numel():  # (NCCL's wait with a timeout holds this thread until it landed)
                     self.payloads.recv([buf], 0, 0).wait(IDLE)
                 ready = None
                 if self.device.type == "cuda":  # the step's stream waits for this, not the host
@@ -213,6 +213,8 @@ class DistInbox:
                 if seq == 0:
                     continue  # the probe
                 with self.cond:
+                    if self.error:  # closed (a re-attach replaced this link): nothing more to keep
+                        return
                     self.got[seq] = (mb, rnd, dtype, shape, buf.view(dtype).view(shape), ready)
                     self.last = seq
                     for old in [s for s in self.got if s <= seq - MAX_UNREAD]:
@@ -220,6 +222,8 @@ class DistInbox:
                     self.cond.notify_all()
         except Exception as e:  # noqa: BLE001 - the peer gone, closed, or garbled: reads say so
             with self.cond:
+                if self.error == "closed":
+                    return  # replaced by a re-attach: its sender dropped it, as expected
                 self.error = str(e) or type(e).__name__
                 self.cond.notify_all()
             log.warning("data plane: the dist link from stage instance %s ended: %s", self.sender_id, self.error)

@@ -317,6 +317,8 @@ class StageServicer(pb_grpc.StageServicer):
         except (OSError, ValueError) as e:  # e.g. /dev/shm full: this step goes as bytes
             log.warning("stage %d: %s data plane failed (%s); micro-batch %d goes as bytes", self.runner.pp_rank,
                         link.transport, e, inp.micro_batch_id)
+            if link.transport == "dist":  # a group that failed stays failed: the wiring check builds a fresh one
+                self.next_instance_id = ""
             return out, dataplane.BytesLink().put(out.hidden_states, inp.micro_batch_id, inp.round)
 
     async def AttachDataPlane(self, request: pb.AttachRequest, context):

@@ -103,11 +103,11 @@ class SpecMemo:
     parameters; the per-round parts, with penalties, bad words, a grammar or prompt
     logprobs, make a new one), while converting one costs ~5 us each way: per request
     and round the largest part of a step's encode and decode at batch 32
-    (docs/PERFORMANCE.md, "CPU: the host's work per round at concurrency 64"). Encoding
-    reuses a row's message while the spec is the same object (the scheduler's
-    ``Request.spec`` is never changed once built); decoding reuses a row's spec while its
-    message's bytes are the same, and the stage treats specs as read-only. At most
-    ``max_rows`` rows are kept (a malformed step's rows cannot grow it without bound).
+    (docs/PERFORMANCE.md, "CPU: served against in process", "The host's CPU per round
+    at concurrency 64"). Encoding reuses a row's message while the spec is the same object
+    (the scheduler's ``Request.spec`` is never changed once built); decoding reuses a row's
+    spec while its message's bytes are the same, and the stage treats specs as read-only.
+    At most ``max_rows`` rows are kept (a malformed step's rows cannot grow it without bound).
     """
 
     def __init__(self, max_rows: int = 1 << 16):

@@ -17,6 +17,20 @@ from .family import SCRATCH, LayerState, StateLayout, StateSpec
 from .graphs import host_int64
 
 
+def device_int64(values: list[int], device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied without waiting for the device.
+
+    A plain ``torch.tensor(values, device=cuda)`` or ``.to(cuda)`` copies from pageable
+    memory and then synchronises the stream: the host waits for every kernel queued before
+    it (a snapshot after a step waited for the step). On CUDA the values go through a
+    pinned buffer with an asynchronous copy, ordered on the stream like any kernel; on a
+    CPU it is the host tensor itself."""
+    host = host_int64(values)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class PoolExhaustedError(RuntimeError):
     """The KV pool has no free page for a request; nothing was allocated."""
 
@@ -83,8 +97,14 @@ class KVPool:
             return
         # one host->device copy for the step's new pages (a scalar write each would be a
         # copy and a launch each: ~4 per step at batch 64, 16-token pages)
-        r, c, p = torch.tensor([at_rows, at_cols, pages], dtype=torch.long).to(self.page_table.device)
-        self.page_table[r, c] = p
+        self._set_pages(at_rows, at_cols, pages)
+
+    def _set_pages(self, rows: list[int], cols: list[int], pages: list[int]) -> None:
+        """``page_table[rows[i], cols[i]] = pages[i]``: one host-to-device copy (no wait for
+        the device) and one launch."""
+        n = len(pages)
+        idx = device_int64(rows + cols + pages, self.page_table.device)
+        self.page_table[idx[:n], idx[n:2 * n]] = idx[2 * n:]
 
     def pages_needed(self, rows: list[int], lengths: list[int]) -> list[int]:
         """New pages each row needs to hold ``length`` tokens (pages it has count).
@@ -117,26 +137,40 @@ class KVPool:
             if refs[p] == 0:
                 free.append(p)
 
-    def share(self, row: int, pages: list[int], length: int) -> None:
-        """Give ``row`` (holding no page) the first ``length`` tokens of ``pages`` (a
-        snapshot's): the whole pages shared, a partial last page copied to a page of its own
-        (the row writes the positions after ``length`` there: copy on write).
+    def share(self, rows: list[int], pages: list[list[int]], lengths: list[int]) -> None:
+        """Give each of ``rows`` (holding no page) the first ``lengths[i]`` tokens of
+        ``pages[i]`` (a snapshot's): the whole pages shared, a partial last page copied to a
+        page of its own (the row writes the positions after its length there: copy on
+        write). All rows at once: one page-table write, one copy of the partial pages of
+        ``k`` (and of ``v``), whatever the rows and layers.
 
-        Raises PoolExhaustedError (nothing taken) when the copy finds no free page."""
-        full, part = divmod(length, self.page_size)
-        if part and not self.free_pages:
-            raise PoolExhaustedError(f"KV pool: need 1 page, 0 free")
-        own = pages[:full]
-        self.hold(own)
-        if part:
-            p = self.free_pages.pop()
-            self.refs[p] = 1
-            self.k[:, p] = self.k[:, pages[full]]
-            self.v[:, p] = self.v[:, pages[full]]
-            own = own + [p]
-        self.row_pages[row] = own
-        if own:
-            self.page_table[row, : len(own)] = torch.tensor(own, dtype=torch.long).to(self.page_table.device)
+        Raises PoolExhaustedError (nothing taken) when the copies find too few free pages."""
+        ps = self.page_size
+        need = sum(1 for n in lengths if n % ps)
+        if need > len(self.free_pages):
+            raise PoolExhaustedError(f"KV pool: need {need} pages, {len(self.free_pages)} free")
+        at_rows, at_cols, at_pages, src, dst = [], [], [], [], []
+        for row, held, n in zip(rows, pages, lengths):
+            full, part = divmod(n, ps)
+            own = held[:full]
+            self.hold(own)
+            if part:
+                p = self.free_pages.pop()
+                self.refs[p] = 1
+                src.append(held[full])
+                dst.append(p)
+                own = own + [p]
+            self.row_pages[row] = own
+            at_rows += [row] * len(own)
+            at_cols += range(len(own))
+            at_pages += own
+        if src:
+            idx = device_int64(src + dst, self.k.device)
+            src_t, dst_t = idx[: len(src)], idx[len(src):]
+            for t in (self.k, self.v) if self.v is not self.k else (self.k,):
+                t[:, dst_t] = t[:, src_t]
+        if at_pages:
+            self._set_pages(at_rows, at_cols, at_pages)
 
     def slot_list(self, rows: list[int], positions: list[int]) -> list[int]:
         """Flat slot of each token on the host: ``rows`` has one entry per request, and

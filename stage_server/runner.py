@@ -491,9 +491,9 @@ class StageRunner:
                     out.hidden_states = hidden
                 else:
                     self._last_stage(inp, meta, hidden, out)
-        if inp.snapshot_slots:  # a prefill writes the state in place: it is committed
+        if inp.snapshot_slots:  # a prefill writes the state in place: it is committed, nothing pending
             self.snapshots.take(inp.req_pool_indices, inp.snapshot_slots,
-                                [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)])
+                                [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)], pending=False)
         out.compute_seconds = time.perf_counter() - t0
         self.busy_seconds += out.compute_seconds
         return out

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .pools import KVPool, RowStatePool, alloc_state
+from ppspec.kernels.checks import known
+
+from .pools import KVPool, PoolExhaustedError, RowStatePool, alloc_state, device_int64
 
 # Fault injection, for the tests that prove the prefix-cache tests catch these bugs.
 FAULT_SNAPSHOT_WRONG_SLOT = "snapshot_wrong_slot"  # restore copies another slot's state
@@ -89,27 +91,31 @@ class SnapshotPool:
         if wrong:
             raise ValueError(f"{what}: snapshot slots {wrong[:8]} {'hold no snapshot' if occupied else 'are in use'}")
 
-    def take(self, rows: list[int], slots: list[int], lengths: list[int]) -> None:
+    def take(self, rows: list[int], slots: list[int], lengths: list[int], pending: bool = True) -> None:
         """Snapshot ``rows`` after their first ``lengths`` tokens into empty ``slots``
-        (-1: none). The rows' state must be committed: a replay design's pending steps are
-        applied here first."""
+        (-1: none). The rows' state must be committed. ``pending``: the rows may have a
+        replay design's pending steps (a finished row's last verify), applied here first;
+        False after a prefill chunk, which flushed them before it wrote the state.
+
+        On the device: one host-to-device copy of the indices (no wait for the device), then
+        per state tensor one gather and one scatter over every layer (and with ``pending``
+        the family's flush). No device read."""
         pick = [(r, s, n) for r, s, n in zip(rows, slots, lengths) if s >= 0]
         if not pick:
             return
         rows, slots, lengths = map(list, zip(*pick))
         st = self.state
         if st is not None:
-            dev = self._device()
-            rows_t, slots_t = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
             if self.fault == FAULT_SNAPSHOT_BEFORE_COMMIT and any(r in self._precommit for r in rows):
                 for r, s in zip(rows, slots):
                     kept = self._precommit.get(r) or {k: t[:, r] for k, t in st.state.items()}
                     for k, t in self.saved.items():
                         t[:, s] = kept[k]
             else:
-                if st.replay is not None:
+                rows_t, slots_t = self._indices(rows, slots)
+                if pending and st.replay is not None:
                     st.flush(rows_t)
-                for k, t in self.saved.items():
+                for k, t in self.saved.items():  # one gather, one scatter over all layers
                     t[:, slots_t] = st.state[k][:, rows_t]
         for r, s, n in zip(rows, slots, lengths):
             held = []
@@ -122,32 +128,34 @@ class SnapshotPool:
     def restore(self, rows: list[int], slots: list[int]) -> list[int]:
         """Give each row (holding nothing) the snapshot in its slot (-1: none): the state
         copied, the KV pages shared. Returns the rows restored. All or nothing: raises
-        PoolExhaustedError (a partial page found no free page) with no row changed."""
+        PoolExhaustedError (a partial page found no free page) with no row changed.
+
+        On the device, whatever the rows and layers: per KV pool one page-table write and
+        one copy of the partial pages (``KVPool.share``), one host-to-device copy of the
+        indices, per state tensor one gather and one scatter. No device read."""
         pick = [(r, s) for r, s in zip(rows, slots) if s >= 0]
-        done = []
-        try:
-            for r, s in pick:
-                for kv, pages in zip(self.kvs, self.pages[s]):
-                    kv.share(r, pages, self.lens[s])
-                done.append(r)
-        except BaseException:
-            for r in done + [pick[len(done)][0]]:
-                for kv in self.kvs:
-                    kv.release(r)
-            raise
+        if not pick:
+            return []
+        rows_r, slots_r = [r for r, _ in pick], [s for _, s in pick]
+        for kv in self.kvs:  # every pool's copies checked before any pool is touched
+            need = sum(1 for s in slots_r if self.lens[s] % kv.page_size)
+            if need > len(kv.free_pages):
+                raise PoolExhaustedError(f"KV pool: need {need} pages, {len(kv.free_pages)} free")
+        for i, kv in enumerate(self.kvs):
+            kv.share(rows_r, [self.pages[s][i] for s in slots_r], [self.lens[s] for s in slots_r])
         st = self.state
-        if st is not None and pick:
-            rows_r, slots_r = [r for r, _ in pick], [s for _, s in pick]
+        if st is not None:
             if self.fault == FAULT_SNAPSHOT_WRONG_SLOT:
                 others = sorted(self.lens)
                 slots_r = [next((o for o in others if o != s), s) for s in slots_r]
-            dev = self._device()
-            rows_t, slots_t = torch.tensor(rows_r, device=dev), torch.tensor(slots_r, device=dev)
+            rows_t, slots_t = self._indices(rows_r, slots_r)
+            # one gather, one scatter per tensor (advanced indexing: index_copy_ into a conv
+            # window's transposed view took ~20x longer on a CPU)
             for k, t in self.saved.items():
                 st.state[k][:, rows_t] = t[:, slots_t]
             if st.replay_pending is not None:
                 st.drop_pending(rows_t)  # the previous request's pending steps
-        return [r for r, _ in pick]
+        return rows_r
 
     def drop(self, slots: list[int]) -> None:
         """Free ``slots`` (an empty one is no error) and let go of their pages."""
@@ -163,8 +171,13 @@ class SnapshotPool:
             for r in rows:
                 self._precommit[r] = {k: t[:, r].clone() for k, t in self.state.state.items()}
 
-    def _device(self) -> torch.device:
-        return next(iter(self.state.state.values())).device
+    def _indices(self, rows: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, slots)`` int64 on the pool's device in one copy that does not wait for
+        the device, with the rows' bounds stated (``kernels.checks.known``) so that the
+        flush's and reset's row checks read no value back."""
+        n = len(rows)
+        idx = device_int64(rows + slots, next(iter(self.state.state.values())).device)
+        return known(idx[:n], min=min(rows), max=max(rows)), idx[n:]
 
     def forget(self, row: int) -> None:
         self._precommit.pop(row, None)

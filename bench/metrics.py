@@ -141,6 +141,7 @@ def compute_results(results, samples, duration: float, counter_source: str, coun
             "success": res.success,
             "error": res.error,
             "send_s": res.start - start,
+            "cached_tokens": res.cached_tokens,  # usage.prompt_tokens_details (a prefix cache), or None
         }
         if res.success:
             completed += 1

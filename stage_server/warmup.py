@@ -8,8 +8,9 @@ runner starts; this runs what they do not cover, eagerly, on scratch rows: prefi
 of several lengths (one and several sequences, a first chunk and a continued one, a chunk
 that does not end its prompt), decode at one request and at a full micro-batch, and with
 speculation a verify round (greedy, which takes the fused MTP round, and sampled) and its
-commit. Every row is released at the end: the stage is left as it started (no row in use,
-no KV page taken, no verify awaiting its commit, busy time unchanged).
+commit, and with a prefix cache the snapshots of finished rows. Every row is released and
+every snapshot dropped at the end: the stage is left as it started (no row in use, no KV
+page or snapshot taken, no verify awaiting its commit, busy time unchanged).
 """
 from __future__ import annotations
 
@@ -99,7 +100,18 @@ def warm_up(runner) -> float:
             lens = steps.run(VERIFY, rows, lens, [steps.D] * len(rows))
             lens = steps.run(VERIFY, rows, lens, [steps.D] * len(rows), temperature=1.0)
             lens[:1] = steps.run(VERIFY, rows[:1], lens[:1], [steps.D])
+        snap = runner.snapshots
+        if snap is not None:
+            # the prefix cache's snapshots of finished rows (after a verify: the replay design's
+            # flush runs first, its tile size chosen by the number of rows): one, a few, the rest
+            free = [s for s in range(snap.num_slots) if s not in snap.lens]
+            for group in (rows[:1], rows[1:5], rows[5:]):
+                group, slots, free = group[: len(free)], free[: len(group)], free[len(group):]
+                if group:
+                    runner.release(group, snapshot_slots=slots)
     finally:
+        if runner.snapshots is not None:
+            runner.snapshots.drop(list(runner.snapshots.lens))
         runner.release(list(range(runner.max_rows)))
         runner.fault = fault
         runner.busy_seconds = busy

@@ -68,14 +68,13 @@ def flush(url: str, cache: bool) -> None:
         r.raise_for_status()
 
 
-def run_workloads(a, url: str, cache: bool) -> dict:
-    """Every workload of ``a.workloads`` against the server at ``url``: ``{name: figures}``."""
-    from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt, shared_prefix
+def run_workloads(a, url: str, cache: bool, records: list[dict], counter) -> dict:
+    """Every workload of ``a.workloads`` against the server at ``url``: ``{name: figures}``.
+    ``records``: ShareGPT (``dataset.load_sharegpt``); ``counter``: the model's ``TokenCounter``."""
+    from ppspec.bench.dataset import sample_sharegpt, shared_prefix
     from ppspec.bench.multiturn import run_multi_turn, sample_conversations
     from ppspec.bench.runner import RunConfig, run_benchmark
 
-    counter = TokenCounter(a.model)
-    records = load_sharegpt()
     base = dict(base_url=url, progress=False, test_request=False, ignore_eos=True, seed=a.seed)
 
     def first_turns(n: int, seed: int, conc: int) -> dict:
@@ -234,14 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         on, off = (json.load(open(p))["results"] for p in a.compare)
         print(table(on.get("on", {}), off.get("off", {})))
         return 0
+    from ppspec.bench.dataset import TokenCounter, load_sharegpt
     from ppspec.router.llm import DEMO_MODEL
 
     a.model = a.model or DEMO_MODEL
+    records, counter = load_sharegpt(), TokenCounter(a.model)
     results: dict[str, dict] = {}
     for name in (("on", "off") if a.cache == "both" else (a.cache,)):
         cache = name == "on"
         with serving(serve_args(a, cache), a.startup_timeout, f"prefix-{name}") as url:
-            results[name] = run_workloads(a, url, cache)
+            results[name] = run_workloads(a, url, cache, records, counter)
     with open(a.output, "w") as f:
         json.dump({"command": "python -m ppspec.bench.prefix_served " + " ".join(argv or sys.argv[1:]),
                    "results": results}, f, indent=1)

@@ -56,7 +56,7 @@ def summarize(counts: collections.Counter) -> dict:
     """``{"ops", "h2d", "reads"}`` from an :class:`OpCounter`'s counts (views excluded:
     they launch nothing)."""
     free = {"view", "_unsafe_view", "slice", "select", "transpose", "as_strided", "alias", "detach", "detach_", "t",
-            "expand", "unsqueeze", "squeeze", "lift_fresh", "to", "item", "_local_scalar_dense"}
+            "expand", "unsqueeze", "squeeze", "lift_fresh", "to", "item", "_local_scalar_dense", "pin_memory", "_pin_memory"}
     return {"ops": sum(n for k, n in counts.items() if k not in free),
             "h2d": sum(n for k, n in counts.items() if k.startswith("h2d:")),
             "reads": counts["item"] or counts["_local_scalar_dense"]}
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="rows per call")
     ap.add_argument("--tokens", type=int, default=200, help="tokens each row holds")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--prefix-cache-gb", type=float, default=2.0, help="snapshot pool (must hold the largest --batch)")
     ap.add_argument("--profile", action="store_true", help="print the cProfile of the calls")
     a = ap.parse_args(argv)
     from ppspec.router.llm import DEMO_MODEL, LLM
@@ -81,9 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     llm = LLM(a.model or DEMO_MODEL, device=a.device, dtype=a.dtype, commit_design=a.commit_design,
               speculative_algorithm=a.speculative_algorithm, max_rows=2 * max(a.batch),
-              enable_prefix_caching=True, prefix_cache_gb=0.25)
+              enable_prefix_caching=True, prefix_cache_gb=a.prefix_cache_gb)
     runner = llm.pipeline.runners[0]
     pool = runner.snapshots
+    if pool.num_slots < max(a.batch):
+        ap.error(f"--prefix-cache-gb {a.prefix_cache_gb} holds {pool.num_slots} snapshots of this checkpoint, "
+                 f"fewer than --batch {max(a.batch)}")
     cuda = runner.device.type == "cuda"
     chunk_kw = {"pending": False} if "pending" in inspect.signature(pool.take).parameters else {}
     print(f"{a.model or DEMO_MODEL}: stage 0 of PP1, {runner.commit_design} design, {a.device} {a.dtype}, "

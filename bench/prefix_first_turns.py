@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
            f"in {work.calls} calls")
     if cuda:
         dev = work.device_seconds()
-        own += (f", {work.syncs} host syncs inside them ({'none: the host time is its own' if not work.syncs else 'host time includes waits for the device'}); "
+        why = "none: the host time is its own" if not work.syncs else "the host time includes waits for the device"
+        own += (f", {work.syncs} host syncs inside them ({why}); "
                 f"device {1000 * dev:.0f} ms ({100 * dev / on_s:.2f}%) in the stages' snapshot calls")
     print(f"all runs: output tok/s off {tps['off']:.1f} on {tps['on']:.1f} (on/off {tps['on'] / tps['off']:.3f}); "
           f"TTFT mean off {1000 * ttft['off']:.1f} ms on {1000 * ttft['on']:.1f} ms (on/off "

@@ -56,7 +56,8 @@ def summarize(counts: collections.Counter) -> dict:
     """``{"ops", "h2d", "reads"}`` from an :class:`OpCounter`'s counts (views excluded:
     they launch nothing)."""
     free = {"view", "_unsafe_view", "slice", "select", "transpose", "as_strided", "alias", "detach", "detach_", "t",
-            "expand", "unsqueeze", "squeeze", "lift_fresh", "to", "item", "_local_scalar_dense", "pin_memory", "_pin_memory"}
+            "expand", "unsqueeze", "squeeze", "lift_fresh", "to", "item", "_local_scalar_dense", "pin_memory",
+            "_pin_memory"}
     return {"ops": sum(n for k, n in counts.items() if k not in free),
             "h2d": sum(n for k, n in counts.items() if k.startswith("h2d:")),
             "reads": counts["item"] or counts["_local_scalar_dense"]}
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 c = summarize(s["counts"])
                 dev = f", device {1e6 * statistics.median(s['device']):7.1f} us" if cuda else ""
                 print(f"  B {B:3d} {name:14s} host {1e6 * statistics.median(s['host']):8.1f} us{dev}; "
-                      f"{c['ops']:3d} aten ops, {c['h2d'] if cuda else '-'} host-to-device copies, {c['reads']} device reads"
+                      f"{c['ops']:3d} aten ops, {c['h2d'] if cuda else '-'} host-to-device copies, "
+                      f"{c['reads']} device reads"
                       f"  [{', '.join(f'{k} {n}' for k, n in sorted(s['counts'].items()))}]")
     if prof is not None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)

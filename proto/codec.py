@@ -185,15 +185,16 @@ def _hidden_from_pb(m: "pb.StepRequest"):
 
 
 def result_to_pb(o: StepOutput) -> "pb.StepResult":
-    m = pb.StepResult(
-        micro_batch_id=o.micro_batch_id, round=o.round,
-        output_ids=[pb.TokenList(ids=t) for t in o.output_ids],
-        # none at all without speculation: not a TokenList per request (receivers read an
-        # empty drafts list as no drafts, StepOutput.drafts)
-        drafts=[pb.TokenList(ids=t) for t in o.drafts] if any(o.drafts) else [],
-        stage_seconds=o.stage_seconds or [o.compute_seconds],
-        has_logprobs=o.logprobs is not None,
-    )
+    m = pb.StepResult(micro_batch_id=o.micro_batch_id, round=o.round,
+                      stage_seconds=o.stage_seconds or [o.compute_seconds], has_logprobs=o.logprobs is not None)
+    # each list added in place: half the time of a TokenList built and then copied in
+    add = m.output_ids.add
+    for t in o.output_ids:
+        add(ids=t)
+    if any(o.drafts):  # drafts all empty: none sent (an empty list means no drafts, StepOutput.drafts)
+        add = m.drafts.add
+        for t in o.drafts:
+            add(ids=t)
     for lps, target in ((o.logprobs, m.logprobs), (o.prompt_logprobs, m.prompt_logprobs)):
         for lp in lps or []:
             item = pb.LogprobList(present=lp is not None)

@@ -2,8 +2,8 @@
 (both commit designs) and the replay of accepted verify steps, one dispatch per op.
 
 The plain-torch reference (``naive.py``, ``naive_replay.py``) is the CPU path and the
-oracle. On CUDA ``mamba2_recurrent*`` take a Triton kernel from ``triton_recurrent`` and
-the prefill takes fla's simple-GLA chunk kernels (``fla_scan``, :func:`fla_scan_on`) where
+oracle. On CUDA ``mamba2_recurrent*`` take a Triton kernel from ``triton_recurrent``, the
+output norm one from ``triton_norm``, and the prefill takes fla's simple-GLA chunk kernels (``fla_scan``, :func:`fla_scan_on`) where
 those modules import.
 """
 from __future__ import annotations
@@ -22,7 +22,17 @@ __all__ = [
     "chunk_scan_ref", "discretize", "gated_rms_norm_ref", "recurrent_ref", "replay_ref",
     "Mamba2ReplayBuffers", "alloc_mamba2_replay_buffers",
     "mamba2_prefill_rows", "mamba2_recurrent", "mamba2_recurrent_replay", "mamba2_replay_flush",
+    "mamba2_gated_rms_norm",
 ]
+
+
+def mamba2_gated_rms_norm(y, gate, weight, group_size: int, eps: float = 1e-6, norm_before_gate: bool = False):
+    """The mixer's output norm: ``silu(gate)`` and an RMSNorm per group of ``group_size``
+    channels, in the order ``norm_before_gate`` says (semantics and dtypes of
+    :func:`naive.gated_rms_norm_ref`); one Triton launch on CUDA (``triton_norm``), the
+    reference elsewhere. y, gate ``[..., I]`` (gate may be a column slice), weight ``[I]``."""
+    fn = pick(y.is_cuda, "mamba2.triton_norm", "gated_rms_norm_triton", gated_rms_norm_ref)
+    return fn(y, gate, weight, group_size, eps, norm_before_gate)
 
 
 def mamba2_prefill_rows(x, dt, A, B, C, D, dt_bias, cu_seqlens, state, req_pool_indices, has_init,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
-from ppspec.kernels.mamba2 import (Mamba2ReplayBuffers, gated_rms_norm_ref, mamba2_prefill_rows, mamba2_recurrent,
+from ppspec.kernels.mamba2 import (Mamba2ReplayBuffers, mamba2_gated_rms_norm, mamba2_prefill_rows, mamba2_recurrent,
                                    mamba2_recurrent_replay, mamba2_replay_flush)
 
 from ..batch import PREFILL, VERIFY, BatchMeta, per_part
@@ -42,7 +42,7 @@ NORMS = (GATE_THEN_NORM, NORM_THEN_GATE, GATE_ONLY)
 class GroupGatedRMSNorm(nn.Module):
     """Mamba2's output norm over groups of ``group_size`` channels, the gate ``silu(z)``
     applied before the norm or after it (``norm_before_gate``; transformers' ``*RMSNormGated``
-    of the Mamba2 hybrids, ``kernels.mamba2.gated_rms_norm_ref``)."""
+    of the Mamba2 hybrids, ``kernels.mamba2.mamba2_gated_rms_norm``: one Triton launch on CUDA)."""
 
     def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
@@ -50,7 +50,7 @@ class GroupGatedRMSNorm(nn.Module):
         self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm_ref(y, z, self.weight, self.group_size, self.eps, self.norm_before_gate)
+        return mamba2_gated_rms_norm(y, z, self.weight, self.group_size, self.eps, self.norm_before_gate)
 
 
 class Mamba2Mixer(nn.Module):

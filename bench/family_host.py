@@ -97,26 +97,28 @@ _SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniq
              "unique_consecutive", "item"}
 _REFERENCE = (os.sep + "naive", os.sep + "packed.py")  # plain-torch kernels: the CPU path only
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # this checkout
-# plain-torch functions of kernels/ that run on CUDA too (no Triton kernel takes their place)
-_EVERY_DEVICE = {"gated_rms_norm_ref", "sigmoid_gated_rms_norm_ref", "store_kv_ref"}
+# reference functions that kernels/' dispatch runs on CUDA too (no Triton kernel takes their
+# place); a reference that model code calls directly runs there as well
+_EVERY_DEVICE = {"sigmoid_gated_rms_norm_ref", "store_kv_ref"}
 
 
 def _site() -> str | None:
     """Where the current op comes from, as ``file:line function``: the innermost frame of
-    this checkout; None when that is a reference kernel that a Triton kernel replaces on
-    CUDA (one of :data:`_EVERY_DEVICE` runs there too: its caller's frame)."""
+    this checkout; None when that is a reference kernel that kernels/' dispatch replaces by
+    a Triton kernel on CUDA (a reference of :data:`_EVERY_DEVICE`, or one called from
+    outside kernels/, runs there too: its caller's frame)."""
     frames = [fr for fr in traceback.extract_stack()[:-2] if fr.filename.startswith(_ROOT)
               and not fr.filename.endswith("family_host.py") and f"{os.sep}.venv{os.sep}" not in fr.filename]
     if not frames:
         return "?"
-    for i, fr in enumerate(frames):
-        if fr.name in _EVERY_DEVICE:
-            fr = frames[max(i - 1, 0)]
-            return f"{fr.filename[len(_ROOT):]}:{fr.lineno} {fr.name} (plain torch on every device)"
     fr = frames[-1]
-    if any(r in fr.filename for r in _REFERENCE):
-        return None
-    return f"{fr.filename[len(_ROOT):]}:{fr.lineno} {fr.name}"
+    if not any(r in fr.filename for r in _REFERENCE):
+        return f"{fr.filename[len(_ROOT):]}:{fr.lineno} {fr.name}"
+    i = next(i for i, f in enumerate(frames) if any(r in f.filename for r in _REFERENCE))
+    caller = frames[max(i - 1, 0)]
+    if frames[i].name in _EVERY_DEVICE or not caller.filename[len(_ROOT):].startswith("kernels" + os.sep):
+        return f"{caller.filename[len(_ROOT):]}:{caller.lineno} {caller.name} (plain torch on every device)"
+    return None
 
 
 class ReadCounter:

@@ -80,3 +80,29 @@ def test_without_the_switch_the_families_stay_eager(make_ckpt, monkeypatch):
     monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "yes")
     with pytest.raises(ValueError, match="PPSPEC_FAMILY_GRAPHS must be 0 or 1, got 'yes'"):
         StageRunner(make_ckpt("falcon_h1_a"), max_rows=2, cuda_graph_max_bs=2)
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h_c", "kimi_dense_4l"])
+def test_pp2_speculation_through_the_padded_graphs_equals_pp1(make_ckpt, monkeypatch, kind):
+    """Greedy tokens of PP2 with drafts of the reference continuation, some wrong
+    (``test_spec_invariance.Oracle``), requests joining at different steps, every verify
+    through the graphs' padded path (NemotronH's second stage has no attention layer),
+    equal PP1 without speculation run eagerly; drafts are accepted."""
+    torch.set_num_threads(1)
+    from test_spec_invariance import Oracle, drive
+
+    from ppspec.router.llm import LLM
+
+    path = make_ckpt(kind)
+    reqs = [dict(prompt=p, max_tokens=12, join_step=j) for p, j in
+            (([5, 9, 2, 7] * 6, 0), ([3, 1, 4, 1, 5, 9, 2, 6], 0), ([11, 4, 8], 3))]
+    want = drive(LLM(path, max_rows=4), reqs)
+    monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
+    llm = LLM(path, max_rows=4, pp_size=2, speculative_algorithm="ngram", drafter=Oracle(want, seed=1),
+              cuda_graph_max_bs=4)
+    runs = []
+    for r in llm.pipeline.runners:
+        orig = r.graphs["verify"].run
+        r.graphs["verify"].run = lambda rows, *a, _o=orig: runs.append(len(rows)) or _o(rows, *a)
+    assert drive(llm, reqs) == want
+    assert runs and any(a > 1 for c in llm.completions.values() for a in c.accept_lengths)

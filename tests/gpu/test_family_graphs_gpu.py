@@ -5,8 +5,9 @@ and Kimi Linear checkpoints without MoE layers:
 - a graphed stage (captured at start, three requests replayed in the bucket of four) gives
   the logits of every decode and verify step and the committed state after a commit of
   the eager stage on the same GPU, both commit designs;
-- greedy tokens of PP2 with n-gram speculation through the graphs equal PP1 without
-  speculation run eagerly on CUDA (where they differ, only at a near-tie of the reference)."""
+- greedy tokens of PP2 with speculation through the graphs (oracle drafts, some wrong,
+  requests joining later) equal PP1 without speculation run eagerly on CUDA (where they
+  differ, only at a near-tie of the reference)."""
 import os
 import random
 import sys
@@ -66,24 +67,27 @@ def test_graphed_decode_and_verify_equal_eager(ckpts, monkeypatch, kind, design)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_graphed_ngram_pp2_tokens_equal_eager_pp1(ckpts, monkeypatch, kind):
+def test_graphed_pp2_speculation_equals_eager_pp1(ckpts, monkeypatch, kind):
     _needs_cuda()
+    from test_spec_invariance import Oracle, drive
+
     from ppspec.router.llm import LLM
-    from ppspec.router.types import SamplingParams
 
     rnd = random.Random(0)
-    prompts = [[rnd.randrange(256) for _ in range(n)] for n in (5, 17, 40, 70)]
-    prompts[0] = (prompts[3][:6] * 20)[:100]  # repetitive: the n-gram drafter finds drafts
+    reqs = [dict(prompt=[rnd.randrange(256) for _ in range(n)], max_tokens=32, join_step=j)
+            for n, j in ((5, 0), (17, 0), (40, 2), (70, 5))]
     monkeypatch.delenv("PPSPEC_FAMILY_GRAPHS", raising=False)
-    ref = LLM(ckpts[kind], device="cuda", max_rows=8).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2))
+    ref_llm = LLM(ckpts[kind], device="cuda", max_rows=8)
+    want = drive(ref_llm, reqs, logprobs=2)
+    ref = [ref_llm.completions[f"r{i}"] for i in range(len(reqs))]
     monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
-    llm = LLM(ckpts[kind], device="cuda", pp_size=2, speculative_algorithm="ngram", max_rows=8)
-    assert all(r.graphs["verify"].graphs for r in llm.pipeline.runners)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert any(a > 1 for o in outs for a in o.accept_lengths)  # drafts were accepted
-    for o, r in zip(outs, ref):
-        if o.token_ids != r.token_ids:
-            j = next(j for j, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b)
+    llm = LLM(ckpts[kind], device="cuda", pp_size=2, speculative_algorithm="ngram", drafter=Oracle(want, seed=2),
+              max_rows=8)
+    assert all(r.graphs["verify"].graphs for r in llm.pipeline.runners)  # captured
+    got = drive(llm, reqs)
+    assert any(a > 1 for c in llm.completions.values() for a in c.accept_lengths)  # drafts were accepted
+    for o, r in zip(got, ref):
+        if o != r.token_ids:
+            j = next(j for j, (a, b) in enumerate(zip(o, r.token_ids)) if a != b)
             gap = r.logprobs[j].top[0][1] - r.logprobs[j].top[1][1]
             assert gap < 1e-4, f"divergence at {j} where the reference's top-2 gap is {gap}"

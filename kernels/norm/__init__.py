@@ -65,10 +65,11 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 def sigmoid_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``w * x / rms(x) * sigmoid(z)`` over the last dim, in fp32: a KDA layer's output norm
-    (:func:`naive.sigmoid_gated_rms_norm_ref`, on every device: torch's fused ops).
+    (:func:`naive.sigmoid_gated_rms_norm_ref`; one Triton launch on CUDA).
 
     Raises:
         ValueError: z or weight do not fit x.
     """
     _check_shapes(x, weight, z=z)
-    return sigmoid_gated_rms_norm_ref(x, z, weight, eps)
+    return pick(x.is_cuda, "norm.triton_norm", "sigmoid_gated_rms_norm_triton", sigmoid_gated_rms_norm_ref)(
+        x, z, weight, eps)

@@ -258,3 +258,44 @@ def gated_rms_norm_triton(x, z, weight, eps, max_block=MAX_BLOCK):
         M, N, H, sx0, sx1, sz0, sz1, o2.stride(0), float(eps), ROUND_WN=round_wn, **cfg,
     )
     return out
+
+
+@triton.jit
+def _sigmoid_gated_rms_norm_kernel(x, z, w, out, H, N, sx0, sx1, sz0, sz1, so, eps, BLOCK: tl.constexpr):
+    # one row a program: w * x / rms(x) * sigmoid(z), every step in fp32, one cast at the end
+    row = tl.program_id(0).to(tl.int64)
+    i, h = row // H, row % H
+    o = tl.arange(0, BLOCK)
+    m = o < N
+    xf = tl.load(x + i * sx0 + h * sx1 + o, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    zf = tl.load(z + i * sz0 + h * sz1 + o, mask=m, other=0.0).to(tl.float32)
+    wf = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + row * so + o, (wf * (xf * rstd) * (1.0 / (1.0 + tl.exp(-zf)))).to(out.dtype.element_ty), mask=m)
+
+
+def sigmoid_gated_rms_norm_triton(x, z, weight, eps, max_block=MAX_BLOCK):
+    """Same shapes and semantics as :func:`naive.sigmoid_gated_rms_norm_ref` (a KDA layer's
+    output norm; some eight plain-torch kernels as the reference): one launch, a row per
+    program. Rows longer than ``max_block`` take the reference."""
+    from .naive import sigmoid_gated_rms_norm_ref
+
+    _check_weight(x, weight)
+    if z.shape != x.shape or z.device != x.device:
+        raise ValueError(f"gate z {tuple(z.shape)} must have x's shape {tuple(x.shape)}")
+    _check("z", z)
+    N = x.shape[-1]
+    BLOCK = triton.next_power_of_2(N)
+    if BLOCK > max_block:
+        return sigmoid_gated_rms_norm_ref(x, z, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    M = out.numel() // N
+    if M == 0:
+        return out
+    (x3, H, sx0, sx1), (z3, _, sz0, sz1) = as_head_rows(x), as_head_rows(z)
+    o2 = out.view(M, N)
+    _sigmoid_gated_rms_norm_kernel[(M,)](
+        x3, z3, weight.contiguous(), o2, H, N, sx0, sx1, sz0, sz1, o2.stride(0), float(eps), BLOCK=BLOCK,
+        num_warps=1 if BLOCK <= 256 else 4 if BLOCK <= 2048 else 8,
+    )
+    return out

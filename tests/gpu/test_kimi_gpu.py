@@ -154,6 +154,33 @@ def test_paged_attention_on_the_mla_latent(dev, nh, width, dtype, mode):
         assert torch.equal(paged_attention(*args), o)
 
 
+@pytest.mark.parametrize("T,H,K", [(1, 2, 16), (7, 16, 128), (64, 16, 128), (3, 4, 200)])
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_sigmoid_gated_norm_triton(dev, T, H, K, dtype):
+    """A KDA layer's output norm ``w * x / rms(x) * sigmoid(z)`` in one launch against
+    ``sigmoid_gated_rms_norm_ref``, the gate a per-head view of a wider projection: fp32 within
+    1e-5, bf16 within one ulp (one rounding at the end, as the reference)."""
+    from ppspec.kernels.norm import sigmoid_gated_rms_norm
+    from ppspec.kernels.norm.naive import sigmoid_gated_rms_norm_ref
+    from ppspec.kernels.norm.triton_norm import sigmoid_gated_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(T * H + K)
+    x = torch.randn(T, H, K, generator=gen).to(dev, dtype)
+    z = (torch.randn(T, H * K + 24, generator=gen) * 3).to(dev, dtype)[:, 8:8 + H * K].view(T, H, K)
+    w = (1 + 0.2 * torch.randn(K, generator=gen)).to(dev, dtype)
+    out = sigmoid_gated_rms_norm_triton(x, z, w, 1e-5)
+    ref = sigmoid_gated_rms_norm_ref(x, z, w, 1e-5)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if dtype == F32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        b = ref.float()
+        ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - 7)
+        assert ((out.float() - b).abs() / ulp).max() <= 1
+    if dev.type == "cuda":  # the layer's dispatch takes the kernel on CUDA
+        assert torch.equal(sigmoid_gated_rms_norm(x, z, w, 1e-5), out)
+
+
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     sys.path.insert(0, TESTS)

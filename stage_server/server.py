@@ -42,7 +42,7 @@ from ppspec.proto.codec import (
 )
 from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import (
-    PREFILL, VERIFY, emitted_last, follow_ids, stopped_in_followed, with_left_out,
+    PREFILL, VERIFY, StepInput, emitted_last, follow_ids, stopped_in_followed, with_left_out,
 )
 from ppspec.proto.stream import StepStream, serve_steps
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
@@ -203,11 +203,11 @@ class StageServicer(pb_grpc.StageServicer):
         key = (request.router_id, request.micro_batch_id)
         rows, emitted = list(request.req_pool_indices), None
         try:
-            left_out = await self._follow(request, context, key) if request.follows_round else []
+            left_out, inp = await self._follow(request, context, key) if request.follows_round else ([], None)
             if not left_out:
-                res = await self._step_once(request, context, verify)
+                res = await self._step_once(request, context, verify, inp)
             else:  # requests that ended in the followed round: not run, they emit nothing
-                ran = await self._step_once(request, context, verify) if request.req_pool_indices else None
+                ran = await self._step_once(request, context, verify, inp) if request.req_pool_indices else None
                 res = result_to_pb(with_left_out(ran and result_from_pb(ran), len(rows), left_out,
                                                  request.micro_batch_id, request.round))
             emitted = emitted_last(rows, [t.ids for t in res.output_ids])
@@ -215,11 +215,11 @@ class StageServicer(pb_grpc.StageServicer):
         finally:  # an abort, a cancelled call, an error: the round failed
             await self.sampled.ended(key, request.round, emitted)
 
-    async def _follow(self, request: pb.StepRequest, context, key: tuple[str, int]) -> list[int]:
+    async def _follow(self, request: pb.StepRequest, context, key: tuple[str, int]) -> tuple[list[int], StepInput]:
         """Fill ``request``'s FOLLOWS input ids in from round ``follows_round``'s result, once
         that round ended here, and take out the requests that round ended (a stop id:
         ``stopped_in_followed``); relayed without ``follows_round``. Returns the indices of
-        those taken out."""
+        those taken out and the step as ``request`` now is, decoded (not decoded again)."""
         rank, what = self.runner.pp_rank, f"round {request.round} of micro-batch {request.micro_batch_id}"
         try:
             emitted = await self.sampled.wait(key, request.follows_round, self.order_timeout)
@@ -242,14 +242,17 @@ class StageServicer(pb_grpc.StageServicer):
             del request.input_ids[:]
             request.input_ids.extend(inp.input_ids)
             request.follows_round = 0
-        return left_out
+        inp.follows_round = 0
+        return left_out, inp
 
-    async def _step_once(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
+    async def _step_once(self, request: pb.StepRequest, context, verify: bool,
+                         inp: StepInput | None = None) -> pb.StepResult:
+        """``inp``: ``request`` decoded already (by ``_follow``), else None."""
         rank = self.runner.pp_rank
         what = f"{request.mode or 'step'} of micro-batch {request.micro_batch_id}"
         await self._check_router(request.router_id, context, what)
         try:
-            inp = step_from_pb(request, self.specs)
+            inp = step_from_pb(request, self.specs) if inp is None else inp
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}")
         # on the data plane: read on the compute thread with the step, no hand-off of its own

@@ -568,6 +568,8 @@ class Engine:
                     self.metrics.on_request_finished(r.request_id, "abort")
                 except (KeyError, ValueError):
                     pass
+        if self.metrics:  # no step may follow to update the gauges (_record)
+            self.metrics.set_queue(self.scheduler.num_running, self.scheduler.num_waiting)
 
     def _fail_batch(self, batch, reason: str) -> None:
         """A stage refused one micro-batch (INVALID_ARGUMENT / RESOURCE_EXHAUSTED): end its

@@ -497,3 +497,41 @@ def test_close_ends_a_lane_whose_cancel_lands_with_a_wake(make_ckpt):
             await asyncio.wait_for(engine._stop_lanes(), 10)  # ...and the lane is cancelled in it
 
     asyncio.run(run())
+
+
+def test_the_running_gauge_drops_when_failed_requests_end_without_a_later_step():
+    """Every request ends by failure (stage 1 refuses every verify): no successful step
+    follows, so the gauges must be set where the requests are dropped, not at the next
+    step's record (before, /metrics kept num_requests_running at the last step's count)."""
+    from prometheus_client import CollectorRegistry
+
+    from ppspec.router.metrics import RouterMetrics
+
+    torch.set_num_threads(1)
+    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    step = pipe.runners[1].step
+
+    def refuse_verifies(inp):
+        if inp.mode == "verify":
+            raise ValueError("stage 1: refused for the test")
+        return step(inp)
+
+    pipe.runners[1].step = refuse_verifies
+    reg = CollectorRegistry()
+    metrics = RouterMetrics(reg, num_stages=2, num_spec_tokens=3)
+
+    async def run():
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp",
+                        num_micro_batches=2, metrics=metrics)
+        await engine.start()
+        results = await asyncio.gather(*(_collect(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        running = engine.scheduler.num_running
+        for t in engine._tasks:
+            t.cancel()
+        return results, running
+
+    results, running = asyncio.run(run())
+    assert all(isinstance(r, EngineError) for r in results), results
+    assert running == 0
+    assert reg.get_sample_value("ppspec:num_requests_running") == 0
+    assert reg.get_sample_value("ppspec:num_requests_waiting") == 0

@@ -36,14 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -126,36 +121,6 @@ def run_workloads(a, url: str, cache: bool, records: list[dict], counter) -> dic
     return out
 
 
-@contextlib.contextmanager
-def serving(args: list[str], startup_timeout: float, name: str):
-    """``ppspec serve ARGS --port P`` on a free port, in a session of its own, its output in
-    a temporary log file; yields its URL once ``/health`` answers 200, and stops it (SIGINT
-    to its process group, SIGKILL after 30 s) on leaving. Raises RuntimeError naming the
-    log when it exits or is not healthy in time."""
-    from ppspec.bench.served_vs_engine import _free_port, _healthy
-
-    url = f"http://127.0.0.1:{_free_port()}"
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-{name}-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", *args, "--port", url.rsplit(":", 1)[1]],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ppspec serve ({name}) did not start; its log: {log.name}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-
-
 def serve_args(a, cache: bool) -> list[str]:
     model = os.path.abspath(a.model) if os.path.exists(a.model) else a.model
     args = ["--model", model, "--device", a.device, "--dtype", a.dtype, "--speculative-algorithm", a.spec,
@@ -234,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(on.get("on", {}), off.get("off", {})))
         return 0
     from ppspec.bench.dataset import TokenCounter, load_sharegpt
+    from ppspec.bench.serving import serving
     from ppspec.router.llm import DEMO_MODEL
 
     a.model = a.model or DEMO_MODEL
@@ -241,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     for name in (("on", "off") if a.cache == "both" else (a.cache,)):
         cache = name == "on"
-        with serving(serve_args(a, cache), a.startup_timeout, f"prefix-{name}") as url:
+        with serving(serve_args(a, cache), a.startup_timeout, f"prefix-{name}") as (url, _):
             results[name] = run_workloads(a, url, cache, records, counter)
     with open(a.output, "w") as f:
         json.dump({"command": "python -m ppspec.bench.prefix_served " + " ".join(argv or sys.argv[1:]),

@@ -34,9 +34,7 @@ import argparse
 import asyncio
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,7 @@ import httpx
 
 from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
 from ppspec.bench.runner import RunConfig, run_benchmark
+from ppspec.bench.serving import serving
 
 # compute negligible: what a round costs is the system's own work
 TINY_SHAPE = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -172,21 +171,6 @@ class CpuMeter:
                 "router_token_s": per(router, tokens), "stages_token_s": per(stages, tokens),
                 "rounds": self.rounds, "tokens": tokens}
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _timed_request(url: str, prompt, max_tokens: int) -> float:
     """Seconds of one non-streamed greedy completion."""
     t0 = time.perf_counter()
@@ -198,11 +182,9 @@ def _timed_request(url: str, prompt, max_tokens: int) -> float:
 
 
 def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     model = os.path.abspath(a.model) if os.path.exists(a.model) else a.model
-    cmd = [sys.executable, "-m", "ppspec.cli", "serve", "--model", model, "--pp-size", str(pp),
-           "--speculative-algorithm", a.spec, "--device", a.device, "--dtype", a.dtype, "--port", str(port),
+    cmd = ["--model", model, "--pp-size", str(pp),
+           "--speculative-algorithm", a.spec, "--device", a.device, "--dtype", a.dtype,
            "--max-rows", str(a.max_rows), "--max-batch-size", str(a.max_rows), "--kv-tokens", str(a.kv_tokens),
            "--served-model-name", "m"]
     if a.device == "cpu":
@@ -211,17 +193,7 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-pp{pp}-", suffix=".log", delete=False)
-    # the baseline runs in its own folder: ``python -m`` puts the working directory first on
-    # sys.path, and a checkout's root (its ``ppspec`` package) would shadow PYTHONPATH
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=pythonpath or None)
-    try:
-        deadline = time.monotonic() + a.startup_timeout
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ppspec serve PP{pp} did not start; its log: {log.name}")
-            time.sleep(0.2)
+    with serving(cmd, a.startup_timeout, f"pp{pp}", env=env, cwd=pythonpath or None) as (url, proc):
         first_prompt = samples[0].prompt
         first = _timed_request(url, first_prompt, 32)  # the first request after /health turned 200
         steady = statistics.median(_timed_request(url, first_prompt, 32) for _ in range(5))
@@ -235,15 +207,6 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
                                              "words"))
         long_ids = [(7 * i) % 8000 + 100 for i in range(a.long_prompt)]
         ttft = statistics.median(_timed_request(url, long_ids, 1) for _ in range(3))
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
     return {"tok_s": full["output_throughput"], "solo_tok_s": solo["output_throughput"],
             "tpot_s": solo["tpot_ms"]["mean"] / 1e3, "long_ttft_s": ttft, "first_s": first, "steady_s": steady,
             "failed": full["failed"] + solo["failed"],

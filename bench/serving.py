@@ -1,0 +1,58 @@
+"""``ppspec serve`` as a benchmark's server: started on a free loopback port in a process
+group of its own, handed over once ``/health`` answers 200, stopped on leaving (shared by
+``served_vs_engine`` and ``prefix_served``)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def serving(args: list[str], startup_timeout: float, name: str, env: dict | None = None, cwd: str | None = None):
+    """``ppspec serve ARGS --port P`` on a free port, its output in a temporary log file;
+    yields ``(url, process)`` once ``/health`` answers 200, and stops it (SIGINT to its
+    process group, SIGKILL after 30 s) on leaving. ``cwd``: run it from that folder (a
+    baseline checkout on ``PYTHONPATH``: ``python -m`` puts the working directory first on
+    ``sys.path``, so the current checkout's root would shadow it). Raises RuntimeError
+    naming the log when it exits or is not healthy in time."""
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", *args, "--port", url.rsplit(":", 1)[1]],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ppspec serve ({name}) did not start; its log: {log.name}")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

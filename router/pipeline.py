@@ -194,6 +194,7 @@ class InProcessPipeline(Pipeline):
 
     async def step(self, inp: StepInput) -> StepOutput:
         key, emitted, rows, left_out = ("", inp.micro_batch_id), None, list(inp.req_pool_indices), []
+        self.sampled.begin(key, inp.round)
         await self._admit()
         self.stepping += 1
         try:

@@ -23,12 +23,18 @@ class FollowError(ValueError):
 
 
 class SampledRounds:
-    """Each micro-batch's last round on the first stage: ``(round, {row: token})``, or
-    ``(round, None)`` when it failed. Keyed by ``(router_id, micro_batch_id)``: a new router
-    starts its rounds again from 1, and must never take an earlier router's tokens."""
+    """The rounds of each micro-batch that ended on the first stage, the last few kept:
+    ``{round: {row: token}}``, ``None`` for a round that failed. Keyed by ``(router_id,
+    micro_batch_id)``: a new router starts its rounds again from 1, and must never take an
+    earlier router's tokens. Two rounds of one micro-batch can be in flight and end out of
+    order (round r + 1 a prefill of other rows, round r still decoding): a step follows
+    the round it names, not the last one to end."""
+
+    KEEP = 4  # rounds kept per micro-batch: at most two of one micro-batch are in flight
 
     def __init__(self):
-        self._last: dict[tuple[str, int], tuple[int, dict[int, int] | None]] = {}
+        self._ended: dict[tuple[str, int], dict[int, dict[int, int] | None]] = {}
+        self._running: dict[tuple[str, int], set[int]] = {}  # begun, not ended
         self._cond: asyncio.Condition | None = None  # made in the serving event loop
 
     @property
@@ -37,28 +43,39 @@ class SampledRounds:
             self._cond = asyncio.Condition()
         return self._cond
 
+    def begin(self, key: tuple[str, int], round: int) -> None:
+        """Round ``round`` of micro-batch ``key`` arrived (before anything awaits): a step
+        that follows it waits for it even when a later round ends first."""
+        self._running.setdefault(key, set()).add(round)
+
     async def ended(self, key: tuple[str, int], round: int, emitted: dict[int, int] | None) -> None:
         """Round ``round`` of micro-batch ``key`` ended: ``emitted`` (row -> last token it
         emitted), or None when it failed."""
         async with self._changed:
-            self._last[key] = (round, emitted)
+            self._running.get(key, set()).discard(round)
+            rounds = self._ended.setdefault(key, {})
+            rounds[round] = emitted
+            for r in sorted(rounds)[:-self.KEEP]:
+                del rounds[r]
             self._changed.notify_all()
 
     async def wait(self, key: tuple[str, int], round: int, timeout: float | None) -> dict[int, int]:
         """The tokens round ``round`` of micro-batch ``key`` emitted, once it ended.
 
         Raises:
-            FollowError: that round failed, or the micro-batch already ended a later one.
+            FollowError: that round failed, or the micro-batch is past it (a later round
+                ended and this one is neither ended nor running here).
             asyncio.TimeoutError: it did not end within ``timeout`` seconds.
         """
-        def ended() -> bool:
-            return key in self._last and self._last[key][0] >= round
+        def settled() -> bool:
+            rounds = self._ended.get(key, {})
+            return round in rounds or (round not in self._running.get(key, ()) and any(r > round for r in rounds))
 
         async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(ended), timeout)
-            last, emitted = self._last[key]
-        if last != round:
-            raise FollowError(f"follows_round {round} of micro-batch {key[1]}, but its last round is {last}")
-        if emitted is None:
+            await asyncio.wait_for(self._changed.wait_for(settled), timeout)
+            rounds = self._ended[key]
+        if round not in rounds:
+            raise FollowError(f"follows_round {round} of micro-batch {key[1]}, but its last round is {max(rounds)}")
+        if rounds[round] is None:
             raise FollowError(f"follows round {round} of micro-batch {key[1]}, which failed")
-        return emitted
+        return rounds[round]

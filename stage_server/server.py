@@ -112,7 +112,7 @@ class StageServicer(pb_grpc.StageServicer):
         # once the new owner has left (a paused router must not come back to the stage)
         self.replaced: dict[str, str] = {}
         self.cond = asyncio.Condition()
-        self.sampled = SampledRounds()  # the first stage: each micro-batch's last round (async scheduling)
+        self.sampled = SampledRounds()  # the first stage: each micro-batch's last rounds (async scheduling)
         self.specs = SpecMemo()  # each row's last sampling spec, decoded once (codec.SpecMemo)
         # data plane: what this stage offers its next stage, the link agreed (bytes until the
         # attach), and the links of the stages that send to this one
@@ -202,6 +202,7 @@ class StageServicer(pb_grpc.StageServicer):
             return await self._step_once(request, context, verify)
         key = (request.router_id, request.micro_batch_id)
         rows, emitted = list(request.req_pool_indices), None
+        self.sampled.begin(key, request.round)
         try:
             left_out, inp = await self._follow(request, context, key) if request.follows_round else ([], None)
             if not left_out:

@@ -46,6 +46,7 @@ class HeldPipeline(Pipeline):
         self.held.append((inp, go))
         self.stepped.set()
         key, emitted = ("", inp.micro_batch_id), None
+        self.sampled.begin(key, inp.round)
         try:
             if inp.follows_round:
                 got = await self.sampled.wait(key, inp.follows_round, None)
@@ -229,6 +230,33 @@ def test_a_round_that_follows_a_failed_round_is_refused():
         follow_ids([3, FOLLOWS], [1, 1], [5, 6], {5: 9})
     with pytest.raises(ValueError, match="past its first token"):
         follow_ids([3, FOLLOWS], [2], [5], {5: 9})
+
+
+def test_a_step_follows_its_round_when_a_later_round_of_the_micro_batch_ended_first():
+    """Round 335 (rows 3, 7 decoding) and round 336 (rows 0, 10: a prefill) of one
+    micro-batch in flight; 336 ends first, then 335; round 337 follows 336. Before, the
+    first stage kept only the last round to end (335), so 337 waited for ever (served:
+    the step's DEADLINE_EXCEEDED after --step-timeout, every request of the pipeline 503)."""
+
+    async def run():
+        s, key = SampledRounds(), ("router", 0)
+        s.begin(key, 335)
+        s.begin(key, 336)
+        await s.ended(key, 336, {0: 201, 10: 582})
+        await s.ended(key, 335, {3: 573, 7: 416})
+        assert await s.wait(key, 336, 1.0) == {0: 201, 10: 582}
+        assert await s.wait(key, 335, 1.0) == {3: 573, 7: 416}
+        # a round still running is waited for, though a later one ended
+        s.begin(key, 337)
+        s.begin(key, 338)
+        await s.ended(key, 338, {0: 1})
+        waiter = asyncio.ensure_future(s.wait(key, 337, 1.0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        await s.ended(key, 337, {3: 2})
+        assert await waiter == {3: 2}
+
+    asyncio.run(run())
 
 
 def test_async_rounds_on_real_stages_give_the_synchronous_tokens(make_ckpt):

@@ -587,9 +587,12 @@ def test_serve_children_do_not_outlive_it(random_ref, sig):
     path = random_ref[0]
     ports = [free_port(), free_port()]
     port = free_port()
+    # a hang-up reaches serve as from a terminal: SIGHUP at its default disposition, not
+    # the ignored one a test run under nohup would hand down (serve keeps an ignored SIGHUP)
     serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", path, "--pp-size", "2",
                               "--stage-ports", ",".join(map(str, ports)), "--port", str(port), "--num-threads", "1"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     pattern = f"ppspec.cli (stage|router) .*--port ({ports[0]}|{ports[1]}|{port})( |$)"
     try:
         _wait_serving(serve, port)

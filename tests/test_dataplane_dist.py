@@ -14,6 +14,7 @@ import torch
 from ppspec.proto.stubs import pb
 from ppspec.stage_server import dataplane as dp
 from ppspec.stage_server import dataplane_dist as dd
+from test_dataplane import tampered
 
 
 def connect(rx: dp.Receiver, sender_id: str, **req) -> dd.DistLink:
@@ -43,18 +44,6 @@ def test_tensors_arrive_bit_identical_in_any_read_order(link_and_receiver):
         got = rx.read(ref, mb, 3)
         assert got.dtype == t.dtype and torch.equal(got, t)
     assert rx.inboxes["s1"].got == {}  # each read took its tensor
-
-
-def tampered(ref, **change):
-    r = pb.TensorRef()
-    r.CopyFrom(ref)
-    for k, v in change.items():
-        if k == "shape":
-            del r.shape[:]
-            r.shape.extend(v)
-        else:
-            setattr(r, k, v)
-    return r
 
 
 @pytest.mark.parametrize("change,mb,rnd,fragment", [

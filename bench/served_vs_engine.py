@@ -121,8 +121,23 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def serve_children(pid: int) -> dict[str, int]:
-    """``ppspec serve``'s processes by role: ``router`` and ``stage`` K -> pid (Linux /proc)."""
+    """``ppspec serve``'s processes by role: ``router`` (the HTTP server), ``engine`` (the
+    router's engine process, its child) and ``stage`` K -> pid (Linux /proc)."""
     found = {}
+    for entry, argv in _children(pid):
+        if "router" in argv:
+            found["router"] = entry
+            for sub, sub_argv in _children(entry):
+                if "--engine-fd" in sub_argv:
+                    found["engine"] = sub
+        elif "stage" in argv:
+            found[f"stage {argv[argv.index('--pp-rank') + 1]}"] = entry
+    return found
+
+
+def _children(pid: int) -> list[tuple[int, list[str]]]:
+    """``(pid, argv)`` of each child of ``pid``."""
+    kids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -130,14 +145,10 @@ def serve_children(pid: int) -> dict[str, int]:
             if int(_proc_stat(int(entry))[1]) != pid:
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
+                kids.append((int(entry), f.read().decode(errors="replace").split("\0")))
         except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
-        if "router" in argv:
-            found["router"] = int(entry)
-        elif "stage" in argv:
-            found[f"stage {argv[argv.index('--pp-rank') + 1]}"] = int(entry)
-    return found
+    return kids
 
 
 def _rounds(url: str) -> float:
@@ -164,12 +175,14 @@ class CpuMeter:
         self.rounds = _rounds(self.url) - self.rounds0
 
     def figures(self, tokens: int) -> dict:
-        router = self.cpu.get("router", float("nan"))
-        stages = sum(v for k, v in self.cpu.items() if k.startswith("stage"))
+        parts = {"router": self.cpu.get("router", float("nan")),  # the HTTP server (and the engine without
+                 "engine": self.cpu.get("engine", 0.0),  # --engine-process: then 0 here)
+                 "stages": sum(v for k, v in self.cpu.items() if k.startswith("stage"))}
         per = lambda x, n: x / n if n else float("nan")  # noqa: E731
-        return {"router_round_s": per(router, self.rounds), "stages_round_s": per(stages, self.rounds),
-                "router_token_s": per(router, tokens), "stages_token_s": per(stages, tokens),
-                "rounds": self.rounds, "tokens": tokens}
+        figures = {"rounds": self.rounds, "tokens": tokens}
+        for part, seconds in parts.items():
+            figures[f"{part}_round_s"], figures[f"{part}_token_s"] = per(seconds, self.rounds), per(seconds, tokens)
+        return figures
 
 def _timed_request(url: str, prompt, max_tokens: int) -> float:
     """Seconds of one non-streamed greedy completion."""
@@ -259,7 +272,7 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
               f"(all prompts at once)", "", "| CPU | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for pp in pps:
         for key, conc in (("cpu", a.concurrency), ("solo_cpu", 1)):
-            for part in ("router", "stages"):
+            for part in ("router", "engine", "stages"):
                 lines.append(f"| PP{pp} {part} c{conc}: ms per micro-batch / per token | " + " | ".join(
                     fmt(served[n][pp][key][f"{part}_round_s"] * 1e3) + " / "
                     + fmt(served[n][pp][key][f"{part}_token_s"] * 1e3, "{:.3f}") for n in names) + " |")

@@ -71,6 +71,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
         add("--reasoning-parser", default=None, choices=REASONING_PARSERS,
             help="split chat output's thinking into reasoning_content (qwen3: <think>...</think>); "
                  "default: it stays content"),
+        add("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+            help="run the scheduler and the pipeline in a process of their own, the HTTP server and its "
+                 "per-token work (detokenization, stop strings, SSE) in the router's; off: one event loop "
+                 "does both"),
         add("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take"),
         add("--wedge-timeout", type=positive_float, default=60.0,
             help="seconds a micro-batch may stay outstanding before /health says 503"),
@@ -111,55 +115,63 @@ def build_parser() -> argparse.ArgumentParser:
                     help="file holding the secret shared with the stages, their --pipeline-key-file (default: none, "
                          "for stages started without one)")
     ap.add_argument("--log-level", default="info", help="uvicorn's log level")
+    ap.add_argument("--engine-fd", type=int, default=None, help=argparse.SUPPRESS)  # an engine process (engine_proc.py)
     return ap
 
 
-async def run_router(args) -> int:
+class EngineStartError(Exception):
+    """The router cannot serve (a stage unreachable, a bad key or tokenizer, stages that
+    disagree); the message says why, the process exits with status 2."""
+
+
+def load_tokenizer(args):
+    """The checkpoint's tokenizer, with ``--chat-template`` applied. Raises EngineStartError."""
     from transformers import AutoTokenizer
 
-    from .api import build_app, serve_http
+    try:
+        chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+    except ValueError as e:
+        raise EngineStartError(str(e)) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        raise EngineStartError(f"cannot load the tokenizer of {args.model}: {e}") from None
+    # The context limit is the stages' (checked per request); silence the tokenizer's own.
+    tokenizer.model_max_length = 1 << 62
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def served_name(args) -> str:
+    return args.served_model_name or args.model.rstrip("/").split("/")[-1]
+
+
+async def start_engine(args, tokenizer=None):
+    """The engine of ``args`` over the stages, started (every stage's ``Info`` read), and its
+    metrics: ``(Engine, RouterMetrics)``. Raises EngineStartError."""
     from .engine import Engine
     from .grpc_pipeline import GrpcPipeline
     from .metrics import RouterMetrics
     from .types import StageDownError
 
-    addresses = args.stages
-    err = listen_error(args.host, args.port)  # before anything starts or prints
-    if err:
-        print(f"ppspec router: {err}", file=sys.stderr)
-        return 2
-    try:
-        chat_template = load_chat_template(args.chat_template) if args.chat_template else None
-    except ValueError as e:
-        print(f"ppspec router: {e}", file=sys.stderr)
-        return 2
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        # The context limit is the stages' (checked per request); silence the tokenizer's own.
-        tokenizer.model_max_length = 1 << 62
-    except (OSError, ValueError) as e:
-        print(f"ppspec router: cannot load the tokenizer of {args.model}: {e}", file=sys.stderr)
-        return 2
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
     key = None
     if args.pipeline_key_file:
         try:
             key = read_key_file(args.pipeline_key_file)
         except KeyFileError as e:
-            print(f"ppspec router: {e}", file=sys.stderr)
-            return 2
-    pipeline = GrpcPipeline(addresses, step_timeout=args.step_timeout, key=key)
+            raise EngineStartError(str(e)) from None
+    pipeline = GrpcPipeline(args.stages, step_timeout=args.step_timeout, key=key)
     try:
         await pipeline.wait_ready(args.connect_timeout)
         await pipeline.check_key()
         infos = await pipeline.info()
     except StageDownError as e:
-        print(f"ppspec router: {e}", file=sys.stderr)
-        return 2
-    metrics = RouterMetrics(num_stages=len(addresses), num_spec_tokens=infos[-1]["num_speculative_steps"])
-    name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
-    engine = Engine(pipeline, model_name=name, tokenizer=tokenizer, speculative_algorithm=args.speculative_algorithm,
+        raise EngineStartError(str(e)) from None
+    metrics = RouterMetrics(num_stages=len(args.stages), num_spec_tokens=infos[-1]["num_speculative_steps"])
+    engine = Engine(pipeline, model_name=served_name(args), tokenizer=tokenizer,
+                    speculative_algorithm=args.speculative_algorithm,
                     num_micro_batches=args.num_micro_batches, max_batch_size=args.max_batch_size,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     mixed_prefill_tokens=args.mixed_prefill_tokens, chunk_size=args.chunk_size,
@@ -169,12 +181,37 @@ async def run_router(args) -> int:
     try:
         await engine.start()
     except (ValueError, StageDownError) as e:
-        print(f"ppspec router: {e}", file=sys.stderr)
         await pipeline.leave()  # it asked the stages' Info: they need not count it
+        raise EngineStartError(str(e)) from None
+    return engine, metrics
+
+
+async def run_router(args, argv: list[str]) -> int:
+    """Serve HTTP in front of the engine: in a child process (``--engine-process``, the
+    default: router/engine_proc.py says why) or on this event loop."""
+    from .api import build_app, serve_http
+    from .engine_proc import EngineClient
+
+    err = listen_error(args.host, args.port)  # before anything starts or prints
+    if err:
+        print(f"ppspec router: {err}", file=sys.stderr)
         return 2
-    app = build_app(engine, name, api_key=args.api_key, registry=metrics.registry,
+    name = served_name(args)
+    try:
+        tokenizer = load_tokenizer(args)
+        if args.engine_process:
+            engine = EngineClient(argv, tokenizer, name)
+            await engine.start()
+            registry, before_metrics = engine.registry, engine.refresh_metrics
+        else:
+            engine, metrics = await start_engine(args, tokenizer)
+            registry, before_metrics = metrics.registry, None
+    except EngineStartError as e:
+        print(f"ppspec router: {e}", file=sys.stderr)
+        return 2
+    app = build_app(engine, name, api_key=args.api_key, registry=registry, before_metrics=before_metrics,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-    print(f"ppspec router: {len(addresses)} stages, speculative {engine.spec}, "
+    print(f"ppspec router: {len(args.stages)} stages, speculative {engine.spec}, "
           f"serving {name} on http://{args.host}:{args.port}", flush=True)
     try:
         await serve_http(app, args.host, args.port, log_level=args.log_level, on_exit=engine.shutdown)
@@ -186,9 +223,13 @@ async def run_router(args) -> int:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .engine_proc import run_engine_process
+
+    if args.engine_fd is not None:
+        return run_engine_process(args, args.engine_fd)
     try:
         import uvloop
 
-        return uvloop.run(run_router(args))
+        return uvloop.run(run_router(args, argv))
     except ImportError:
-        return asyncio.run(run_router(args))
+        return asyncio.run(run_router(args, argv))

@@ -159,7 +159,12 @@ class Cluster:
             time.sleep(0.2)
 
     def kill(self, name, sig=signal.SIGKILL):
-        self.procs[name].send_signal(sig)
+        """``sig`` to process ``name`` and its children (its process group: the router's
+        engine process with it, so that a paused or killed router is paused or killed whole)."""
+        try:
+            os.killpg(self.procs[name].pid, sig)
+        except ProcessLookupError:
+            pass
 
     def stop(self):
         for p in self.procs.values():

@@ -6,7 +6,7 @@ import json
 import logging
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,8 +41,8 @@ large default reserves nothing)."""
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None, *,
               max_tokens_cap: int | None = DEFAULT_MAX_TOKENS_CAP, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              registry: Any = None, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              registry: Any = None, before_metrics: Callable[[], Awaitable[None]] | None = None,
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible ASGI app in front of ``engine``.
 
     served_model_name: the model id clients use (default ``engine.model_name``); another
@@ -51,7 +51,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     max_tokens_cap: default ``max_tokens`` is min(context limit - prompt tokens, this);
     None: the context limit - prompt tokens.
     max_request_bytes: larger request bodies get 413. registry: the prometheus_client
-    registry ``/metrics`` exports (default: the global one). tool_call_parser: how tool
+    registry ``/metrics`` exports (default: the global one); before_metrics: awaited before
+    each scrape (an engine in another process fetches its figures). tool_call_parser: how tool
     calls are read from generated text (``router.tool_calls``, e.g. ``hermes``); None: a
     chat request with ``tools`` gets 400. reasoning_parser: how chat output's thinking is
     split into ``reasoning_content`` (``router.reasoning``, e.g. ``qwen3``); None: it stays
@@ -144,7 +145,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         body = {"status": "unavailable", "detail": detail, **error_body(detail, "service_unavailable")}
         return JSONResponse(body, status_code=503)
 
-    app.mount("/metrics", _read_only(make_asgi_app(registry=REGISTRY if registry is None else registry)))
+    app.mount("/metrics", _read_only(make_asgi_app(registry=REGISTRY if registry is None else registry),
+                                     before=before_metrics))
     # Serve "/metrics" itself, not only "/metrics/" (a Mount matches "/metrics/..." only).
     app.routes[-1].path_regex = re.compile(r"^/metrics(?P<path>.*)$")  # type: ignore[attr-defined]
 
@@ -189,9 +191,10 @@ class AccessLog:
                             self.clock() - start)
 
 
-def _read_only(inner: Callable) -> Callable:
-    """An ASGI app that passes GET and HEAD to ``inner`` and answers 405 (with ``Allow``)
-    to any other method: prometheus_client's exporter answers every method alike."""
+def _read_only(inner: Callable, before: Callable[[], Awaitable[None]] | None = None) -> Callable:
+    """An ASGI app that passes GET and HEAD to ``inner`` (after awaiting ``before``) and
+    answers 405 (with ``Allow``) to any other method: prometheus_client's exporter answers
+    every method alike."""
 
     async def app(scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
@@ -200,6 +203,8 @@ def _read_only(inner: Callable) -> Callable:
             resp.headers["allow"] = "GET, HEAD"
             await resp(scope, receive, send)
             return
+        if before is not None and scope["type"] == "http":
+            await before()
         await inner(scope, receive, send)
 
     return app

@@ -1,0 +1,406 @@
+"""The engine in a process of its own, the HTTP server in front of it (docs/DESIGN.md,
+"Processes").
+
+One event loop used to do both halves of the router: the scheduler driving the stages
+(forming micro-batches, the gRPC streams, commits), and per output token the HTTP work
+(detokenization, stop strings, one SSE write per token through the ASGI stack). At
+concurrency 64 the second half was more than half of that process's CPU (py-spy on the
+CPU checkpoint of ``served_vs_engine --tiny``), and a stage waited for the router between
+micro-batches (the H200's served rounds took 2.7x the engine's at concurrency 64). So
+``ppspec router`` runs the :class:`~router.engine.Engine` in a child process
+(:func:`run_engine_process`) and serves HTTP in the parent through :class:`EngineClient`,
+which has the ``AsyncEngine`` shape of ``router/protocol.py``; the two exchange pickled
+messages over a Unix socket pair, the outputs of one micro-batch's requests in one message.
+
+Messages (tuples; the first item names them):
+
+client -> engine: ``("add", request_id, prompt_token_ids, params)``,
+``("abort", request_id, finish_reason)``, ``("call", call_id, name)`` (``flush_cache``,
+``metrics``), ``("shutdown", reason)``, ``("close",)``.
+
+engine -> client: ``("ready", facts)`` or ``("failed", message)`` once at start,
+``("out", [(request_id, RequestOutput or error), ...])``, ``("health", ok, detail)`` when
+it changes, ``("reply", call_id, value)``.
+
+Errors cross as :class:`_Error` records and are raised again as the same ``EngineError``
+class with the same message, ``param`` and ``code`` (HTTP status and body unchanged).
+The engine process ends when the client closes the socket, whatever way the client ended:
+it then releases its rows on every stage, as a router leaving does.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from . import types as _types
+from .types import EngineError, RequestOutput, SamplingParams, StageDownError
+
+log = logging.getLogger("ppspec.router")
+
+_LEN = struct.Struct("!I")
+HEALTH_PERIOD_S = 0.05  # how often the engine process checks whether its health changed
+
+
+# ------------------------------------------------------------------ framing
+async def _read(reader: asyncio.StreamReader) -> Any:
+    """One message; raises ``asyncio.IncompleteReadError`` at the end of the stream."""
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    return pickle.loads(await reader.readexactly(n))
+
+
+def _write(writer: asyncio.StreamWriter, msg: Any) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    writer.write(_LEN.pack(len(data)) + data)
+
+
+@dataclass
+class _Error:
+    """An exception on the wire: an ``EngineError`` subclass by name (anything else
+    becomes ``EngineError``) with its message and attributes."""
+
+    kind: str
+    message: str
+    attrs: dict
+
+    @classmethod
+    def of(cls, e: BaseException) -> "_Error":
+        if not isinstance(e, EngineError):
+            return cls("EngineError", f"{type(e).__name__}: {e}", {})
+        attrs = {k: v for k, v in vars(e).items() if isinstance(v, (str, int, float, type(None)))}
+        return cls(type(e).__name__, str(e), attrs)
+
+    def exception(self) -> EngineError:
+        kind = getattr(_types, self.kind, EngineError)
+        if not (isinstance(kind, type) and issubclass(kind, EngineError)):
+            kind = EngineError
+        e = kind.__new__(kind)
+        Exception.__init__(e, self.message)
+        e.message, e.param, e.code = self.message, None, None
+        vars(e).update(self.attrs)
+        return e
+
+
+# ------------------------------------------------------------------ the engine's side
+class _Outlet:
+    """A request's stream inside the engine process (what ``Engine.submit`` puts outputs
+    into): each item goes into the next ``out`` message."""
+
+    __slots__ = ("server", "request_id")
+
+    def __init__(self, server: "EngineServer", request_id: str):
+        self.server, self.request_id = server, request_id
+
+    def put_nowait(self, item) -> None:
+        self.server.emit(self.request_id, item)
+
+
+class EngineServer:
+    """Serves one :class:`~router.engine.Engine` (started) to one client over ``reader`` /
+    ``writer``. Outputs delivered in one pass of the event loop (one micro-batch's
+    requests) leave in one message."""
+
+    def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, registry=None):
+        self.engine, self.reader, self.writer, self.registry = engine, reader, writer, registry
+        self._pending: list[tuple[str, Any]] = []
+        self._health: tuple[bool, str] | None = None
+
+    def emit(self, request_id: str, item) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append((request_id, _Error.of(item) if isinstance(item, BaseException) else item))
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not self.writer.is_closing():
+            _write(self.writer, ("out", pending))
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        e = self.engine
+        try:
+            if e.failure is not None or not e.pipeline.health()[0]:
+                raise StageDownError(e.health()[1])
+            e.submit(request_id, prompt_token_ids, params, stream=_Outlet(self, request_id))
+        except Exception as exc:  # noqa: BLE001  (the request's error, to its stream)
+            self.emit(request_id, exc)
+
+    async def _call(self, call_id: int, name: str) -> None:
+        try:
+            if name == "flush_cache":
+                value = await self.engine.flush_cache()
+            elif name == "metrics":
+                from prometheus_client import generate_latest
+
+                value = generate_latest(self.registry).decode() if self.registry is not None else ""
+            else:
+                raise EngineError(f"no engine call {name!r}")
+        except Exception as exc:  # noqa: BLE001
+            value = _Error.of(exc)
+        _write(self.writer, ("reply", call_id, value))
+
+    async def _watch_health(self) -> None:
+        while True:
+            h = self.engine.health()
+            if h != self._health:
+                self._health = h
+                _write(self.writer, ("health", *h))
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def serve(self) -> None:
+        """Say ``ready``, then serve until the client closes the socket or says ``close``;
+        then close the engine."""
+        e = self.engine
+        _write(self.writer, ("ready", {"max_model_len": e.max_model_len, "spec": e.spec,
+                                       "prefix_caching": e.prefix_caching, "health": e.health()}))
+        watch = asyncio.ensure_future(self._watch_health())
+        calls: set[asyncio.Task] = set()
+        try:
+            while True:
+                try:
+                    msg = await _read(self.reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    log.info("engine process: the HTTP server went away")
+                    break
+                op = msg[0]
+                if op == "add":
+                    self._add(*msg[1:])
+                elif op == "abort":
+                    await self.engine.abort(*msg[1:])
+                elif op == "call":
+                    t = asyncio.ensure_future(self._call(*msg[1:]))
+                    calls.add(t)
+                    t.add_done_callback(calls.discard)
+                elif op == "shutdown":
+                    self.engine.shutdown(*msg[1:])
+                elif op == "close":
+                    break
+        finally:
+            watch.cancel()
+            self._flush()
+            try:
+                await self.engine.close()
+            finally:
+                self.writer.close()
+
+
+def run_engine_process(args, fd: int) -> int:
+    """``ppspec router --engine-fd FD``: the engine of ``args`` served over the socket ``fd``
+    (what :class:`EngineClient` starts). SIGINT and SIGTERM are left to the HTTP server, which
+    tells this process to shut down and close; the end of the socket closes it too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+
+    async def main() -> int:
+        from .server import EngineStartError, start_engine
+
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        try:
+            engine, metrics = await start_engine(args)
+        except EngineStartError as e:
+            _write(writer, ("failed", str(e)))
+            try:
+                await writer.drain()
+            except ConnectionError:
+                pass  # the HTTP server is gone already (ppspec serve stopping)
+            return 2
+        await EngineServer(engine, reader, writer, metrics.registry).serve()
+        return 0
+
+    return _run(main())
+
+
+def _run(coro) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ------------------------------------------------------------------ the HTTP server's side
+class EngineClient:
+    """The ``AsyncEngine`` of the HTTP layer, over an engine process started with
+    ``ppspec router ARGV --engine-fd N`` (:meth:`start`).
+
+    ``registry``: a Prometheus registry whose collector yields the engine process's metrics
+    as :meth:`refresh_metrics` last fetched them (the app fetches them before each scrape).
+    """
+
+    def __init__(self, argv: list[str], tokenizer, model_name: str):
+        from prometheus_client import CollectorRegistry
+
+        self.argv, self.tokenizer, self.model_name = argv, tokenizer, model_name
+        self.max_model_len, self.spec, self.prefix_caching = 0, None, False
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._health: tuple[bool, str] = (False, "the engine process is starting")
+        self._replies: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._metrics_text = ""
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_RemoteMetrics(self))
+        self.proc: subprocess.Popen | None = None
+        self._reader_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start the engine process and wait until its engine serves (it reached every
+        stage). Raises ``EngineStartError`` with the engine's message when it cannot."""
+        mine, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "router", *self.argv,
+                                          "--engine-fd", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        await self.connect(mine)
+
+    async def connect(self, sock: socket.socket) -> None:
+        """Serve through the engine at the other end of ``sock`` (an :class:`EngineServer`),
+        once it says ``ready``. Raises ``EngineStartError`` with its message when it fails."""
+        from .server import EngineStartError
+
+        self.reader, self.writer = await asyncio.open_unix_connection(sock=sock)
+        try:
+            msg = await _read(self.reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            msg = ("failed", "the engine process ended at start"
+                   + (f" (exit status {await self._wait()})" if self.proc is not None else ""))
+        if msg[0] != "ready":
+            self.writer.close()
+            if self.proc is not None:
+                await self._wait()
+            raise EngineStartError(msg[1])
+        facts = msg[1]
+        self.max_model_len, self.spec, self.prefix_caching = facts["max_model_len"], facts["spec"], facts["prefix_caching"]
+        self._health = tuple(facts["health"])
+        self._reader_task = asyncio.ensure_future(self._read_loop())
+
+    async def _wait(self) -> int:
+        return await asyncio.get_running_loop().run_in_executor(None, self.proc.wait)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await _read(self.reader)
+                op = msg[0]
+                if op == "out":
+                    queues = self.queues
+                    for rid, item in msg[1]:
+                        q = queues.get(rid)
+                        if q is not None:
+                            q.put_nowait(item.exception() if isinstance(item, _Error) else item)
+                elif op == "health":
+                    self._health = (msg[1], msg[2])
+                elif op == "reply":
+                    fut = self._replies.pop(msg[1], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg[2])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        self._gone("the engine process ended")
+
+    def _gone(self, reason: str) -> None:
+        """The engine process is gone: every request and call ends with StageDownError."""
+        self._health = (False, reason)
+        for q in self.queues.values():
+            q.put_nowait(StageDownError(reason))
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_result(_Error.of(StageDownError(reason)))
+        self._replies.clear()
+
+    def _send(self, msg) -> None:
+        if not self.writer.is_closing():
+            _write(self.writer, msg)
+
+    async def _call(self, name: str):
+        if self._reader_task is None or self._reader_task.done():  # no reply would come
+            raise StageDownError(self._health[1])
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[call_id] = fut
+        self._send(("call", call_id, name))
+        value = await fut
+        if isinstance(value, _Error):
+            raise value.exception()
+        return value
+
+    # -------------------------------------------------------------- AsyncEngine
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if not self._health[0]:
+            raise StageDownError(self._health[1])
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = q
+        self._send(("add", request_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id, "abort"))
+
+    async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
+        self._send(("abort", request_id, finish_reason))
+
+    def health(self) -> tuple[bool, str]:
+        return self._health
+
+    async def flush_cache(self) -> int:
+        return await self._call("flush_cache")
+
+    async def refresh_metrics(self) -> None:
+        """Fetch the engine process's metrics (before a scrape)."""
+        try:
+            self._metrics_text = await self._call("metrics")
+        except EngineError:
+            pass  # the engine is gone: the last figures stay
+
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """``Engine.shutdown`` in the engine process: its requests end with 503 now."""
+        self._send(("shutdown", reason))
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Ask the engine process to close (it releases its rows on every stage) and wait
+        for it; killed after ``timeout`` seconds."""
+        self._send(("close",))
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self._wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("the engine process did not end in %.0f s: killed", timeout)
+                self.proc.kill()
+                await self._wait()
+        self.writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+
+
+class _RemoteMetrics:
+    """The engine process's metrics, from the text :meth:`EngineClient.refresh_metrics`
+    fetched (parsed back into families: the exposition is the same text)."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    def collect(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return text_string_to_metric_families(self.client._metrics_text)

@@ -1,0 +1,145 @@
+"""The engine behind a socket (router/engine_proc.py): ``EngineClient`` in front of an
+``EngineServer`` serving a real ``Engine`` (PP2 + MTP on the demo checkpoint, in process)
+gives PP1's greedy tokens without speculation, the engine's errors with their class and
+fields, aborts that free the rows, the engine's metrics, and 503s once the engine is gone.
+(``ppspec serve`` / ``ppspec router`` run it in a child process: every test that starts
+them, tests/test_pipeline.py among them, goes through it.)"""
+import asyncio
+import socket
+
+import pytest
+
+from ppspec.argtypes import DEMO_MODEL
+from ppspec.router import types
+from ppspec.router.engine import Engine
+from ppspec.router.engine_proc import EngineClient, EngineServer, _Error
+from ppspec.router.llm import LLM
+from ppspec.router.pipeline import InProcessPipeline
+from ppspec.router.types import ContextLengthError, SamplingParams, StageDownError
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43, 44, 45, 46], [100, 7, 100, 7, 100, 7]]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """PP1 without speculation, greedy: the tokens every other path must give."""
+    llm = LLM(DEMO_MODEL, max_rows=4)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def _served(body):
+    """Run ``body(client, engine)`` against a PP2 + MTP engine behind a socket pair, both
+    ends on one event loop; returns what it returns."""
+    from prometheus_client import CollectorRegistry
+
+    from ppspec.router.metrics import RouterMetrics
+
+    async def main():
+        pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+        metrics = RouterMetrics(CollectorRegistry(), num_stages=2, num_spec_tokens=3)
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", metrics=metrics)
+        await engine.start()
+        a, b = socket.socketpair()
+        reader, writer = await asyncio.open_unix_connection(sock=a)
+        server = asyncio.ensure_future(EngineServer(engine, reader, writer, metrics.registry).serve())
+        client = EngineClient([], tokenizer=None, model_name="demo")
+        await client.connect(b)
+        try:
+            return await body(client, engine, server)
+        finally:
+            if not server.done():
+                await client.close()
+                await asyncio.wait_for(server, 60)
+
+    return asyncio.run(main())
+
+
+async def _tokens(client, rid, prompt, **kw):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **kw)
+    ids, last = [], None
+    async for out in client.generate(rid, prompt, params):
+        ids += out.new_token_ids
+        last = out
+    return ids, last
+
+
+def test_the_client_gives_pp1_tokens_and_the_engines_metrics(reference):
+    async def body(client, engine, server):
+        assert client.max_model_len == engine.max_model_len > 0 and client.spec == "mtp"
+        got = await asyncio.gather(*(_tokens(client, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        await client.refresh_metrics()
+        from prometheus_client import generate_latest
+
+        return got, generate_latest(client.registry).decode(), (client.health(), engine.health())
+
+    got, text, health = _served(body)
+    assert [ids for ids, _ in got] == reference
+    assert all(last.finish_reason == "length" and last.num_output_tokens == 24 for _, last in got)
+    finished = [line for line in text.splitlines() if line.startswith("ppspec:request_success_total")]
+    assert any('finished_reason="length"' in line and line.endswith(" 4.0") for line in finished), finished
+    assert health[0] == health[1] and health[0][0]
+
+
+def test_errors_cross_with_their_class_and_fields():
+    async def body(client, engine, server):
+        with pytest.raises(ContextLengthError) as too_long:
+            await _tokens(client, "long", [5] * (engine.max_model_len + 1))
+        with pytest.raises(types.InvalidRequestError) as bad:
+            await _tokens(client, "bad", [5, 6], top_p=7.0)
+        return too_long.value, bad.value
+
+    too_long, bad = _served(body)
+    assert too_long.http_status == 400 and too_long.code == "context_length_exceeded" and too_long.param == "messages"
+    assert too_long.limit > 0 and "maximum context length" in str(too_long)
+    assert bad.param == "top_p" and bad.http_status == 400
+    for e in (StageDownError("stage 1 is down"), types.QueueFullError("full"), ValueError("bug")):
+        back = _Error.of(e).exception()
+        assert isinstance(back, types.EngineError) and back.http_status == getattr(e, "http_status", 500)
+        assert str(e) in str(back)
+
+
+def test_an_abandoned_stream_frees_its_rows(reference):
+    async def body(client, engine, server):
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        it = client.generate("cut", PROMPTS[0], params)
+        first = await it.__anext__()
+        await it.aclose()  # the HTTP client went away
+        for _ in range(500):  # the abort crosses, the engine releases the rows
+            if not engine.scheduler.requests and engine.settled():
+                break
+            await asyncio.sleep(0.01)
+        rows = [r.info()["rows_in_use"] for r in engine.pipeline.runners]
+        after = await _tokens(client, "next", PROMPTS[1])
+        return first, rows, after
+
+    first, rows, (ids, _) = _served(body)
+    assert first.new_token_ids and rows == [0, 0]
+    assert ids == reference[1]  # the engine serves on
+
+
+def test_requests_end_with_503_when_the_engine_goes_away():
+    async def body(client, engine, server):
+        params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+        it = client.generate("r", PROMPTS[0], params)
+        await it.__anext__()
+        server.cancel()  # the engine process ends: its end of the socket closes
+        await asyncio.gather(server, return_exceptions=True)
+        with pytest.raises(StageDownError):
+            async for _ in it:
+                pass
+        for _ in range(100):
+            if not client.health()[0]:
+                break
+            await asyncio.sleep(0.01)
+        health = client.health()
+        with pytest.raises(StageDownError):
+            await _tokens(client, "after", PROMPTS[1])
+        with pytest.raises(StageDownError):
+            await client.flush_cache()
+        return health
+
+    ok, detail = _served(body)
+    assert not ok and "engine process ended" in detail

@@ -104,10 +104,10 @@ def stage_main(out: str, argv: list[str]) -> int:
         events.append((args[0].round, "back", ns()))
         return res
 
-    async def _step_once(self, request, context, verify):
+    async def _step_once(self, request, context, verify, *rest):
         r = request.round
         events.append((r, "enter", ns()))
-        res = await step_once(self, request, context, verify)
+        res = await step_once(self, request, context, verify, *rest)
         events.append((r, "exit", ns()))
         return res
     server.StageServicer._compute, server.StageServicer._step_once = _compute, _step_once

@@ -122,7 +122,8 @@ def _cpu_seconds(pid: int) -> float:
 
 def serve_children(pid: int) -> dict[str, int]:
     """``ppspec serve``'s processes by role: ``router`` (the HTTP server), ``engine`` (the
-    router's engine process, its child) and ``stage`` K -> pid (Linux /proc)."""
+    router's engine process, its child), ``http K`` (the router's extra HTTP servers,
+    counted with ``router``) and ``stage`` K -> pid (Linux /proc)."""
     found = {}
     for entry, argv in _children(pid):
         if "router" in argv:
@@ -130,6 +131,8 @@ def serve_children(pid: int) -> dict[str, int]:
             for sub, sub_argv in _children(entry):
                 if "--engine-fd" in sub_argv:
                     found["engine"] = sub
+                elif "--engine-address" in sub_argv:
+                    found[f"http {sub}"] = sub
         elif "stage" in argv:
             found[f"stage {argv[argv.index('--pp-rank') + 1]}"] = entry
     return found
@@ -175,8 +178,9 @@ class CpuMeter:
         self.rounds = _rounds(self.url) - self.rounds0
 
     def figures(self, tokens: int) -> dict:
-        parts = {"router": self.cpu.get("router", float("nan")),  # the HTTP server (and the engine without
-                 "engine": self.cpu.get("engine", 0.0),  # --engine-process: then 0 here)
+        http = sum(v for k, v in self.cpu.items() if k.startswith("http "))
+        parts = {"router": self.cpu.get("router", float("nan")) + http,  # the HTTP servers (and the engine
+                 "engine": self.cpu.get("engine", 0.0),  # without --engine-process: then 0 here)
                  "stages": sum(v for k, v in self.cpu.items() if k.startswith("stage"))}
         per = lambda x, n: x / n if n else float("nan")  # noqa: E731
         figures = {"rounds": self.rounds, "tokens": tokens}

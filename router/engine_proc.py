@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import pickle
+import secrets
 import signal
 import socket
 import struct
@@ -106,17 +108,27 @@ class _Outlet:
 class EngineServer:
     """Serves one :class:`~router.engine.Engine` (started) to one client over ``reader`` /
     ``writer``. Outputs delivered in one pass of the event loop (one micro-batch's
-    requests) leave in one message."""
+    requests) leave in one message.
 
-    def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, registry=None):
-        self.engine, self.reader, self.writer, self.registry = engine, reader, writer, registry
+    ``owner``: the client that started the engine process (the router's first HTTP server);
+    its end closes the engine. Another client's end (an extra HTTP server,
+    ``--api-server-count``) aborts the requests it left running."""
+
+    def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, registry=None,
+                 owner: bool = True):
+        self.engine, self.reader, self.writer, self.registry, self.owner = engine, reader, writer, registry, owner
         self._pending: list[tuple[str, Any]] = []
         self._health: tuple[bool, str] | None = None
+        self._running: set[str] = set()  # requests of this client not ended yet
 
     def emit(self, request_id: str, item) -> None:
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.append((request_id, _Error.of(item) if isinstance(item, BaseException) else item))
+        if isinstance(item, BaseException):
+            item = _Error.of(item)
+        if isinstance(item, _Error) or item.finished:
+            self._running.discard(request_id)
+        self._pending.append((request_id, item))
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -129,6 +141,7 @@ class EngineServer:
             if e.failure is not None or not e.pipeline.health()[0]:
                 raise StageDownError(e.health()[1])
             e.submit(request_id, prompt_token_ids, params, stream=_Outlet(self, request_id))
+            self._running.add(request_id)
         except Exception as exc:  # noqa: BLE001  (the request's error, to its stream)
             self.emit(request_id, exc)
 
@@ -156,7 +169,7 @@ class EngineServer:
 
     async def serve(self) -> None:
         """Say ``ready``, then serve until the client closes the socket or says ``close``;
-        then close the engine."""
+        then close the engine (``owner``) or abort this client's requests."""
         e = self.engine
         _write(self.writer, ("ready", {"max_model_len": e.max_model_len, "spec": e.spec,
                                        "prefix_caching": e.prefix_caching, "health": e.health()}))
@@ -186,15 +199,21 @@ class EngineServer:
             watch.cancel()
             self._flush()
             try:
-                await self.engine.close()
+                if self.owner:
+                    await self.engine.close()
+                else:
+                    for rid in list(self._running):
+                        await self.engine.abort(rid)
             finally:
                 self.writer.close()
 
 
 def run_engine_process(args, fd: int) -> int:
     """``ppspec router --engine-fd FD``: the engine of ``args`` served over the socket ``fd``
-    (what :class:`EngineClient` starts). SIGINT and SIGTERM are left to the HTTP server, which
-    tells this process to shut down and close; the end of the socket closes it too."""
+    (what :class:`EngineClient` starts), and to every client that connects to the listening
+    socket ``--engine-listen-fd`` where given (the router's extra HTTP servers). SIGINT and
+    SIGTERM are left to the HTTP server, which tells this process to shut down and close;
+    the end of the socket ``fd`` closes it too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
@@ -212,6 +231,11 @@ def run_engine_process(args, fd: int) -> int:
             except ConnectionError:
                 pass  # the HTTP server is gone already (ppspec serve stopping)
             return 2
+        if args.engine_listen_fd is not None:
+            async def serve_other(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+                await EngineServer(engine, r, w, metrics.registry, owner=False).serve()
+
+            await asyncio.start_unix_server(serve_other, sock=socket.socket(fileno=args.engine_listen_fd))
         await EngineServer(engine, reader, writer, metrics.registry).serve()
         return 0
 
@@ -236,10 +260,10 @@ class EngineClient:
     as :meth:`refresh_metrics` last fetched them (the app fetches them before each scrape).
     """
 
-    def __init__(self, argv: list[str], tokenizer, model_name: str):
+    def __init__(self, argv: list[str], tokenizer, model_name: str, owner: bool = True):
         from prometheus_client import CollectorRegistry
 
-        self.argv, self.tokenizer, self.model_name = argv, tokenizer, model_name
+        self.argv, self.tokenizer, self.model_name, self.owner = argv, tokenizer, model_name, owner
         self.max_model_len, self.spec, self.prefix_caching = 0, None, False
         self.queues: dict[str, asyncio.Queue] = {}
         self._health: tuple[bool, str] = (False, "the engine process is starting")
@@ -251,13 +275,17 @@ class EngineClient:
         self.proc: subprocess.Popen | None = None
         self._reader_task: asyncio.Task | None = None
 
-    async def start(self) -> None:
+    async def start(self, listen: socket.socket | None = None) -> None:
         """Start the engine process and wait until its engine serves (it reached every
-        stage). Raises ``EngineStartError`` with the engine's message when it cannot."""
+        stage); it also serves the clients that connect to ``listen`` (the other HTTP
+        servers). Raises ``EngineStartError`` with the engine's message when it cannot."""
         mine, theirs = socket.socketpair()
+        argv, fds = [*self.argv, "--engine-fd", str(theirs.fileno())], [theirs.fileno()]
+        if listen is not None:
+            argv += ["--engine-listen-fd", str(listen.fileno())]
+            fds.append(listen.fileno())
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "router", *self.argv,
-                                          "--engine-fd", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+            self.proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "router", *argv], pass_fds=fds)
         finally:
             theirs.close()
         await self.connect(mine)
@@ -309,13 +337,17 @@ class EngineClient:
 
     def _gone(self, reason: str) -> None:
         """The engine process is gone: every request and call ends with StageDownError."""
-        self._health = (False, reason)
-        for q in self.queues.values():
-            q.put_nowait(StageDownError(reason))
+        self._end_all(reason)
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_result(_Error.of(StageDownError(reason)))
         self._replies.clear()
+
+    def _end_all(self, reason: str) -> None:
+        """Every request of this client ends with StageDownError(reason), and new ones get it."""
+        self._health = (False, reason)
+        for q in self.queues.values():
+            q.put_nowait(StageDownError(reason))
 
     def _send(self, msg) -> None:
         if not self.writer.is_closing():
@@ -374,8 +406,13 @@ class EngineClient:
             pass  # the engine is gone: the last figures stay
 
     def shutdown(self, reason: str = "the server is shutting down") -> None:
-        """``Engine.shutdown`` in the engine process: its requests end with 503 now."""
-        self._send(("shutdown", reason))
+        """At the first SIGINT / SIGTERM of this HTTP server: the owner shuts the engine down
+        (``Engine.shutdown``: every request ends with 503 now); another HTTP server ends
+        its own requests so (the engine serves the others on)."""
+        if self.owner:
+            self._send(("shutdown", reason))
+        else:
+            self._end_all(reason)
 
     async def close(self, timeout: float = 30.0) -> None:
         """Ask the engine process to close (it releases its rows on every stage) and wait
@@ -404,3 +441,58 @@ class _RemoteMetrics:
         from prometheus_client.parser import text_string_to_metric_families
 
         return text_string_to_metric_families(self.client._metrics_text)
+
+
+class HttpServers:
+    """The router's HTTP servers after the first (``--api-server-count N``): N - 1 processes
+    (``ppspec router ARGV --engine-address A --http-fd F``) accepting on the first one's
+    listening socket, each an :class:`EngineClient` of the engine process through the Unix
+    socket :attr:`listen` (abstract namespace, Linux). Each ends with the first (SIGTERM
+    when it dies, however it dies)."""
+
+    def __init__(self, argv: list[str], count: int):
+        self.argv, self.count = argv, count
+        self.address = f"ppspec-engine-{os.getpid()}-{secrets.token_hex(6)}"
+        self.listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listen.bind("\0" + self.address)
+        self.listen.listen(count)
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, http: socket.socket) -> None:
+        """Start them, serving the listening HTTP socket ``http``."""
+        from ppspec.lifetime import die_with
+
+        for _ in range(self.count - 1):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ppspec.cli", "router", *self.argv, "--engine-address", self.address,
+                 "--http-fd", str(http.fileno())], pass_fds=(http.fileno(),), preexec_fn=die_with(os.getpid())))
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM each (they drain their streams), SIGKILL after ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, p.wait), timeout)
+            except asyncio.TimeoutError:
+                p.kill()
+                await loop.run_in_executor(None, p.wait)
+        self.listen.close()
+
+
+async def connect_engine(address: str, tokenizer, model_name: str) -> EngineClient:
+    """An :class:`EngineClient` of the engine process listening at ``address`` (an extra
+    HTTP server's, :class:`HttpServers`). Raises ``EngineStartError``."""
+    from .server import EngineStartError
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect("\0" + address)
+    except OSError as e:
+        sock.close()
+        raise EngineStartError(f"cannot reach the engine process at {address}: {e}") from None
+    client = EngineClient([], tokenizer, model_name, owner=False)
+    await client.connect(sock)
+    return client

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 
 from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, address_list, listen_error, port, positive_float, positive_int
@@ -75,6 +76,9 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
             help="run the scheduler and the pipeline in a process of their own, the HTTP server and its "
                  "per-token work (detokenization, stop strings, SSE) in the router's; off: one event loop "
                  "does both"),
+        add("--api-server-count", type=positive_int, default=1,
+            help="HTTP server processes in front of the engine process, accepting on one port (vLLM's option): "
+                 "the per-token HTTP work of many streams on several cores"),
         add("--step-timeout", type=positive_float, default=120.0, help="seconds one micro-batch may take"),
         add("--wedge-timeout", type=positive_float, default=60.0,
             help="seconds a micro-batch may stay outstanding before /health says 503"),
@@ -115,7 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="file holding the secret shared with the stages, their --pipeline-key-file (default: none, "
                          "for stages started without one)")
     ap.add_argument("--log-level", default="info", help="uvicorn's log level")
-    ap.add_argument("--engine-fd", type=int, default=None, help=argparse.SUPPRESS)  # an engine process (engine_proc.py)
+    # the router's own processes (router/engine_proc.py): its engine process, its extra HTTP servers
+    ap.add_argument("--engine-fd", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-address", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--http-fd", type=int, default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -190,18 +198,29 @@ async def run_router(args, argv: list[str]) -> int:
     """Serve HTTP in front of the engine: in a child process (``--engine-process``, the
     default: router/engine_proc.py says why) or on this event loop."""
     from .api import build_app, serve_http
-    from .engine_proc import EngineClient
+    from .engine_proc import EngineClient, HttpServers, connect_engine
 
-    err = listen_error(args.host, args.port)  # before anything starts or prints
-    if err:
-        print(f"ppspec router: {err}", file=sys.stderr)
-        return 2
+    extra = http = None
+    if args.engine_address is not None:  # one of the extra HTTP servers (--api-server-count)
+        http = socket.socket(fileno=args.http_fd)
+    else:
+        err = listen_error(args.host, args.port)  # before anything starts or prints
+        if err:
+            print(f"ppspec router: {err}", file=sys.stderr)
+            return 2
+        if args.api_server_count > 1 and not args.engine_process:
+            print("ppspec router: --api-server-count above 1 needs --engine-process", file=sys.stderr)
+            return 2
     name = served_name(args)
     try:
         tokenizer = load_tokenizer(args)
-        if args.engine_process:
+        if args.engine_address is not None:
+            engine = await connect_engine(args.engine_address, tokenizer, name)
+            registry, before_metrics = engine.registry, engine.refresh_metrics
+        elif args.engine_process:
+            extra = HttpServers(argv, args.api_server_count) if args.api_server_count > 1 else None
             engine = EngineClient(argv, tokenizer, name)
-            await engine.start()
+            await engine.start(listen=extra.listen if extra else None)
             registry, before_metrics = engine.registry, engine.refresh_metrics
         else:
             engine, metrics = await start_engine(args, tokenizer)
@@ -211,13 +230,30 @@ async def run_router(args, argv: list[str]) -> int:
         return 2
     app = build_app(engine, name, api_key=args.api_key, registry=registry, before_metrics=before_metrics,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-    print(f"ppspec router: {len(args.stages)} stages, speculative {engine.spec}, "
-          f"serving {name} on http://{args.host}:{args.port}", flush=True)
+    if extra is not None:
+        http = bind_http(args.host, args.port)
+        extra.spawn(http)
+    if args.engine_address is None:
+        print(f"ppspec router: {len(args.stages)} stages, speculative {engine.spec}, "
+              f"{args.api_server_count} HTTP server{'s' if args.api_server_count > 1 else ''}, "
+              f"serving {name} on http://{args.host}:{args.port}", flush=True)
     try:
-        await serve_http(app, args.host, args.port, log_level=args.log_level, on_exit=engine.shutdown)
+        await serve_http(app, args.host, args.port, log_level=args.log_level, on_exit=engine.shutdown, sock=http)
     finally:
+        if extra is not None:
+            await extra.stop()
         await engine.close()
     return 0
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` that several HTTP server processes accept on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
 
 
 def main(argv: list[str]) -> int:

@@ -143,3 +143,77 @@ def test_requests_end_with_503_when_the_engine_goes_away():
 
     ok, detail = _served(body)
     assert not ok and "engine process ended" in detail
+
+
+def _extra_http_servers(router_pid):
+    """PIDs of the router's extra HTTP servers (its children with ``--engine-address``)."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == router_pid and b"--engine-address" in argv:
+            pids.append(int(entry))
+    return pids
+
+
+def test_two_http_servers_share_the_engine_and_one_dying_frees_its_rows(reference, tmp_path):
+    """``--api-server-count 2``: the second HTTP server answers alone while the first is
+    paused (PP1's tokens); SIGKILLed with streams open, its requests' rows come free on
+    every stage and the first serves on."""
+    import os
+    import signal
+    import threading
+
+    import httpx
+
+    from cluster import Cluster
+
+    def completion(url, i):
+        r = httpx.post(url + "/v1/completions", timeout=120, json=dict(
+            prompt=PROMPTS[i], max_tokens=24, temperature=0, ignore_eos=True, return_token_ids=True))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    with Cluster(DEMO_MODEL, 2, "mtp", router_args=["--api-server-count", "2"], log_dir=str(tmp_path)) as c:
+        router = c.procs["router"].pid
+        (extra,) = _extra_http_servers(router)
+        os.kill(router, signal.SIGSTOP)  # only the second HTTP server accepts now
+        try:
+            assert [completion(c.url, i) for i in range(len(PROMPTS))] == reference
+            opened, streams = threading.Barrier(5), []
+
+            def stream():
+                with httpx.stream("POST", c.url + "/v1/completions", timeout=120, json=dict(
+                        prompt=PROMPTS[0], max_tokens=2000, temperature=0, ignore_eos=True, stream=True)) as r:
+                    lines = r.iter_lines()
+                    streams.append(next(lines))
+                    opened.wait(60)
+                    try:
+                        for _ in lines:
+                            pass
+                    except httpx.HTTPError:
+                        pass
+
+            threads = [threading.Thread(target=stream) for _ in range(4)]
+            for t in threads:
+                t.start()
+            opened.wait(60)
+            assert c.stage_infos()[0].rows_in_use == 4
+            os.kill(extra, signal.SIGKILL)
+            for t in threads:
+                t.join(60)
+        finally:
+            os.kill(router, signal.SIGCONT)
+        infos = c.wait_rows_free()
+        assert [i.rows_in_use for i in infos] == [0, 0] and len(streams) == 4
+        assert completion(c.url, 1) == reference[1]
+        metrics = httpx.get(c.url + "/metrics", timeout=10).text
+    # ended by the engine when their HTTP server went away, not run to their length
+    assert 'ppspec:request_success_total{finished_reason="abort"} 4.0' in metrics, metrics

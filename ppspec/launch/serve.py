@@ -7,7 +7,6 @@ others and exits non-zero, so that a supervisor restarts the whole set.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -23,6 +22,7 @@ from ppspec.argtypes import (
     stage_devices,
 )
 from ppspec.auth import KeyFileError, read_key_file, write_temp_key
+from ppspec.lifetime import die_with
 from ppspec.stage_server.config import PAGE_SIZE, CheckpointError, load_config
 
 from ppspec.router.scheduler import check_token_budget
@@ -99,27 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with(parent: int):
-    """``preexec_fn`` of a child on Linux: SIGTERM when ``parent`` dies however it dies
-    (SIGKILL included, when no handler of its runs), through ``prctl(PR_SET_PDEATHSIG)``,
-    so that no stage or router outlives serve holding its port and memory. The child exits
-    at once if ``parent`` is already gone. The signal comes when the *thread* that started
-    the child ends: :class:`Children` starts them from serve's main thread. None (no
-    ``preexec_fn``) elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: no dlopen after fork
-
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os._exit(1)
-    return arm
-
-
 class Children:
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
@@ -127,7 +106,7 @@ class Children:
     def start(self, name: str, argv: list[str]) -> None:
         # own session: a Ctrl-C in the terminal reaches serve alone, which stops the
         # router before the stages (stop())
-        self.procs.append((name, subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with(os.getpid()))))
+        self.procs.append((name, subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with(os.getpid()))))
 
     def dead(self) -> tuple[str, int] | None:
         for name, p in self.procs:

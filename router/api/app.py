@@ -213,7 +213,8 @@ def _read_only(inner: Callable, before: Callable[[], Awaitable[None]] | None = N
 async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
                      shutdown: asyncio.Event | None = None, on_exit: Callable[[], None] | None = None,
                      drain_seconds: float = 1.0, read_timeout: float = READ_TIMEOUT_S,
-                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **uvicorn_kwargs: Any) -> None:
+                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, sock: Any = None,
+                     **uvicorn_kwargs: Any) -> None:
     """Serve ``app`` with uvicorn until SIGINT / SIGTERM (main thread) or ``shutdown`` is set.
 
     Uses ``loop="uvloop"``: run this coroutine on a uvloop event loop, e.g.
@@ -221,7 +222,8 @@ async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
     On exit, in-flight responses get uvicorn's graceful-shutdown time
     (``timeout_graceful_shutdown``, seconds, in ``uvicorn_kwargs``). Extra keyword arguments
     go to ``uvicorn.Config``. When the port cannot be bound, uvicorn logs the error and
-    raises ``SystemExit(3)``.
+    raises ``SystemExit(3)``. ``sock``: a listening socket to accept on instead of binding
+    ``host``:``port`` (several processes serving one port share it).
 
     ``on_exit`` runs on the event loop at the first SIGINT / SIGTERM, ``drain_seconds``
     before the server starts closing: the engine ends its requests there, so that open
@@ -258,7 +260,7 @@ async def serve_http(app: Any, host: str, port: int, *, log_level: str = "info",
 
         watcher = asyncio.ensure_future(_stop_when_asked())
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         if watcher is not None:
             watcher.cancel()

@@ -222,6 +222,11 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
         with CpuMeter(url, pids) as cpu_solo:
             solo = asyncio.run(run_benchmark(RunConfig(max_concurrency=1, **cfg), samples[: a.solo_prompts], count,
                                              "words"))
+        # within the served context (the demo checkpoint's is 4096 tokens)
+        context = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+        if a.long_prompt >= context:
+            print(f"--long-prompt {a.long_prompt} is over the context of {context} tokens: {context - 1} used")
+            a.long_prompt = context - 1
         long_ids = [(7 * i) % 8000 + 100 for i in range(a.long_prompt)]
         ttft = statistics.median(_timed_request(url, long_ids, 1) for _ in range(3))
     return {"tok_s": full["output_throughput"], "solo_tok_s": solo["output_throughput"],

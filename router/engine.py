@@ -48,6 +48,18 @@ _STAGE_SHAPE = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers", 
                 "vocab_size", "max_rows", "max_context", "kv_tokens", "eos_token_ids")
 
 
+def default_lanes(num_stages: int, spec: str, async_scheduling: bool) -> int:
+    """Micro-batches in flight by default. Without speculation and with async scheduling,
+    one per stage: a lane's next round is queued at the first stage while its last one
+    runs, so no stage waits for the router, and a decode forward costs about the same
+    at 32 rows as at 64 (it reads every weight once), so splitting the running requests
+    over more lanes than stages costs throughput (H200, 1.46B, PP1 at concurrency 64:
+    7658 tok/s with one lane against 6199 with two; docs/PERFORMANCE.md). Verify rounds
+    (speculation) and rounds without async scheduling wait for their last result: one
+    more lane than stages keeps a stage busy meanwhile."""
+    return num_stages if async_scheduling and spec == "none" else num_stages + 1
+
+
 def _all_slots(infos: list[StageInfo]) -> dict:
     """Release's fields that drop every prefix-cache snapshot slot of any stage."""
     n = max((i.get("snapshot_slots", 0) for i in infos), default=0)
@@ -76,8 +88,8 @@ class Engine:
         model_name: served model id. tokenizer: the checkpoint's HF tokenizer.
         speculative_algorithm: ``none``, ``ngram`` or ``mtp``, or None to infer it from
             the stages (an MTP head on the last stage: mtp; drafts without one: ngram).
-        num_micro_batches: lanes, micro-batches in flight at most (default: stages + 1,
-            so that a stage has the next micro-batch queued when it finishes one).
+        num_micro_batches: lanes, micro-batches in flight at most (default
+            :func:`default_lanes`).
         wedge_timeout: seconds a micro-batch may stay outstanding before ``health``
             reports the pipeline wedged.
         stall_timeout: seconds a stage may fail the pipeline's health checks while
@@ -150,7 +162,7 @@ class Engine:
             raise ValueError(f"stage layer ranges {ranges} do not chain over {infos[0]['num_layers']} layers")
         self.spec = spec
         self.max_model_len = min(i["max_context"] for i in infos)
-        lanes = self.num_micro_batches or len(infos) + 1
+        lanes = self.num_micro_batches or default_lanes(len(infos), spec, self.async_scheduling)
         kv_tokens, page_size = kv_budget(infos)
         budget, mixed = default_token_budget(infos, self.max_batch_size, steps if spec != "none" else 0)
         self.scheduler = Scheduler(

@@ -43,7 +43,8 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
     add = ap.add_argument
     return [
         add("--num-micro-batches", type=positive_int, default=None,
-            help="micro-batches in flight (default: the number of stages + 1)"),
+            help="micro-batches in flight (default: the number of stages without speculation, with async "
+                 "scheduling; one more otherwise)"),
         add("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch"),
         add("--max-num-batched-tokens", type=positive_int, default=None,
             help="tokens per micro-batch: decodes and verifies first, prefill chunks in the rest of one "

@@ -328,11 +328,11 @@ def long_prefill_graph_tokens() -> int:
 
 def family_graphs() -> bool:
     """Whether the Mamba2 hybrids and Kimi Linear record their decode and verify steps in
-    CUDA graphs: ``PPSPEC_FAMILY_GRAPHS=1`` (default 0, off until a GPU run has checked
-    them). Their decode / verify forward reads nothing on the host (the stage states every
+    CUDA graphs: ``PPSPEC_FAMILY_GRAPHS`` 1 (the default; the GPU suite checks them in
+    fp32, tests/gpu/test_family_graphs_gpu.py) or 0 (eager). Their decode / verify forward reads nothing on the host (the stage states every
     fact its checks need); their prefill does (the Mamba2 scan's torch path, fla's
     ``chunk_kda``), so their prefill chunks stay eager either way."""
-    value = os.environ.get("PPSPEC_FAMILY_GRAPHS", "0")
+    value = os.environ.get("PPSPEC_FAMILY_GRAPHS", "1")
     if value not in ("0", "1"):
         raise ValueError(f"PPSPEC_FAMILY_GRAPHS must be 0 or 1, got {value!r}")
     return value == "1"

@@ -176,5 +176,7 @@ def replay_flush_ref(state: torch.Tensor, bufs: ReplayBuffers, req_pool_indices:
 
 
 def replay_reset_ref(pending: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
-    """Drop pending steps of rows (a new request's prefill, or a released row)."""
-    pending[..., req_pool_indices] = 0
+    """Drop pending steps of rows (a new request's prefill, or a released row).
+    ``index_fill_`` takes the 0 as a kernel argument: ``pending[..., rows] = 0`` on CUDA
+    copied a 0 from pageable host memory first, a stream sync (test_snapshot_ops_gpu)."""
+    pending.index_fill_(-1, req_pool_indices.to(pending.device, torch.int64), 0)

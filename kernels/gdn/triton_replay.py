@@ -406,10 +406,3 @@ def launch_replay_flush(state, bufs: ReplayBuffers, rows) -> None:
         num_warps=_num_warps(BV, True),
     )
     bufs.pending.index_fill_(0, rows, 0)
-
-
-def replay_reset_triton(pending, req_pool_indices) -> None:
-    """Drop pending steps of rows (new prefill or released row)."""
-    n_rows = pending.shape[-1]
-    rows = req_pool_indices.to(pending.device, torch.int64)
-    pending.view(-1, n_rows).index_fill_(1, rows, 0)

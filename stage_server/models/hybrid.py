@@ -70,7 +70,7 @@ class HybridStageModel(nn.Module):
 
     @property
     def capturable(self) -> bool:
-        """Decode / verify in CUDA graphs: with ``PPSPEC_FAMILY_GRAPHS=1``
+        """Decode / verify in CUDA graphs: unless ``PPSPEC_FAMILY_GRAPHS=0``
         (``graphs.family_graphs``) and no MoE (Granite's groups tokens by expert on the host)."""
         return family_graphs() and not getattr(self.cfg, "num_experts", 0)
 

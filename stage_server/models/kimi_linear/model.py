@@ -264,7 +264,7 @@ class KimiStageModel(nn.Module):
 
     @property
     def capturable(self) -> bool:
-        """Decode / verify in CUDA graphs: with ``PPSPEC_FAMILY_GRAPHS=1``
+        """Decode / verify in CUDA graphs: unless ``PPSPEC_FAMILY_GRAPHS=0``
         (``graphs.family_graphs``) and no MoE layer in the stage (it groups tokens by expert
         on the host)."""
         return family_graphs() and not any(self.cfg.is_moe_layer(i) for i in range(self.start, self.end))

@@ -179,7 +179,7 @@ class NemotronHStageModel(nn.Module):
 
     @property
     def capturable(self) -> bool:
-        """Decode / verify in CUDA graphs: with ``PPSPEC_FAMILY_GRAPHS=1``
+        """Decode / verify in CUDA graphs: unless ``PPSPEC_FAMILY_GRAPHS=0``
         (``graphs.family_graphs``) and no MoE block in the stage (it groups tokens by expert
         on the host)."""
         return family_graphs() and all(layer.kind != "moe" for layer in self.layers.values())

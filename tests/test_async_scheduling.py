@@ -374,3 +374,37 @@ def test_the_first_stage_leaves_out_requests_that_stopped():
     out = with_left_out(StepOutput(0, 2, output_ids=[[11], [12]], drafts=[[], []]), 3, left, 0, 2)
     assert out.output_ids == [[], [11], [12]] and out.drafts == [[], [], []]
     assert with_left_out(None, 2, [0, 1], 0, 2).output_ids == [[], []]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_lane_keeps_its_requests_in_one_micro_batch(make_ckpt, async_scheduling):
+    """Twelve requests whose prompts take two prefill micro-batches under the token budget,
+    one lane: once prefilled they decode together, twelve rows per forward. A second
+    micro-batch beside the one in flight only continues that one's requests; formed from
+    the others, the lane would run two groups of six taking turns for good (a decode
+    forward costs about as much at 6 rows as at 12: two of them cost twice one)."""
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    decode_rows = []
+
+    async def serve():
+        pipe = InProcessPipeline.build(path, pp_size=1, max_rows=16, kv_tokens=4096)
+        engine = Engine(pipe, model_name="m", tokenizer=None, async_scheduling=async_scheduling,
+                        num_micro_batches=1, max_num_batched_tokens=256)
+        step = pipe.step
+
+        async def spied(inp):
+            if inp.mode == "decode" and not inp.num_prefill:
+                decode_rows.append(len(inp.req_pool_indices))
+            return await step(inp)
+
+        pipe.step = spied
+        await engine.start()
+        try:
+            prompts = [[(5 * i + j) % 89 + 3 for j in range(40)] for i in range(12)]
+            return await asyncio.gather(*(_consume(engine, f"r{i}", 40, prompt=p) for i, p in enumerate(prompts)))
+        finally:
+            await engine.close()
+
+    outs = asyncio.run(serve())
+    assert all(len(o) == 40 and r == "length" for o, r in outs)
+    assert max(decode_rows) == 12 and sum(n == 12 for n in decode_rows) >= 30, decode_rows

@@ -355,7 +355,8 @@ class GrpcPipeline(Pipeline):
     def health(self) -> tuple[bool, str]:
         if self.down:
             return False, "; ".join(self.down[k] for k in sorted(self.down))
-        return True, f"{len(self.addresses)} stages serving" + (f"; {self.data_plane}" if self.data_plane else "")
+        n = len(self.addresses)
+        return True, f"{n} stage{'s' if n != 1 else ''} serving" + (f"; {self.data_plane}" if self.data_plane else "")
 
     async def close(self) -> None:
         if self._monitor is not None:

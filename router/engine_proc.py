@@ -41,7 +41,7 @@ import struct
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from . import types as _types
 from .types import EngineError, RequestOutput, SamplingParams, StageDownError
@@ -274,6 +274,9 @@ class EngineClient:
         self.registry.register(_RemoteMetrics(self))
         self.proc: subprocess.Popen | None = None
         self._reader_task: asyncio.Task | None = None
+        self.closing = False  # close() called: the engine's end is expected
+        self.lost: str | None = None  # why the engine went away unasked (None: it did not)
+        self.on_lost: Callable[[], None] | None = None  # called then (the router stops serving)
 
     async def start(self, listen: socket.socket | None = None) -> None:
         """Start the engine process and wait until its engine serves (it reached every
@@ -334,6 +337,12 @@ class EngineClient:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         self._gone("the engine process ended")
+        if not self.closing:
+            status = None if self.proc is None else await _exit_status(self.proc)
+            self.lost = "the engine process ended" + (f" (exit status {status})" if status is not None else "")
+            log.error("%s: the HTTP server stops", self.lost)
+            if self.on_lost is not None:
+                self.on_lost()
 
     def _gone(self, reason: str) -> None:
         """The engine process is gone: every request and call ends with StageDownError."""
@@ -417,6 +426,7 @@ class EngineClient:
     async def close(self, timeout: float = 30.0) -> None:
         """Ask the engine process to close (it releases its rows on every stage) and wait
         for it; killed after ``timeout`` seconds."""
+        self.closing = True
         self._send(("close",))
         if self.proc is not None:
             try:
@@ -428,6 +438,15 @@ class EngineClient:
         self.writer.close()
         if self._reader_task is not None:
             self._reader_task.cancel()
+
+
+async def _exit_status(proc: subprocess.Popen, timeout: float = 5.0) -> int | None:
+    """``proc``'s exit status once it ends, None if it runs on after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await asyncio.wait_for(loop.run_in_executor(None, proc.wait), timeout)
+    except asyncio.TimeoutError:
+        return None
 
 
 class _RemoteMetrics:

@@ -238,12 +238,20 @@ async def run_router(args, argv: list[str]) -> int:
         print(f"ppspec router: {len(args.stages)} stages, speculative {engine.spec}, "
               f"{args.api_server_count} HTTP server{'s' if args.api_server_count > 1 else ''}, "
               f"serving {name} on http://{args.host}:{args.port}", flush=True)
+    stop = asyncio.Event()  # set when the engine process ends unasked: this process ends too, status 1
+    if isinstance(engine, EngineClient):
+        engine.on_lost = stop.set
     try:
-        await serve_http(app, args.host, args.port, log_level=args.log_level, on_exit=engine.shutdown, sock=http)
+        await serve_http(app, args.host, args.port, log_level=args.log_level, on_exit=engine.shutdown, sock=http,
+                         shutdown=stop)
     finally:
         if extra is not None:
             await extra.stop()
         await engine.close()
+    lost = engine.lost if isinstance(engine, EngineClient) else None
+    if lost:
+        print(f"ppspec router: {lost}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -147,20 +147,7 @@ def test_requests_end_with_503_when_the_engine_goes_away():
 
 def _extra_http_servers(router_pid):
     """PIDs of the router's extra HTTP servers (its children with ``--engine-address``)."""
-    import os
-
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == router_pid and b"--engine-address" in argv:
-            pids.append(int(entry))
-    return pids
+    return [pid for pid, argv in _children(router_pid) if b"--engine-address" in argv]
 
 
 def test_two_http_servers_share_the_engine_and_one_dying_frees_its_rows(reference, tmp_path):
@@ -217,3 +204,36 @@ def test_two_http_servers_share_the_engine_and_one_dying_frees_its_rows(referenc
         metrics = httpx.get(c.url + "/metrics", timeout=10).text
     # ended by the engine when their HTTP server went away, not run to their length
     assert 'ppspec:request_success_total{finished_reason="abort"} 4.0' in metrics, metrics
+
+
+def test_the_router_exits_when_its_engine_process_dies(tmp_path):
+    """The engine process killed: its HTTP server answers /health 503 naming it, then
+    exits with status 1 (a supervisor, ``ppspec serve`` among them, sees the router gone)
+    rather than serving 503 for good."""
+    import os
+    import signal
+
+    from cluster import Cluster
+
+    with Cluster(DEMO_MODEL, 1, log_dir=str(tmp_path)) as c:
+        router = c.procs["router"]
+        engine = next(pid for pid, argv in _children(router.pid) if b"--engine-fd" in argv)
+        os.kill(engine, signal.SIGKILL)
+        assert router.wait(60) == 1
+    log = (tmp_path / "router.log").read_text()
+    assert "the engine process ended (exit status -9)" in log, log
+
+
+def _children(parent):
+    import os
+
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent:
+            yield int(entry), argv

@@ -101,10 +101,12 @@ def test_the_router_sends_the_history_and_the_codec_keeps_it():
     s.process(b, [[4]])
     b = s.schedule(0)
     s.process(b, [[4]])
-    spec = step_from_pb(step_to_pb(s.schedule(0).step_input([2]))).sampling[0]
+    b = s.schedule(0)
+    spec = step_from_pb(step_to_pb(b.step_input([2]))).sampling[0]
     assert (spec.output_token_ids, spec.output_token_counts, spec.prompt_token_ids) == ([4], [2], [8, 9])
     assert (spec.presence_penalty, spec.frequency_penalty) == (0.5, 0.25)
     assert abs(spec.repetition_penalty - 1.2) < 1e-6 and spec.logit_bias_ids == [4] and spec.logit_bias_values == [3.0]
+    s.process(b, [[5]])  # back before "b" is scheduled: a lane's next micro-batch holds both
     s.add("b", [1], SamplingParams(temperature=0, max_tokens=8))
     plain = step_from_pb(step_to_pb(s.schedule(0).step_input([2]))).sampling
     assert plain[-1] == SamplingSpec(seed=plain[-1].seed, banned_until_min=[2])  # nothing sent without a penalty

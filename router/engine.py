@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from typing import AsyncIterator, Callable
@@ -38,6 +39,7 @@ from .prefix_cache import PrefixCache
 from .scheduler import Scheduler, Update, default_token_budget, kv_budget
 from .types import (
     EngineError, InvalidRequestError, RequestOutput, SamplingParams, StageDownError, StepRefusedError, bad_words_token_ids,
+    request_outputs,
 )
 
 log = logging.getLogger("ppspec.router")
@@ -287,21 +289,10 @@ class Engine:
         if self.failure is not None or not self.pipeline.health()[0]:
             raise StageDownError(self.health()[1])
         q = self.submit(request_id, prompt_token_ids, params)
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        outs = request_outputs(q, lambda: self.abort(request_id), lambda: self.queues.pop(request_id, None))
+        async with contextlib.aclosing(outs):
+            async for item in outs:
                 yield item
-                if finished:
-                    return
-        finally:
-            self.queues.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
 
     async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
         """Stop a request and free its rows (no-op for unknown or finished ids).

@@ -30,6 +30,7 @@ it then releases its rows on every stage, as a router leaving does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from . import types as _types
-from .types import EngineError, RequestOutput, SamplingParams, StageDownError
+from .types import EngineError, RequestOutput, SamplingParams, StageDownError, request_outputs
 
 log = logging.getLogger("ppspec.router")
 
@@ -382,21 +383,10 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         self._send(("add", request_id, list(prompt_token_ids), params))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        outs = request_outputs(q, lambda: self.abort(request_id), lambda: self.queues.pop(request_id, None))
+        async with contextlib.aclosing(outs):
+            async for item in outs:
                 yield item
-                if finished:
-                    return
-        finally:
-            self.queues.pop(request_id, None)
-            if not finished:
-                self._send(("abort", request_id, "abort"))
 
     async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
         self._send(("abort", request_id, finish_reason))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
 
 from ppspec.proto.messages import GREEDY_BELOW, REPETITION_PENALTY_RANGE
 
@@ -252,6 +253,30 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+async def request_outputs(stream, abandon: Callable[[], Awaitable[None]],
+                          done: Callable[[], object]) -> AsyncIterator["RequestOutput"]:
+    """A request's outputs from ``stream`` (an ``asyncio.Queue``) up to its final one; an
+    exception in it is raised (the request ended with it). ``done()`` at the end whatever
+    the end, after ``await abandon()`` when the consumer left before the final output (the
+    HTTP client went away): close it with ``aclose`` (``contextlib.aclosing``), so that
+    this runs at once."""
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        done()
+        if not finished:
+            await abandon()
 
 
 class EngineError(Exception):

@@ -237,3 +237,15 @@ def _children(parent):
             continue
         if ppid == parent:
             yield int(entry), argv
+
+
+def test_several_http_servers_need_the_engine_process():
+    import subprocess
+    import sys
+
+    from cluster import free_port
+
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", "router", "--stages", f"127.0.0.1:{free_port()}",
+                        "--port", str(free_port()), "--api-server-count", "2", "--no-engine-process"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--api-server-count above 1 needs --engine-process" in p.stderr, p.stderr

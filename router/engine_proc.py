@@ -467,14 +467,34 @@ class HttpServers:
         self.listen.listen(count)
         self.procs: list[subprocess.Popen] = []
 
-    def spawn(self, http: socket.socket) -> None:
-        """Start them, serving the listening HTTP socket ``http``."""
+    async def spawn(self, http: socket.socket, timeout: float = 300.0) -> None:
+        """Start them, serving the listening HTTP socket ``http``, and wait until each has
+        its app built and its engine reached (a byte on the pipe ``--ready-fd``), so that
+        ``/health`` turns 200 with every server ready. Raises ``EngineStartError`` when one
+        ends first or is not ready in ``timeout`` seconds."""
         from ppspec.lifetime import die_with
 
-        for _ in range(self.count - 1):
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "ppspec.cli", "router", *self.argv, "--engine-address", self.address,
-                 "--http-fd", str(http.fileno())], pass_fds=(http.fileno(),), preexec_fn=die_with(os.getpid())))
+        from .server import EngineStartError
+
+        ready, tell = os.pipe()
+        try:
+            for _ in range(self.count - 1):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "ppspec.cli", "router", *self.argv, "--engine-address", self.address,
+                     "--http-fd", str(http.fileno()), "--ready-fd", str(tell)],
+                    pass_fds=(http.fileno(), tell), preexec_fn=die_with(os.getpid())))
+        finally:
+            os.close(tell)  # the children hold it: the pipe ends when all of them have ended
+        loop = asyncio.get_running_loop()
+        try:
+            got = await asyncio.wait_for(loop.run_in_executor(None, _read_bytes, ready, self.count - 1), timeout)
+        except asyncio.TimeoutError:
+            got = b""
+        finally:
+            os.close(ready)
+        if len(got) < self.count - 1:
+            raise EngineStartError(f"{self.count - 1 - len(got)} of the {self.count - 1} extra HTTP servers did not "
+                                   f"start (their output says why)")
 
     async def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM each (they drain their streams), SIGKILL after ``timeout`` seconds."""
@@ -489,6 +509,17 @@ class HttpServers:
                 p.kill()
                 await loop.run_in_executor(None, p.wait)
         self.listen.close()
+
+
+def _read_bytes(fd: int, n: int) -> bytes:
+    """Up to ``n`` bytes of the pipe ``fd``; fewer when it ends first."""
+    got = b""
+    while len(got) < n:
+        part = os.read(fd, n - len(got))
+        if not part:
+            break
+        got += part
+    return got
 
 
 async def connect_engine(address: str, tokenizer, model_name: str) -> EngineClient:

@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-address", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--http-fd", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -233,7 +234,16 @@ async def run_router(args, argv: list[str]) -> int:
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     if extra is not None:
         http = bind_http(args.host, args.port)
-        extra.spawn(http)
+        try:
+            await extra.spawn(http)
+        except EngineStartError as e:
+            print(f"ppspec router: {e}", file=sys.stderr)
+            await extra.stop()
+            await engine.close()
+            return 2
+    if args.ready_fd is not None:  # an extra HTTP server: built, its engine reached
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
     if args.engine_address is None:
         print(f"ppspec router: {len(args.stages)} stages, speculative {engine.spec}, "
               f"{args.api_server_count} HTTP server{'s' if args.api_server_count > 1 else ''}, "

@@ -5,9 +5,8 @@ One event loop used to do both halves of the router: the scheduler driving the s
 (forming micro-batches, the gRPC streams, commits), and per output token the HTTP work
 (detokenization, stop strings, one SSE write per token through the ASGI stack). At
 concurrency 64 the second half was more than half of that process's CPU (py-spy on the
-CPU checkpoint of ``served_vs_engine --tiny``), and a stage waited for the router between
-micro-batches (the H200's served rounds took 2.7x the engine's at concurrency 64). So
-``ppspec router`` runs the :class:`~router.engine.Engine` in a child process
+CPU checkpoint of ``served_vs_engine --tiny``), on the loop a stage waits on between
+micro-batches. So ``ppspec router`` runs the :class:`~router.engine.Engine` in a child process
 (:func:`run_engine_process`) and serves HTTP in the parent through :class:`EngineClient`,
 which has the ``AsyncEngine`` shape of ``router/protocol.py``; the two exchange pickled
 messages over a Unix socket pair, the outputs of one micro-batch's requests in one message.
@@ -25,7 +24,11 @@ it changes, ``("reply", call_id, value)``.
 Errors cross as :class:`_Error` records and are raised again as the same ``EngineError``
 class with the same message, ``param`` and ``code`` (HTTP status and body unchanged).
 The engine process ends when the client closes the socket, whatever way the client ended:
-it then releases its rows on every stage, as a router leaving does.
+it then releases its rows on every stage, as a router leaving does. Split, the engine
+process spends 0.37x the one process's CPU per output token on the 2-core CPU host; on
+the H200's host neither bounds a served round, the stage does (docs/PERFORMANCE.md).
+``--api-server-count N`` adds N - 1 HTTP servers (:class:`HttpServers`), clients of the
+same engine process.
 """
 from __future__ import annotations
 

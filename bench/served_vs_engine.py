@@ -125,10 +125,10 @@ def serve_children(pid: int) -> dict[str, int]:
     router's engine process, its child), ``http K`` (the router's extra HTTP servers,
     counted with ``router``) and ``stage`` K -> pid (Linux /proc)."""
     found = {}
-    for entry, argv in _children(pid):
+    for entry, argv in children_of(pid):
         if "router" in argv:
             found["router"] = entry
-            for sub, sub_argv in _children(entry):
+            for sub, sub_argv in children_of(entry):
                 if "--engine-fd" in sub_argv:
                     found["engine"] = sub
                 elif "--engine-address" in sub_argv:
@@ -138,7 +138,7 @@ def serve_children(pid: int) -> dict[str, int]:
     return found
 
 
-def _children(pid: int) -> list[tuple[int, list[str]]]:
+def children_of(pid: int) -> list[tuple[int, list[str]]]:
     """``(pid, argv)`` of each child of ``pid``."""
     kids = []
     for entry in os.listdir("/proc"):

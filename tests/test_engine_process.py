@@ -10,6 +10,7 @@ import socket
 import pytest
 
 from ppspec.argtypes import DEMO_MODEL
+from ppspec.bench.served_vs_engine import children_of
 from ppspec.router import types
 from ppspec.router.engine import Engine
 from ppspec.router.engine_proc import EngineClient, EngineServer, _Error
@@ -147,7 +148,7 @@ def test_requests_end_with_503_when_the_engine_goes_away():
 
 def _extra_http_servers(router_pid):
     """PIDs of the router's extra HTTP servers (its children with ``--engine-address``)."""
-    return [pid for pid, argv in _children(router_pid) if b"--engine-address" in argv]
+    return [pid for pid, argv in children_of(router_pid) if "--engine-address" in argv]
 
 
 def test_two_http_servers_share_the_engine_and_one_dying_frees_its_rows(reference, tmp_path):
@@ -217,26 +218,11 @@ def test_the_router_exits_when_its_engine_process_dies(tmp_path):
 
     with Cluster(DEMO_MODEL, 1, log_dir=str(tmp_path)) as c:
         router = c.procs["router"]
-        engine = next(pid for pid, argv in _children(router.pid) if b"--engine-fd" in argv)
+        engine = next(pid for pid, argv in children_of(router.pid) if "--engine-fd" in argv)
         os.kill(engine, signal.SIGKILL)
         assert router.wait(60) == 1
     log = (tmp_path / "router.log").read_text()
     assert "the engine process ended (exit status -9)" in log, log
-
-
-def _children(parent):
-    import os
-
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent:
-            yield int(entry), argv
 
 
 def test_several_http_servers_need_the_engine_process():

@@ -8,6 +8,8 @@ to stage.
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -186,19 +188,29 @@ class StepInput:
         B = len(self.req_pool_indices)
         k = B - self.num_prefill
         t = sum(self.extend_lens[:k])
-        out = []
-        for mode, rq, tok in ((self.mode, slice(0, k), slice(0, t)), (PREFILL, slice(k, B), slice(t, None))):
-            def cut(xs, rq=rq):
-                return list(xs[rq]) if xs else []
-            def chunks_only(xs, rq=rq, mode=mode):  # prefix-cache slots name prefill chunks only
-                return cut(xs) if mode == PREFILL else []
-            h = self.hidden_states[tok] if self.hidden_states is not None else None
-            out.append(StepInput(
-                self.micro_batch_id, self.round, mode, cut(self.req_pool_indices), cut(self.seq_lens),
-                cut(self.extend_lens), list(self.input_ids[tok]), cut(self.num_drafts), cut(self.sample),
-                cut(self.next_token_ids), cut(self.sampling), cut(self.output_lens), h,
-                restore_slots=chunks_only(self.restore_slots), snapshot_slots=chunks_only(self.snapshot_slots)))
-        return out
+        return [self._part(self.mode, slice(0, k), slice(0, t)), self._part(PREFILL, slice(k, B), slice(t, None))]
+
+    def per_request(self) -> list[StepInput]:
+        """A prefill step as one prefill step per request, in order (``hidden_states``
+        split by tokens): a stage may run its chunks one at a time, each row's state and
+        KV being its own."""
+        if self.mode != PREFILL:
+            raise ValueError(f"per_request splits a prefill step, not a {self.mode} one")
+        cu = [0, *itertools.accumulate(self.extend_lens)]
+        return [self._part(PREFILL, slice(b, b + 1), slice(cu[b], cu[b + 1])) for b in range(len(cu) - 1)]
+
+    def _part(self, mode: str, rq: slice, tok: slice) -> StepInput:
+        """The requests ``rq`` of this step, whose tokens are ``tok``, as a ``mode`` step."""
+        def cut(xs):
+            return list(xs[rq]) if xs else []
+
+        def chunks_only(xs):  # prefix-cache slots name prefill chunks only
+            return cut(xs) if mode == PREFILL else []
+        h = self.hidden_states[tok] if self.hidden_states is not None else None
+        return StepInput(self.micro_batch_id, self.round, mode, cut(self.req_pool_indices), cut(self.seq_lens),
+                         cut(self.extend_lens), list(self.input_ids[tok]), cut(self.num_drafts), cut(self.sample),
+                         cut(self.next_token_ids), cut(self.sampling), cut(self.output_lens), h,
+                         restore_slots=chunks_only(self.restore_slots), snapshot_slots=chunks_only(self.snapshot_slots))
 
 
 FOLLOWS = -1

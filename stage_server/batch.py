@@ -73,7 +73,8 @@ class MixedMeta:
         bounds = [0]
         for e in extend_lens:
             bounds.append(bounds[-1] + sum(e))
-        slots = None if parts[0].slots is None else torch.cat([m.slots for m in parts])
+        # None without attention layers (a graph's layout carries placeholder slots even then)
+        slots = None if any(m.slots is None for m in parts) else torch.cat([m.slots for m in parts])
         return cls(parts, bounds, torch.cat([m.positions for m in parts]), slots)
 
 

@@ -56,6 +56,10 @@ def on_stage_device(method):
 
 log = logging.getLogger("ppspec.stage")
 _GREEDY = SamplingSpec()  # the sampling of a request whose step names none
+# prefill chunks of a mixed micro-batch that may replay one prefill graph each (StageRunner._graph_runs):
+# not measured; a replay's host fill is ~0.1-0.3 ms where an eager forward of the 1.46B
+# checkpoint takes tens of ms of host time on the H200 (docs/PERFORMANCE.md, "Prefill and the token budget")
+MAX_CHUNK_REPLAYS = 8
 
 
 
@@ -535,11 +539,17 @@ class StageRunner:
                 self.faults.after_verify(meta)
             return meta, hidden
         parts = inp.parts()
-        if inp.num_prefill and self._graphs_take(*parts):
-            # a small mixed micro-batch: two graph replays cost less than one eager forward
-            # of every layer (its host launches); a large one shares its GEMMs eagerly
-            (m1, h1), (m2, h2) = self._run_layers(parts[0]), self._run_layers(parts[1])
-            return MixedMeta.of([m1, m2], [p.extend_lens for p in parts]), torch.cat([h1, h2])
+        runs = self._graph_runs(*parts) if inp.num_prefill else None
+        if runs is not None:
+            # a mixed micro-batch in graph replays, which cost less than one eager forward of
+            # every layer (its host launches); a large one shares its GEMMs eagerly
+            done = [self._run_layers(p) for p in runs]
+            # a prefill graph's layout is a view of its buffers, which a later replay of the
+            # same bucket overwrites: chunks run one by one get the layout of them all
+            chunks = done[1][0] if len(runs) == 2 else self._meta(PREFILL, parts[1].req_pool_indices,
+                                                                  parts[1].seq_lens, parts[1].extend_lens, self.kv)
+            return (MixedMeta.of([done[0][0], chunks], [p.extend_lens for p in parts]),
+                    torch.cat([h for _, h in done]))
         chunks = parts[-1]  # a prefill, or a mixed micro-batch's prefill chunks
         if chunks.mode == PREFILL:
             self.rows.rows_in_use.update(chunks.req_pool_indices)
@@ -562,12 +572,26 @@ class StageRunner:
             self.faults.after_verify(metas[0])
         return meta, hidden
 
-    def _graphs_take(self, head: StepInput, chunks: StepInput) -> bool:
-        """Whether both parts of a mixed micro-batch fit captured graphs (the decode or
-        verify graphs, and the short prefill chunks')."""
-        g = self.graphs.get(head.mode)
-        return (g is not None and g.bucket(len(head.req_pool_indices)) is not None and self.prefill_graphs is not None
-                and self.prefill_graphs.bucket(len(chunks.req_pool_indices), len(chunks.input_ids)) is not None)
+    def _graph_runs(self, head: StepInput, chunks: StepInput) -> list[StepInput] | None:
+        """The steps a mixed micro-batch runs as graph replays: its decode / verify part in
+        the decode or verify graphs, then its prefill chunks in one prefill bucket, or one
+        bucket per request where together they fit none (two new prompts of 100 tokens fit
+        no short bucket, and the long ones hold one request). None: it runs eagerly.
+
+        At most :data:`MAX_CHUNK_REPLAYS` chunks one by one: each replay costs its own host
+        fill and its padded tokens on the device, where an eager forward shares every GEMM
+        among them."""
+        g, pg = self.graphs.get(head.mode), self.prefill_graphs
+        if g is None or g.bucket(len(head.req_pool_indices)) is None or pg is None:
+            return None
+        if pg.bucket(len(chunks.req_pool_indices), len(chunks.input_ids)) is not None:
+            return [head, chunks]
+        if len(chunks.req_pool_indices) > MAX_CHUNK_REPLAYS:
+            return None
+        each = chunks.per_request()
+        if all(pg.bucket(1, len(c.input_ids)) is not None for c in each):
+            return [head, *each]
+        return None
 
     def _replay_before_prefill(self, rows: list[int], seq_lens: list[int]) -> None:
         """Replay commit design, before any prefill reads the state: new rows drop their

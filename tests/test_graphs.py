@@ -167,3 +167,64 @@ def test_dropped_llm_frees_its_stages_without_the_collector(make_ckpt, spec):
         assert [r() for r in runners] == [None, None]
     finally:
         gc.enable()
+
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_mixed_micro_batch_runs_its_chunks_one_graph_each(make_ckpt, spec):
+    """A mixed micro-batch whose prefill chunks together fit no prefill bucket (40 + 40 +
+    30 tokens > 64) but each fit one replays the decode / verify graph and then one
+    prefill graph per chunk. PP2: stage 0's hidden states equal the eager stage's (fp32,
+    1e-5), stage 1's sampled tokens and MTP drafts equal the eager stage's. With more
+    chunks than ``MAX_CHUNK_REPLAYS`` the micro-batch runs eagerly."""
+    from ppspec.stage_server import runner as runner_mod
+    from ppspec.stage_server.runner import split_layers
+
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    mtp = spec == "mtp"
+    layers = split_layers(7, 2)
+    kw = dict(max_rows=12, num_speculative_steps=2 if mtp else 0, use_mtp=mtp)
+
+    def pipeline(bs):
+        return [StageRunner(path, k, 2, layer_range=layers[k], cuda_graph_max_bs=bs, **kw) for k in range(2)]
+    eager, graphed = pipeline(0), pipeline(8)
+    chunk_rows = []
+    pg = graphed[0].prefill_graphs
+    orig = pg.run
+    pg.run = lambda rows, *a: chunk_rows.append(list(rows)) or orig(rows, *a)
+    mode, D = ("verify", 3) if mtp else ("decode", 1)
+    ids = rand(21) + rand(D) + rand(D) + rand(110)
+    steps = [StepInput(0, 0, "prefill", [4, 7], [0, 0], [12, 9], ids[:21]),
+             # rows 4 and 7 run mode; 1 and 2 start 40-token prompts, 9 a 30-token chunk
+             StepInput(0, 1, mode, [4, 7, 1, 2, 9], [12, 9, 0, 0, 0], [D, D, 40, 40, 30], ids[21:],
+                       num_drafts=[D - 1, D - 1, 0, 0, 0], sample=[True, True, True, True, False],
+                       next_token_ids=[-1, -1, -1, -1, 5], num_prefill=3)]
+    got = {}
+    for name, stages in (("eager", eager), ("graphed", graphed)):
+        got[name] = []
+        for s in steps:
+            h = stages[0].step(s).hidden_states
+            s1 = StepInput(**{**vars(s), "hidden_states": h})
+            out = stages[1].step(s1)
+            got[name].append((h, out.output_ids, out.drafts))
+    for (h0, t0, d0), (h1, t1, d1) in zip(got["eager"], got["graphed"]):
+        torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+        assert (t1, d1) == (t0, d0)
+    assert chunk_rows == [[4, 7], [1], [2], [9]]  # the first prefill (21 tokens in 2 rows) fits one bucket
+
+    chunk_rows.clear()
+    runner_mod.MAX_CHUNK_REPLAYS, keep = 2, runner_mod.MAX_CHUNK_REPLAYS
+    try:  # three chunks over a cap of two: eager
+        s = StepInput(0, 2, mode, [4, 7, 3, 5, 6], [12 + D, 9 + D, 0, 0, 0], [D, D, 40, 40, 30], rand(2 * D + 110),
+                      num_drafts=[D - 1, D - 1, 0, 0, 0], sample=[True] * 5, next_token_ids=[-1] * 5, num_prefill=3)
+        if mtp:
+            for st in graphed:
+                st.commit_accept(0, 1, [4, 7], [1, 1])
+            s.seq_lens[:2] = [13, 10]
+        graphed[0].step(s)
+    finally:
+        runner_mod.MAX_CHUNK_REPLAYS = keep
+    assert chunk_rows == []

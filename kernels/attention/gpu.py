@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ..checks import check_rows, fact, min_max
 from ..norm.triton_norm import as_head_rows
+from .blocks import fit_shared, launch_fitting
 from .naive import check_gate
 
 
@@ -184,31 +185,6 @@ def _validate(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seq
         raise IndexError(f"page table names pages outside [0, {num_pages})")
 
 
-# Shared memory a program may plan for: the H200 allows 227 KiB per block; the margin is
-# Triton's own scratch. The tiles of every head dim up to 256 fit as chosen above; the MLA
-# latent (Kimi Linear: 512 + 64 = 576, padded to 1024) needs smaller ones.
-_SHARED_BUDGET = 200 * 1024
-
-
-def _fit_shared(block_m: int, block_n: int, stages: int, bd: int, elt: int) -> tuple[int, int, int]:
-    """Shrink (pipeline stages, then keys, then query rows per block) until the Q tile and
-    ``stages`` K and V tiles fit :data:`_SHARED_BUDGET`: ``elt`` bytes x ``bd`` x
-    (``block_m`` + 2 ``block_n`` ``stages``), an upper bound of what Triton allocates."""
-    def need(m, n, s):
-        return elt * bd * (m + 2 * n * s)
-
-    while need(block_m, block_n, stages) > _SHARED_BUDGET:
-        if stages > 1:
-            stages -= 1
-        elif block_n > 16:
-            block_n //= 2
-        elif block_m > 16:
-            block_m //= 2
-        else:
-            raise ValueError(f"attention head dim {bd} is too wide for one program's shared memory")
-    return block_m, block_n, stages
-
-
 def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate=None):
     """Shapes as :func:`naive.paged_attention_ref`; raises before the launch on rows or pages
     outside the pool.
@@ -248,26 +224,30 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
     one_block = M <= BLOCK_M
     BLOCK_N = 32 if ieee or (BD > 128 and not one_block) else 64
     stages = 2 if one_block and not ieee else 1
-    BLOCK_M, BLOCK_N, stages = _fit_shared(BLOCK_M, BLOCK_N, stages, BD, 4 if ieee else 2)
-    m_blocks = triton.cdiv(M, BLOCK_M)
-    splits = kv_splits(B * Hkv, dev) if m_blocks == 1 else 1
-    grid = (B, Hkv, m_blocks * splits)
-    if splits > 1:
-        part_acc = torch.empty((T, Hq, splits, BD), dtype=torch.float32, device=dev)
-        part_ml = torch.empty((T, Hq, splits, 2), dtype=torch.float32, device=dev)
-    else:
-        part_acc = part_ml = o  # not read (SPLITS 1)
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, pt, rows, lens, cu, o, g3, part_acc, part_ml, float(scale), pt.stride(0), sg0, sg1,
-        HQ=Hq, HKV=Hkv, HD=hd, PAGE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BD=BD, IEEE=ieee,
-        HAS_GATE=gate is not None, SPLITS=splits, NS=stages,
-        num_warps=4 if BLOCK_M <= 32 and BD <= 256 else 8,
-    )
-    if splits > 1:
-        _combine_splits_kernel[(T, Hq)](
-            part_acc, part_ml, o, g3, sg0, sg1, HQ=Hq, HD=hd, BD=BD, SPLITS=splits, HAS_GATE=gate is not None,
-            num_warps=4 if BD >= 256 else 2,
+    elt = 4 if ieee else 2
+    tiles = fit_shared(BLOCK_M, BLOCK_N, stages, BD, elt)
+
+    def launch(block_m, block_n, num_stages):
+        m_blocks = triton.cdiv(M, block_m)
+        splits = kv_splits(B * Hkv, dev) if m_blocks == 1 else 1
+        if splits > 1:
+            part_acc = torch.empty((T, Hq, splits, BD), dtype=torch.float32, device=dev)
+            part_ml = torch.empty((T, Hq, splits, 2), dtype=torch.float32, device=dev)
+        else:
+            part_acc = part_ml = o  # not read (SPLITS 1)
+        _paged_attn_kernel[(B, Hkv, m_blocks * splits)](
+            q, k_cache, v_cache, pt, rows, lens, cu, o, g3, part_acc, part_ml, float(scale), pt.stride(0), sg0, sg1,
+            HQ=Hq, HKV=Hkv, HD=hd, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BD=BD, IEEE=ieee,
+            HAS_GATE=gate is not None, SPLITS=splits, NS=num_stages,
+            num_warps=4 if block_m <= 32 and BD <= 256 else 8,
         )
+        if splits > 1:
+            _combine_splits_kernel[(T, Hq)](
+                part_acc, part_ml, o, g3, sg0, sg1, HQ=Hq, HD=hd, BD=BD, SPLITS=splits, HAS_GATE=gate is not None,
+                num_warps=4 if BD >= 256 else 2,
+            )
+
+    launch_fitting(launch, *tiles, BD, elt)
     return o
 
 

@@ -6,10 +6,13 @@ running) and through ``ppspec serve`` at each ``--pp`` with the ``ppspec bench``
 (``bench.runner``); it prints the ratios of issue 25's table:
 
 - served / engine output tok/s at concurrency ``--concurrency`` (64) and at 1;
-- served TPOT at concurrency 1 against the engine's time per round (a decode step, or a
-  verify round with speculation) at batch 1;
+- a served round at concurrency 1 (TPOT times the output tokens per micro-batch: the
+  accept length with speculation) against the engine's time per round (a decode step, or
+  a verify round with speculation) at batch 1;
 - PPk against PP1: tok/s at concurrency 64, TPOT at 1, TTFT of a ``--long-prompt`` token prompt;
 - the first request after ``/health`` turned 200 against the same request in steady state;
+- tokens per micro-batch (output, and scheduled: ``ppspec:iteration_tokens``) and the
+  stages' layer forwards by how they ran (``ppspec:stage_forwards``: graph replays or eager);
 - the host's CPU per round: CPU milliseconds (user + system, ``/proc/PID/stat``) of the
   router process and of the stage processes per micro-batch and per output token, at
   concurrency ``--concurrency`` and at 1, beside the engine's own process per round (a
@@ -154,11 +157,22 @@ def children_of(pid: int) -> list[tuple[int, list[str]]]:
     return kids
 
 
-def _rounds(url: str) -> float:
-    """Micro-batches the router has sent through the pipeline (its step-latency histogram's count)."""
+def _counts(url: str) -> dict[str, float]:
+    """From the router's /metrics: micro-batches sent through the pipeline (its step-latency
+    histogram's count), their tokens (``ppspec:iteration_tokens``) and the stages' layer
+    forwards by how they ran (``ppspec:stage_forwards``, summed over stages)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("ppspec:pipeline_step_latency_seconds_count"))
+    out = {"rounds": 0.0, "scheduled_tokens": 0.0, "graph": 0.0, "eager": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("ppspec:pipeline_step_latency_seconds_count"):
+            out["rounds"] += float(value)
+        elif name.startswith("ppspec:iteration_tokens_sum"):
+            out["scheduled_tokens"] += float(value)
+        elif name.startswith("ppspec:stage_forwards{"):
+            how = name.split('how="', 1)[1].split('"', 1)[0]
+            out[how] = out.get(how, 0.0) + float(value)
+    return out
 
 
 class CpuMeter:
@@ -169,13 +183,18 @@ class CpuMeter:
         self.url, self.pids = url, pids
 
     def __enter__(self):
-        self.rounds0 = _rounds(self.url)
+        self.counts0 = _counts(self.url)
         self.cpu0 = {k: _cpu_seconds(p) for k, p in self.pids.items()}
         return self
 
     def __exit__(self, *exc):
         self.cpu = {k: _cpu_seconds(p) - self.cpu0[k] for k, p in self.pids.items()}
-        self.rounds = _rounds(self.url) - self.rounds0
+        self.counts = {k: v - self.counts0.get(k, 0.0) for k, v in _counts(self.url).items()}
+        self.rounds = self.counts["rounds"]
+        time.sleep(2.5)  # the router reads each stage's forwards every 2 s (Engine._stats_loop)
+        later = _counts(self.url)
+        for how in ("graph", "eager"):
+            self.counts[how] = later.get(how, 0.0) - self.counts0.get(how, 0.0)
 
     def figures(self, tokens: int) -> dict:
         http = sum(v for k, v in self.cpu.items() if k.startswith("http "))
@@ -183,7 +202,8 @@ class CpuMeter:
                  "engine": self.cpu.get("engine", 0.0),  # without --engine-process: then 0 here)
                  "stages": sum(v for k, v in self.cpu.items() if k.startswith("stage"))}
         per = lambda x, n: x / n if n else float("nan")  # noqa: E731
-        figures = {"rounds": self.rounds, "tokens": tokens}
+        figures = {"rounds": self.rounds, "tokens": tokens, "scheduled_tokens": self.counts["scheduled_tokens"],
+                   "eager": self.counts["eager"], "graph": self.counts["graph"]}
         for part, seconds in parts.items():
             figures[f"{part}_round_s"], figures[f"{part}_token_s"] = per(seconds, self.rounds), per(seconds, tokens)
         return figures
@@ -236,6 +256,13 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
 
 
 # ------------------------------------------------------------------ report
+def _round_s(figures: dict) -> float:
+    """Seconds of a served round at concurrency 1: TPOT times the output tokens of a
+    micro-batch (1 without speculation; the accept length with it, which a TPOT divides)."""
+    solo = figures["solo_cpu"]
+    return figures["tpot_s"] * solo["tokens"] / max(1, solo["rounds"])
+
+
 def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
     fmt = lambda x, f="{:.2f}": "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f.format(x)  # noqa: E731
     names = list(served)
@@ -259,7 +286,7 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
     base = pps[0]
     row(f"served / engine tok/s, PP{base}, concurrency {a.concurrency}", ">= 0.9", lambda s: s[base]["tok_s"] / eng["tok_s"])
     row(f"served / engine tok/s, PP{base}, concurrency 1", ">= 0.8 (MTP)", lambda s: s[base]["solo_tok_s"] / eng["solo_tok_s"])
-    row(f"served TPOT / engine round, PP{base}, concurrency 1", "<= 1.15", lambda s: s[base]["tpot_s"] / eng["round_s"])
+    row(f"served round / engine round, PP{base}, concurrency 1", "<= 1.15", lambda s: _round_s(s[base]) / eng["round_s"])
     for pp in pps[1:]:
         row(f"PP{pp} / PP{base} tok/s, concurrency {a.concurrency}", ">= 0.95", lambda s, pp=pp: s[pp]["tok_s"] / s[base]["tok_s"])
         row(f"PP{pp} / PP{base} TPOT, concurrency 1", "<= 1.1", lambda s, pp=pp: s[pp]["tpot_s"] / s[base]["tpot_s"])
@@ -273,9 +300,9 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
                                      ("tpot_s", "TPOT c1 (ms)", 1e3, "{:.2f}"),
                                      ("long_ttft_s", f"TTFT {a.long_prompt} tokens (ms)", 1e3, "{:.0f}")):
             lines.append(f"| PP{pp} {label} | " + " | ".join(fmt(served[n][pp][key] * scale, f) for n in names) + " |")
-        # the system's own cost of a round at batch 1: served TPOT less the engine's round
+        # the system's own cost of a round at batch 1: a served round less the engine's
         lines.append(f"| PP{pp} overhead per round c1 (ms) | " + " | ".join(
-            fmt((served[n][pp]["tpot_s"] - eng["round_s"]) * 1e3) for n in names) + " |")
+            fmt((_round_s(served[n][pp]) - eng["round_s"]) * 1e3) for n in names) + " |")
     lines += ["", f"host CPU (user + system, /proc) per micro-batch and per output token; engine in one process: "
               f"{eng['cpu_round_s'] * 1e3:.2f} ms per micro-batch, {eng['cpu_token_s'] * 1e3:.3f} ms per token "
               f"(all prompts at once)", "", "| CPU | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -285,8 +312,13 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
                 lines.append(f"| PP{pp} {part} c{conc}: ms per micro-batch / per token | " + " | ".join(
                     fmt(served[n][pp][key][f"{part}_round_s"] * 1e3) + " / "
                     + fmt(served[n][pp][key][f"{part}_token_s"] * 1e3, "{:.3f}") for n in names) + " |")
-            lines.append(f"| PP{pp} tokens per micro-batch c{conc} | " + " | ".join(
-                fmt(served[n][pp][key]["tokens"] / max(1, served[n][pp][key]["rounds"]), "{:.1f}") for n in names) + " |")
+            lines.append(f"| PP{pp} tokens per micro-batch c{conc}: output / scheduled | " + " | ".join(
+                fmt(served[n][pp][key]["tokens"] / max(1, served[n][pp][key]["rounds"]), "{:.1f}") + " / "
+                + fmt(served[n][pp][key]["scheduled_tokens"] / max(1, served[n][pp][key]["rounds"]), "{:.1f}")
+                for n in names) + " |")
+            lines.append(f"| PP{pp} stage forwards c{conc}: graph replays / eager | " + " | ".join(
+                fmt(served[n][pp][key]["graph"], "{:.0f}") + " / " + fmt(served[n][pp][key]["eager"], "{:.0f}")
+                for n in names) + " |")
     return "\n".join(lines)
 
 

@@ -251,6 +251,7 @@ def info_to_pb(i: StageInfo) -> "pb.InfoReply":
     m = pb.InfoReply(**{k: i[k] for k in _INFO_SCALARS if k in i})
     m.eos_token_ids.extend(i.get("eos_token_ids", []))
     m.memory_bytes.update(i.get("memory_bytes", {}))
+    m.forwards.update(i.get("forwards", {}))
     m.routers.extend(pb.RouterSeen(router_id=r, idle_seconds=t) for r, t in i.get("routers", {}).items())
     return m
 
@@ -259,5 +260,6 @@ def info_from_pb(m: "pb.InfoReply") -> StageInfo:
     i: StageInfo = {k: getattr(m, k) for k in _INFO_SCALARS}
     i["eos_token_ids"] = list(m.eos_token_ids)
     i["memory_bytes"] = dict(m.memory_bytes)
+    i["forwards"] = dict(m.forwards)
     i["routers"] = {x.router_id: x.idle_seconds for x in m.routers}
     return i

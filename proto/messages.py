@@ -345,6 +345,7 @@ class StageInfo(TypedDict, total=False):
     eos_token_ids: list[int]
     memory_bytes: dict[str, int]
     busy_seconds: float         # compute seconds since start
+    forwards: dict[str, int]    # layer forwards since start by how they ran: "graph" replays, "eager"
     commit_design: str          # "copy" or "replay"
     prefill_attention: str      # "flashinfer" or "triton" (CUDA), "torch" (CPU)
     warmup_seconds: float       # the warm-up at start

@@ -442,7 +442,8 @@ class Engine:
             try:
                 self._set_in_flight()
                 if self.metrics and seconds is not None:
-                    self.metrics.on_pipeline_step("verify" if batch.mode == "verify" else "forward", seconds)
+                    self.metrics.on_pipeline_step("verify" if batch.mode == "verify" else "forward", seconds,
+                                                  sum(batch.extend_lens))
                 self._record(batch, res, up)
                 for out in up.outputs:
                     self._deliver(out)
@@ -747,6 +748,7 @@ class Engine:
                 if i["kv_pages_total"]:
                     self.metrics.set_pool_usage(k, "kv", i["kv_pages_used"] / i["kv_pages_total"])
                 self.metrics.set_pool_usage(k, "state", i["rows_in_use"] / max(1, i["max_rows"]))
+                self.metrics.set_stage_forwards(k, i.get("forwards", {}))
 
     async def close(self) -> None:
         for t in list(self._compiling):

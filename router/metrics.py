@@ -29,7 +29,10 @@ pipeline (ours)
     ``ppspec:stage_forward_latency_seconds{stage,mode}`` (mode ``forward`` or ``verify``),
     ``ppspec:stage_commit_latency_seconds{stage}``, ``ppspec:micro_batches_in_flight``,
     ``ppspec:stage_busy_fraction{stage}``, ``ppspec:stage_pool_usage{stage,pool}`` (pool
-    ``rows``, ``kv`` or ``state``; a fraction in [0, 1], like vLLM's kv_cache_usage_perc).
+    ``rows``, ``kv`` or ``state``; a fraction in [0, 1], like vLLM's kv_cache_usage_perc),
+    ``ppspec:iteration_tokens`` (a histogram of tokens per micro-batch, vLLM's
+    iteration_tokens_total) and ``ppspec:stage_forwards{stage,how}`` (layer forwards since
+    the stage started, ``how`` ``graph`` or ``eager``: eager ones cost the host far more).
 prefix cache (counters as vLLM's, in tokens)
     ``ppspec:prefix_cache_queries_total`` (prompt tokens looked up at admission),
     ``ppspec:prefix_cache_hits_total`` (of them, found cached: hit rate = the ratio of their
@@ -67,6 +70,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015,
                  0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_MAX_ACCEPT_LENGTH = 16  # accept-length buckets are the integers 1..this
 
 
@@ -222,6 +226,12 @@ class RouterMetrics:
             "Wall seconds of one micro-batch through the whole pipeline as the router sees it (all "
             "stages' compute plus one gRPC round trip per stage): minus the stages' compute, the hop cost.",
             ["mode"], buckets=STAGE_BUCKETS, registry=reg)
+        self.iteration_tokens = Histogram(
+            PREFIX + "iteration_tokens", "Tokens of one micro-batch (decode, verify and prefill chunk tokens; "
+            "vLLM's iteration_tokens_total).", buckets=TOKEN_BUCKETS, registry=reg)
+        self.stage_forwards = Gauge(
+            PREFIX + "stage_forwards", "Layer forwards a stage has run since it started, by how: graph (a CUDA "
+            "graph replay) or eager (every kernel launched from the host).", ["stage", "how"], registry=reg)
         self.micro_batches_in_flight = Gauge(
             PREFIX + "micro_batches_in_flight", "Micro-batches launched into the pipeline and not yet finished.",
             registry=reg)
@@ -408,11 +418,19 @@ class RouterMetrics:
         else:
             self.stage_forward_latency.labels(stage=str(stage), mode=mode).observe(seconds)
 
-    def on_pipeline_step(self, mode: str, seconds: float) -> None:
-        """Wall time of one micro-batch through every stage (``forward`` or ``verify``)."""
+    def on_pipeline_step(self, mode: str, seconds: float, tokens: int | None = None) -> None:
+        """Wall time of one micro-batch through every stage (``forward`` or ``verify``) and
+        its tokens (None: not counted)."""
         if mode not in ("forward", "verify"):
             raise ValueError(f"mode must be forward or verify, got {mode!r}")
         self.pipeline_step_latency.labels(mode=mode).observe(max(0.0, float(seconds)))
+        if tokens is not None:
+            self.iteration_tokens.observe(max(0, int(tokens)))
+
+    def set_stage_forwards(self, stage: int, forwards: dict[str, int]) -> None:
+        """A stage's layer forwards since its start, by how they ran (its Info's ``forwards``)."""
+        for how, n in forwards.items():
+            self.stage_forwards.labels(stage=str(stage), how=how).set(n)
 
     def set_in_flight(self, n: int) -> None:
         """Micro-batches currently in the pipeline."""

@@ -10,6 +10,7 @@ in-process pipeline (``ppspec.router.pipeline``) call it the same way.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import itertools
@@ -242,6 +243,9 @@ class StageRunner:
         self.busy_seconds = 0.0
         self.graph_bytes = 0  # device memory the captured graphs took (bytes)
         self.warmup_seconds = 0.0  # stage_server.warmup.warm_up, run by the stage server
+        # layer forwards by how they ran, "graph" (a replay) or "eager": an eager forward costs
+        # the host tens of ms on a GPU where a replay costs a fraction of one (Info, metrics)
+        self.forwards = collections.Counter()
         log.info("stage %d/%d layers [%d, %d): %s", pp_rank, pp_size, start, end, self.memory_report())
         self.graphs: dict[str, StepGraphs] = {}
         self.mtp_graphs: dict[str, StepGraphs] = {}
@@ -380,6 +384,7 @@ class StageRunner:
             "eos_token_ids": list(self.cfg.eos_token_ids),
             "memory_bytes": self.memory_report(),
             "busy_seconds": self.busy_seconds,
+            "forwards": dict(self.forwards),
             "warmup_seconds": self.warmup_seconds,
             "snapshot_slots": self.snapshots.num_slots if self.snapshots else 0,
             "snapshots_in_use": self.snapshots.used if self.snapshots else 0,
@@ -535,6 +540,7 @@ class StageRunner:
         if graphs is not None and graphs.bucket(len(rows)) is not None:
             self.rows.touched = True
             meta, hidden = graphs.run(rows, inp.seq_lens, inp.input_ids, inp.hidden_states)
+            self.forwards["graph"] += 1
             if inp.mode == VERIFY:
                 self.faults.after_verify(meta)
             return meta, hidden
@@ -557,6 +563,7 @@ class StageRunner:
             self._replay_before_prefill(chunks.req_pool_indices, chunks.seq_lens)
             if (not inp.num_prefill and self.prefill_graphs is not None
                     and self.prefill_graphs.bucket(len(rows), len(inp.input_ids)) is not None):
+                self.forwards["graph"] += 1
                 return self.prefill_graphs.run(rows, inp.seq_lens, inp.extend_lens, inp.input_ids, inp.hidden_states)
         metas = [self._meta(p.mode, p.req_pool_indices, p.seq_lens, p.extend_lens, self.kv) for p in parts]
         meta = metas[0] if len(metas) == 1 else MixedMeta.of(metas, [p.extend_lens for p in parts])
@@ -568,6 +575,7 @@ class StageRunner:
             hidden = inp.hidden_states.to(device=self.device, dtype=self.dtype)
         self.rows.touched = True
         hidden = self.model(meta, hidden, self._layer_states())
+        self.forwards["eager"] += 1
         if inp.mode == VERIFY:
             self.faults.after_verify(metas[0])
         return meta, hidden
@@ -714,6 +722,7 @@ class StageRunner:
     def _run_greedy_round(self, graphs: StepGraphs, inp: StepInput, out: StepOutput) -> None:
         self.rows.touched = True
         B = len(inp.req_pool_indices)
+        self.forwards["graph"] += 1
         meta, res = graphs.run(inp.req_pool_indices, inp.seq_lens, inp.input_ids, inp.hidden_states,
                                inp.num_drafts or [0] * B)
         D = meta.tokens_per_request

@@ -569,6 +569,10 @@ def test_dashboard_queries_on_a_real_prometheus(tmp_path):
             for pool, used in (("rows", 0.5), ("kv", 0.25), ("state", 0.5)):
                 rm.set_pool_usage(stage, pool, used)
         rm.on_prefix_cache(100, 40, 0.5)  # 40 of 100 prompt tokens cached, half the snapshot slots used
+        for tokens in (64, 64, 64, 300):
+            rm.on_pipeline_step("forward", 0.003, tokens)
+        for stage in (0, 1):
+            rm.set_stage_forwards(stage, {"graph": 50, "eager": 2})
         zero_samples = prom.query(f"count_over_time({drafts}[1m])")[0]
         exporter.publish()
         prom.wait(lambda: prom.query(drafts) == [30.0]
@@ -582,6 +586,9 @@ def test_dashboard_queries_on_a_real_prometheus(tmp_path):
             by_title.setdefault(title, []).extend(values)
 
         assert [round(v, 6) for v in by_title["Prefix cache"]] == [0.4, 0.5]
+        p50, p99 = by_title["Tokens per micro-batch"]
+        assert 32 < p50 <= 64 and 256 < p99 <= 512  # three of 64 tokens, one of 300
+        assert len(by_title["Stage forwards by how they ran"]) == 4  # two stages x graph, eager
         # the speculation panels read back exactly what the rounds were:
         # 30 drafts, 90 draft tokens, 40 accepted (positions 20, 10, 10)
         assert by_title["Mean accept length"] == [pytest.approx(1 + 40 / 30)]

@@ -5,6 +5,7 @@ that are all right, drafts beyond ``num_drafts`` that would be right, and no dra
 import pytest
 import torch
 
+from ppspec.proto.codec import info_from_pb, info_to_pb
 from ppspec.proto.messages import StepInput
 from ppspec.router.llm import LLM
 from ppspec.router.types import SamplingParams
@@ -214,6 +215,9 @@ def test_mixed_micro_batch_runs_its_chunks_one_graph_each(make_ckpt, spec):
         torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
         assert (t1, d1) == (t0, d0)
     assert chunk_rows == [[4, 7], [1], [2], [9]]  # the first prefill (21 tokens in 2 rows) fits one bucket
+    # how the forwards ran, as Info reports them (and the router's ppspec:stage_forwards)
+    assert info_from_pb(info_to_pb(graphed[0].info()))["forwards"] == {"graph": 5}
+    assert info_from_pb(info_to_pb(eager[0].info()))["forwards"] == {"eager": 2}
 
     chunk_rows.clear()
     runner_mod.MAX_CHUNK_REPLAYS, keep = 2, runner_mod.MAX_CHUNK_REPLAYS
@@ -227,4 +231,4 @@ def test_mixed_micro_batch_runs_its_chunks_one_graph_each(make_ckpt, spec):
         graphed[0].step(s)
     finally:
         runner_mod.MAX_CHUNK_REPLAYS = keep
-    assert chunk_rows == []
+    assert chunk_rows == [] and graphed[0].forwards == {"graph": 5, "eager": 1}

@@ -243,6 +243,16 @@ def test_stage_metrics(rm):
     assert val(s, "stage_pool_usage", stage=1, pool="kv") == 1.0
     assert val(s, "stage_pool_usage", stage=1, pool="rows") == 0
 
+    rm.on_pipeline_step("forward", 0.003, tokens=64)
+    rm.on_pipeline_step("verify", 0.004, tokens=300)
+    rm.on_pipeline_step("forward", 0.001)  # tokens not counted
+    rm.set_stage_forwards(1, {"graph": 40, "eager": 3})
+    s = scrape(rm)
+    assert val(s, "iteration_tokens_count") == 2 and val(s, "iteration_tokens_sum") == 364
+    assert val(s, "iteration_tokens_bucket", le="64.0") == 1 and val(s, "iteration_tokens_bucket", le="512.0") == 2
+    assert val(s, "pipeline_step_latency_seconds_count", mode="forward") == 2
+    assert val(s, "stage_forwards", stage=1, how="graph") == 40 and val(s, "stage_forwards", stage=1, how="eager") == 3
+
 
 @pytest.mark.parametrize("call", [
     lambda rm: rm.on_stage_rpc(0, "prefill", 0.1),
@@ -274,7 +284,7 @@ def test_names_are_prefixed_and_complete(rm):
         "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
         "spec_decode_accept_length", "stage_forward_latency_seconds", "stage_commit_latency_seconds",
         "micro_batches_in_flight", "stage_busy_fraction", "stage_pool_usage", "pipeline_step_latency_seconds",
-        "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_usage",
+        "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_usage", "iteration_tokens", "stage_forwards",
     }
     assert set(families) == {P + n for n in expected}
     # every sample a busy router exports is a name sample_names() announces

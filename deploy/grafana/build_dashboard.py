@@ -196,6 +196,15 @@ def build() -> dict:
             [("sum(ppspec:micro_batches_in_flight)", "in flight")],
             "short", minimum=0))
         .with_panel(series(
+            "Tokens per micro-batch", "Decode, verify and prefill chunk tokens of one micro-batch.",
+            [(quantile(0.5, "ppspec:iteration_tokens"), "p50"), (quantile(0.99, "ppspec:iteration_tokens"), "p99")],
+            "short", minimum=0))
+        .with_panel(series(
+            "Stage forwards by how they ran", "Layer forwards per second: CUDA graph replays, and eager ones, "
+            "which cost the host far more (a mixed micro-batch or prefill no graph holds).",
+            [("sum by (stage, how) (rate(ppspec:stage_forwards[$__rate_interval]))", "stage {{stage}} {{how}}")],
+            "ops", minimum=0))
+        .with_panel(series(
             "Stage pool usage", "Used fraction of each stage's request rows, KV cache and recurrent-state pool.",
             [("max by (stage, pool) (ppspec:stage_pool_usage)", "stage {{stage}} {{pool}}")],
             "percentunit", width=24, minimum=0, maximum=1))

@@ -15,6 +15,14 @@ compiled grammar up and the other requests of its micro-batch never wait for a c
 (xgrammar's compiler cache: a schema sent again is not compiled again). The stage keeps a
 matcher for the row, keyed by ``req_pool_index``, until the row is released.
 
+A compile's time grows much faster than the grammar (an object of 1000 optional properties,
+a 27 KB schema: 20 s on the demo's 8192-token vocabulary; 5000: many minutes), and xgrammar
+cannot stop one that runs in a thread. So compiles run in child processes
+(:class:`CompileProcess`, :data:`COMPILE_PROCESSES` side by side: a long one holds back
+neither the steps nor the other requests' grammars), each stopped at
+:data:`COMPILE_TIMEOUT_S` (its child killed: the request is refused, HTTP 400) and sent back
+serialized (xgrammar's ``serialize_json``).
+
 A verify of ``D`` positions judges draft ``j`` by the logits of position ``j``, which
 follow the drafts before it. So the mask of position ``j`` is the grammar's after the
 drafts ``< j``: the matcher accepts the drafts one by one, filling each position's mask
@@ -41,9 +49,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import queue
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -58,11 +71,141 @@ PREFETCHED = 256
 look up; older ones fall back to xgrammar's cache (a step compiling one again is cheap)."""
 
 
+COMPILE_TIMEOUT_S = 10.0
+"""Seconds one grammar may compile before it is refused (HTTP 400); the environment's
+``PPSPEC_GRAMMAR_COMPILE_TIMEOUT`` sets another."""
+
+COMPILE_PROCESSES = 2
+"""Grammars compiling at once on the stage, each in a child process of its own."""
+
+
 def _xgrammar():
     """xgrammar, imported on the first constrained request (it takes about a second)."""
     import xgrammar
 
     return xgrammar
+
+
+class CompileProcess:
+    """A child process that compiles grammars (xgrammar EBNF) against one tokenizer, one at
+    a time, started on first use: :meth:`compile` sends the text and waits for the compiled
+    grammar's serialized JSON, killing the child when it takes longer than the cap (the
+    next compile starts another). Used by one thread at a time."""
+
+    def __init__(self, tokenizer_info_json: str):
+        self.info_json = tokenizer_info_json
+        self.proc: subprocess.Popen | None = None
+        self._send = self._recv = None
+        self._stopping = threading.Lock()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from ppspec.stage_server.grammar import compile_worker; compile_worker()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._send = Connection(os.dup(self.proc.stdin.fileno()), readable=False)
+        self._recv = Connection(os.dup(self.proc.stdout.fileno()), writable=False)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        self._send.send_bytes(self.info_json.encode())
+        try:
+            assert self._recv.recv_bytes() == b"ready"
+        except (EOFError, OSError, AssertionError):
+            self.stop()
+            raise ValueError("the grammar compiler process did not start") from None
+
+    def compile(self, text: str, timeout: float) -> str:
+        """The compiled grammar of ``text`` (xgrammar's ``CompiledGrammar.serialize_json``).
+        Raises ValueError: the text does not compile, takes longer than ``timeout`` seconds,
+        or the child exits (killed by :meth:`stop`, or crashed) while compiling it."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        try:
+            self._send.send_bytes(text.encode())
+            if not self._recv.poll(timeout):
+                self.stop()
+                raise ValueError(f"the grammar did not compile within {timeout:g} s (PPSPEC_GRAMMAR_COMPILE_TIMEOUT "
+                                 f"on the last stage): give a smaller schema or grammar")
+            reply = self._recv.recv_bytes()
+        except (EOFError, OSError):
+            self.stop()
+            raise ValueError("the grammar compiler process stopped while compiling it") from None
+        if reply[:2] != b"ok":
+            raise ValueError(f"the grammar does not compile: {reply[2:].decode(errors='replace')}")
+        return reply[2:].decode()
+
+    def stop(self) -> None:
+        """Kill the child (a compile waiting on it raises ValueError). From any thread."""
+        with self._stopping:
+            proc, self.proc = self.proc, None
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+                self._send.close()
+                self._recv.close()
+
+
+def compile_worker() -> None:
+    """The child of :class:`CompileProcess`: the tokenizer's xgrammar ``TokenizerInfo`` JSON
+    on stdin, then grammar texts; each answered on stdout with ``ok`` + the compiled
+    grammar's JSON or ``er`` + xgrammar's reason. Exits when stdin closes or its parent is
+    gone."""
+    channel = Connection(os.dup(1), readable=False)
+    os.dup2(2, 1)  # a stray print goes to stderr, never into the channel
+    inp = Connection(0, writable=False)
+    parent = os.getppid()
+
+    def orphaned():  # a killed stage never closes our stdin while we compile
+        while os.getppid() == parent:
+            threading.Event().wait(1.0)
+        os._exit(0)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    xgr = _xgrammar()
+    info = xgr.TokenizerInfo.deserialize_json(inp.recv_bytes().decode())
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
+    channel.send_bytes(b"ready")
+    while True:
+        try:
+            text = inp.recv_bytes().decode()
+        except EOFError:
+            return
+        try:
+            channel.send_bytes(b"ok" + compiler.compile_grammar(text).serialize_json().encode())
+        except RuntimeError as e:
+            channel.send_bytes(b"er" + str(e).encode())
+
+
+class CompilePool:
+    """:data:`COMPILE_PROCESSES` compile processes for one tokenizer, shared by every
+    :class:`GrammarRows` of this process over it (a stage has one; the in-process
+    ``LLM`` one per instance)."""
+
+    def __init__(self, tokenizer_info_json: str):
+        self.processes = [CompileProcess(tokenizer_info_json) for _ in range(COMPILE_PROCESSES)]
+        self.idle: queue.LifoQueue[CompileProcess] = queue.LifoQueue()  # the last used first: it has started
+        for p in self.processes:
+            self.idle.put(p)
+
+    def compile(self, text: str, timeout: float) -> str:
+        """:meth:`CompileProcess.compile` on an idle process (waiting for one)."""
+        process = self.idle.get()
+        try:
+            return process.compile(text, timeout)
+        finally:
+            self.idle.put(process)
+
+    def stop(self) -> None:
+        for p in self.processes:
+            p.stop()
+
+
+_POOLS: dict[tuple, CompilePool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _stop_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.stop()
 
 
 @dataclass
@@ -162,40 +305,67 @@ class GrammarRows:
         self.model_dir, self.vocab_size = model_dir, vocab_size
         self.eos = list(eos_token_ids)
         self.matchers: dict = {}  # req_pool_index -> xgrammar.GrammarMatcher
-        self._compiler = None
+        self.compile_timeout = float(os.environ.get("PPSPEC_GRAMMAR_COMPILE_TIMEOUT", COMPILE_TIMEOUT_S))
+        self._info = self._compiler = None
         self._lock = threading.Lock()
-        # grammar text -> its compile on the worker thread (prefetch), for the steps to look up
+        # grammar text -> its compile on a worker thread (prefetch), for the steps to look up
         self._compiles: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
         self._compiles_lock = threading.Lock()  # not the compiler's: its first use loads the tokenizer
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._worker = concurrent.futures.ThreadPoolExecutor(COMPILE_PROCESSES, thread_name_prefix="grammar-compile")
+        self._pool: CompilePool | None = None
+        with _POOLS_LOCK:
+            if not _POOLS:  # once; at exit before the compile threads are joined (concurrent.futures'
+                # hook, registered earlier, runs later): a compile in flight must not hold the exit
+                threading._register_atexit(_stop_pools)
         self.step_compiles = 0  # grammars a step had to compile (or wait for): none were prefetched
 
     @property
-    def compiler(self):
-        """xgrammar's compiler over the checkpoint's tokenizer, made on first use."""
+    def tokenizer_info(self):
+        """xgrammar's ``TokenizerInfo`` of the checkpoint's tokenizer, made on first use."""
         with self._lock:
-            if self._compiler is None:
+            if self._info is None:
                 from transformers import AutoTokenizer
 
-                xgr = _xgrammar()
                 try:
                     tok = AutoTokenizer.from_pretrained(self.model_dir)
                 except Exception as e:  # noqa: BLE001 - no tokenizer files, a broken one
                     raise ValueError(f"grammar: the checkpoint's tokenizer ({self.model_dir}) does not load, so "
                                      f"no grammar can be matched: {e}") from None
-                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.eos or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
+                self._info = _xgrammar().TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                                        stop_token_ids=self.eos or None)
+                key = (self.model_dir, self.vocab_size, tuple(self.eos))
+                with _POOLS_LOCK:
+                    if key not in _POOLS:
+                        _POOLS[key] = CompilePool(self._info.serialize_json())
+                    self._pool = _POOLS[key]
+            return self._info
+
+    @property
+    def compiler(self):
+        """xgrammar's compiler in this process (what the stage compiles goes to its children)."""
+        info = self.tokenizer_info
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = _xgrammar().GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
             return self._compiler
 
     def _compile(self, text: str):
-        """``text`` (xgrammar EBNF) compiled; ValueError when it does not compile."""
+        """``text`` (xgrammar EBNF) compiled, in a child process (:class:`CompileProcess`);
+        ValueError when it does not compile, or not within ``compile_timeout``."""
         if not self.eos:
             raise ValueError("grammar: the checkpoint names no EOS token, which a grammar needs to end the output")
-        try:
-            return self.compiler.compile_grammar(text)
-        except RuntimeError as e:
-            raise ValueError(f"the grammar does not compile: {e}") from None
+        info = self.tokenizer_info
+        return _xgrammar().CompiledGrammar.deserialize_json(self._pool.compile(text, self.compile_timeout), info)
+
+    def compile_processes(self) -> list[subprocess.Popen]:
+        """The child processes compiling now or started for a compile (for tests)."""
+        return [p.proc for p in (self._pool.processes if self._pool else []) if p.proc is not None]
+
+    def close(self) -> None:
+        """Stop every compile in flight (its ValueError says so) and the child processes
+        (the next compile starts one again)."""
+        if self._pool is not None:
+            self._pool.stop()
 
     def prefetch(self, text: str) -> concurrent.futures.Future:
         """Compile ``text`` on the worker thread (not the step's); the future gives the

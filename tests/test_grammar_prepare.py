@@ -12,12 +12,14 @@ import threading
 
 import pytest
 import torch
+import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from ppspec.router.llm import DEMO_MODEL, LLM
 from ppspec.router.protocol import CompletionRequest
 from ppspec.router.structured import request_grammar
 from ppspec.router.types import InvalidRequestError, SamplingParams
+from ppspec.stage_server.grammar import GrammarRows
 
 # a fresh 50-property schema: a compile that costs something at any vocabulary
 SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": ["string", "integer", "boolean"][i % 3]} for i in range(50)},
@@ -83,3 +85,45 @@ def test_a_grammar_the_stage_cannot_compile_is_refused_before_any_row():
     assert all(not r.rows_in_use for r in llm.pipeline.runners) and not llm.scheduler.requests
     assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids) == 4
 
+
+
+def _props(n: int) -> str:
+    """The grammar of an object of ``n`` optional integer properties: its compile grows
+    about as n^2.5 (300: under a second on the demo's vocabulary, 1000: 20 s, 5000: minutes)."""
+    return request_grammar(CompletionRequest(prompt="x", guided_json={
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}))
+
+
+def test_a_long_compile_holds_back_neither_the_others_nor_the_stages_exit(monkeypatch):
+    """A grammar whose compile would take minutes, then a small one: the small one compiles
+    while the long one still runs (compiles run side by side in child processes), and
+    closing the stage's grammars stops the long compile at once (its child is killed: a
+    compile in a thread could not be stopped, and held the stage's exit)."""
+    monkeypatch.setenv("PPSPEC_GRAMMAR_COMPILE_TIMEOUT", "600")
+    rows = GrammarRows(DEMO_MODEL, 8192, [2])
+    slow = rows.prefetch(_props(5000))
+    small = rows.prefetch(request_grammar(CompletionRequest(prompt="x", guided_json=SCHEMA)))
+    matcher = xgr.GrammarMatcher(small.result(timeout=300))
+    assert not slow.done()  # minutes of compile left
+    assert matcher.accept_token(rows.tokenizer_info.decoded_vocab.index(b"{"))
+    children = rows.compile_processes()
+    assert len(children) == 2 and all(p.poll() is None for p in children)
+    rows.close()
+    with pytest.raises(ValueError, match="stopped"):
+        slow.result(timeout=60)
+    assert all(p.wait(timeout=10) is not None for p in children)
+
+
+def test_a_grammar_past_the_compile_cap_is_refused_before_any_row(monkeypatch):
+    """A compile that runs past PPSPEC_GRAMMAR_COMPILE_TIMEOUT is stopped (its child
+    killed): the request ends with InvalidRequestError (HTTP 400) naming the cap, no row
+    was taken, and the next constrained request compiles and runs."""
+    monkeypatch.setenv("PPSPEC_GRAMMAR_COMPILE_TIMEOUT", "1")
+    llm = LLM(DEMO_MODEL, max_rows=2)
+    with pytest.raises(InvalidRequestError, match="did not compile within 1 s") as e:
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, grammar=_props(5000)))
+    assert e.value.param == "grammar"
+    assert all(not r.rows_in_use for r in llm.pipeline.runners) and not llm.scheduler.requests
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=40, grammar=request_grammar(
+        CompletionRequest(prompt="x", guided_choice=["yes", "no"]))))[0]
+    assert out.finish_reason == "stop" and llm.tokenizer.decode(out.token_ids[:-1]) in ("yes", "no")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .reasoning import END as REASONING_END
 from .tool_calls import END, START
@@ -265,13 +265,16 @@ def _after_thinking(grammar):
     return xgr.Grammar.concat(xgr.Grammar.from_structural_tag(xgr.StructuralTag(format=think)), grammar)
 
 
-def request_grammar(body: "_GenerationRequest", tool_call_parser: str | None = None,
-                    after_thinking: bool = False) -> str | None:
-    """The grammar (xgrammar EBNF text) of the request's structured output, or None;
-    ``after_thinking``: the prompt left a thinking block open (the constraint starts after it).
+def grammar_builder(body: "_GenerationRequest", tool_call_parser: str | None = None,
+                    after_thinking: bool = False) -> Callable[[], str] | None:
+    """What builds the grammar (xgrammar EBNF text) of the request's structured output, or
+    None when it has none; ``after_thinking``: the prompt left a thinking block open (the
+    constraint starts after it). The build takes seconds for a big schema (a 600k-entry
+    enum: 4-7 s; xgrammar releases the GIL): the HTTP server runs it on a worker thread.
 
     Raises ``InvalidRequestError`` (HTTP 400, before anything is allocated): more than one
-    constraint, or one the grammar library cannot build (its reason in the message)."""
+    constraint; so does the build: a constraint the grammar library cannot build (its
+    reason in the message)."""
     found = _constraints(body, tool_call_parser)
     if not found:
         return None
@@ -279,11 +282,22 @@ def request_grammar(body: "_GenerationRequest", tool_call_parser: str | None = N
         raise InvalidRequestError(f"give one structured output constraint, got {', '.join(p for p, _ in found)}",
                                   param=found[1][0])
     param, build = found[0]
-    try:
-        grammar = build()
-        if after_thinking:
-            grammar = _after_thinking(grammar)
-    except (RuntimeError, ValueError) as e:  # xgrammar's parse / conversion errors
-        raise InvalidRequestError(f"{param}: the grammar library (xgrammar) cannot use it: {_reason(e)}",
-                                  param=param) from None
-    return str(grammar)
+
+    def built() -> str:
+        try:
+            grammar = build()
+            if after_thinking:
+                grammar = _after_thinking(grammar)
+        except (RuntimeError, ValueError) as e:  # xgrammar's parse / conversion errors
+            raise InvalidRequestError(f"{param}: the grammar library (xgrammar) cannot use it: {_reason(e)}",
+                                      param=param) from None
+        return str(grammar)
+
+    return built
+
+
+def request_grammar(body: "_GenerationRequest", tool_call_parser: str | None = None,
+                    after_thinking: bool = False) -> str | None:
+    """The grammar of :func:`grammar_builder`, built here, or None."""
+    build = grammar_builder(body, tool_call_parser, after_thinking)
+    return None if build is None else build()

@@ -18,6 +18,7 @@ import random
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -28,7 +29,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ppspec.router.api import build_app, serve_http
 from ppspec.router.detokenize import TextStream, TokenPieces, window_decoder
-from ppspec.router.protocol import AsyncEngine
+from ppspec.router.protocol import AsyncEngine, CompletionRequest
 from ppspec.router.types import (
     ContextLengthError,
     QueueFullError,
@@ -1176,3 +1177,32 @@ def test_chat_history_holding_a_returned_message_dump(client, engine, tokenizer)
         assert tokenizer.decode(prompt) == (
             f"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n{first.choices[0].message.content}<|im_end|>\n"
             "<|im_start|>user\nThen?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_grammar_is_built_off_the_event_loop(client, engine, monkeypatch):
+    """A big schema's grammar takes seconds to build (xgrammar, which releases the GIL; a
+    600k-entry enum: 4-7 s) and used to build on the event loop, holding every other
+    client's stream meanwhile. The build is held on a gate that opens once a plain
+    request has been answered: on the event loop it would hold that request, and the gate
+    would time out."""
+    import ppspec.router.structured as structured
+
+    answered, events = threading.Event(), []
+    build = structured._json_grammar
+
+    def held(schema):
+        events.append("build starts")
+        events.append("plain answered" if answered.wait(20) else "gate timed out")
+        return build(schema)
+
+    monkeypatch.setattr(structured, "_json_grammar", held)
+    with ThreadPoolExecutor(1) as pool:
+        constrained = pool.submit(client.completions.create, model=MODEL, prompt="hi", max_tokens=4,
+                                  extra_body={"guided_json": {"type": "object"}})
+        assert wait_for(lambda: events, 10)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+        answered.set()
+        constrained.result()
+    assert events == ["build starts", "plain answered"]
+    grammars = [p.grammar for _, p in engine.calls.values() if p.grammar is not None]
+    assert grammars == [structured.request_grammar(CompletionRequest(prompt="hi", guided_json={"type": "object"}))]

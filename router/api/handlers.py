@@ -10,6 +10,7 @@ that is an error event, then ``[DONE]``.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -49,7 +50,7 @@ from ..reasoning import prompt_opens_reasoning
 from ..types import EngineError, InvalidRequestError
 from .chat_text import ChoiceText
 from .errors import APIError, check_utf8, error_body, renderable
-from ..structured import request_grammar
+from ..structured import grammar_builder
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, TokenRecord, check_ids, make_subs, unless_disconnected
 from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_id_pieces
 from .sse import DONE, SSEResponse, TextChunk, frame
@@ -119,15 +120,17 @@ class OpenAIHandlers:
             raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
                            param="model", code="model_not_found")
 
-    def _subs(self, body, request_id: str, prompts: list[list[int]], logprobs: int | None, param: str,
-              echo_logprobs: int | None = None, in_reasoning: bool | None = None) -> list[Sub]:
+    async def _subs(self, body, request_id: str, prompts: list[list[int]], logprobs: int | None, param: str,
+                    echo_logprobs: int | None = None, in_reasoning: bool | None = None) -> list[Sub]:
         """One ``Sub`` per choice; the stage computes prompt log-probabilities with the most
         top alternatives either use asks for (``prompt_logprobs``, ``echo_logprobs``); a
-        structured output starts after the thinking when ``in_reasoning``."""
+        structured output starts after the thinking when ``in_reasoning``, its grammar built
+        on a worker thread (seconds for a big schema: the event loop serves on)."""
+        build = grammar_builder(body, self.tool_call_parser, bool(in_reasoning))
+        grammar = None if build is None else await asyncio.to_thread(build)
         subs = make_subs(body, request_id, prompts, logprobs, param, vocab_size=self.vocab_size,
                          max_model_len=int(self.engine.max_model_len), max_tokens_cap=self.max_tokens_cap,
-                         grammar=request_grammar(body, self.tool_call_parser, bool(in_reasoning)),
-                         max_logprobs=getattr(self.engine, "max_logprobs", 20))
+                         grammar=grammar, max_logprobs=getattr(self.engine, "max_logprobs", 20))
         # vLLM's prompt_logprobs -1: the whole vocabulary, within --max-logprobs
         asked = [self.vocab_size if k == -1 else k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         if asked:
@@ -192,7 +195,7 @@ class OpenAIHandlers:
             texts = [self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         run = body.model_copy(update={"max_tokens": 1, "max_completion_tokens": None}) if body.echo_only else body
-        subs = self._subs(run, request_id, prompts, body.logprobs, "prompt", body.logprobs if body.echo else None)
+        subs = await self._subs(run, request_id, prompts, body.logprobs, "prompt", body.logprobs if body.echo else None)
         return Prepared(request_id, prompts, texts, subs)
 
     def _pieces(self, body: _GenerationRequest):
@@ -246,7 +249,7 @@ class OpenAIHandlers:
         in_reasoning = None
         if self.reasoning_parser is not None and (body.chat_template_kwargs or {}).get("enable_thinking") is not False:
             in_reasoning = prompt_opens_reasoning(self.tokenizer.decode(ids[-8:], skip_special_tokens=False))
-        subs = self._subs(body, request_id, [ids], logprobs, "messages", in_reasoning=in_reasoning)
+        subs = await self._subs(body, request_id, [ids], logprobs, "messages", in_reasoning=in_reasoning)
         return Prepared(request_id, [ids], None, subs, in_reasoning)
 
     def _choice_text(self, body: ChatCompletionRequest, prepared: Prepared) -> ChoiceText:

@@ -201,6 +201,7 @@ class CompilePool:
 
 _POOLS: dict[tuple, CompilePool] = {}
 _POOLS_LOCK = threading.Lock()
+_STOP_AT_EXIT = False
 
 
 def _stop_pools() -> None:
@@ -313,10 +314,12 @@ class GrammarRows:
         self._compiles_lock = threading.Lock()  # not the compiler's: its first use loads the tokenizer
         self._worker = concurrent.futures.ThreadPoolExecutor(COMPILE_PROCESSES, thread_name_prefix="grammar-compile")
         self._pool: CompilePool | None = None
+        global _STOP_AT_EXIT
         with _POOLS_LOCK:
-            if not _POOLS:  # once; at exit before the compile threads are joined (concurrent.futures'
+            if not _STOP_AT_EXIT:  # at exit before the compile threads are joined (concurrent.futures'
                 # hook, registered earlier, runs later): a compile in flight must not hold the exit
                 threading._register_atexit(_stop_pools)
+                _STOP_AT_EXIT = True
         self.step_compiles = 0  # grammars a step had to compile (or wait for): none were prefetched
 
     @property

@@ -186,7 +186,8 @@ def _hidden_from_pb(m: "pb.StepRequest"):
 
 def result_to_pb(o: StepOutput) -> "pb.StepResult":
     m = pb.StepResult(micro_batch_id=o.micro_batch_id, round=o.round,
-                      stage_seconds=o.stage_seconds or [o.compute_seconds], has_logprobs=o.logprobs is not None)
+                      stage_seconds=o.stage_seconds or [o.compute_seconds], has_logprobs=o.logprobs is not None,
+                      commit_seconds=o.commit_seconds)
     # each list added in place: half the time of a TokenList built and then copied in
     add = m.output_ids.add
     for t in o.output_ids:
@@ -216,7 +217,7 @@ def result_from_pb(m: "pb.StepResult") -> StepOutput:
         output_ids=[list(t.ids) for t in m.output_ids], drafts=[list(t.ids) for t in m.drafts],
         logprobs=_logprob_lists(m.logprobs) if m.has_logprobs else None,
         prompt_logprobs=_logprob_lists(m.prompt_logprobs) if m.prompt_logprobs else None,
-        stage_seconds=list(m.stage_seconds),
+        stage_seconds=list(m.stage_seconds), commit_seconds=list(m.commit_seconds),
     )
 
 

@@ -279,6 +279,7 @@ class StepOutput:
     prompt_logprobs: list | None = None  # per request: [(token, logprob, top, rank)] per predicted prompt token, or None
     compute_seconds: float = 0.0
     stage_seconds: list[float] = field(default_factory=list)
+    commit_seconds: list[float] = field(default_factory=list)  # each stage's for the commit the step carried
 
 
 def with_left_out(out: StepOutput | None, n: int, left_out: list[int], micro_batch_id: int, round: int) -> StepOutput:

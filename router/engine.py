@@ -129,6 +129,9 @@ class Engine:
         self.queues: dict[str, asyncio.Queue] = {}
         self.outstanding: dict[int, float] = {}  # lane -> send time of its oldest micro-batch in flight
         self._flights: dict[int, collections.deque] = {}  # lane -> its micro-batches in flight (_lane_loop)
+        # lane -> the commit of its last verify, held for the lane's next step to carry
+        # (Pipeline.commits_ride_steps), sent alone when no step forms at once
+        self._riding: dict[int, Commit] = {}
         self.failure: str | None = None
         self.closing = False  # shutdown(): requests end, nothing new starts, no recovery
         self.displaced: str | None = None  # another router claimed the stages: down for good
@@ -370,9 +373,17 @@ class Engine:
                     await self._recover()
                     continue
                 batch = self._schedule(lane) if len(flights) < 2 and self.failure is None else None
+                commit = self._riding.pop(lane, None)
+                # a step carries the commit only for rows all in it: refused, it fails them all
+                # and their release abandons the commit on every stage (none is left pending)
+                rides = commit is not None and batch is not None and \
+                    set(commit.req_pool_indices) <= set(batch.rows)
+                if commit is not None and not rides and self.failure is None:
+                    self._spawn(self._commit(commit))
                 if batch is not None:
-                    flights.append((batch, asyncio.ensure_future(self.pipeline.step(batch.step_input(self.eos))),
-                                    time.monotonic()))
+                    inp = batch.step_input(self.eos)
+                    step = self.pipeline.step(inp, commit) if rides else self.pipeline.step(inp)
+                    flights.append((batch, asyncio.ensure_future(step), time.monotonic()))
                     self._set_in_flight(lane)
                     continue  # the next one at once, if one can form before this one's result
                 if not flights:
@@ -425,7 +436,9 @@ class Engine:
             self._fail(f"{type(e).__name__}: {e}")
             return
         up = self.scheduler.process(batch, res.output_ids, res.drafts, res.logprobs, res.prompt_logprobs)
-        if up.commit is not None or up.release_rows:
+        if up.commit is not None and not up.release_rows and self.pipeline.commits_ride_steps:
+            self._riding[lane] = up.commit  # the lane's next step carries it (_lane_loop)
+        elif up.commit is not None or up.release_rows:
             self._spawn(self._commit_and_release(up))
         # the lane forms and sends its next micro-batch before anything else of this one
         self._outbox.put_nowait((batch, res, up, time.monotonic() - started))
@@ -453,19 +466,24 @@ class Engine:
                 log.exception("delivering micro-batch %d round %d failed", batch.micro_batch_id, batch.round)
 
     async def _commit_and_release(self, up: Update) -> None:
+        if up.commit is None or await self._commit(up.commit, up.release_rows):
+            await self._release_or_fail(up.release_rows, up.micro_batch_id, up.round)
+
+    async def _commit(self, c, release_rows: list[int] = ()) -> bool:
+        """CommitAccept ``c`` on every stage; False when it failed (``release_rows`` then
+        wait for the recovery)."""
         try:
-            if up.commit is not None:
-                secs = await self.pipeline.commit_accept(up.commit)
-                if self.metrics and secs:
-                    for k, s in enumerate(secs):
-                        self.metrics.on_stage_rpc(k, "commit", s)
+            secs = await self.pipeline.commit_accept(c)
+            if self.metrics and secs:
+                for k, s in enumerate(secs):
+                    self.metrics.on_stage_rpc(k, "commit", s)
         except (StageDownError, OSError, EngineError, ValueError) as e:
             # a stage died or refused the commit: the rows' state is unknown, the full
             # recovery releases them (never released here)
-            self._stale_rows = self._stale_rows + up.release_rows
+            self._stale_rows = self._stale_rows + list(release_rows)
             self._fail(str(e))
-            return
-        await self._release_or_fail(up.release_rows, up.micro_batch_id, up.round)
+            return False
+        return True
 
     async def _release_or_fail(self, rows: list[int], micro_batch_id: int, round: int, what: str = "",
                                abandon: bool = False) -> None:
@@ -493,6 +511,8 @@ class Engine:
         mode = "verify" if batch.mode == "verify" else "forward"
         for k, s in enumerate(res.stage_seconds):
             self.metrics.on_stage_rpc(k, mode, s)
+        for k, s in enumerate(res.commit_seconds):  # the commit the step carried
+            self.metrics.on_stage_rpc(k, "commit", s)
         if batch.mode == "verify":
             self.metrics.on_verify_requests(up.num_drafts, up.accept_lengths)
         c = self.scheduler.cache
@@ -534,6 +554,7 @@ class Engine:
             self.failure = reason
         dropped, rows = self.scheduler.fail_all()
         self._stale_rows = self._stale_rows + rows
+        self._riding.clear()  # the recovery releases those rows, abandoning their commits
         self._end_dropped(dropped, lambda rid: StageDownError(f"request {rid} failed: {reason}"))
         self.outstanding.clear()
 

@@ -157,10 +157,17 @@ class GrpcPipeline(Pipeline):
             self.instances = [i["instance_id"] for i in out]
         return out
 
-    async def step(self, inp: StepInput) -> StepOutput:
+    commits_ride_steps = True
+
+    async def step(self, inp: StepInput, commit: Commit | None = None) -> StepOutput:
+        """``commit``: the commit of this micro-batch's last verify, which every stage
+        applies before the step (``StepRequest.commit``) instead of a CommitAccept of its own;
+        its seconds per stage come back in the output's ``commit_seconds``."""
         try:
             req = step_to_pb(inp, self.specs)
             req.router_id = self.router_id  # stages refuse the steps of a router that lost them
+            if commit is not None:
+                req.commit.CopyFrom(commit_to_pb(commit, self.router_id))
             res = await self.steps.step(req, self.step_timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):

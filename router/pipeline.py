@@ -31,6 +31,9 @@ class Pipeline(abc.ABC):
     # the stages (``f(detail)``)
     on_restart: Callable[[int, str], None] | None = None
     on_displaced: Callable[[str], None] | None = None
+    # step() takes the commit of the micro-batch's last verify along (each stage applies it
+    # before the step): a verify round then needs no CommitAccept call of its own
+    commits_ride_steps = False
 
     @abc.abstractmethod
     async def info(self) -> list[StageInfo]:

@@ -236,9 +236,14 @@ class StageServicer(pb_grpc.StageServicer):
         if left_out:
             inp = inp.without(left_out)
             inp.follows_round = 0
-            router_id = request.router_id
+            router_id, commit = request.router_id, None
+            if request.HasField("commit"):  # relayed with the step (a copy: CopyFrom clears the original)
+                commit = pb.CommitRequest()
+                commit.CopyFrom(request.commit)
             request.CopyFrom(step_to_pb(inp))
             request.router_id = router_id
+            if commit is not None:
+                request.commit.CopyFrom(commit)
         else:
             del request.input_ids[:]
             request.input_ids.extend(inp.input_ids)
@@ -252,6 +257,10 @@ class StageServicer(pb_grpc.StageServicer):
         rank = self.runner.pp_rank
         what = f"{request.mode or 'step'} of micro-batch {request.micro_batch_id}"
         await self._check_router(request.router_id, context, what)
+        # the commit of the micro-batch's last verify, if the step carries it: before the
+        # step's own checks, which would wait for it (docs/DESIGN.md, "Commit rule")
+        commit_seconds = (await self._apply_commit(commit_from_pb(request.commit), context)
+                          if request.HasField("commit") else None)
         try:
             inp = step_from_pb(request, self.specs) if inp is None else inp
         except ValueError as e:
@@ -284,7 +293,10 @@ class StageServicer(pb_grpc.StageServicer):
             await self._fail(context, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
         if self._next is None:
             out.stage_seconds = [out.compute_seconds]
-            return result_to_pb(out)
+            res = result_to_pb(out)
+            if commit_seconds is not None:
+                res.commit_seconds.append(commit_seconds)
+            return res
         sent.fill(request)
         answered = False  # by the next stage: then it is done with the data-plane slot
         try:
@@ -305,6 +317,8 @@ class StageServicer(pb_grpc.StageServicer):
         finally:
             link.done(sent, answered)
         res.stage_seconds[:] = [out.compute_seconds] + list(res.stage_seconds)
+        if commit_seconds is not None:
+            res.commit_seconds[:] = [commit_seconds] + list(res.commit_seconds)
         return res
 
     def _run(self, inp, link, ref=None) -> tuple:
@@ -413,12 +427,21 @@ class StageServicer(pb_grpc.StageServicer):
         await serve_steps(requests, context, lambda r, c: self._step(r, c, verify=r.mode == VERIFY), self.hold)
 
     async def CommitAccept(self, request: pb.CommitRequest, context):
-        c = commit_from_pb(request)
+        await self._check_router(request.router_id, context, self._commit_what(request))
+        return pb.CommitReply(seconds=await self._apply_commit(commit_from_pb(request), context))
+
+    @staticmethod
+    def _commit_what(request: pb.CommitRequest) -> str:
+        return f"commit of micro-batch {request.micro_batch_id} round {request.round}"
+
+    async def _apply_commit(self, c, context) -> float:
+        """Check and apply one commit (a CommitAccept, or the one a step carries): the rows
+        must be pending on its verify; returns the stage's seconds for it. Aborts the call
+        when refused (the rows stay pending for a valid commit)."""
         rows, acc = c.req_pool_indices, c.accept_lengths
         key = (c.micro_batch_id, c.round)
         rank = self.runner.pp_rank
         what = f"commit of micro-batch {key[0]} round {key[1]}"
-        await self._check_router(request.router_id, context, what)
         d = self.runner.num_steps + 1
         bad = None
         if len(rows) != len(acc):
@@ -464,7 +487,7 @@ class StageServicer(pb_grpc.StageServicer):
                         if self.pending.get(r) == key:
                             del self.pending[r]
                 self.cond.notify_all()
-        return pb.CommitReply(seconds=seconds)
+        return seconds
 
     async def Release(self, request: pb.ReleaseRequest, context):
         await self._check_router(request.router_id, context, "release")

@@ -310,6 +310,33 @@ def test_commit_of_another_micro_batch_or_round_is_refused(st):
     st.release([0, 2])
 
 
+def test_a_commit_the_next_step_carries_applies_on_every_stage_before_it(st):
+    """The router's commit of a verify may ride on the micro-batch's next step
+    (``StepRequest.commit``): each stage applies it before the step, as a CommitAccept, so
+    the request's tokens, drafts and log-probabilities are the reference's (a commit
+    applied late or twice would change the decode after it). One naming a round the rows
+    are not pending on refuses the step (FAILED_PRECONDITION), nothing changed."""
+    row, spec = 1, [SamplingSpec(logprobs=3)]
+    r = st.forward(prefill([row], sampling=spec))
+    first = r.output_ids[0][0]
+    v = result_from_pb(st.s0.Verify(step_to_pb(StepInput(
+        3, 2, "verify", [row], [20], [D], [first] + r.drafts[0], num_drafts=[len(r.drafts[0])],
+        sampling=spec, output_lens=[1])), timeout=TIMEOUT))
+    acc = len(v.output_ids[0])
+    dec = step_to_pb(StepInput(3, 3, "decode", [row], [20 + acc], [1], [v.output_ids[0][-1]], sampling=spec,
+                               output_lens=[1 + acc]))
+    dec.commit.CopyFrom(pb.CommitRequest(micro_batch_id=3, round=1, req_pool_indices=[row], accept_lengths=[acc]))
+    expect(call(st.s0.Forward, dec), PRE, "commit of micro-batch 3 round 1 names rows not pending on it")
+    assert st.state() == [(1, 0, 1), (1, 2, 1)]  # still pending on round 2 everywhere
+    dec.commit.round = 2
+    got = st.s0.Forward(dec, timeout=TIMEOUT)
+    assert len(got.commit_seconds) == 2 and min(got.commit_seconds) > 0  # each stage applied it
+    assert st.state() == [(1, 0, 0), (1, 2, 0)]
+    d = result_from_pb(got)
+    assert [(o.output_ids, o.drafts, o.logprobs) for o in (r, v, d)] == st.reference
+    assert [c for c, _ in st.release([row])] == ["OK", "OK"]
+
+
 def test_a_commit_sent_twice_at_once_applies_once(st):
     """Two copies of one commit reach each stage while it computes something else: one
     applies, the other is refused. (The replay design flips a slot per commit: applied

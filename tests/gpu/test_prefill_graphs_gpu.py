@@ -66,3 +66,11 @@ def test_long_prefill_graphs_equal_eager(make_ckpt, monkeypatch, kind, dtype, to
     mixed = StepInput(0, 2, "decode", [3, 5, 0], [701, 301, 0], [1, 1, 200], [11, 13] + new, num_prefill=1)
     _close(_logits(graphed, mixed), _logits(eager, mixed), tol)
     assert replays[-1] == 200  # the mixed step's chunk took its long graph
+    # two new prompts beside the decodes (130 + 90 tokens): no bucket holds both, so each
+    # chunk replays its own long graph (StageRunner._graph_runs), none of it eager
+    a, b = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (130, 90))
+    mixed2 = StepInput(0, 3, "decode", [3, 5, 0, 6, 7], [702, 302, 200, 0, 0], [1, 1, 1, 130, 90],
+                       [15, 17, 19] + a + b, num_prefill=2)
+    eager_before = graphed.forwards["eager"]
+    _close(_logits(graphed, mixed2), _logits(eager, mixed2), tol)
+    assert replays[-2:] == [130, 90] and graphed.forwards["eager"] == eager_before

@@ -102,9 +102,11 @@ class Stages:
             out.append((i.rows_in_use, i.kv_pages_used, i.pending_commits))
         return out
 
-    def request(self, row=1):
+    def request(self, row=1, carried: int | None = None):
         """A full request on ``row``: prefill, verify + commit, decode, release. Returns
-        every token, draft and log-probability."""
+        every token, draft and log-probability. ``carried``: the decode carries the commit
+        (``StepRequest.commit``, naming round ``carried``) instead of a CommitAccept; a
+        round other than the verify's refuses the decode, then the right one is carried."""
         spec = [SamplingSpec(logprobs=3)]
         r = self.forward(prefill([row], sampling=spec))
         first = r.output_ids[0][0]
@@ -112,11 +114,24 @@ class Stages:
             3, 2, "verify", [row], [20], [D], [first] + r.drafts[0], num_drafts=[len(r.drafts[0])],
             sampling=spec, output_lens=[1])), timeout=TIMEOUT))
         acc = len(v.output_ids[0])
-        assert [c for c, _ in self.commit(3, 2, [row], [acc])] == ["OK", "OK"]
-        dec = self.forward(StepInput(3, 3, "decode", [row], [20 + acc], [1], [v.output_ids[0][-1]],
-                                     sampling=spec, output_lens=[1 + acc]))
+        dec = step_to_pb(StepInput(3, 3, "decode", [row], [20 + acc], [1], [v.output_ids[0][-1]],
+                                   sampling=spec, output_lens=[1 + acc]))
+        if carried is None:
+            assert [c for c, _ in self.commit(3, 2, [row], [acc])] == ["OK", "OK"]
+        else:
+            dec.commit.CopyFrom(pb.CommitRequest(micro_batch_id=3, round=carried, req_pool_indices=[row],
+                                                 accept_lengths=[acc]))
+            if carried != 2:
+                expect(call(self.s0.Forward, dec), PRE,
+                       f"commit of micro-batch 3 round {carried} names rows not pending on it")
+                assert self.state() == [(1, 0, 1), (1, 2, 1)]  # still pending on round 2 everywhere
+                dec.commit.round = 2
+        got = self.s0.Forward(dec, timeout=TIMEOUT)
+        if carried is not None:
+            assert len(got.commit_seconds) == 2 and min(got.commit_seconds) > 0  # each stage applied it
+        d = result_from_pb(got)
         assert [c for c, _ in self.release([row])] == ["OK", "OK"]
-        return [(o.output_ids, o.drafts, o.logprobs) for o in (r, v, dec)]
+        return [(o.output_ids, o.drafts, o.logprobs) for o in (r, v, d)]
 
     def forward(self, inp, stub=None):
         return result_from_pb((stub or self.s0).Forward(step_to_pb(inp), timeout=TIMEOUT))
@@ -316,25 +331,8 @@ def test_a_commit_the_next_step_carries_applies_on_every_stage_before_it(st):
     the request's tokens, drafts and log-probabilities are the reference's (a commit
     applied late or twice would change the decode after it). One naming a round the rows
     are not pending on refuses the step (FAILED_PRECONDITION), nothing changed."""
-    row, spec = 1, [SamplingSpec(logprobs=3)]
-    r = st.forward(prefill([row], sampling=spec))
-    first = r.output_ids[0][0]
-    v = result_from_pb(st.s0.Verify(step_to_pb(StepInput(
-        3, 2, "verify", [row], [20], [D], [first] + r.drafts[0], num_drafts=[len(r.drafts[0])],
-        sampling=spec, output_lens=[1])), timeout=TIMEOUT))
-    acc = len(v.output_ids[0])
-    dec = step_to_pb(StepInput(3, 3, "decode", [row], [20 + acc], [1], [v.output_ids[0][-1]], sampling=spec,
-                               output_lens=[1 + acc]))
-    dec.commit.CopyFrom(pb.CommitRequest(micro_batch_id=3, round=1, req_pool_indices=[row], accept_lengths=[acc]))
-    expect(call(st.s0.Forward, dec), PRE, "commit of micro-batch 3 round 1 names rows not pending on it")
-    assert st.state() == [(1, 0, 1), (1, 2, 1)]  # still pending on round 2 everywhere
-    dec.commit.round = 2
-    got = st.s0.Forward(dec, timeout=TIMEOUT)
-    assert len(got.commit_seconds) == 2 and min(got.commit_seconds) > 0  # each stage applied it
-    assert st.state() == [(1, 0, 0), (1, 2, 0)]
-    d = result_from_pb(got)
-    assert [(o.output_ids, o.drafts, o.logprobs) for o in (r, v, d)] == st.reference
-    assert [c for c, _ in st.release([row])] == ["OK", "OK"]
+    assert st.request(carried=2) == st.reference
+    assert st.request(carried=1) == st.reference
 
 
 def test_a_commit_sent_twice_at_once_applies_once(st):

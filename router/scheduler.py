@@ -714,6 +714,9 @@ class Scheduler:
             )
         outputs, release, accept = [], [], []
         nv = batch.num_verify
+        # verified rows of requests a failure dropped while this step was in flight (fail_all):
+        # the recovery's release abandons their commit, which must never reach a stage after it
+        dropped = {i for i, r in enumerate(batch.requests[:nv]) if r.status == FINISHED and r.held_row < 0}
         for i, r in enumerate(batch.requests):
             r.in_flight = max(0, r.in_flight - 1)  # 0 already if fail_all dropped it
             if batch.restore_slots and batch.restore_slots[i] >= 0:
@@ -761,8 +764,9 @@ class Scheduler:
                     )
                 )
         commit = None
-        if nv:  # the verified rows only (a mixed micro-batch's prefill chunks commit nothing)
-            commit = Commit(batch.micro_batch_id, batch.round, batch.req_pool_indices[:nv], accept[:nv])
+        keep = [i for i in range(nv) if i not in dropped]
+        if keep:  # the verified rows only (a mixed micro-batch's prefill chunks commit nothing)
+            commit = Commit(batch.micro_batch_id, batch.round, [batch.rows[i] for i in keep], [accept[i] for i in keep])
         return Update(outputs, commit, release, accept[:nv], list(batch.num_drafts[:nv] if nv else batch.num_drafts),
                       batch.micro_batch_id, batch.round)
 

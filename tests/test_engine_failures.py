@@ -535,3 +535,67 @@ def test_the_running_gauge_drops_when_failed_requests_end_without_a_later_step()
     assert running == 0
     assert reg.get_sample_value("ppspec:num_requests_running") == 0
     assert reg.get_sample_value("ppspec:num_requests_waiting") == 0
+
+
+class _RidingPipeline(InProcessPipeline):
+    """In-process stages that take a verify's commit on the micro-batch's next step, as
+    ``GrpcPipeline`` does (``StepRequest.commit``), and refuse a commit whose rows are not
+    pending on its verify, as a stage server does (FAILED_PRECONDITION: StageDownError)."""
+
+    commits_ride_steps = True
+
+    async def step(self, inp, commit=None):
+        if commit is not None:
+            await self.commit_accept(commit)
+        return await super().step(inp)
+
+    async def commit_accept(self, c):
+        key = (c.micro_batch_id, c.round)
+        wrong = {r: self._pending.get(r) for r in c.req_pool_indices if self._pending.get(r) != key}
+        if wrong:
+            raise StageDownError(f"commit of micro-batch {key[0]} round {key[1]} names rows not pending on it: {wrong}")
+        return await super().commit_accept(c)
+
+
+def test_a_verify_back_after_a_failure_sends_no_commit_after_the_recovery(reference):
+    """A failure (as the health monitor reports a stage restart) while a verify is in
+    flight: its result still comes back, but its requests are dropped and the recovery
+    releases every row, abandoning that verify's commit. The commit must never reach the
+    stages afterwards: held for the lane's next step, it went out after the recovery, the
+    stages refused it (rows not pending) and the router failed a second time."""
+    torch.set_num_threads(1)
+    pipe = _RidingPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    step, verifies, reasons = pipe.step, [], []
+
+    async def failing_during_a_verify(inp, commit=None):
+        if inp.mode == "verify":
+            verifies.append(inp.round)
+            if len(verifies) == 2:
+                engine._fail("stage 1 restarted (test)")  # the step itself still answers
+        return await step(inp, commit)
+
+    pipe.step = failing_during_a_verify
+
+    async def run():
+        nonlocal engine
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=1)
+        await engine.start()
+        fail = engine._fail
+        engine._fail = lambda reason: (reasons.append(reason), fail(reason))
+        first = await asyncio.wait_for(_collect(engine, "r0", PROMPTS[0]), 60)
+        for _ in range(200):  # the lane recovers in the background
+            if engine.failure is None:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # what the lane does right after the recovery
+        await engine.settle()
+        after = await asyncio.wait_for(_collect(engine, "r1", PROMPTS[1]), 60)
+        for t in engine._tasks:
+            t.cancel()
+        return first, after
+
+    engine = None
+    first, after = asyncio.run(run())
+    assert len(verifies) >= 2 and isinstance(first, StageDownError), first
+    assert reasons == ["stage 1 restarted (test)"], reasons
+    assert after == reference[1]

@@ -425,6 +425,31 @@ def test_steps_a_later_stage_refuses_are_undone_or_fenced(st):
     st.release([0, 2, 3])
 
 
+def test_a_step_a_later_stage_refuses_keeps_the_commit_it_carried_applied_once(st):
+    """A verify carries the commit of the row's previous verify and stage 1 refuses it (no
+    KV page) after both stages applied that commit: nothing is left pending anywhere, the
+    commit cannot apply a second time, both stages hold the row at its accepted length,
+    and the router's release with abandon (its answer to a refused micro-batch) gives
+    every row back (the fixture then checks the reference)."""
+    big = list(range(1, 101))
+    st.forward(prefill([0, 2], ext=[100] * 2, ids=big * 2))
+    r = st.forward(prefill([3], ext=[26], ids=big[:26]))  # the pools are full: 32 tokens of row 3 fit
+    ids = [r.output_ids[0][0]] + r.drafts[0]
+    st.s0.Verify(step_to_pb(StepInput(4, 1, "verify", [3], [26], [D], ids, num_drafts=[3])), timeout=TIMEOUT)
+    assert st.state() == [(3, 0, 1), (3, 16, 1)]
+    nxt = step_to_pb(StepInput(4, 2, "verify", [3], [26 + D], [D], ids, num_drafts=[3]))  # 34 tokens: a page more
+    nxt.commit.CopyFrom(pb.CommitRequest(micro_batch_id=4, round=1, req_pool_indices=[3], accept_lengths=[D]))
+    expect(call(st.s0.Verify, nxt), EXH, "stage 1", "need 1 pages, 0 free")
+    assert st.state() == [(3, 0, 0), (3, 16, 0)]  # applied on both, the refused verify's marks dropped
+    for res in st.commit(4, 1, [3], [D]):
+        expect(res, PRE, "not pending")
+    short = step_to_pb(StepInput(4, 3, "decode", [3], [26 + D - 1], [1], ids[:1]))
+    expect(call(st.s0.Forward, short), PRE, f"row 3 holds {26 + D} tokens")
+    short.hidden_states.CopyFrom(pb.Tensor(data=floats(HIDDEN), dtype="float32", shape=[1, HIDDEN]))
+    expect(call(st.s1.Forward, short), PRE, f"row 3 holds {26 + D} tokens")
+    assert [c for c, _ in st.release([0, 2, 3], abandon=True)] == ["OK", "OK"]
+
+
 def test_verify_and_commit_on_a_stage_without_speculation(st):
     stub = st.nospec
     out = st.forward(prefill([0]), stub)

@@ -74,3 +74,34 @@ def test_long_prefill_graphs_equal_eager(make_ckpt, monkeypatch, kind, dtype, to
     eager_before = graphed.forwards["eager"]
     _close(_logits(graphed, mixed2), _logits(eager, mixed2), tol)
     assert replays[-2:] == [130, 90] and graphed.forwards["eager"] == eager_before
+
+
+def test_mixed_verify_with_chunks_one_graph_each_and_mtp_equals_eager(make_ckpt, monkeypatch):
+    """On the last stage with MTP (fp32): a verify beside two new prompts of 130 and 90
+    tokens replays the verify graph and one long prefill graph per chunk; the sampled
+    tokens and the MTP drafts equal the eager stage's, and no forward runs eagerly."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+    pytest.importorskip("fla")
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    g = torch.Generator().manual_seed(4)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    common = dict(max_rows=8, kv_tokens=4096, num_speculative_steps=2, use_mtp=True, dtype=torch.float32,
+                  device="cuda", cuda_graph_max_bs=8)
+    monkeypatch.setenv("PPSPEC_FLA_DIRECT", "1")
+    monkeypatch.setenv("PPSPEC_PREFILL_GRAPH_TOKENS", "1024")
+    graphed = StageRunner(path, **common)
+    monkeypatch.setenv("PPSPEC_PREFILL_GRAPH_TOKENS", "0")
+    eager = StageRunner(path, cuda_graph_max_bs=0, **{k: v for k, v in common.items() if k != "cuda_graph_max_bs"})
+    ids = rand(40) + rand(6) + rand(220)
+    steps = [StepInput(0, 0, "prefill", [1, 2], [0, 0], [25, 15], ids[:40]),
+             StepInput(0, 1, "verify", [1, 2, 4, 6], [25, 15, 0, 0], [3, 3, 130, 90], ids[40:],
+                       num_drafts=[2, 2, 0, 0], sample=[True] * 4, next_token_ids=[-1] * 4, num_prefill=2)]
+    got = {}
+    for name, r in (("graphed", graphed), ("eager", eager)):
+        got[name] = [(o.output_ids, o.drafts) for o in (r.step(s) for s in steps)]
+    assert got["graphed"] == got["eager"]
+    assert graphed.forwards.get("eager", 0) == 0

@@ -31,7 +31,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from ppspec.proto.messages import Release, StageInfo
+from ppspec.proto.messages import Commit, Release, StageInfo
 
 from .metrics import RouterMetrics
 from .pipeline import Pipeline
@@ -469,7 +469,7 @@ class Engine:
         if up.commit is None or await self._commit(up.commit, up.release_rows):
             await self._release_or_fail(up.release_rows, up.micro_batch_id, up.round)
 
-    async def _commit(self, c, release_rows: list[int] = ()) -> bool:
+    async def _commit(self, c: Commit, release_rows: list[int] = ()) -> bool:
         """CommitAccept ``c`` on every stage; False when it failed (``release_rows`` then
         wait for the recovery)."""
         try:

@@ -4,7 +4,8 @@ Runs steps under ``torch.profiler`` (CUPTI records each kernel, those replayed f
 graphs included) and prints, per step: wall time, summed kernel time, kernel count, and
 the kernels ranked by time (microseconds and launches per step). Cases:
 
-- ``1b``: plain decode of a random 1.46B Qwen3.5-shaped checkpoint (``--model`` or made
+- ``1b``: plain decode of a random 1.46B Qwen3.5-shaped checkpoint (``--model``, another
+  family with ``--family`` as ``gpu_bench --family``, or made
   with ``gpu_bench.make_random_checkpoint``) through ``StageRunner.step`` at ``--batch``
   (context ``--context`` tokens), then a verify round of 3 drafts per request (D = 4
   tokens, and its commit) at the same batch; graphs as the stage runs them.
@@ -59,6 +60,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ppspec.bench.profile_gpu", description=__doc__)
     ap.add_argument("--case", default="1b,demo")
     ap.add_argument("--model", default=None, help="checkpoint for the 1b case (default: a random 1.46B one)")
+    ap.add_argument("--family", choices=("qwen3_5", "kimi_linear", "nemotron_h", "falcon_h1"), default="qwen3_5",
+                    help="the 1b case's random checkpoint family (as gpu_bench --family)")
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
@@ -70,11 +73,14 @@ def main(argv=None) -> None:
 
     path = a.model
     if "1b" in cases or "prefill" in cases:
-        from ppspec.bench.gpu_bench import make_random_checkpoint
+        from ppspec.bench import gpu_bench
 
         if path is None:
-            path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
-            make_random_checkpoint(torch, path)
+            make = {"kimi_linear": gpu_bench.make_random_kimi_checkpoint,
+                    "nemotron_h": gpu_bench.make_random_nemotron_checkpoint,
+                    "falcon_h1": gpu_bench.make_random_falcon_h1_checkpoint}.get(a.family, gpu_bench.make_random_checkpoint)
+            path = os.path.join(tempfile.mkdtemp(), f"{a.family}-1b")
+            make(torch, path)
             torch.cuda.empty_cache()
     if "1b" in cases:
         from ppspec.bench.gpu_bench import prefilled_steps

@@ -2,15 +2,16 @@
 (``stage_server.graphs.StepGraphs``, run eagerly on the CPU: ``capture=False``) with
 ``PPSPEC_FAMILY_GRAPHS=1``: the hidden states of every decode and verify step and the
 committed state after a commit equal the unpadded eager forward's, three requests at rows
-that are not batch positions padded to the bucket of four; a stage with MoE layers, and
-every stage with the switch off (``PPSPEC_FAMILY_GRAPHS=0``), stays eager."""
+that are not batch positions padded to the bucket of four (Kimi Linear with MoE layers
+among them: its experts run without a host read on CUDA); a stage with the Mamba2 hybrids'
+MoE layers, and every stage with the switch off (``PPSPEC_FAMILY_GRAPHS=0``), stays eager."""
 import pytest
 import torch
 
 from ppspec.proto.messages import StepInput
 from ppspec.stage_server.runner import StageRunner
 
-KINDS = ["nemotron_h_c", "falcon_h1_a", "granite_b", "bamba_a", "kimi_dense_4l"]
+KINDS = ["nemotron_h_c", "falcon_h1_a", "granite_b", "bamba_a", "kimi_dense_4l", "kimi_moe_5l"]
 
 
 def _steps(r: StageRunner, prompts: list[list[int]], rows: list[int]) -> list[torch.Tensor]:
@@ -66,7 +67,7 @@ def test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, kind, design):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"tensor {i}: {m}")
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h_a", "kimi_moe_5l", "granite_a"])
+@pytest.mark.parametrize("kind", ["nemotron_h_a", "granite_a"])
 def test_a_stage_with_moe_layers_stays_eager(make_ckpt, monkeypatch, kind):
     monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
     r = StageRunner(make_ckpt(kind), max_rows=2, num_speculative_steps=1, cuda_graph_max_bs=2)

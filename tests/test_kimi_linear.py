@@ -89,6 +89,55 @@ def test_prefill_decode_verify_logits_match_transformers(make_ckpt, kind, design
     assert close(got, ref_a[68:70])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_experts_run_matches_transformers_moe(make_ckpt, monkeypatch, kind):
+    """Every MoE layer against transformers' ``KimiLinearMoE`` on the same tokens, with each
+    of the three expert runs (``layers/moe.py``): the CPU's grouping, and the two host-read
+    free runs CUDA takes (the grouped GEMM: ``torch._grouped_mm``'s loop on the CPU; every
+    expert dense), fp32 within 1e-5; the grouped and dense runs in bf16 as close to fp32 as
+    the CPU's bf16 grouping."""
+    from ppspec.stage_server.layers import moe
+
+    path = make_ckpt(kind)
+    hf = hf_model(path)
+    r = StageRunner(path, max_rows=2)
+    r16 = StageRunner(path, max_rows=2, dtype=torch.bfloat16)
+    x = torch.randn(37, hf.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    layers = [i for i in range(hf.config.num_hidden_layers) if r.cfg.is_moe_layer(i)]
+    assert layers
+    for i in layers:
+        with torch.no_grad():
+            ref = hf.model.layers[i].mlp(x[None])[0]
+        err16 = {}
+        for fn in (moe.run_experts, moe.experts_grouped, moe.experts_dense):
+            monkeypatch.setattr(moe, "pick_experts", lambda x, experts, _fn=fn: _fn)
+            with torch.no_grad():
+                got = r.model.layers[str(i)].mlp(x)
+                got16 = r16.model.layers[str(i)].mlp(x.to(torch.bfloat16))
+            assert got.dtype == torch.float32 and got16.dtype == torch.bfloat16
+            assert (got - ref).abs().max() < 1e-5, f"layer {i}, {fn.__name__}"
+            err16[fn.__name__] = (got16.float() - ref).abs().max().item()
+        assert max(err16.values()) < 1.5 * err16["run_experts"] + 1e-3, err16
+
+
+def test_logits_with_the_cuda_expert_runs_match_transformers(make_ckpt, monkeypatch):
+    """The whole model's prefill, decode and verify logits with the grouped and the dense
+    expert runs (the CUDA runs, here on the CPU) against transformers, within 1e-4."""
+    from ppspec.stage_server.layers import moe
+
+    path = make_ckpt("kimi_moe_5l")
+    hf = hf_model(path)
+    a = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([a])).logits[0]
+    for fn in (moe.experts_grouped, moe.experts_dense):
+        monkeypatch.setattr(moe, "pick_experts", lambda x, experts, _fn=fn: _fn)
+        r = [StageRunner(path, max_rows=4, num_speculative_steps=3)]
+        assert close(run(r, StepInput(0, 0, "prefill", [3], [0], [25], a[:25])), ref[:25])
+        assert close(run(r, StepInput(0, 1, "decode", [3], [25], [1], a[25:26])), ref[25:26])
+        assert close(run(r, StepInput(0, 2, "verify", [3], [26], [4], a[26:30], num_drafts=[3])), ref[26:30])
+
+
 def test_layer_slices_chain_to_the_whole_model(make_ckpt):
     path = make_ckpt("kimi_qlora_7l")
     ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -1,6 +1,21 @@
 """Mixture-of-experts blocks that model families share: SwiGLU experts stacked in two
-tensors, and their run over routed tokens grouped by expert."""
+tensors, and their run over routed tokens.
+
+Three runs of the same sum, one per place (:func:`routed_experts` picks):
+
+- :func:`run_experts` (CPU): the tokens grouped by expert, one GEMM pair per expert that
+  has tokens; it reads the group sizes on the host, once per layer.
+- :func:`experts_grouped` (CUDA, bf16, Hopper / Blackwell): the same grouping on the
+  device and one grouped GEMM per projection (``torch._grouped_mm``, CUTLASS; its group
+  bounds are a device tensor), so no host read: CUDA-graph capturable, and only the chosen
+  experts' weights are read.
+- :func:`experts_dense` (CUDA otherwise, e.g. fp32): every expert on every token, the
+  unchosen ones weighted 0. Also capturable; it reads every expert's weights and does
+  ``E / k`` times the FLOPs, the price of running where the grouped GEMM does not.
+"""
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -41,3 +56,66 @@ def run_experts(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, exper
     if not ys:
         return torch.zeros_like(x)
     return torch.zeros_like(x).index_add_(0, tok, (torch.cat(ys) * ws).to(x.dtype))
+
+
+def experts_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """:func:`run_experts` without a host read: the ``T k`` (token, slot) pairs sorted by
+    expert on the device, each expert's rows bounded by ``searchsorted`` (``bincount``
+    would read its maximum on the host), both projections as one grouped GEMM each (an
+    expert without rows costs nothing), the pairs put back in (token, slot) order and
+    summed with their weights in fp32. Shapes as :func:`run_experts`."""
+    T, k = top_i.shape
+    E = experts.down_proj.shape[0]
+    if T == 0:
+        return torch.zeros_like(x)
+    ids, order = torch.sort(top_i.flatten())
+    ends = torch.searchsorted(ids, torch.arange(E, device=ids.device, dtype=ids.dtype), right=True).to(torch.int32)
+    xs = x.index_select(0, order // k)
+    gate, up = torch._grouped_mm(xs, experts.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    ys = torch._grouped_mm(silu_mul(gate, up), experts.down_proj.transpose(1, 2), offs=ends)
+    pairs = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, -1)
+    return (pairs * top_w.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def experts_dense(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """:func:`run_experts` as fixed-shape dense work: every expert's SwiGLU on every token
+    (one GEMM over the stacked ``[E 2I, H]`` weights, one batched GEMM for the down
+    projections), then the per-expert outputs summed with weights ``[T, E]`` that are
+    ``top_w`` at the chosen experts and 0 elsewhere. Shapes as :func:`run_experts`."""
+    T, H = x.shape
+    E, I2, _ = experts.gate_up_proj.shape
+    w = torch.zeros(T, E, dtype=top_w.dtype, device=x.device).scatter_(1, top_i, top_w)
+    gate, up = F.linear(x, experts.gate_up_proj.reshape(E * I2, H)).view(T * E, I2).chunk(2, dim=-1)
+    h = silu_mul(gate, up).view(T, E, I2 // 2)
+    ys = torch.bmm(h.transpose(0, 1), experts.down_proj.transpose(1, 2))  # [E, T, H]
+    return (ys * w.t().unsqueeze(-1)).sum(0).to(x.dtype)
+
+
+@functools.cache
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def grouped_gemm_runs(x: torch.Tensor, experts: Experts) -> bool:
+    """Whether ``torch._grouped_mm`` takes its CUTLASS kernel for these experts: CUDA, bf16,
+    compute capability 9 or 10, rows 16-byte aligned (hidden and intermediate sizes
+    multiples of 8). Elsewhere it falls back to a loop that copies the group bounds to the
+    host, which a CUDA graph cannot hold."""
+    _, I2, H = experts.gate_up_proj.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and experts.gate_up_proj.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm") and H % 8 == 0 and (I2 // 2) % 8 == 0
+            and _sm_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) in (9, 10))
+
+
+def pick_experts(x: torch.Tensor, experts: Experts):
+    """The run of :func:`routed_experts` for ``x``'s device and dtype (module docstring)."""
+    if not x.is_cuda:
+        return run_experts
+    return experts_grouped if grouped_gemm_runs(x, experts) else experts_dense
+
+
+def routed_experts(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """``sum_j top_w[t, j] * expert_{top_i[t, j]}(x_t)`` as :func:`run_experts` (shapes and
+    dtypes), by the run :func:`pick_experts` chooses: on CUDA without a host read (CUDA-graph
+    capturable). ``top_i`` holds distinct experts per token (a top-k)."""
+    return pick_experts(x, experts)(x, top_i, top_w, experts)

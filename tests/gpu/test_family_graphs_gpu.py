@@ -1,6 +1,7 @@
 """CUDA graphs of the Mamba2 hybrids' and Kimi Linear's decode and verify steps
 (``PPSPEC_FAMILY_GRAPHS=1``) on CUDA in fp32 (``make test-gpu``), for NemotronH, Falcon-H1
-and Kimi Linear checkpoints without MoE layers:
+and Kimi Linear checkpoints (NemotronH's without MoE
+blocks; Kimi Linear's with and without MoE layers, whose experts run dense in fp32):
 
 - a graphed stage (captured at start, three requests replayed in the bucket of four) gives
   the logits of every decode and verify step and the committed state after a commit of
@@ -18,7 +19,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ["nemotron_h_c", "falcon_h1_a", "kimi_dense_4l"]
+KINDS = ["nemotron_h_c", "falcon_h1_a", "kimi_dense_4l", "kimi_moe_5l"]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from ...family import LayerState
 from ...graphs import family_graphs
 from ...layers.common import MLP, RMSNorm, fuse_linears
 from ...layers.kda import KDA
-from ...layers.moe import Experts, run_experts
+from ...layers.moe import Experts, routed_experts
 from .config import KimiLinearConfig
 
 # transformers' MLA builds its latent norms with the RMSNorm default eps, not rms_norm_eps
@@ -193,10 +193,11 @@ class Router(nn.Module):
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         T, E = choice.shape
-        by_group = choice.view(T, self.groups, E // self.groups)
-        group_idx = by_group.topk(2, dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros(T, self.groups, dtype=torch.bool, device=x.device).scatter_(1, group_idx, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // self.groups, dim=1), float("-inf"))
+        if self.topk_group < self.groups:  # else every group is kept (Kimi Linear: one group)
+            by_group = choice.view(T, self.groups, E // self.groups)
+            group_idx = by_group.topk(2, dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros(T, self.groups, dtype=torch.bool, device=x.device).scatter_(1, group_idx, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // self.groups, dim=1), float("-inf"))
         top_i = choice.topk(self.k, dim=-1, sorted=False)[1]
         top_w = scores.gather(1, top_i)
         if self.norm:
@@ -215,7 +216,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_i, top_w = self.gate(x)
-        return run_experts(x, top_i, top_w, self.experts) + self.shared_experts(x)
+        return routed_experts(x, top_i, top_w, self.experts) + self.shared_experts(x)
 
 
 class DecoderLayer(nn.Module):
@@ -265,9 +266,9 @@ class KimiStageModel(nn.Module):
     @property
     def capturable(self) -> bool:
         """Decode / verify in CUDA graphs: unless ``PPSPEC_FAMILY_GRAPHS=0``
-        (``graphs.family_graphs``) and no MoE layer in the stage (it groups tokens by expert
-        on the host)."""
-        return family_graphs() and not any(self.cfg.is_moe_layer(i) for i in range(self.start, self.end))
+        (``graphs.family_graphs``). The MoE layers' experts run without a host read on CUDA
+        (``layers.moe.routed_experts``)."""
+        return family_graphs()
 
     @property
     def linear_layers(self) -> list[int]:

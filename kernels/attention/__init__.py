@@ -1,11 +1,11 @@
-"""Paged attention for prefill, decode and verify: one dispatch function per op."""
+"""Paged attention for prefill, decode and verify, and its multi-head latent attention form\n(MLA): one dispatch function per op."""
 from __future__ import annotations
 
 from ..checks import min_max
 from ..dispatch import pick
-from .naive import paged_attention_ref, store_kv_ref
+from .naive import mla_attention_ref, paged_attention_ref, store_kv_ref
 
-__all__ = ["paged_attention", "store_kv"]
+__all__ = ["paged_attention", "mla_attention", "store_kv"]
 
 
 def store_kv(k_cache, v_cache, slots, k, v):
@@ -32,3 +32,11 @@ def paged_attention(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, 
         return plan.run(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate)
     fn = pick(q.is_cuda, "attention.gpu", "paged_attention_gpu", paged_attention_ref)
     return fn(q, k_cache, v_cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, gate)
+
+
+def mla_attention(q, cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, rank):
+    """Shapes as :func:`naive.mla_attention_ref`: every query head over the request's one
+    latent head, keys the whole latent row, values its first ``rank`` columns. CUDA tensors
+    take the Triton kernel of ``mla.py``, the reference otherwise."""
+    fn = pick(q.is_cuda, "attention.mla", "mla_attention_gpu", mla_attention_ref)
+    return fn(q, cache, page_table, req_pool_indices, kv_lens, cu_seqlens_q, scale, rank)

@@ -6,7 +6,7 @@ from typing import Callable
 
 # Shared memory a program may plan for: the H200 allows 227 KiB per block; the margin is
 # Triton's own scratch. The tiles of every head dim up to 256 fit as chosen in gpu.py; the
-# MLA latent (Kimi Linear: 512 + 64 = 576, padded to 1024) needs smaller ones.
+# MLA latent (Kimi Linear: 512 + 64 = 576) has its own kernel and tiles (mla.py, mla_tiles).
 SHARED_BUDGET = 200 * 1024
 
 # what launched after a shrink, by the tiles first tried: (bd, elt, bm, bn, stages) -> (bm, bn, stages)
@@ -53,3 +53,35 @@ def launch_fitting(launch: Callable[[int, int, int], object], block_m: int, bloc
         if tiles != (block_m, block_n, stages):
             _FITTED[key] = tiles
         return out
+
+
+def mla_shared_bytes(block_m: int, block_n: int, stages: int, width: int, elt: int) -> int:
+    """What one MLA program (``mla.py``) may hold in shared memory, counted high: the
+    query tile staged once for its dot layout, the latent tile ``[block_n, width]`` in
+    each of ``stages`` pipeline buffers, and one more latent tile for the layout
+    conversions of the two dots that read it (as keys, transposed, and as values).
+    ``width``: the padded rank plus the padded rope width; ``elt``: bytes per element."""
+    return elt * width * (block_m + block_n * (stages + 1))
+
+
+def mla_tiles(width: int, elt: int) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, stages, num_warps)`` of the MLA kernel for a padded latent
+    ``width`` and ``elt``-byte inputs, chosen to fit :data:`SHARED_BUDGET` by
+    :func:`mla_shared_bytes` before any compile: 16 (query, head) rows a program (one
+    token's 16 heads); 16-bit inputs 32 keys a block through a 2-stage pipeline on 8 warps,
+    fp32 (IEEE products) 16 keys unpipelined on 4. Every ``tl.dot`` dimension stays >= 16.
+    Compiled for sm_90 at Kimi Linear's 512 + 64 (Triton 3.6): 68 KiB of shared memory and
+    211 registers without spills in bf16, 72 KiB and 254 registers in fp32; 32 rows on 8
+    warps spilled, as did 4 warps at 16 rows in bf16. Raises ValueError when even 16 keys
+    unpipelined do not fit."""
+    fp32 = elt >= 4
+    block_m = 16
+    block_n, stages, warps = (16, 1, 4) if fp32 else (32, 2, 8)
+    while mla_shared_bytes(block_m, block_n, stages, width, elt) > SHARED_BUDGET:
+        if stages > 1:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            raise ValueError(f"MLA latent width {width} is too wide for one program's shared memory")
+    return block_m, block_n, stages, warps

@@ -78,3 +78,59 @@ def paged_attention_ref(
         out[bounds[b] : bounds[b + 1]] = o.transpose(0, 1).to(q.dtype)
     # the model's ops before the gate moved in here: CPU results stay bit for bit
     return out if gate is None else out * torch.sigmoid(gate)
+
+
+def check_mla(q: torch.Tensor, cache: torch.Tensor, rank: int) -> None:
+    """Raise ValueError unless q ``[T, Hq, W]`` and the latent cache ``[num_pages, page_size,
+    1, W]`` agree on W and ``0 < rank <= W``."""
+    if q.dim() != 3 or cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != q.shape[-1] \
+            or not 0 < rank <= q.shape[-1]:
+        raise ValueError(f"MLA shapes disagree: q {tuple(q.shape)} (T, heads, rank + rope), latent cache "
+                         f"{tuple(cache.shape)} (pages, page size, 1, rank + rope), rank {rank}")
+
+
+def mla_attention_ref(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    rank: int,
+) -> torch.Tensor:
+    """Multi-head latent attention (MLA, DeepSeek-V2) on the compressed latents, the key
+    up-projection absorbed into the query: every query head of a request attends over the
+    request's one latent head, whose whole row ``[c, k_rope]`` is the key and whose first
+    ``rank`` columns ``c`` are the value. Causal as :func:`paged_attention_ref` (the ``L_b``
+    queries of request b are the last ``L_b`` of its ``kv_lens[b]`` positions).
+
+    Args:
+        q: ``[T, Hq, W]`` with ``W = rank + rope``: per head ``[q_nope W_uk, q_rope]``.
+        cache: ``[num_pages, page_size, 1, W]``, the latents ``[c, k_rope]`` (one "KV head").
+        page_table, req_pool_indices, kv_lens, cu_seqlens_q: as :func:`paged_attention_ref`.
+        scale: softmax scale (MLA's: ``(nope + rope) ** -0.5`` of the unabsorbed head).
+        rank: ``kv_lora_rank``, the value width.
+
+    Returns:
+        ``[T, Hq, rank]`` in q's dtype: ``softmax(q . latent * scale) c``; softmax in fp32.
+
+    Raises:
+        ValueError: shapes that do not fit (:func:`check_mla`).
+    """
+    check_mla(q, cache, rank)
+    page_size = cache.shape[1]
+    flat = cache.view(-1, cache.shape[-1])
+    out = q.new_empty(q.shape[0], q.shape[1], rank)
+    bounds = cu_seqlens_q.tolist()
+    for b, (row, n) in enumerate(zip(req_pool_indices.tolist(), kv_lens.tolist())):
+        L = bounds[b + 1] - bounds[b]
+        if L == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        lat = flat[page_table[row, pos // page_size] * page_size + pos % page_size].float()  # [n, W]
+        s = torch.einsum("lhw,nw->lhn", q[bounds[b]: bounds[b + 1]].float(), lat) * scale
+        visible = pos[None, :] <= torch.arange(n - L, n, device=q.device)[:, None]  # [L, n]
+        s = s.masked_fill(~visible[:, None, :], float("-inf"))
+        out[bounds[b]: bounds[b + 1]] = torch.einsum("lhn,nr->lhr", s.softmax(-1), lat[:, :rank]).to(q.dtype)
+    return out

@@ -1,6 +1,7 @@
 """Kimi Linear on CUDA: fla's ``chunk_kda`` prefill at stable rows against the plain-torch
-reference, the paged attention kernel on the MLA latent (one KV head, keys and values one
-tensor, head width ``kv_lora_rank + qk_rope_head_dim``), and end to end fp32 greedy tokens on
+reference, the MLA kernel on the latent cache against its reference, the MoE's CUDA expert
+runs (grouped GEMM, dense) against the CPU's and in a CUDA graph, a bf16 stage in CUDA
+graphs against transformers, and end to end fp32 greedy tokens on
 CUDA identical to the CPU's PP1 without speculation (near-ties of the reference aside,
 docs/DESIGN.md, "Correctness"), PP 1 to 3, n-gram drafts, both commit designs."""
 import os
@@ -124,34 +125,143 @@ def test_kda_decode_verify_replay_triton(dev, B, D, K, V, dtype):
     assert torch.equal(rp_gpu[others].cpu(), pool[others])
 
 
+# ((heads, kv_lora_rank, qk_rope_head_dim), page size): Kimi Linear's 512 + 64 at 16 heads
+# (both page sizes) and 32, a rank that is not a power of two (masked columns), no rope part
+MLA_CASES = [((16, 512, 64), 16), ((16, 512, 64), 64), ((32, 512, 64), 16), ((4, 24, 8), 64), ((4, 32, 0), 16)]
+
+
 @pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("nh,width", [(4, 40), (32, 576)])
-def test_paged_attention_on_the_mla_latent(dev, nh, width, dtype, mode):
-    """Multi-query attention over latent pages whose keys and values are one tensor, the
-    softmax scale of the unabsorbed head (``(nope + rope) ** -0.5``, not the width's)."""
-    from ppspec.kernels.attention import paged_attention
-    from ppspec.kernels.attention.gpu import paged_attention_gpu
-    from ppspec.kernels.attention.naive import paged_attention_ref
+@pytest.mark.parametrize("shape,page", MLA_CASES)
+def test_mla_attention_triton(dev, shape, page, dtype, mode):
+    """The MLA kernel (``kernels/attention/mla.py``) against ``mla_attention_ref``: decode of
+    5 requests (key shares merged by the combine kernel, some shares empty), verify of 4
+    queries causal within the request, prefill of 1 to 40 queries after a cached prefix;
+    fp32 (IEEE products) within 1e-5, bf16 within 1e-2 (relative); the dispatch takes it."""
+    sys.path.insert(0, TESTS)
+    from test_mla_attention import mla_case
 
-    if dev.type == "cpu" and (dtype == BF16 or width > 64):
-        pytest.skip("the interpreter: bf16 is numpy's, and wide heads take minutes")
-    gen = torch.Generator().manual_seed(width)
-    rng = random.Random(width)
-    page, B = 16, {"decode": 16, "verify": 9, "prefill": 3}[mode]
-    Ls = [{"decode": 1, "verify": 4}.get(mode) or rng.randint(1, 90) for _ in range(B)]
-    kv_lens = [rng.randint(0, 300) + n for n in Ls]
-    max_pages = max(-(-n // page) for n in kv_lens) + 1
-    num_pages = (B + 1) * max_pages + 1
-    page_table = torch.randperm(num_pages, generator=gen)[: (B + 1) * max_pages].view(B + 1, max_pages)
-    latent = torch.randn(num_pages, page, 1, width, generator=gen).to(dev, dtype)
-    q = torch.randn(sum(Ls), nh, width, generator=gen).to(dev, dtype)
-    args = (q, latent, latent, page_table.to(dev), torch.randperm(B, generator=gen).to(dev),
-            torch.tensor(kv_lens, device=dev), torch.tensor([0] + Ls).cumsum(0).to(dev), 24 ** -0.5)
-    o = paged_attention_gpu(*args)
-    assert _rel_err(o, paged_attention_ref(*args)) < (1e-5 if dtype == F32 else 1e-2)
+    from ppspec.kernels.attention import mla_attention
+    from ppspec.kernels.attention.mla import mla_attention_gpu
+    from ppspec.kernels.attention.naive import mla_attention_ref
+
+    nh, rank, rope = shape
+    if dev.type == "cpu" and (dtype == BF16 or rank > 64):
+        pytest.skip("the interpreter: bf16 is numpy's, and wide latents take minutes")
+    args = mla_case(mode, nh, rank, rope, page, dtype, seed=rank + rope + page)
+    args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
+    o = mla_attention_gpu(*args)
+    ref = mla_attention_ref(*args)
+    assert o.shape == ref.shape and o.dtype == dtype
+    assert _rel_err(o, ref) < (1e-5 if dtype == F32 else 1e-2)
     if dev.type == "cuda":
-        assert torch.equal(paged_attention(*args), o)
+        assert torch.equal(mla_attention(*args), o)
+
+
+def test_mla_attention_triton_long_context_decode(dev):
+    """One request at 1024 tokens of context and one at 3 (32 shares of the keys each, most
+    of the short one's empty), bf16, Kimi Linear's 16 heads of 512 + 64."""
+    from ppspec.kernels.attention.mla import mla_attention_gpu
+    from ppspec.kernels.attention.naive import mla_attention_ref
+
+    if dev.type == "cpu":
+        pytest.skip("the interpreter: bf16 is numpy's")
+    gen = torch.Generator().manual_seed(7)
+    page, lens = 16, [1024, 3]
+    pt = torch.randperm(200, generator=gen)[:130].view(2, 65)
+    cache = torch.randn(200, page, 1, 576, generator=gen).to(dev, BF16)
+    q = torch.randn(2, 16, 576, generator=gen).to(dev, BF16)
+    args = (q, cache, pt.to(dev), torch.tensor([1, 0], device=dev), torch.tensor(lens, device=dev),
+            torch.tensor([0, 1, 2], device=dev), 192 ** -0.5, 512)
+    assert _rel_err(mla_attention_gpu(*args), mla_attention_ref(*args)) < 1e-2
+
+
+@pytest.mark.parametrize("T", [1, 5, 64, 256])
+def test_moe_expert_runs_on_cuda(T):
+    """bf16 routed experts on CUDA: the grouped-GEMM run (compute capability 9 / 10: the
+    H200's) and the dense run against the CPU's grouping in fp32 on the same bf16 values,
+    within 1e-2 (relative); the grouped run recorded in a CUDA graph and replayed on new
+    tokens and routes equals its eager run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from types import SimpleNamespace
+
+    from ppspec.stage_server.layers import moe
+
+    E, k, H, I = 16, 4, 256, 64
+    gen = torch.Generator().manual_seed(T)
+    ex = SimpleNamespace(gate_up_proj=(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(BF16),
+                         down_proj=(torch.randn(E, H, I, generator=gen) * I ** -0.5).to(BF16))
+    gpu = SimpleNamespace(gate_up_proj=ex.gate_up_proj.cuda(), down_proj=ex.down_proj.cuda())
+
+    def routes(seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, H, generator=g).to(BF16)
+        top_w, top_i = torch.rand(T, E, generator=g).topk(k, dim=-1)
+        return x, top_i, top_w
+
+    x, top_i, top_w = routes(1)
+    f32 = SimpleNamespace(gate_up_proj=ex.gate_up_proj.float(), down_proj=ex.down_proj.float())
+    ref = moe.run_experts(x.float(), top_i, top_w, f32)
+    grouped = torch.cuda.get_device_capability()[0] in (9, 10)
+    assert moe.grouped_gemm_runs(x.cuda(), gpu) == grouped
+    runs = [moe.experts_dense] + ([moe.experts_grouped] if grouped else [])
+    for fn in runs:
+        out = fn(x.cuda(), top_i.cuda(), top_w.cuda(), gpu)
+        assert out.dtype == BF16 and _rel_err(out.cpu(), ref) < 1e-2, fn.__name__
+    fn = moe.pick_experts(x.cuda(), gpu)
+    assert fn is (moe.experts_grouped if grouped else moe.experts_dense)
+    static = [t.cuda() for t in (x, top_i, top_w)]
+    fn(*static, gpu)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static, gpu)
+    new = routes(2)
+    for s, t in zip(static, new):
+        s.copy_(t.cuda())
+    graph.replay()
+    torch.testing.assert_close(out, fn(*(t.cuda() for t in new), gpu), atol=1e-2, rtol=1e-2)
+    assert _rel_err(out.cpu(), moe.run_experts(new[0].float(), new[1], new[2], f32)) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["kimi_moe_5l", "kimi_qlora_7l"])
+def test_bf16_cuda_stage_in_graphs_is_as_close_to_fp32_as_transformers_bf16(tmp_path, kind):
+    """The whole bf16 Kimi stage on CUDA (the MLA kernel, the grouped-GEMM experts, decode
+    and verify replayed from CUDA graphs) against transformers in fp32 on the CPU: prefill,
+    decode and verify logits within three times transformers' own bf16 error on the same
+    tokens (fla's chunked prefill rounds elsewhere than transformers)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sys.path.insert(0, TESTS)
+    from checkpoints import make_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_checkpoint(kind, str(tmp_path))
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(8)).tolist()
+    with torch.no_grad():
+        f32 = AutoModelForCausalLM.from_pretrained(path, dtype=F32).eval()(torch.tensor([ids])).logits[0]
+        h16 = AutoModelForCausalLM.from_pretrained(path, dtype=BF16).eval()(torch.tensor([ids])).logits[0].float()
+    r = StageRunner(path, device="cuda", dtype=BF16, max_rows=4, num_speculative_steps=3)
+    assert set(r.graphs) == {"decode", "verify"} and all(r.graphs[m].graphs for m in r.graphs)
+    replays = []
+    for mode in ("decode", "verify"):
+        orig = r.graphs[mode].run
+        r.graphs[mode].run = lambda rows, *a, _o=orig, _m=mode: replays.append(_m) or _o(rows, *a)
+
+    def logits(inp):
+        _, h = r.forward_hidden(inp)
+        return r.model.logits(h).float().cpu()
+
+    got = [logits(StepInput(0, 0, "prefill", [2], [0], [45], ids[:45])),
+           logits(StepInput(0, 1, "decode", [2], [45], [1], ids[45:46])),
+           logits(StepInput(0, 2, "verify", [2], [46], [4], ids[46:50], num_drafts=[3]))]
+    assert replays == ["decode", "verify"]
+    got = torch.cat(got)
+    assert (got - f32).abs().max() <= 3 * (h16 - f32).abs().max() + 1e-3
 
 
 @pytest.mark.parametrize("T,H,K", [(1, 2, 16), (7, 16, 128), (64, 16, 128), (3, 4, 200)])

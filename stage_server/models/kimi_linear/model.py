@@ -15,8 +15,10 @@ latent ``[c, k_rope]`` (``kv_lora_rank + qk_rope_head_dim`` values, one "KV head
 keys and values alike. Attention runs on the latent with the key up-projection absorbed into
 the query (``q_nope W_uk`` per head) and the value up-projection applied to the attention
 output (``o_lat W_uv^T``): ``softmax(q_nope . (W_uk c) + q_rope . k_rope) (W_uv c)`` equals
-``(softmax((W_uk^T q_nope) . c + q_rope . k_rope) c) W_uv^T`` per head, so the paged
-attention kernels see multi-query attention of head width ``kv_lora_rank + qk_rope_head_dim``.
+``(softmax((W_uk^T q_nope) . c + q_rope . k_rope) c) W_uv^T`` per head: every head of a
+request attends over the request's one latent head, keys its whole rows and values their
+first ``kv_lora_rank`` columns (``kernels.attention.mla_attention``; on CUDA a Triton kernel
+that computes the score as a ``kv_lora_rank``-wide plus a ``qk_rope_head_dim``-wide dot).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppspec.kernels.attention import paged_attention, store_kv
+from ppspec.kernels.attention import mla_attention, store_kv
 from ppspec.kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from ppspec.kernels.kda import kda_prefill_rows, kda_recurrent, kda_recurrent_replay
 from ppspec.kernels.norm import sigmoid_gated_rms_norm
@@ -167,10 +169,10 @@ class LatentAttention(nn.Module):
         q_lat = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope], dim=-1)  # [T, nh, r + rope]
         k_cache, v_cache = kv
         store_kv(k_cache, v_cache, meta.slots, latent, latent)
-        o = per_part(meta, lambda m, q: paged_attention(
-            q, k_cache, v_cache, m.page_table, m.rows, m.kv_lens, m.cu_seqlens, self.scale, plan=m.attn_plan,
-        ), q_lat.contiguous())
-        o = torch.einsum("thr,hvr->thv", o[..., : self.r], w_uv)
+        o = per_part(meta, lambda m, q: mla_attention(
+            q, k_cache, m.page_table, m.rows, m.kv_lens, m.cu_seqlens, self.scale, self.r,
+        ), q_lat.contiguous())  # [T, nh, r]
+        o = torch.einsum("thr,hvr->thv", o, w_uv)
         return self.o_proj(o.reshape(T, self.nh * self.dv))
 
 

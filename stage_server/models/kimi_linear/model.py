@@ -199,7 +199,8 @@ class Router(nn.Module):
             by_group = choice.view(T, self.groups, E // self.groups)
             group_idx = by_group.topk(2, dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1, sorted=False)[1]
             keep = torch.zeros(T, self.groups, dtype=torch.bool, device=x.device).scatter_(1, group_idx, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(E // self.groups, dim=1), float("-inf"))
+            keep = keep.unsqueeze(-1).expand(T, self.groups, E // self.groups).reshape(T, E)  # each expert's group
+            choice = choice.masked_fill(~keep, float("-inf"))
         top_i = choice.topk(self.k, dim=-1, sorted=False)[1]
         top_w = scores.gather(1, top_i)
         if self.norm:

@@ -16,6 +16,7 @@ Three runs of the same sum, one per place (:func:`routed_experts` picks):
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -99,10 +100,11 @@ def _sm_major(index: int) -> int:
 def grouped_gemm_runs(x: torch.Tensor, experts: Experts) -> bool:
     """Whether ``torch._grouped_mm`` takes its CUTLASS kernel for these experts: CUDA, bf16,
     compute capability 9 or 10, rows 16-byte aligned (hidden and intermediate sizes
-    multiples of 8). Elsewhere it falls back to a loop that copies the group bounds to the
+    multiples of 8), and ``PPSPEC_MOE_GROUPED`` not ``0`` (the dense run instead, e.g. to
+    compare the two). Elsewhere it falls back to a loop that copies the group bounds to the
     host, which a CUDA graph cannot hold."""
     _, I2, H = experts.gate_up_proj.shape
-    return (x.is_cuda and x.dtype == torch.bfloat16 and experts.gate_up_proj.dtype == torch.bfloat16
+    return (os.environ.get("PPSPEC_MOE_GROUPED", "1") != "0" and x.is_cuda and x.dtype == torch.bfloat16 and experts.gate_up_proj.dtype == torch.bfloat16
             and hasattr(torch, "_grouped_mm") and H % 8 == 0 and (I2 // 2) % 8 == 0
             and _sm_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) in (9, 10))
 

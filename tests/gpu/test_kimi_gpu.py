@@ -1,7 +1,7 @@
 """Kimi Linear on CUDA: fla's ``chunk_kda`` prefill at stable rows against the plain-torch
 reference, the MLA kernel on the latent cache against its reference, the MoE's CUDA expert
 runs (grouped GEMM, dense) against the CPU's and in a CUDA graph, a bf16 stage in CUDA
-graphs against transformers, and end to end fp32 greedy tokens on
+graphs against the fp32 CPU stage, and end to end fp32 greedy tokens on
 CUDA identical to the CPU's PP1 without speculation (near-ties of the reference aside,
 docs/DESIGN.md, "Correctness"), PP 1 to 3, n-gram drafts, both commit designs."""
 import os
@@ -177,11 +177,11 @@ def test_mla_attention_triton_long_context_decode(dev):
 
 
 @pytest.mark.parametrize("T", [1, 5, 64, 256])
-def test_moe_expert_runs_on_cuda(T):
+def test_moe_expert_runs_on_cuda(monkeypatch, T):
     """bf16 routed experts on CUDA: the grouped-GEMM run (compute capability 9 / 10: the
-    H200's) and the dense run against the CPU's grouping in fp32 on the same bf16 values,
-    within 1e-2 (relative); the grouped run recorded in a CUDA graph and replayed on new
-    tokens and routes equals its eager run."""
+    H200's; ``PPSPEC_MOE_GROUPED=0`` picks the dense run) and the dense run against the
+    CPU's grouping in fp32 on the same bf16 values, within 1e-2 (relative); the grouped run
+    recorded in a CUDA graph and replayed on new tokens and routes equals its eager run."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from types import SimpleNamespace
@@ -209,6 +209,9 @@ def test_moe_expert_runs_on_cuda(T):
     for fn in runs:
         out = fn(x.cuda(), top_i.cuda(), top_w.cuda(), gpu)
         assert out.dtype == BF16 and _rel_err(out.cpu(), ref) < 1e-2, fn.__name__
+    with monkeypatch.context() as m:
+        m.setenv("PPSPEC_MOE_GROUPED", "0")
+        assert moe.pick_experts(x.cuda(), gpu) is moe.experts_dense
     fn = moe.pick_experts(x.cuda(), gpu)
     assert fn is (moe.experts_grouped if grouped else moe.experts_dense)
     static = [t.cuda() for t in (x, top_i, top_w)]
@@ -226,42 +229,44 @@ def test_moe_expert_runs_on_cuda(T):
 
 
 @pytest.mark.parametrize("kind", ["kimi_moe_5l", "kimi_qlora_7l"])
-def test_bf16_cuda_stage_in_graphs_is_as_close_to_fp32_as_transformers_bf16(tmp_path, kind):
+def test_bf16_cuda_stage_in_graphs_is_as_close_to_fp32_as_the_cpu_bf16_stage(tmp_path, kind):
     """The whole bf16 Kimi stage on CUDA (the MLA kernel, the grouped-GEMM experts, decode
-    and verify replayed from CUDA graphs) against transformers in fp32 on the CPU: prefill,
-    decode and verify logits within three times transformers' own bf16 error on the same
-    tokens (fla's chunked prefill rounds elsewhere than transformers)."""
+    and verify replayed from CUDA graphs) against the fp32 stage on the CPU (which equals
+    transformers within 1e-4, tests/test_kimi_linear.py; transformers itself would take
+    fla's kernels on this machine): prefill, decode and verify logits within three times
+    the CPU bf16 stage's relative error on the same tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     sys.path.insert(0, TESTS)
     from checkpoints import make_checkpoint
-    from transformers import AutoModelForCausalLM
 
     from ppspec.proto.messages import StepInput
     from ppspec.stage_server.runner import StageRunner
 
     path = make_checkpoint(kind, str(tmp_path))
     ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(8)).tolist()
-    with torch.no_grad():
-        f32 = AutoModelForCausalLM.from_pretrained(path, dtype=F32).eval()(torch.tensor([ids])).logits[0]
-        h16 = AutoModelForCausalLM.from_pretrained(path, dtype=BF16).eval()(torch.tensor([ids])).logits[0].float()
-    r = StageRunner(path, device="cuda", dtype=BF16, max_rows=4, num_speculative_steps=3)
-    assert set(r.graphs) == {"decode", "verify"} and all(r.graphs[m].graphs for m in r.graphs)
+    kw = dict(max_rows=4, num_speculative_steps=3)
+    gpu = StageRunner(path, device="cuda", dtype=BF16, **kw)
+    assert set(gpu.graphs) == {"decode", "verify"} and all(gpu.graphs[m].graphs for m in gpu.graphs)
     replays = []
     for mode in ("decode", "verify"):
-        orig = r.graphs[mode].run
-        r.graphs[mode].run = lambda rows, *a, _o=orig, _m=mode: replays.append(_m) or _o(rows, *a)
+        orig = gpu.graphs[mode].run
+        gpu.graphs[mode].run = lambda rows, *a, _o=orig, _m=mode: replays.append(_m) or _o(rows, *a)
 
-    def logits(inp):
-        _, h = r.forward_hidden(inp)
-        return r.model.logits(h).float().cpu()
+    def logits(r):
+        out = []
+        for inp in (StepInput(0, 0, "prefill", [2], [0], [45], ids[:45]),
+                    StepInput(0, 1, "decode", [2], [45], [1], ids[45:46]),
+                    StepInput(0, 2, "verify", [2], [46], [4], ids[46:50], num_drafts=[3])):
+            _, h = r.forward_hidden(inp)
+            out.append(r.model.logits(h).float().cpu())
+        return torch.cat(out)
 
-    got = [logits(StepInput(0, 0, "prefill", [2], [0], [45], ids[:45])),
-           logits(StepInput(0, 1, "decode", [2], [45], [1], ids[45:46])),
-           logits(StepInput(0, 2, "verify", [2], [46], [4], ids[46:50], num_drafts=[3]))]
+    got = logits(gpu)
     assert replays == ["decode", "verify"]
-    got = torch.cat(got)
-    assert (got - f32).abs().max() <= 3 * (h16 - f32).abs().max() + 1e-3
+    f32 = logits(StageRunner(path, **kw))
+    cpu16 = logits(StageRunner(path, dtype=BF16, **kw))
+    assert _rel_err(got, f32) <= 3 * _rel_err(cpu16, f32) + 1e-3
 
 
 @pytest.mark.parametrize("T,H,K", [(1, 2, 16), (7, 16, 128), (64, 16, 128), (3, 4, 200)])

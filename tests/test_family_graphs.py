@@ -67,6 +67,17 @@ def test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, kind, design):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"tensor {i}: {m}")
 
 
+@pytest.mark.parametrize("run", ["experts_grouped", "experts_dense"])
+def test_padded_graph_path_with_the_cuda_expert_runs_equals_eager(make_ckpt, monkeypatch, run):
+    """Kimi Linear's MoE layers with the expert runs CUDA takes (here on the CPU) through the
+    padded graph path: the padding entry's tokens routed to experts leave every real row's
+    output and state as the unpadded eager forward's."""
+    from ppspec.stage_server.layers import moe
+
+    monkeypatch.setattr(moe, "pick_experts", lambda x, experts, _fn=getattr(moe, run): _fn)
+    test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, "kimi_moe_5l", "replay")
+
+
 @pytest.mark.parametrize("kind", ["nemotron_h_a", "granite_a"])
 def test_a_stage_with_moe_layers_stays_eager(make_ckpt, monkeypatch, kind):
     monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")

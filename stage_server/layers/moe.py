@@ -70,7 +70,7 @@ def experts_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, e
     if T == 0:
         return torch.zeros_like(x)
     ids, order = torch.sort(top_i.flatten())
-    ends = torch.searchsorted(ids, torch.arange(E, device=ids.device, dtype=ids.dtype), right=True).to(torch.int32)
+    ends = torch.searchsorted(ids, torch.arange(E, device=ids.device, dtype=ids.dtype), right=True, out_int32=True)
     xs = x.index_select(0, order // k)
     gate, up = torch._grouped_mm(xs, experts.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     ys = torch._grouped_mm(silu_mul(gate, up), experts.down_proj.transpose(1, 2), offs=ends)

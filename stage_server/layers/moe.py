@@ -104,9 +104,11 @@ def grouped_gemm_runs(x: torch.Tensor, experts: Experts) -> bool:
     compare the two). Elsewhere it falls back to a loop that copies the group bounds to the
     host, which a CUDA graph cannot hold."""
     _, I2, H = experts.gate_up_proj.shape
-    return (os.environ.get("PPSPEC_MOE_GROUPED", "1") != "0" and x.is_cuda and x.dtype == torch.bfloat16 and experts.gate_up_proj.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm") and H % 8 == 0 and (I2 // 2) % 8 == 0
-            and _sm_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) in (9, 10))
+    if os.environ.get("PPSPEC_MOE_GROUPED", "1") == "0" or not x.is_cuda or not hasattr(torch, "_grouped_mm"):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return (x.dtype == experts.gate_up_proj.dtype == torch.bfloat16 and H % 8 == 0 and (I2 // 2) % 8 == 0
+            and _sm_major(index) in (9, 10))
 
 
 def pick_experts(x: torch.Tensor, experts: Experts):

@@ -3,6 +3,10 @@ import sys
 
 import pytest
 
+# first, before a test module imports transformers: takes the checkout root off sys.path,
+# where kernels/ would shadow Hugging Face's kernels package (ppspec/__init__.py)
+import ppspec  # noqa: F401
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 from checkpoints import make_checkpoint  # noqa: E402

@@ -192,10 +192,10 @@ def rope_fields(text: Fields, default_partial: float = 1.0, default_max_pos: int
     )
 
 
-def time_step_limit(f: Fields) -> tuple[float, float]:
-    """``time_step_limit`` ``[lo, hi]`` (default ``[0, inf]``); transformers writes an infinite
-    ``hi`` as ``{"__float__": "Infinity"}``."""
-    v = f.get("time_step_limit", [0.0, float("inf")])
+def time_step_limit(f: Fields, key: str = "time_step_limit") -> tuple[float, float]:
+    """``time_step_limit`` (or the field ``key``) ``[lo, hi]`` (default ``[0, inf]``);
+    transformers writes an infinite ``hi`` as ``{"__float__": "Infinity"}``."""
+    v = f.get(key, [0.0, float("inf")])
     if isinstance(v, list) and len(v) == 2:
         vals = [x.get("__float__") if isinstance(x, dict) else x for x in v]
         try:
@@ -204,7 +204,7 @@ def time_step_limit(f: Fields) -> tuple[float, float]:
             lo = hi = float("nan")
         if lo == lo and hi == hi and 0.0 <= lo <= hi:
             return lo, hi
-    raise CheckpointError(f"{f.path}: time_step_limit must be [lo, hi] with 0 <= lo <= hi, got {v!r}")
+    raise CheckpointError(f"{f.path}: {key} must be [lo, hi] with 0 <= lo <= hi, got {v!r}")
 
 
 def mamba2_fields(f: Fields, hidden: int, inner: int | None = None) -> dict:

@@ -68,7 +68,8 @@ KINDS.update({
 
 # NemotronH (Mamba2 hybrid): name -> config overrides of NEMOTRON_BASE. "a": 6 blocks (PP 4
 # splits them 2/2/1/1), GQA 4:2, 2 groups of B/C; "b": 7 blocks, GQA 6:2, 3 groups, conv width
-# 3, projection biases, tied embeddings, 8 experts in 2 routing groups
+# 3, projection biases, tied embeddings, 8 experts in 2 routing groups, dt clamped to [0.02, 10]
+# in prefill
 NEMOTRON_BASE = dict(
     vocab_size=VOCAB, hidden_size=64, head_dim=16, max_position_embeddings=2048, initializer_range=0.1,
     intermediate_size=96, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, chunk_size=16,
@@ -80,7 +81,7 @@ NEMOTRON_KINDS = {
     "nemotron_h_b": dict(hybrid_override_pattern="M-ME*MM", num_attention_heads=6, num_key_value_heads=2,
                          mamba_num_heads=6, mamba_head_dim=12, n_groups=3, ssm_state_size=8, conv_kernel=3,
                          use_bias=True, tie_word_embeddings=True, n_routed_experts=8, num_experts_per_tok=2,
-                         n_group=2, topk_group=1, routed_scaling_factor=1.5),
+                         n_group=2, topk_group=1, routed_scaling_factor=1.5, time_step_limit=(0.02, 10.0)),
     # no MoE block: a stage that CUDA graphs can record
     "nemotron_h_c": dict(hybrid_override_pattern="M*-MM-", num_attention_heads=4, num_key_value_heads=2,
                          mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4),

@@ -5,7 +5,7 @@ same random checkpoints (written by transformers itself; fp32, CPU):
 logits of prefill, decode and verify under both commit designs, layer-range slices, greedy
 generation against ``generate``, and a checkpoint setting we do not serve.
 
-transformers' Mamba2 mixer clamps ``dt`` below at ``time_step_min`` in its chunked scan
+transformers' Mamba2 mixer clamps ``dt`` to ``time_step_limit`` in its chunked scan
 (prompts, and several tokens fed at once) and not in its one-token update; a verify of D
 tokens is D decode steps (the tokens PP1 without speculation emits), so its reference is
 transformers fed one token at a time.

@@ -1,5 +1,5 @@
 """NemotronH configuration read from a Hugging Face ``config.json`` (``model_type``
-``nemotron_h``), as transformers 5.24's ``NemotronHConfig`` and ``modeling_nemotron_h``
+``nemotron_h``), as transformers 5.25's ``NemotronHConfig`` and ``modeling_nemotron_h``
 read it.
 
 Block kinds (``layers_block_type``, or the older ``hybrid_override_pattern`` string):
@@ -8,9 +8,10 @@ positional encoding), ``mlp`` (``-``, ``down(relu(up(x))^2)``) and ``moe`` (``E`
 sigmoid-routed non-gated relu2 experts plus a shared expert). Each block is one pre-norm
 residual mixer.
 
-Fields transformers' modelling code does not read are not read here either:
-``time_step_limit`` (the mixer clamps ``dt`` at ``(time_step_min, inf)`` in its chunked
-scan and not at all in its one-token update), ``mamba_proj_bias`` (``use_bias`` gives the
+``time_step_limit`` (or ``mamba_dt_limit``) clamps ``dt`` in the mixer's chunked scan and
+not in its one-token update, as in NVIDIA's modelling code (transformers up to 5.24 clamped
+it at ``(time_step_min, inf)`` instead). Fields transformers' modelling code does not read
+are not read here either: ``mamba_proj_bias`` (``use_bias`` gives the
 in/out projections their bias), ``attention_bias`` (the attention has none),
 ``residual_in_fp32``. The ``mtp.*`` tensors of published checkpoints are ignored, as
 transformers ignores them (no MTP head: speculation is n-gram only).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...fields import CheckpointError, Fields
+from ...fields import CheckpointError, Fields, time_step_limit
 
 MODEL_TYPE = "nemotron_h"
 BLOCK_KINDS = ("linear_attention", "full_attention", "mlp", "moe")
@@ -46,7 +47,7 @@ class NemotronHConfig:
     conv_kernel: int
     use_conv_bias: bool
     use_bias: bool
-    time_step_min: float
+    dt_limit: tuple[float, float]  # time_step_limit: the clamp of dt in the chunked scan (prefill)
     # MLP / MoE
     intermediate_size: int
     mlp_bias: bool = False
@@ -83,16 +84,11 @@ class NemotronHConfig:
         """Channels of the Mamba2 conv: x, B and C, ``H P + 2 G N``."""
         return self.intermediate_ssm + 2 * self.n_groups * self.ssm_state_size
 
-    @property
-    def dt_limit(self) -> tuple[float, float]:
-        """The clamp of ``dt`` in the chunked scan (prefill): ``(time_step_min, inf)``."""
-        return (self.time_step_min, float("inf"))
-
 
 def load_nemotron_h_config(path: str, raw: dict) -> NemotronHConfig:
     """Parse the ``config.json`` dict ``raw`` (read from ``path``) of a ``nemotron_h`` checkpoint.
 
-    Defaults of absent fields are ``NemotronHConfig``'s of transformers 5.24 (an absent
+    Defaults of absent fields are ``NemotronHConfig``'s of transformers 5.25 (an absent
     ``eos_token_id`` is ``generation_config.json``'s: ``config.load_config``).
 
     Raises:
@@ -145,7 +141,7 @@ def load_nemotron_h_config(path: str, raw: dict) -> NemotronHConfig:
         conv_kernel=f.int("conv_kernel", f.int("mamba_d_conv", 4, lo=2), lo=2),
         use_conv_bias=f.bool("use_conv_bias", True),
         use_bias=f.bool("use_bias", False),
-        time_step_min=f.float("time_step_min", 0.001, lo=0.0),
+        dt_limit=time_step_limit(f, "mamba_dt_limit" if "mamba_dt_limit" in raw else "time_step_limit"),
         intermediate_size=f.int("intermediate_size", 21504, lo=1),
         mlp_bias=f.bool("mlp_bias", False),
         n_routed_experts=f.int("n_routed_experts", 8, lo=1) if moe else 0,

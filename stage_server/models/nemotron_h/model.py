@@ -1,6 +1,6 @@
 """NemotronH hybrid decoder, one pipeline stage's slice of it.
 
-Layers follow Hugging Face transformers 5.24's ``modeling_nemotron_h``: each block is
+Layers follow Hugging Face transformers 5.25's ``modeling_nemotron_h``: each block is
 ``x + mixer(rmsnorm(x))`` with one mixer per block, chosen by the checkpoint's pattern: a
 Mamba2 mixer (``stage_server.layers.mamba2``: SSD scan with grouped B/C, D skip, a gated
 group RMSNorm), attention without

@@ -8,6 +8,7 @@ to stage.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from dataclasses import dataclass, field
@@ -128,9 +129,11 @@ class StepInput:
 
     ``follows_round`` (async scheduling, docs/DESIGN.md, "Async scheduling"): the router
     formed this step before round ``follows_round`` of the same micro-batch came back, so
-    the input id of a request continuing from that round is -1 (:data:`FOLLOWS`); the
-    first stage fills it in with :func:`follow_ids` from that round's result before it
-    checks or runs the step. 0: every input id is given.
+    the input ids of a request continuing from that round are -1 (:data:`FOLLOWS`): a
+    decode's one id, or all of a verify's, whose position, drafts and the commit of the
+    followed verify depend on that round's result too; the first stage fills them in with
+    :func:`fill_following` from that round's result before it checks or runs the step. 0:
+    every input id is given.
     """
 
     micro_batch_id: int
@@ -214,51 +217,125 @@ class StepInput:
 
 
 FOLLOWS = -1
-"""The input id of a request that continues from the round its step follows
-(``StepInput.follows_round``): the token its row emitted last in that round."""
+"""An input id the first stage fills in from the round its step follows
+(``StepInput.follows_round``): a decode's one id (the token its row emitted last in that
+round), or every id of a verify (that token, then the MTP drafts that round made)."""
 
 
-def follow_ids(input_ids: list[int], extend_lens: list[int], rows: list[int], emitted: dict[int, int]) -> list[int]:
-    """``input_ids`` with each request's :data:`FOLLOWS` id replaced by the token its row
-    emitted last in the followed round (``emitted``: row -> token). Only a request's first
-    token can follow (a decode's one token). Raises ValueError naming a row that follows
-    but emitted nothing in that round, or a FOLLOWS id past a request's first token."""
-    ids = list(input_ids)
-    if len(rows) != len(extend_lens) or sum(extend_lens) != len(ids) or min(extend_lens, default=1) < 1:
+@dataclass
+class RoundNote:
+    """What one row left in a round that ended on the first stage: what a step following
+    that round takes (:func:`fill_following`; docs/DESIGN.md, "Async scheduling").
+
+    ids: the tokens it emitted (a verify's: its accept length of them). drafts: the MTP
+    drafts for its next round. seq_len: the row's length once the round is committed
+    (``seq_len + accept length`` for a verify, ``seq_len + extend_len`` else). output_len:
+    tokens generated once the round is processed. verified: a verify row, whose accept
+    length a commit must apply."""
+
+    ids: list[int]
+    drafts: list[int]
+    seq_len: int
+    output_len: int
+    verified: bool
+
+
+def note_round(step, output_ids, drafts) -> dict[int, RoundNote]:
+    """Per row of ``step`` that emitted tokens, its :class:`RoundNote`. ``step``: the step
+    that ran, as a :class:`StepInput` or a ``StepRequest`` (the same field names; FOLLOWS
+    ids filled in already); ``output_ids`` / ``drafts``: its result's, per request (lists
+    of ids; ``drafts`` may be empty)."""
+    rows, seq, ext = step.req_pool_indices, step.seq_lens, step.extend_lens
+    out_lens = step.output_lens or [0] * len(rows)
+    nv = len(rows) - step.num_prefill if step.mode == VERIFY else 0
+    notes = {}
+    for b, ids in enumerate(output_ids):
+        if len(ids):
+            ids = list(ids)
+            verified = b < nv
+            notes[rows[b]] = RoundNote(ids, list(drafts[b]) if b < len(drafts) else [],
+                                       seq[b] + (len(ids) if verified else ext[b]), out_lens[b] + len(ids), verified)
+    return notes
+
+
+def fill_following(inp: StepInput, noted: dict[int, RoundNote],
+                   pending: dict[int, tuple[int, int]]) -> tuple[StepInput, list[int], Commit | None]:
+    """The first stage's part of a step that follows a round (``inp.follows_round``;
+    ``noted``: that round's :func:`note_round`), before anything checks or runs it.
+
+    A decode request whose first id is :data:`FOLLOWS` takes the token its row emitted
+    last there. A verify request whose ids are all FOLLOWS (a *following verify*: its
+    position and drafts depend on that round's accept length) takes that token then the
+    round's MTP drafts (``num_drafts`` of them), and ``seq_lens`` / ``output_lens`` as
+    the round leaves them; a verify row's accept length goes into the returned commit of
+    the followed round, which every stage applies before the step (as one the router
+    built: docs/DESIGN.md, "Ordering"). A request that one of its stop ids ended there
+    (``SamplingSpec.banned_until_min``: EOS unless ``ignore_eos``, its stop ids, the
+    router's stop rule) is left out of the step (and of the commit: the router commits it).
+
+    ``pending``: the first stage's rows whose verify awaits its commit (row ->
+    ``(micro_batch_id, round)``). A row of the step pending on the round it follows can
+    only be a following verify (the router formed the step while that round held every
+    other row of it), and no one else sends that commit: a row it would wait for is refused.
+
+    Returns the filled step (``follows_round`` 0) less those left out, their indices in
+    ``inp``, and the commit (None: no followed verify). Raises ValueError naming a row
+    that follows but emitted nothing there, FOLLOWS ids a request cannot have, or a row
+    pending on the followed round that the result gives no commit.
+    """
+    rows, exts = inp.req_pool_indices, inp.extend_lens
+    ids = list(inp.input_ids)
+    if len(rows) != len(exts) or sum(exts) != len(ids) or min(exts, default=1) < 1:
         raise ValueError("input_ids: a step that follows a round needs one extend_len >= 1 per request, summing "
                          "to the number of input_ids")
+    seq, out, nd = list(inp.seq_lens), list(inp.output_lens), list(inp.num_drafts)
+    nv = len(inp.verify_rows)
+    left_out, c_rows, c_acc = [], [], []
     start = 0
-    for row, n in zip(rows, extend_lens):
-        if ids[start] == FOLLOWS:
-            if row not in emitted:
+    for b, (row, n) in enumerate(zip(rows, exts)):
+        own = ids[start: start + n]
+        if own[0] == FOLLOWS:
+            note = noted.get(row)
+            if note is None:
                 raise ValueError(f"input_ids: row {row} follows a round in which it emitted no token")
-            ids[start] = emitted[row]
-        if FOLLOWS in ids[start + 1: start + n]:
+            stopped = b < len(inp.sampling) and stops_in(inp.sampling[b], note.ids)
+            if b < nv:  # a following verify: its ids, position and drafts are the round's
+                if own.count(FOLLOWS) != n or len(seq) != len(rows) or len(nd) != len(rows) or len(out) != len(rows):
+                    raise ValueError(f"input_ids: row {row} is a following verify: all of its {n} ids FOLLOWS, with "
+                                     f"seq_lens, num_drafts and output_lens for every request")
+                drafts = note.drafts[: n - 1]
+                ids[start: start + n] = [note.ids[-1]] + drafts + [0] * (n - 1 - len(drafts))
+                seq[b], out[b], nd[b] = note.seq_len, note.output_len, len(drafts)
+                if note.verified and not stopped:
+                    c_rows.append(row)
+                    c_acc.append(len(note.ids))
+            else:
+                if FOLLOWS in own[1:]:
+                    raise ValueError(f"input_ids: row {row} follows its previous round past its first token")
+                ids[start] = note.ids[-1]
+            if stopped:
+                left_out.append(b)
+        elif FOLLOWS in own[1:]:
             raise ValueError(f"input_ids: row {row} follows its previous round past its first token")
         start += n
-    return ids
+    filled = dataclasses.replace(inp, input_ids=ids, seq_lens=seq, output_lens=out, num_drafts=nd, follows_round=0)
+    if left_out:
+        filled = filled.without(left_out)
+    followed = (inp.micro_batch_id, inp.follows_round)
+    stuck = [r for r in filled.req_pool_indices if pending.get(r) == followed and r not in c_rows]
+    if stuck:
+        raise ValueError(f"rows {stuck} wait for the commit of round {inp.follows_round}, which they follow, but its "
+                         f"result gives them none")
+    commit = Commit(inp.micro_batch_id, inp.follows_round, c_rows, c_acc) if c_rows else None
+    return filled, left_out, commit
 
 
-def stopped_in_followed(inp: "StepInput", emitted: dict[int, int]) -> list[int]:
-    """Indices of the requests of ``inp`` that continue from the followed round (their
-    first input id :data:`FOLLOWS`) and whose token there is one of their stop ids
-    (``SamplingSpec.banned_until_min``: EOS unless ``ignore_eos``, and the request's stop
-    ids, the router's stop rule): they ended in that round, so the first stage runs the
-    step without them and their rows keep the state that round left (a finished row's
-    prefix-cache snapshot is of it)."""
-    out, start = [], 0
-    for b, (row, n) in enumerate(zip(inp.req_pool_indices, inp.extend_lens)):
-        if inp.input_ids[start] == FOLLOWS and b < len(inp.sampling) and \
-                emitted.get(row) in inp.sampling[b].banned_until_min:
-            out.append(b)
-        start += n
-    return out
-
-
-def emitted_last(rows: list[int], output_ids) -> dict[int, int]:
-    """Per row, the last token a step's result emitted (rows that emitted none left out):
-    what a step following it takes (:func:`follow_ids`)."""
-    return {row: ids[-1] for row, ids in zip(rows, output_ids) if len(ids)}
+def stops_in(spec: SamplingSpec, ids) -> bool:
+    """Whether one of ``ids`` is a stop id of the request (``banned_until_min``: EOS unless
+    ``ignore_eos``, its stop ids): the first stage left it out of a step following the round
+    that emitted ``ids`` (:func:`fill_following`), and the router then commits that round
+    for it itself."""
+    return any(t in spec.banned_until_min for t in ids)
 
 
 @dataclass

@@ -375,8 +375,9 @@ class Engine:
                 batch = self._schedule(lane) if len(flights) < 2 and self.failure is None else None
                 commit = self._riding.pop(lane, None)
                 # a step carries the commit only for rows all in it: refused, it fails them all
-                # and their release abandons the commit on every stage (none is left pending)
-                rides = commit is not None and batch is not None and \
+                # and their release abandons the commit on every stage (none is left pending);
+                # and not a following verify, which carries the commit the first stage adds
+                rides = commit is not None and batch is not None and not batch.fills_commit and \
                     set(commit.req_pool_indices) <= set(batch.rows)
                 if commit is not None and not rides and self.failure is None:
                     self._spawn(self._commit(commit))

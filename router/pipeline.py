@@ -13,7 +13,7 @@ import concurrent.futures
 from typing import Callable
 
 from ppspec.proto.messages import (
-    Commit, Release, StageInfo, StepInput, StepOutput, emitted_last, follow_ids, stopped_in_followed, with_left_out,
+    Commit, Release, StageInfo, StepInput, StepOutput, fill_following, note_round, with_left_out,
 )
 
 
@@ -196,18 +196,16 @@ class InProcessPipeline(Pipeline):
             await self._committed.wait_for(lambda: not any(r in self._pending for r in rows))
 
     async def step(self, inp: StepInput) -> StepOutput:
-        key, emitted, rows, left_out = ("", inp.micro_batch_id), None, list(inp.req_pool_indices), []
+        key, noted, n, left_out = ("", inp.micro_batch_id), None, len(inp.req_pool_indices), []
         self.sampled.begin(key, inp.round)
         await self._admit()
         self.stepping += 1
         try:
-            if inp.follows_round:  # its continuing requests' input ids: that round's tokens
-                got = await self.sampled.wait(key, inp.follows_round, None)
-                left_out = stopped_in_followed(inp, got)  # ended in that round: not run again
-                inp.input_ids = follow_ids(inp.input_ids, inp.extend_lens, inp.req_pool_indices, got)
-                inp.follows_round = 0
-                if left_out:
-                    inp = inp.without(left_out)
+            if inp.follows_round:  # what the router could not know: that round's result's (as stage 0 fills it)
+                inp, left_out, commit = fill_following(inp, await self.sampled.wait(key, inp.follows_round, None),
+                                                      self._pending)
+                if commit is not None:  # the followed verify's, before the step, as the stages apply it
+                    await self.commit_accept(commit)
             await self._wait_committed(inp.req_pool_indices)
             if self.inline:
                 # the other lanes' steps, the commits and the output task run between two
@@ -215,13 +213,13 @@ class InProcessPipeline(Pipeline):
                 await asyncio.sleep(0)
             out = await self._run(self.step_sync, inp) if inp.req_pool_indices else None
             self._pending.update((r, (inp.micro_batch_id, inp.round)) for r in inp.verify_rows)
+            noted = note_round(inp, out.output_ids, out.drafts or []) if out is not None else {}
             if left_out:
-                out = with_left_out(out, len(rows), left_out, inp.micro_batch_id, inp.round)
-            emitted = emitted_last(rows, out.output_ids)
+                out = with_left_out(out, n, left_out, inp.micro_batch_id, inp.round)
             return out
         finally:  # None: the round failed, a step that follows it is refused
             self.stepping -= 1
-            await self.sampled.ended(key, inp.round, emitted)
+            await self.sampled.ended(key, inp.round, noted)
 
     async def commit_accept(self, c: Commit) -> None:
         try:

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ppspec.proto.messages import FOLLOWS, Commit, SamplingSpec, StageInfo, StepInput
+from ppspec.proto.messages import FOLLOWS, Commit, SamplingSpec, StageInfo, StepInput, stops_in
 
 from .drafter import ngram_draft
 from .kv_ledger import Letting, PageLedger
@@ -55,10 +55,14 @@ class Request:
     abort_reason: str = "abort"
     in_flight: int = 0             # micro-batches in flight that hold it (2 at most: async scheduling)
     # async scheduling: the round of its latest micro-batch in flight when the next may be
-    # formed before that one's result (a decode, or the chunk ending its prompt, that emits
-    # one token and cannot end it by length), 0 else; and the tokens that micro-batch computes
+    # formed before that one's result (Scheduler._may_follow), 0 else; the tokens that
+    # micro-batch adds to its row at most (a verify's D: its accept length is not known);
+    # whether it verifies there (the next round's position and the commit come from its
+    # result); and the round whose commit the first stage adds to the following step
     follows_round: int = 0
     follows_ext: int = 0
+    follows_verify: bool = False
+    commit_follows: int = 0
     held_row: int = -1             # ended while a later micro-batch in flight holds its row
     seed: int = 0
     reserved_tokens: int = 0       # KV tokens (whole pages) held for it on every stage
@@ -160,6 +164,13 @@ class ScheduledBatch:
     def num_verify(self) -> int:
         """Requests this micro-batch verifies (its first ones; 0 unless mode is verify)."""
         return len(self.requests) - self.num_prefill if self.mode == "verify" else 0
+
+    @property
+    def fills_commit(self) -> bool:
+        """A verify that follows a round in flight (async scheduling with MTP): the first
+        stage adds the commit of the verify it follows (``fill_following``), so it carries
+        none of the router's."""
+        return bool(self.follows_round) and self.mode == "verify"
 
     @property
     def first_chunk(self) -> int:
@@ -531,7 +542,8 @@ class Scheduler:
         for r in reqs:
             if len(chosen) == room:
                 break
-            # a round writes at most D tokens (a verify); grown for that whatever the mode
+            # a round writes at most D tokens (a verify); grown for that whatever the mode,
+            # past all the round in flight may add (all of a verify's tokens accepted)
             ahead = r.follows_ext if r.request_id in cont else 0
             if (ahead or r.prefill_done) and r.status == RUNNING and self._grow(r, ahead + self.D):
                 r.in_flight += 1  # chosen: no prefill's growth below may preempt it
@@ -544,15 +556,25 @@ class Scheduler:
         already; those in ``cont`` continue from their micro-batch in flight) and chunks of
         ``prefill`` (oldest first) in the tokens they leave of ``budget``; None if empty."""
         chosen = list(chosen)
-        drafts = [self._drafts_for(r) for r in chosen]
-        mode, d = ("verify", self.D) if self.num_steps and any(drafts) else ("decode", 1)
         ahead = [r.request_id in cont for r in chosen]
+        # with MTP a continuing request verifies the drafts the round in flight makes: all
+        # its ids, its position and the commit of that round come from that round's result,
+        # which the first stage fills in (fill_following); the router's figures for it here
+        # are bounds (all of that round's tokens accepted)
+        drafts = [[] if a else self._drafts_for(r) for r, a in zip(chosen, ahead)]
+        mode, d = ("verify", self.D) if self.num_steps and (any(drafts) or any(ahead)) else ("decode", 1)
         seq = [r.num_computed + (r.follows_ext if a else 0) for r, a in zip(chosen, ahead)]
-        out_lens = [len(r.output_ids) + a for r, a in zip(chosen, ahead)]
+        out_lens = [len(r.output_ids) + (0 if not a else self.D if r.follows_verify else 1)
+                    for r, a in zip(chosen, ahead)]
         follows = max((r.follows_round for r, a in zip(chosen, ahead) if a), default=0)
         ext = [d] * len(chosen)
         ids, nd = [], []
         for r, dr, a in zip(chosen, drafts, ahead):
+            if a and self.num_steps:
+                ids += [FOLLOWS] * d
+                nd.append(d - 1)
+                r.commit_follows = r.follows_round if r.follows_verify else 0
+                continue
             dr = dr[: d - 1]
             ids += [FOLLOWS if a else r.output_ids[-1]] + dr + [0] * (d - 1 - len(dr))
             nd.append(len(dr))
@@ -592,8 +614,13 @@ class Scheduler:
                                              num_prefill=chunks, output_lens=out_lens, follows_round=follows))
 
     def _dispatch(self, batch: ScheduledBatch) -> ScheduledBatch:
+        nv = batch.num_verify
         for i, r in enumerate(batch.requests):
-            r.follows_round, r.follows_ext = (batch.round, batch.extend_lens[i]) if self._may_follow(batch, i) else (0, 0)
+            if self._may_follow(batch, i):
+                r.follows_round, r.follows_verify = batch.round, i < nv
+                r.follows_ext = self.D if i < nv else batch.extend_lens[i]
+            else:
+                r.follows_round, r.follows_ext, r.follows_verify = 0, 0, False
         if self.cache and batch.first_chunk < len(batch.requests):
             # the prefill chunks' restore and snapshot slots, in a prefill batch or riding in
             # a decode / verify one (those rows' are -1)
@@ -608,19 +635,33 @@ class Scheduler:
         return batch
 
     def _may_follow(self, batch: ScheduledBatch, i: int) -> bool:
-        """Whether request ``i``'s next round may be formed before ``batch`` comes back: it
-        emits exactly one token there (a decode, or the chunk ending its prompt; no
-        speculation, whose accept length is not known), that token cannot end it by length,
-        and its next round needs nothing else of the result (no penalty counts of its
-        outputs, no grammar, no bad word of several tokens). One that a stop id ends in ``batch`` is left out of the next
-        round by the first stage (``stopped_in_followed``): its row keeps the state
+        """Whether request ``i``'s next round may be formed before ``batch`` comes back.
+
+        Without speculation: it emits exactly one token there (a decode, or the chunk
+        ending its prompt) that cannot end it by length. With MTP: it verifies there, or
+        its chunk ends its prompt, and its next round verifies the drafts the last stage
+        makes (n-gram drafts are the router's own lookup in its tokens: those rounds stay
+        synchronous); neither round can end it by length, counting every token of both
+        accepted, so that its next round has the drafts the router would give it (as many
+        as ``num_steps``) and no round of it runs past its end. Either way its next round
+        needs nothing else of the result (no penalty counts of its outputs, no grammar, no
+        bad word of several tokens). One that a stop id ends in ``batch`` is left out of the
+        next round by the first stage (``fill_following``): its row keeps the state
         ``batch`` leaves, and the snapshot a finished row leaves for the next turn."""
         r, p = batch.requests[i], batch.requests[i].params
-        n = batch.output_lens[i] + 1  # its outputs once batch is processed
-        return (self.async_scheduling and not self.num_steps and batch.sample[i] and not r.aborted
-                and n < p.max_tokens and len(r.prompt_ids) + n < self.max_context
+        if not (self.async_scheduling and batch.sample[i] and not r.aborted
                 and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0
-                and p.grammar is None and all(len(w) == 1 for w in p.bad_words_token_ids or ()))
+                and p.grammar is None and all(len(w) == 1 for w in p.bad_words_token_ids or ())):
+            return False
+        if not self.num_steps:
+            n = batch.output_lens[i] + 1  # its outputs once batch is processed
+        elif self.spec == "mtp" and self.drafter is None and (i < batch.num_verify or i >= batch.first_chunk):
+            # at most, once batch and the round after it are processed (output_lens is a
+            # bound already when batch follows a verify itself)
+            n = batch.output_lens[i] + (self.D if i < batch.num_verify else 1) + self.D
+        else:
+            return False
+        return n < p.max_tokens and len(r.prompt_ids) + n < self.max_context
 
     # ------------------------------------------------------------------ prefix cache
     def _reserve_snapshot(self, r: Request, length: int) -> int:
@@ -717,6 +758,14 @@ class Scheduler:
         # verified rows of requests a failure dropped while this step was in flight (fail_all):
         # the recovery's release abandons their commit, which must never reach a stage after it
         dropped = {i for i, r in enumerate(batch.requests[:nv]) if r.status == FINISHED and r.held_row < 0}
+        # verified rows whose commit the first stage added to the following verify (async
+        # scheduling, fill_following): every one that went on in it, not stopped here
+        rode = set()
+        for i, r in enumerate(batch.requests[:nv]):
+            if r.commit_follows == batch.round:
+                r.commit_follows = 0
+                if not stops_in(r.spec(self.eos), output_ids[i]):
+                    rode.add(i)
         for i, r in enumerate(batch.requests):
             r.in_flight = max(0, r.in_flight - 1)  # 0 already if fail_all dropped it
             if batch.restore_slots and batch.restore_slots[i] >= 0:
@@ -725,7 +774,8 @@ class Scheduler:
                 end = batch.seq_lens[i] + batch.extend_lens[i]
                 self.cache.commit(batch.snapshot_slots[i], r.all_ids[: end + 1])
             toks = output_ids[i]
-            if i < nv and not 1 <= len(toks) <= batch.num_drafts[i] + 1:
+            # (none: the first stage left it out, a stop id having ended it in the round before)
+            if i < nv and not 1 <= len(toks) <= batch.num_drafts[i] + 1 and (toks or r.status != FINISHED):
                 raise ValueError(f"request {r.request_id}: {len(toks)} tokens from a verify of {batch.num_drafts[i]} drafts")
             r.num_computed += batch.extend_lens[i] if i >= nv else len(toks)
             accept.append(len(toks))
@@ -764,11 +814,12 @@ class Scheduler:
                     )
                 )
         commit = None
-        keep = [i for i in range(nv) if i not in dropped]
+        keep = [i for i in range(nv) if i not in dropped and i not in rode and accept[i]]
         if keep:  # the verified rows only (a mixed micro-batch's prefill chunks commit nothing)
             commit = Commit(batch.micro_batch_id, batch.round, [batch.rows[i] for i in keep], [accept[i] for i in keep])
-        return Update(outputs, commit, release, accept[:nv], list(batch.num_drafts[:nv] if nv else batch.num_drafts),
-                      batch.micro_batch_id, batch.round)
+        # the rows that ran (a left-out one's draft length 0: not counted as a verify)
+        num_drafts = [n if accept[i] else 0 for i, n in enumerate(batch.num_drafts[:nv])] if nv else list(batch.num_drafts)
+        return Update(outputs, commit, release, accept[:nv], num_drafts, batch.micro_batch_id, batch.round)
 
     @staticmethod
     def _take_prompt_logprobs(r: Request) -> list[TokenLogprob] | None:

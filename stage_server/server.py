@@ -37,12 +37,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
 from ppspec.proto.codec import (
-    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, info_to_pb, release_from_pb, result_from_pb, result_to_pb,
+    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, commit_to_pb, info_to_pb, release_from_pb, result_from_pb, result_to_pb,
     SpecMemo, step_from_pb, step_to_pb,
 )
 from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import (
-    PREFILL, VERIFY, StepInput, emitted_last, follow_ids, stopped_in_followed, with_left_out,
+    PREFILL, VERIFY, StepInput, fill_following, note_round, with_left_out,
 )
 from ppspec.proto.stream import StepStream, serve_steps
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
@@ -195,38 +195,43 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def _step(self, request: pb.StepRequest, context, verify: bool) -> pb.StepResult:
         """One step; on the first stage also async scheduling's part
-        (docs/DESIGN.md, "Async scheduling"): a step that follows an earlier round of its micro-batch takes its
-        continuing requests' input ids from that round's result, and every result (this
-        stage's own at PP 1, the relay's answer else) is noted for the round after it."""
+        (docs/DESIGN.md, "Async scheduling"): a step that follows an earlier round of its
+        micro-batch takes from that round's result what the router could not know (its
+        continuing requests' input ids; for a following verify also their positions and the
+        followed verify's commit), and every result (this stage's own at PP 1, the relay's
+        answer else) is noted for the round after it."""
         if self.runner.pp_rank != 0:
             return await self._step_once(request, context, verify)
         key = (request.router_id, request.micro_batch_id)
-        rows, emitted = list(request.req_pool_indices), None
+        n, noted = len(request.req_pool_indices), None
         self.sampled.begin(key, request.round)
         try:
             left_out, inp = await self._follow(request, context, key) if request.follows_round else ([], None)
+            # requests that ended in the followed round are not run: they emit nothing
+            ran = await self._step_once(request, context, verify, inp) if request.req_pool_indices or not left_out \
+                else None
+            noted = note_round(request, [t.ids for t in ran.output_ids], [t.ids for t in ran.drafts]) if ran else {}
             if not left_out:
-                res = await self._step_once(request, context, verify, inp)
-            else:  # requests that ended in the followed round: not run, they emit nothing
-                ran = await self._step_once(request, context, verify, inp) if request.req_pool_indices else None
-                res = result_to_pb(with_left_out(ran and result_from_pb(ran), len(rows), left_out,
-                                                 request.micro_batch_id, request.round))
-            emitted = emitted_last(rows, [t.ids for t in res.output_ids])
-            return res
+                return ran
+            return result_to_pb(with_left_out(ran and result_from_pb(ran), n, left_out, request.micro_batch_id,
+                                              request.round))
         finally:  # an abort, a cancelled call, an error: the round failed
-            await self.sampled.ended(key, request.round, emitted)
+            await self.sampled.ended(key, request.round, noted)
 
     async def _follow(self, request: pb.StepRequest, context, key: tuple[str, int]) -> tuple[list[int], StepInput]:
-        """Fill ``request``'s FOLLOWS input ids in from round ``follows_round``'s result, once
-        that round ended here, and take out the requests that round ended (a stop id:
-        ``stopped_in_followed``); relayed without ``follows_round``. Returns the indices of
-        those taken out and the step as ``request`` now is, decoded (not decoded again)."""
+        """Fill ``request`` in from round ``follows_round``'s result, once that round ended
+        here (``fill_following``: FOLLOWS ids, a following verify's positions and the
+        followed verify's commit, which the step then carries), and take out the requests
+        that round ended (a stop id); relayed without ``follows_round``. Returns the
+        indices of those taken out and the step as ``request`` now is, decoded (not decoded
+        again)."""
         rank, what = self.runner.pp_rank, f"round {request.round} of micro-batch {request.micro_batch_id}"
         try:
-            emitted = await self.sampled.wait(key, request.follows_round, self.order_timeout)
-            inp = step_from_pb(request, self.specs)  # the first stage's: no hidden states
-            left_out = stopped_in_followed(inp, emitted)
-            inp.input_ids = follow_ids(inp.input_ids, inp.extend_lens, inp.req_pool_indices, emitted)
+            noted = await self.sampled.wait(key, request.follows_round, self.order_timeout)
+            inp, left_out, commit = fill_following(step_from_pb(request, self.specs), noted, self.pending)  # no hidden states here
+            if commit is not None and request.HasField("commit"):
+                raise ValueError(f"it follows the verify of round {request.follows_round}, whose commit the first "
+                                 f"stage adds, and carries a commit of its own")
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"stage {rank}: {what} waited {self.order_timeout:.0f}s for round "
@@ -234,21 +239,22 @@ class StageServicer(pb_grpc.StageServicer):
         except ValueError as e:  # that round failed (FollowError), or malformed: refused, nothing changed
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {what}: {e}")
         if left_out:
-            inp = inp.without(left_out)
-            inp.follows_round = 0
-            router_id, commit = request.router_id, None
+            router_id, carried = request.router_id, None
             if request.HasField("commit"):  # relayed with the step (a copy: CopyFrom clears the original)
-                commit = pb.CommitRequest()
-                commit.CopyFrom(request.commit)
+                carried = pb.CommitRequest()
+                carried.CopyFrom(request.commit)
             request.CopyFrom(step_to_pb(inp))
             request.router_id = router_id
-            if commit is not None:
-                request.commit.CopyFrom(commit)
-        else:
-            del request.input_ids[:]
-            request.input_ids.extend(inp.input_ids)
+            if carried is not None:
+                request.commit.CopyFrom(carried)
+        else:  # in place: cheaper than encoding the step again
+            for name in ("input_ids", "seq_lens", "output_lens", "num_drafts"):
+                field = getattr(request, name)
+                del field[:]
+                field.extend(getattr(inp, name))
             request.follows_round = 0
-        inp.follows_round = 0
+        if commit is not None:
+            request.commit.CopyFrom(commit_to_pb(commit, request.router_id))
         return left_out, inp
 
     async def _step_once(self, request: pb.StepRequest, context, verify: bool,

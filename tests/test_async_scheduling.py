@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from ppspec.proto.messages import FOLLOWS, StepInput, StepOutput, emitted_last, follow_ids
+from ppspec.proto.messages import FOLLOWS, RoundNote, StepInput, StepOutput, fill_following, note_round
 from ppspec.router.engine import Engine
 from ppspec.router.pipeline import InProcessPipeline, Pipeline
 from ppspec.router.types import SamplingParams
@@ -25,7 +25,7 @@ class HeldPipeline(Pipeline):
     logged as ``("step", micro_batch_id, round)`` / ``("result", ...)`` / ``("release",
     rows)``, in order. A request emits ``next_token(its last input id)`` per step; a step
     that follows a round takes its FOLLOWS ids from that round's result as a first stage
-    does (``SampledRounds``, ``follow_ids``)."""
+    does (``SampledRounds``, ``fill_following``)."""
 
     def __init__(self, rows: int = 8, next_token=lambda t: 7):
         self.rows, self.next_token = rows, next_token
@@ -50,12 +50,12 @@ class HeldPipeline(Pipeline):
         try:
             if inp.follows_round:
                 got = await self.sampled.wait(key, inp.follows_round, None)
-                inp.input_ids = follow_ids(inp.input_ids, inp.extend_lens, inp.req_pool_indices, got)
+                inp.input_ids = fill_following(inp, got, {})[0].input_ids
             await go.wait()
             self.log.append(("result", inp.micro_batch_id, inp.round))
             ends = [sum(inp.extend_lens[: b + 1]) - 1 for b in range(len(inp.req_pool_indices))]
             out = [[self.next_token(inp.input_ids[e])] for e in ends]
-            emitted = emitted_last(inp.req_pool_indices, out)
+            emitted = note_round(inp, out, [])
             return StepOutput(inp.micro_batch_id, inp.round, output_ids=out, drafts=[[] for _ in out],
                               stage_seconds=[0.0])
         finally:
@@ -225,11 +225,18 @@ def test_a_round_that_follows_a_failed_round_is_refused():
             await s.wait(("other router", 0), 3, 0.01)
 
     asyncio.run(run())
-    assert follow_ids([FOLLOWS, 3, 4], [1, 2], [5, 6], {5: 9}) == [9, 3, 4]
+
+    def note(tok):
+        return RoundNote([tok], [], 0, 0, False)
+
+    def ids(input_ids, exts, rows, noted):
+        inp = StepInput(0, 2, "decode", rows, [0] * len(rows), exts, input_ids, follows_round=1)
+        return fill_following(inp, noted, {})[0].input_ids
+    assert ids([FOLLOWS, 3, 4], [1, 2], [5, 6], {5: note(9)}) == [9, 3, 4]
     with pytest.raises(ValueError, match="row 6"):
-        follow_ids([3, FOLLOWS], [1, 1], [5, 6], {5: 9})
+        ids([3, FOLLOWS], [1, 1], [5, 6], {5: note(9)})
     with pytest.raises(ValueError, match="past its first token"):
-        follow_ids([3, FOLLOWS], [2], [5], {5: 9})
+        ids([3, FOLLOWS], [2], [5], {5: note(9)})
 
 
 def test_a_step_follows_its_round_when_a_later_round_of_the_micro_batch_ended_first():
@@ -362,15 +369,15 @@ def test_with_the_prefix_cache_a_stopped_row_keeps_its_snapshot():
 def test_the_first_stage_leaves_out_requests_that_stopped():
     """A follower's requests whose token in the followed round is one of their stop ids are
     taken out of the step, and the result has empty entries for them."""
-    from ppspec.proto.messages import SamplingSpec, StepInput, stopped_in_followed, with_left_out
+    from ppspec.proto.messages import SamplingSpec, StepInput, with_left_out
 
     stop = SamplingSpec(banned_until_min=[EOS, 9])
     inp = StepInput(0, 2, "decode", [3, 4, 5], [6, 7, 8], [1, 1, 1], [FOLLOWS, FOLLOWS, FOLLOWS],
                     sampling=[stop, stop, SamplingSpec()], output_lens=[1, 1, 1], follows_round=1)
-    left = stopped_in_followed(inp, {3: 9, 4: 2, 5: EOS})  # row 5 may emit EOS (ignore_eos)
-    assert left == [0]
-    rest = inp.without(left)
-    assert (rest.req_pool_indices, rest.seq_lens, rest.input_ids, rest.output_lens) == ([4, 5], [7, 8], [FOLLOWS] * 2, [1, 1])
+    # row 5 may emit EOS (ignore_eos)
+    rest, left, commit = fill_following(inp, {r: RoundNote([t], [], 0, 0, False) for r, t in ((3, 9), (4, 2), (5, EOS))}, {})
+    assert left == [0] and commit is None
+    assert (rest.req_pool_indices, rest.seq_lens, rest.input_ids, rest.output_lens) == ([4, 5], [7, 8], [2, EOS], [1, 1])
     out = with_left_out(StepOutput(0, 2, output_ids=[[11], [12]], drafts=[[], []]), 3, left, 0, 2)
     assert out.output_ids == [[], [11], [12]] and out.drafts == [[], [], []]
     assert with_left_out(None, 2, [0, 1], 0, 2).output_ids == [[], []]

@@ -11,9 +11,9 @@ by default, so while micro-batch i runs the router has already formed and sent m
 i + 1 of another lane, and a stage that finishes one finds the next queued instead of
 waiting for the router. Within a lane, async scheduling
 (docs/DESIGN.md, "Async scheduling") forms and sends round r + 1 while round r is in
-flight: a decoding request continues at the position round r leaves, its input id the
-token round r emits, which the first stage fills in; so at concurrency 1 too a stage
-finds the next round queued. What a result means to clients (tokens to the request
+flight: a continuing request's input ids are what round r emits (a decode's token; with
+MTP the bonus token and round r's drafts, its position and round r's commit too), which
+the first stage fills in; so at concurrency 1 too a stage finds the next round queued. What a result means to clients (tokens to the request
 streams, whose detokenization, stop-string search and SSE writing follow, and the
 metrics) is handed to one output task through a queue, after the lane has sent its next
 micro-batch.

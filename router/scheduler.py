@@ -263,11 +263,13 @@ class Scheduler:
             rows with :meth:`release_snapshots`.
         async_scheduling: form a lane's next micro-batch while its last one is in flight
             (docs/DESIGN.md, "Async scheduling"; the async ``Engine`` sets it): a request
-            whose micro-batch in flight decodes, or ends its prompt, without speculation
-            continues in the next one at the position that micro-batch leaves, its input
-            id :data:`~ppspec.proto.messages.FOLLOWS` (the first stage takes the token it
-            emits). A request that ends in the first gets its row released only after the
-            second, whose tokens for it are dropped.
+            whose micro-batch in flight decodes, verifies MTP drafts or ends its prompt
+            (:meth:`_may_follow`) continues in the next one, its input ids
+            :data:`~ppspec.proto.messages.FOLLOWS`: the first stage fills in what that
+            micro-batch's result says (``fill_following``: the token it emits; with MTP
+            also the drafts, the position and the commit of that verify). A request that
+            ends in the first gets its row released only after the second, whose tokens
+            for it are dropped.
     """
 
     def __init__(

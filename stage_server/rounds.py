@@ -2,15 +2,16 @@
 (docs/DESIGN.md, "Async scheduling").
 
 The router may send round ``r + 1`` of a micro-batch before round ``r``'s result came back
-to it (``StepInput.follows_round``): a continuing request's input id is then the token its
-row emits in round ``r``, which only the last stage knows. Every result passes through the
-first stage on its way to the router (the last stage itself at PP 1, the relay chain's
-answer at PP > 1), so the first stage notes each round's emitted tokens here, and a step
-that follows that round waits for them instead of a router round trip.
+to it (``StepInput.follows_round``): a continuing request's input ids are then what its
+row emits in round ``r`` (with MTP also the drafts, the position and the commit of that
+verify), which only the last stage knows. Every result passes through the first stage on
+its way to the router (the last stage itself at PP 1, the relay chain's answer at PP > 1),
+so the first stage notes each round's result here (``messages.note_round``), and a step
+that follows that round waits for it instead of a router round trip.
 
-One entry per (router, micro-batch): its latest round and each row's last emitted token,
-or that the round failed (a step that follows a failed round is refused: its tokens do
-not exist).
+One entry per (router, micro-batch): its latest rounds, each row's ``RoundNote``, or that
+the round failed (a step that follows a failed round is refused: its tokens do not
+exist).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class FollowError(ValueError):
 
 class SampledRounds:
     """The rounds of each micro-batch that ended on the first stage, the last few kept:
-    ``{round: {row: token}}``, ``None`` for a round that failed. Keyed by ``(router_id,
+    ``{round: {row: RoundNote}}``, ``None`` for a round that failed. Keyed by ``(router_id,
     micro_batch_id)``: a new router starts its rounds again from 1, and must never take an
     earlier router's tokens. Two rounds of one micro-batch can be in flight and end out of
     order (round r + 1 a prefill of other rows, round r still decoding): a step follows
@@ -33,7 +34,7 @@ class SampledRounds:
     KEEP = 4  # rounds kept per micro-batch: at most two of one micro-batch are in flight
 
     def __init__(self):
-        self._ended: dict[tuple[str, int], dict[int, dict[int, int] | None]] = {}
+        self._ended: dict[tuple[str, int], dict[int, dict | None]] = {}
         self._running: dict[tuple[str, int], set[int]] = {}  # begun, not ended
         self._cond: asyncio.Condition | None = None  # made in the serving event loop
 
@@ -48,9 +49,9 @@ class SampledRounds:
         that follows it waits for it even when a later round ends first."""
         self._running.setdefault(key, set()).add(round)
 
-    async def ended(self, key: tuple[str, int], round: int, emitted: dict[int, int] | None) -> None:
-        """Round ``round`` of micro-batch ``key`` ended: ``emitted`` (row -> last token it
-        emitted), or None when it failed."""
+    async def ended(self, key: tuple[str, int], round: int, emitted: dict | None) -> None:
+        """Round ``round`` of micro-batch ``key`` ended: ``emitted`` (row -> its
+        ``RoundNote``), or None when it failed."""
         async with self._changed:
             self._running.get(key, set()).discard(round)
             rounds = self._ended.setdefault(key, {})
@@ -59,8 +60,8 @@ class SampledRounds:
                 del rounds[r]
             self._changed.notify_all()
 
-    async def wait(self, key: tuple[str, int], round: int, timeout: float | None) -> dict[int, int]:
-        """The tokens round ``round`` of micro-batch ``key`` emitted, once it ended.
+    async def wait(self, key: tuple[str, int], round: int, timeout: float | None) -> dict:
+        """What round ``round`` of micro-batch ``key`` left per row, once it ended.
 
         Raises:
             FollowError: that round failed, or the micro-batch is past it (a later round

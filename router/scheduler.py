@@ -820,7 +820,9 @@ class Scheduler:
         if keep:  # the verified rows only (a mixed micro-batch's prefill chunks commit nothing)
             commit = Commit(batch.micro_batch_id, batch.round, [batch.rows[i] for i in keep], [accept[i] for i in keep])
         # the rows that ran (a left-out one's draft length 0: not counted as a verify)
-        num_drafts = [n if accept[i] else 0 for i, n in enumerate(batch.num_drafts[:nv])] if nv else list(batch.num_drafts)
+        num_drafts = list(batch.num_drafts)
+        if nv:
+            num_drafts = [n if accept[i] else 0 for i, n in enumerate(num_drafts[:nv])]
         return Update(outputs, commit, release, accept[:nv], num_drafts, batch.micro_batch_id, batch.round)
 
     @staticmethod

@@ -37,8 +37,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
 from ppspec.proto.codec import (
-    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, commit_to_pb, info_to_pb, release_from_pb, result_from_pb, result_to_pb,
-    SpecMemo, step_from_pb, step_to_pb,
+    GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, commit_to_pb, info_to_pb, release_from_pb, result_from_pb,
+    result_to_pb, SpecMemo, step_from_pb, step_to_pb,
 )
 from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import (
@@ -228,7 +228,8 @@ class StageServicer(pb_grpc.StageServicer):
         rank, what = self.runner.pp_rank, f"round {request.round} of micro-batch {request.micro_batch_id}"
         try:
             noted = await self.sampled.wait(key, request.follows_round, self.order_timeout)
-            inp, left_out, commit = fill_following(step_from_pb(request, self.specs), noted, self.pending)  # no hidden states here
+            # the first stage's step: no hidden states to decode
+            inp, left_out, commit = fill_following(step_from_pb(request, self.specs), noted, self.pending)
             if commit is not None and request.HasField("commit"):
                 raise ValueError(f"it follows the verify of round {request.follows_round}, whose commit the first "
                                  f"stage adds, and carries a commit of its own")

@@ -1,17 +1,21 @@
-"""The Mamba2 hybrids and Kimi Linear through the CUDA graphs' padded decode / verify path
-(``stage_server.graphs.StepGraphs``, run eagerly on the CPU: ``capture=False``) with
-``PPSPEC_FAMILY_GRAPHS=1``: the hidden states of every decode and verify step and the
-committed state after a commit equal the unpadded eager forward's, three requests at rows
-that are not batch positions padded to the bucket of four (Kimi Linear with MoE layers
-among them: its experts run without a host read on CUDA); a stage with the Mamba2 hybrids'
-MoE layers, and every stage with the switch off (``PPSPEC_FAMILY_GRAPHS=0``), stays eager."""
+"""The Mamba2 hybrids, Kimi Linear and Qwen3-Next's MoE stages through the CUDA graphs'
+padded decode / verify path (``stage_server.graphs.StepGraphs``, run eagerly on the CPU:
+``capture=False``) with ``PPSPEC_FAMILY_GRAPHS=1``: the hidden states of every decode and
+verify step and the committed state after a commit equal the unpadded eager forward's,
+three requests at rows that are not batch positions padded to the bucket of four (Kimi
+Linear's, Granite's and Qwen3-Next's MoE layers among them: their experts run without a
+host read on CUDA); a stage with NemotronH's MoE blocks, and every Mamba2 / KDA stage with
+the switch off (``PPSPEC_FAMILY_GRAPHS=0``), stays eager."""
 import pytest
 import torch
 
 from ppspec.proto.messages import StepInput
 from ppspec.stage_server.runner import StageRunner
 
-KINDS = ["nemotron_h_c", "falcon_h1_a", "granite_b", "bamba_a", "kimi_dense_4l", "kimi_moe_5l"]
+KINDS = ["nemotron_h_c", "falcon_h1_a", "granite_b", "granite_a", "bamba_a", "kimi_dense_4l", "kimi_moe_5l",
+         "qwen3_next_moe"]
+# the families whose expert runs are the layers.moe ones (CUDA: grouped GEMM or dense)
+MOE_KINDS = ["kimi_moe_5l", "granite_a", "qwen3_next_moe"]
 
 
 def _steps(r: StageRunner, prompts: list[list[int]], rows: list[int]) -> list[torch.Tensor]:
@@ -51,7 +55,8 @@ def test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, kind, design):
                for n in (0, 4)}
     g = runners[4]
     assert not runners[0].graphs and set(g.graphs) == {"decode", "verify"}
-    assert g.prefill_graphs is None  # their prefill reads sequence bounds on the host: eager
+    # the Mamba2 and KDA prefill reads sequence bounds on the host: eager; GDN's is graphed
+    assert (g.prefill_graphs is None) == (not getattr(g.model, "prefill_capturable", True))
     assert g.graphs["decode"].bucket(3) == 4  # three requests and one padding entry
     runs = []
     for mode in ("decode", "verify"):
@@ -68,17 +73,18 @@ def test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, kind, design):
 
 
 @pytest.mark.parametrize("run", ["experts_grouped", "experts_dense"])
-def test_padded_graph_path_with_the_cuda_expert_runs_equals_eager(make_ckpt, monkeypatch, run):
-    """Kimi Linear's MoE layers with the expert runs CUDA takes (here on the CPU) through the
-    padded graph path: the padding entry's tokens routed to experts leave every real row's
-    output and state as the unpadded eager forward's."""
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_padded_graph_path_with_the_cuda_expert_runs_equals_eager(make_ckpt, monkeypatch, kind, run):
+    """MoE layers with the expert runs CUDA takes (here on the CPU) through the padded graph
+    path: the padding entry's tokens routed to experts leave every real row's output and
+    state as the unpadded eager forward's."""
     from ppspec.stage_server.layers import moe
 
     monkeypatch.setattr(moe, "pick_experts", lambda x, experts, _fn=getattr(moe, run): _fn)
-    test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, "kimi_moe_5l", "replay")
+    test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, kind, "replay")
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h_a", "granite_a"])
+@pytest.mark.parametrize("kind", ["nemotron_h_a"])
 def test_a_stage_with_moe_layers_stays_eager(make_ckpt, monkeypatch, kind):
     monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
     r = StageRunner(make_ckpt(kind), max_rows=2, num_speculative_steps=1, cuda_graph_max_bs=2)

@@ -71,8 +71,9 @@ class HybridStageModel(nn.Module):
     @property
     def capturable(self) -> bool:
         """Decode / verify in CUDA graphs: unless ``PPSPEC_FAMILY_GRAPHS=0``
-        (``graphs.family_graphs``) and no MoE (Granite's groups tokens by expert on the host)."""
-        return family_graphs() and not getattr(self.cfg, "num_experts", 0)
+        (``graphs.family_graphs``). Granite's MoE layers run their experts without a host
+        read on CUDA (``layers.moe.routed_experts``)."""
+        return family_graphs()
 
     def __init__(self, cfg, start: int, end: int, final_norm: str = "norm"):
         super().__init__()

@@ -21,7 +21,7 @@ from ppspec.kernels.activation import silu_mul
 from ...layers.attention import Attention
 from ...layers.common import RMSNorm
 from ...layers.mamba2 import Mamba2Mixer
-from ...layers.moe import run_experts
+from ...layers.moe import routed_experts
 from ...layers.rotary import Rotary
 from ..hybrid import HybridStageModel
 from .config import GraniteHybridConfig
@@ -50,7 +50,8 @@ class SharedMLP(nn.Module):
 
 class MoE(nn.Module):
     """Top-k of the router's logits (fp32), softmax over those k, SwiGLU experts stacked as
-    ``input_linear [E, 2I, H]`` / ``output_linear [E, H, I]`` (``GraniteMoeHybridMoE``)."""
+    ``input_linear [E, 2I, H]`` / ``output_linear [E, H, I]`` (``GraniteMoeHybridMoE``), run by
+    ``layers.moe.routed_experts`` (no host read on CUDA)."""
 
     def __init__(self, cfg: GraniteHybridConfig):
         super().__init__()
@@ -66,7 +67,7 @@ class MoE(nn.Module):
         top_logits, top_i = logits.topk(self.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).type_as(x)
         experts = SimpleNamespace(gate_up_proj=self.input_linear.weight, down_proj=self.output_linear.weight)
-        return run_experts(x, top_i, top_w, experts)
+        return routed_experts(x, top_i, top_w, experts)
 
 
 class DecoderLayer(nn.Module):

@@ -25,7 +25,7 @@ from ppspec.kernels.norm import rms_norm
 from ...batch import BatchMeta, per_part
 from ...layers.common import MLP, fuse_linears
 from ...layers.gdn import GDN, GatedDeltaNet
-from ...layers.moe import Experts, run_experts
+from ...layers.moe import Experts, routed_experts
 from ...layers.rotary import Rotary, rope_frequencies
 from .config import HybridConfig
 
@@ -102,7 +102,8 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k softmax routing (optionally renormalised) plus a sigmoid-gated shared expert."""
+    """Top-k softmax routing (optionally renormalised) plus a sigmoid-gated shared expert;
+    the routed experts run by ``layers.moe.routed_experts`` (no host read on CUDA)."""
 
     def __init__(self, cfg: HybridConfig):
         super().__init__()
@@ -118,7 +119,7 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             top_w = top_w / top_w.sum(-1, keepdim=True)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return run_experts(x, top_i, top_w.to(x.dtype), self.experts) + shared
+        return routed_experts(x, top_i, top_w.to(x.dtype), self.experts) + shared
 
 
 class DecoderLayer(nn.Module):
@@ -230,11 +231,10 @@ class StageModel(nn.Module):
     kv_layers = attention_layers  # ... with paged KV
     shared_kv = False  # keys and values are two tensors of the KV pool
 
-    @property
-    def capturable(self) -> bool:
-        """Whether the decode / verify forward can be recorded in a CUDA graph: not with
-        MoE layers (the expert grouping is read on the host)."""
-        return not any(self.cfg.is_moe_layer(i) for i in range(self.start, self.end))
+    # the decode / verify forward reads nothing on the host, MoE layers included (their
+    # experts run by layers.moe.routed_experts), so every stage records it in CUDA graphs;
+    # PPSPEC_FAMILY_GRAPHS (graphs.family_graphs) is the other families' switch, not this one's
+    capturable = True
 
     def fuse_projections(self) -> None:
         """Concatenate the projections that read the same input (GDN qkv/z/b/a, attention

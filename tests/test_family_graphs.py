@@ -100,7 +100,7 @@ def test_with_the_switch_off_the_families_stay_eager(make_ckpt, monkeypatch):
         StageRunner(make_ckpt("falcon_h1_a"), max_rows=2, cuda_graph_max_bs=2)
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h_c", "kimi_dense_4l"])
+@pytest.mark.parametrize("kind", ["nemotron_h_c", "kimi_dense_4l", "granite_a", "qwen3_next_moe"])
 def test_pp2_speculation_through_the_padded_graphs_equals_pp1(make_ckpt, monkeypatch, kind):
     """Greedy tokens of PP2 with drafts of the reference continuation, some wrong
     (``test_spec_invariance.Oracle``), requests joining at different steps, every verify

@@ -9,9 +9,12 @@ Three runs of the same sum, one per place (:func:`routed_experts` picks):
   device and one grouped GEMM per projection (``torch._grouped_mm``, CUTLASS; its group
   bounds are a device tensor), so no host read: CUDA-graph capturable, and only the chosen
   experts' weights are read.
-- :func:`experts_dense` (CUDA otherwise, e.g. fp32): every expert on every token, the
-  unchosen ones weighted 0. Also capturable; it reads every expert's weights and does
-  ``E / k`` times the FLOPs, the price of running where the grouped GEMM does not.
+- :func:`experts_dense` (CUDA otherwise, e.g. fp32, and only while a CUDA graph is being
+  captured): every expert on every token, the unchosen ones weighted 0. Also capturable;
+  it reads every expert's weights and does ``E / k`` times the FLOPs, the price of a graph
+  where the grouped GEMM does not run. Eager CUDA steps there (long prefill chunks) keep
+  :func:`run_experts`: at 2048 tokens and 512 experts the dense run's buffers alone would
+  be GiBs.
 """
 from __future__ import annotations
 
@@ -100,8 +103,8 @@ def _sm_major(index: int) -> int:
 def grouped_gemm_runs(x: torch.Tensor, experts: Experts) -> bool:
     """Whether ``torch._grouped_mm`` takes its CUTLASS kernel for these experts: CUDA, bf16,
     compute capability 9 or 10, rows 16-byte aligned (hidden and intermediate sizes
-    multiples of 8), and ``PPSPEC_MOE_GROUPED`` not ``0`` (the dense run instead, e.g. to
-    compare the two). Elsewhere it falls back to a loop that copies the group bounds to the
+    multiples of 8), and ``PPSPEC_MOE_GROUPED`` not ``0`` (without it, e.g. to compare: the
+    dense run in a graph capture, the host's grouping in eager steps). Elsewhere it falls back to a loop that copies the group bounds to the
     host, which a CUDA graph cannot hold."""
     _, I2, H = experts.gate_up_proj.shape
     if os.environ.get("PPSPEC_MOE_GROUPED", "1") == "0" or not x.is_cuda or not hasattr(torch, "_grouped_mm"):
@@ -112,10 +115,13 @@ def grouped_gemm_runs(x: torch.Tensor, experts: Experts) -> bool:
 
 
 def pick_experts(x: torch.Tensor, experts: Experts):
-    """The run of :func:`routed_experts` for ``x``'s device and dtype (module docstring)."""
+    """The run of :func:`routed_experts` for ``x``'s device and dtype, and whether a CUDA
+    graph is being captured (module docstring)."""
     if not x.is_cuda:
         return run_experts
-    return experts_grouped if grouped_gemm_runs(x, experts) else experts_dense
+    if grouped_gemm_runs(x, experts):
+        return experts_grouped
+    return experts_dense if torch.cuda.is_current_stream_capturing() else run_experts
 
 
 def routed_experts(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, experts: Experts) -> torch.Tensor:

@@ -211,7 +211,9 @@ def test_moe_expert_runs_on_cuda(monkeypatch, T):
         assert out.dtype == BF16 and _rel_err(out.cpu(), ref) < 1e-2, fn.__name__
     with monkeypatch.context() as m:
         m.setenv("PPSPEC_MOE_GROUPED", "0")
-        assert moe.pick_experts(x.cuda(), gpu) is moe.experts_dense
+        assert moe.pick_experts(x.cuda(), gpu) is moe.run_experts  # eager: the host's grouping
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            assert moe.pick_experts(x.cuda(), gpu) is moe.experts_dense  # in a capture: dense
     fn = moe.pick_experts(x.cuda(), gpu)
     assert fn is (moe.experts_grouped if grouped else moe.experts_dense)
     static = [t.cuda() for t in (x, top_i, top_w)]

@@ -528,12 +528,15 @@ class Scheduler:
         # async scheduling: requests whose micro-batch in flight leaves them decoding
         # continue now, at the position it leaves (Request.follows_round)
         cont = {r.request_id for r in live if r.in_flight == 1 and r.follows_round}
-        if not cont and any(r.in_flight for r in live):
+        flying = [r for r in live if r.in_flight]
+        if flying and (not cont or (self.num_steps and len(cont) < len(flying))):
             # A second micro-batch of this lane beside the one in flight only to continue
             # its requests: one of the other requests alone would run them in a forward of
             # their own, and the lane's requests would stay split in two groups taking turns
             # (two forwards of 32 rows where one of 64 costs about as much: decode reads
-            # every weight once). They join the next one once that comes back.
+            # every weight once). They join the next one once that comes back. With MTP
+            # only when all of them continue: one that may not (within three verify rounds
+            # of its end) would otherwise run every other round only, for those rounds
             return None
         reqs = [r for r in live if not r.in_flight or r.request_id in cont]
         reqs.sort(key=lambda r: r.order)  # growing the oldest first: they preempt the youngest

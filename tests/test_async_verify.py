@@ -38,7 +38,7 @@ def _threads():
 def workload():
     rnd = random.Random(5)
     return [dict(prompt=[rnd.randrange(3, 256) for _ in range(rnd.choice([4, 11, 23]))],
-                 max_tokens=rnd.choice([7, 16, 30]), join=rnd.randint(0, 6)) for _ in range(6)]
+                 max_tokens=rnd.choice([8, 40, 56]), join=rnd.randint(0, 6)) for _ in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +273,46 @@ def test_a_round_note_is_what_the_step_after_takes():
     notes = note_round(inp, [[1, 2], [3], [9]], [[7, 7, 7], [8, 8, 8], [6, 6, 6]])
     assert notes == {4: RoundNote([1, 2], [7, 7, 7], 12, 7, True), 6: RoundNote([3], [8, 8, 8], 21, 8, True),
                      2: RoundNote([9], [6, 6, 6], 5, 1, False)}
+
+
+def test_a_lane_stays_one_group_when_a_request_may_not_follow(make_ckpt):
+    """Twelve requests in one lane with MTP: near their end (within three verify rounds of
+    max_tokens) they may not follow, and the lane then waits for its round in flight
+    instead of sending the others ahead, which would leave those requests to every other
+    round: once all are prefilled, each verify holds every request still running (its
+    row count never grows back)."""
+    path = make_ckpt(CKPT)
+    rows = []
+
+    async def run():
+        pipe = InProcessPipeline.build(path, pp_size=1, max_rows=16, kv_tokens=8192, num_speculative_steps=STEPS,
+                                       use_mtp=True)
+        engine = Engine(pipe, model_name="m", tokenizer=None, num_micro_batches=1, max_num_batched_tokens=256)
+        step = pipe.step
+
+        async def spied(inp, *commit):
+            if inp.mode == "verify" and not inp.num_prefill:
+                rows.append((len(inp.req_pool_indices), inp.follows_round))
+            return await step(inp, *commit)
+
+        pipe.step = spied
+        await engine.start()
+        try:
+            prompts = [[(5 * i + j) % 89 + 3 for j in range(40)] for i in range(12)]
+            return await asyncio.gather(*(engine_consume(engine, f"r{i}", p, 40) for i, p in enumerate(prompts)))
+        finally:
+            await engine.close()
+
+    outs = asyncio.run(run())
+    assert all(len(o) == 40 for o in outs)
+    sizes = [n for n, _ in rows]
+    first_full = sizes.index(12)
+    assert all(a >= b for a, b in zip(sizes[first_full:], sizes[first_full + 1:])), sizes
+    assert sum(f > 0 for _, f in rows) > len(rows) // 3, rows  # the rounds before the ends followed
+
+
+async def engine_consume(engine, rid, prompt, n):
+    out = []
+    async for o in engine.generate(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
+        out += o.new_token_ids
+    return out

@@ -103,7 +103,9 @@ def run_workloads(a, url: str, cache: bool, records: list[dict], counter) -> dic
         q1, h1 = cache_counters(url)
         rows = r.pop("turns", None) or r.pop("_per_request")
         later = [x for x in rows if x.get("turn", 1) > 0 and x["success"]]
-        usage_cached = sum(x.get("cached_tokens") or 0 for x in rows if x["success"])
+        # every response that reported its usage, a turn the client counts failed included
+        # (a reply with no text); the server counts every request that ran a micro-batch
+        usage_cached = sum(x.get("cached_tokens") or 0 for x in rows)
         fig = {
             "output_tok_s": r["output_throughput"],
             "ttft_ms": (r["ttft_later_turns_ms"] if name.startswith("mt") else r["ttft_ms"])["mean"],
@@ -111,6 +113,7 @@ def run_workloads(a, url: str, cache: bool, records: list[dict], counter) -> dic
             "requests": len(rows), "failed": r["failed"],
             "later_turns": len(later) if name.startswith("mt") else None,
             "server_queried": q1 - q0, "server_hit": h1 - h0, "usage_cached": usage_cached,
+            "errors": r.get("errors", []),
         }
         fig["hits_agree"] = fig["server_hit"] == usage_cached
         out[name] = fig
@@ -118,6 +121,8 @@ def run_workloads(a, url: str, cache: bool, records: list[dict], counter) -> dic
               f"{fig['ttft_ms']:8.1f} ms{' (turns 2+)' if name.startswith('mt') else ''}, hit "
               f"{fig['server_hit']} of {fig['server_queried']} prompt tokens (responses' cached_tokens "
               f"{usage_cached}), {fig['failed']} failed", flush=True)
+        for e in fig["errors"]:
+            print(f"      error: {e}", flush=True)
     return out
 
 

@@ -36,6 +36,10 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 # least this many tokens more than its hit: prompts that merely start alike (a chat
 # template's opening and a first word: ShareGPT first turns share 1-5 tokens) get no split
 MIN_BRANCH_TOKENS = 8
+# branch points (prefixes where a prompt left a cached sequence) remembered, by hash: a
+# chunk ends at one only when an earlier request branched there too (docs/DESIGN.md,
+# "Prefix caching")
+MAX_BRANCHES_SEEN = 4096
 
 
 @dataclass
@@ -74,8 +78,9 @@ class Request:
     output_counts: dict[int, int] = field(default_factory=dict)  # token -> times generated
     scheduled: bool = False  # has been in a micro-batch (a preempted one stays so)
     restore_slot: int = -1   # prefix-cache snapshot its next prefill chunk starts from
-    cached_tokens: int = 0   # prompt tokens found in the prefix cache at its admission
+    cached_tokens: int = 0   # prompt tokens found in the prefix cache: the start of its first micro-batch
     branch_at: int = 0       # a prefill chunk ends here: the snapshot there serves the next request that shares it
+    branch_key: int = 0      # hash of its tokens up to branch_at (+1: the filing key), while branch_at is set
     prompt_lps: list | None = None  # prompt_logprobs collected so far (None once sent)
     _spec: SamplingSpec | None = field(default=None, repr=False, compare=False)  # spec()
 
@@ -346,6 +351,7 @@ class Scheduler:
         self._ids = itertools.count()
         self.cache = prefix_cache
         self._row_snapshots: dict[int, tuple[int, list[int]]] = {}  # row -> (slot, key) taken at its release
+        self._branches: dict[int, None] = {}  # hashes of branch points seen (insertion-ordered, bounded)
         self._snapshots_sent: set[int] = set()  # rows whose release names their snapshot slot
         self.async_scheduling = async_scheduling
         self._held: dict[int, Request] = {}  # row -> its ended request, until its last micro-batch in flight returns
@@ -402,6 +408,8 @@ class Scheduler:
         # each running one keeps room for its next verify round, so that an admission does
         # not preempt at once the request it just admitted.
         headroom = -(-self.D // self.page_size) * self.page_size
+        later: list[Request] = []  # waiting for a snapshot under way: the ones behind them go first
+        pending = self._pending_branches() if self.cache is not None and self.waiting else {}
         while self.waiting and self.free_rows and not self._short:
             req = self.waiting[0]
             if req.aborted:
@@ -410,9 +418,14 @@ class Scheduler:
             # prompt log-probabilities still to collect need every prompt position computed
             use_cache = self.cache is not None and req.prompt_lps is None
             slot, req.num_computed = self.cache.lookup(req.all_ids[: req.prefill_len]) if use_cache else (-1, 0)
-            if self._row_snapshots and self._snapshot_coming(req):
-                req.num_computed = 0  # the next turn of a conversation whose release is under way
-                break
+            branch = self._branch(req) if use_cache else (0, 0)
+            if (self._row_snapshots and self._snapshot_coming(req)) or branch[1] in pending:
+                # the next turn of a conversation whose release is under way, or a prompt that
+                # leaves a cached sequence where a chunk in flight ends with a snapshot (a shared
+                # system prompt's first requests): worth a round's wait, not the prefix's compute
+                req.num_computed = 0
+                later.append(self.waiting.popleft())
+                continue
             need = self._kv_need(req, min(self.chunk_size, req.prefill_len - req.num_computed))
             from_slot = (req.num_computed // self.page_size) * self.page_size if slot >= 0 else 0  # its pages, shared
             short = self.kv_reserved + need - from_slot + headroom * self.num_running - self.kv_tokens
@@ -428,16 +441,20 @@ class Scheduler:
                 if slot >= 0:
                     self.cache.use(slot)
                 req.restore_slot = slot
-                # where it branches off a cached sequence (a shared system prompt's end): a
-                # chunk ends there, so its snapshot serves the next request sharing as much;
-                # not for a few tokens more than the hit (prompts that merely start alike):
-                # the split costs the request a round of its prefill
-                shared = self.cache.shared_len(req.all_ids[: req.prefill_len])
-                branch = shared - 1 - req.num_computed >= MIN_BRANCH_TOKENS and shared - 1 < req.prefill_len
-                req.branch_at = shared - 1 if branch else 0
-                if not req.scheduled:
-                    req.cached_tokens = req.num_computed
-                    self.cache.count(len(req.prompt_ids), req.num_computed)
+                # where it branches off a cached sequence where an earlier prompt branched too
+                # (a shared system prompt's end): a chunk ends there, so its snapshot serves
+                # the next request sharing as much. Not at a branch seen first (a conversation's
+                # next turn leaving the last reply where it re-tokenizes differently: no later
+                # request shares that point), nor a few tokens past the hit (prompts that
+                # merely start alike): the split costs the request a round of its prefill
+                req.branch_at, req.branch_key = branch if branch[1] in self._branches else (0, 0)
+                if branch[1]:
+                    self._branches.pop(branch[1], None)
+                    self._branches[branch[1]] = None
+                    if len(self._branches) > MAX_BRANCHES_SEEN:
+                        del self._branches[next(iter(self._branches))]
+                if req.branch_at:
+                    pending[req.branch_key] = req.request_id
             req.row = self.free_rows.pop()
             if from_slot:
                 self.kv.share(("row", req.row), ("slot", slot), req.num_computed)
@@ -446,6 +463,7 @@ class Scheduler:
             req.lane = min(range(self.num_lanes), key=lambda i: len(self.lanes[i]))
             req.status = RUNNING
             self.lanes[req.lane].append(req)
+        self.waiting.extendleft(reversed(later))
 
     def _grow(self, r: Request, extend: int) -> bool:
         """Make ``r`` hold :meth:`_kv_need` for its next micro-batch, preempting younger
@@ -626,6 +644,13 @@ class Scheduler:
                 r.follows_ext = self.D if i < nv else batch.extend_lens[i]
             else:
                 r.follows_round, r.follows_ext, r.follows_verify = 0, 0, False
+        if self.cache:
+            # counted once per request, where its first micro-batch starts: the prompt tokens
+            # it skipped (its usage's cached_tokens); a request preempted before it ran is
+            # looked up again at its next admission, not counted twice
+            for r in batch.first:
+                r.cached_tokens = r.num_computed
+                self.cache.count(len(r.prompt_ids), r.num_computed)
         if self.cache and batch.first_chunk < len(batch.requests):
             # the prefill chunks' restore and snapshot slots, in a prefill batch or riding in
             # a decode / verify one (those rows' are -1)
@@ -634,7 +659,11 @@ class Scheduler:
             for b in chunks:
                 r, end = batch.requests[b], batch.seq_lens[b] + batch.extend_lens[b]
                 restore[b] = r.restore_slot  # set until its first chunk ran
-                snap[b] = self._reserve_snapshot(r, end) if end < r.prefill_len else -1
+                # inside the prompt, and at its end (filed with the token it samples there:
+                # the next turn of a conversation hits the whole prompt even where the reply
+                # does not re-tokenize to the ids generated); not after a recompute's chunks
+                snap[b] = self._reserve_snapshot(r, end) if end < r.prefill_len or (
+                    batch.sample[b] and end - r.cached_tokens >= MIN_BRANCH_TOKENS) else -1
             batch.restore_slots = restore if max(restore) >= 0 else []
             batch.snapshot_slots = snap if max(snap) >= 0 else []
         return batch
@@ -681,6 +710,22 @@ class Scheduler:
         if slot >= 0:
             self.kv.take(("slot", slot), ("row", r.row), length)
         return slot
+
+    def _branch(self, req: Request) -> tuple[int, int]:
+        """Where ``req``'s prefill tokens leave the cached sequences, at least
+        ``MIN_BRANCH_TOKENS`` past its hit (``num_computed``) and before its last token:
+        ``(position, hash of the snapshot's filing key there)``, or ``(0, 0)``."""
+        tokens = req.all_ids[: req.prefill_len]
+        at = self.cache.shared_len(tokens) - 1
+        if at - req.num_computed < MIN_BRANCH_TOKENS or at >= req.prefill_len:
+            return 0, 0
+        return at, hash(tuple(tokens[: at + 1])) or 1
+
+    def _pending_branches(self) -> dict[int, str]:
+        """Branch points a running request's chunk is still to end at (its snapshot not
+        filed yet): hash -> request id."""
+        return {r.branch_key: r.request_id for lane in self.lanes for r in lane
+                if r.branch_at > r.num_computed and r.branch_key}
 
     def _snapshot_coming(self, req: Request) -> bool:
         """A finished row's snapshot, not filed yet (its release is under way), holds more of
@@ -775,10 +820,15 @@ class Scheduler:
             r.in_flight = max(0, r.in_flight - 1)  # 0 already if fail_all dropped it
             if batch.restore_slots and batch.restore_slots[i] >= 0:
                 self._unpin(r)
-            if batch.snapshot_slots and batch.snapshot_slots[i] >= 0:  # every stage took it
-                end = batch.seq_lens[i] + batch.extend_lens[i]
-                self.cache.commit(batch.snapshot_slots[i], r.all_ids[: end + 1])
             toks = output_ids[i]
+            if batch.snapshot_slots and batch.snapshot_slots[i] >= 0:  # every stage took it
+                # filed under its tokens and the next one (at a prompt's end: the one sampled)
+                key = (r.all_ids + toks[:1])[: batch.seq_lens[i] + batch.extend_lens[i] + 1]
+                if len(key) > self.cache.lens[batch.snapshot_slots[i]]:
+                    self.cache.commit(batch.snapshot_slots[i], key)
+                else:  # a prompt's end that sampled nothing (a refused request): never filed
+                    self.cache.taking.pop(batch.snapshot_slots[i], None)
+                    self.cache.to_drop.append(batch.snapshot_slots[i])
             # (none: the first stage left it out, a stop id having ended it in the round before)
             if i < nv and not 1 <= len(toks) <= batch.num_drafts[i] + 1 and (toks or r.status != FINISHED):
                 raise ValueError(f"request {r.request_id}: {len(toks)} tokens from a verify of {batch.num_drafts[i]} drafts")

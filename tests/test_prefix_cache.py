@@ -104,9 +104,11 @@ def test_multi_turn_with_cache_matches_pp1_without(ckpt, reference, spec, pp):
     replies, cached = multi_turn(llm, conversations())
     assert replies == reference
     # turn 1: the shared system prompt's chunk snapshots (16, 32 tokens) of whichever request
-    # prefilled it first serve the others, mid-prompt; later turns hit the whole previous
-    # turn (prompt and reply), the finished request's snapshot: all but its last token
-    assert cached[0] == [0, 32, 32, 32]
+    # prefilled it first serve the others, mid-prompt; the second request to leave the first
+    # one's sequence at the system prompt's end (44) ends a chunk there, the third waits for
+    # its snapshot and hits it; later turns hit the whole previous turn (prompt and reply),
+    # the finished request's snapshot: all but its last token
+    assert cached[0] == [0, 32, 32, 44]
     convs = conversations()
     for t in range(1, TURNS):
         prev = [c + r for c, r in zip(convs, replies[t - 1])]
@@ -219,8 +221,9 @@ def test_radix_tree_lookup_split_and_lru():
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_shared_prefix_hits_where_requests_branch(ckpt, spec):
     """Requests one after another sharing a 45-token system prompt (not a multiple of the
-    chunk): the second hits the first one's chunk snapshot (32 tokens) and ends a chunk where
-    it branches off (44, the shared tokens but the last), so the later ones hit 44."""
+    chunk): the second hits the first one's chunk snapshot (32 tokens) and leaves the first
+    one's sequence at 44 (the shared tokens but the last), a branch seen first: no split; the
+    third branches there again and ends a chunk there, so the fourth hits 44."""
     convs = conversations(4, seed=2)
     p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     ref = [o.token_ids for o in LLM(ckpt, chunk_size=CHUNK).generate(convs, p)]
@@ -234,5 +237,27 @@ def test_shared_prefix_hits_where_requests_branch(ckpt, spec):
         got.append(llm.completions.pop(rid).token_ids)
         cached.append(req.cached_tokens)
     assert got == ref
-    assert cached == [0, 32, 44, 44]
+    assert cached == [0, 32, 32, 44]
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_next_turn_hits_the_prompt_end_where_the_reply_changed(ckpt, spec):
+    """A next turn whose copy of the reply differs from the ids generated after its second
+    token (a reply that re-tokenizes differently) hits the previous prompt's end, snapshotted
+    after the chunk that ended it (filed with the token sampled there; with MTP the head's KV
+    at the prompt's last position was computed with it), and gets the uncached tokens."""
+    convs = conversations(2, seed=3)
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(ckpt, pp_size=2, speculative_algorithm=spec, chunk_size=CHUNK, enable_prefix_caching=True)
+    first = [o.token_ids for o in llm.generate(convs, p)]
+    turn2 = [c + o[:2] + [250, 251, 252 + i] for i, (c, o) in enumerate(zip(convs, first))]
+    rids = [llm.add_request(t, p) for t in turn2]
+    reqs = [llm.scheduler.requests[r] for r in rids]
+    while llm.has_unfinished():
+        llm.step()
+    got = [llm.completions.pop(r).token_ids for r in rids]
+    ref = LLM(ckpt, chunk_size=CHUNK)
+    assert got == [o.token_ids for o in ref.generate(turn2, p)]
+    assert [r.cached_tokens for r in reqs] == [len(c) for c in convs]
     assert_all_free(llm)

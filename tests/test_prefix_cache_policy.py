@@ -1,0 +1,137 @@
+"""Where the prefix cache takes snapshots and makes requests wait (``router.scheduler``),
+the scheduler alone, driven with made-up step results (no model: tokens do not matter
+here, the micro-batches and the counters do; greedy tokens with these rules are checked
+against the uncached ones in tests/test_prefix_cache*.py):
+
+- a conversation's next turn whose reply did not re-tokenize to the ids generated still
+  hits the whole previous prompt (the snapshot at a prompt's end) and prefills in one
+  micro-batch (no chunk split where it leaves the reply: a branch seen first);
+- requests sharing a system prompt: the second to leave a cached sequence at the same
+  point ends a chunk there, the ones after it wait for that snapshot instead of each
+  prefilling the system prompt again;
+- a request waiting for a snapshot under way does not hold back the requests behind it;
+- the hit counter counts each request once, as its ``cached_tokens``, also when it was
+  preempted before its first micro-batch.
+"""
+from __future__ import annotations
+
+from ppspec.router.prefix_cache import PrefixCache
+from ppspec.router.scheduler import Scheduler
+from ppspec.router.types import SamplingParams
+
+
+def make(kv_tokens=4096, chunk=64, page=4, lanes=1, slots=16):
+    return Scheduler(max_rows=8, kv_tokens=kv_tokens, max_context=2048, page_size=page, num_lanes=lanes,
+                     max_batch_size=4, max_num_batched_tokens=chunk, chunk_size=chunk,
+                     prefix_cache=PrefixCache(slots, page))
+
+
+class Driver:
+    """Runs micro-batches of lane 0 one at a time, every request sampling token 7 after its
+    prompt, releases (with their snapshots) and drops done at once. Records each batch."""
+
+    def __init__(self, sched: Scheduler):
+        self.s, self.batches, self.releasing = sched, [], []
+
+    def round(self) -> bool:
+        s = self.s
+        batch = s.schedule(0)
+        self.release(s.take_preempted())
+        if batch is None:
+            return False
+        self.batches.append(batch)
+        out = [[7] if sample else [] for sample in batch.sample]
+        up = s.process(batch, out)
+        self.releasing += up.release_rows
+        return True
+
+    def release(self, rows):
+        s = self.s
+        s.release_snapshots(rows)
+        s.free(rows)
+        s.slots_dropped(s.take_dropped_slots())
+
+    def finish_releases(self):
+        rows, self.releasing = self.releasing, []
+        self.release(rows)
+
+    def run(self):
+        while self.s.has_work():
+            if not self.round():
+                self.finish_releases()
+        self.finish_releases()
+
+    def chunks(self, rid: str) -> list[tuple[int, int]]:
+        """(seq_len, extend_len) of each prefill chunk of request ``rid``."""
+        return [(b.seq_lens[i], b.extend_lens[i]) for b in self.batches for i in range(b.first_chunk, len(b.requests))
+                if b.requests[i].request_id == rid]
+
+
+P = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+P1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+
+def test_next_turn_whose_reply_retokenized_differently_hits_the_prompt_in_one_chunk():
+    s = make()
+    d = Driver(s)
+    prompt = list(range(100, 140))
+    s.add("t1", prompt, P)
+    d.run()
+    reply = [7, 7, 7, 7]
+    # the reply came back as other ids past its second token (the client's text re-tokenized)
+    turn2 = prompt + reply[:2] + list(range(300, 330))
+    r2 = s.add("t2", turn2, P)
+    d.run()
+    assert r2.cached_tokens == len(prompt)  # the prompt's end, filed with the token sampled there
+    assert d.chunks("t2") == [(len(prompt), len(turn2) - len(prompt))]  # one micro-batch, no split
+    assert s.cache.hit_tokens == len(prompt) and s.cache.queried_tokens == len(prompt) + len(turn2)
+
+
+def test_shared_system_prompt_burst_prefills_it_once_more():
+    s = make(chunk=512)
+    d = Driver(s)
+    system = list(range(1000, 1200))
+    s.add("first", system + [1, 2, 3], P)  # the deployment's first request caches it
+    d.run()
+    burst = [s.add(f"b{i}", system + [10 + i] * 12, P) for i in range(4)]
+    d.run()
+    # b0 leaves first's sequence at the system prompt's end (199: the shared tokens but the
+    # last) first: no split; b1 leaves it there again and ends a chunk there; b2, b3 wait
+    # for that snapshot rather than prefill the system prompt themselves
+    assert [r.cached_tokens for r in burst] == [0, 0, 199, 199]
+    assert d.chunks("b0") == [(0, 212)] and d.chunks("b1") == [(0, 199), (199, 13)]
+    assert d.chunks("b2") == [(199, 13)] and d.chunks("b3") == [(199, 13)]
+    assert sum(e for r in burst for _, e in d.chunks(r.request_id)) == 212 + 212 + 2 * 13  # 4 x 212 before
+    assert s.cache.hit_tokens == sum(r.cached_tokens for r in burst)
+
+
+def test_a_request_waiting_for_a_release_does_not_hold_back_the_others():
+    s = make()
+    d = Driver(s)
+    prompt = list(range(100, 140))
+    s.add("t1", prompt, P)
+    while not d.releasing:  # t1 ends; its release (which snapshots prompt and reply) under way
+        assert d.round()
+    turn2 = s.add("t2", prompt + [7] * 4 + [50, 51, 52], P)  # waits for that snapshot
+    other = s.add("other", list(range(500, 520)), P)
+    assert d.round()
+    assert other.row >= 0 and turn2.row < 0
+    d.finish_releases()  # the release took the snapshot on every stage
+    d.run()
+    assert turn2.cached_tokens == len(prompt) + 3
+
+
+def test_hits_counted_once_when_preempted_before_the_first_micro_batch():
+    # pages of 4 tokens, chunks of 16, a pool of 52 tokens: b is admitted from a's chunk
+    # snapshot (16 tokens), then a's next chunk needs four pages more than the headroom kept,
+    # so the scheduler preempts b (the youngest, not in flight) before b ever ran
+    s = make(kv_tokens=52, chunk=16)
+    d = Driver(s)
+    a_prompt = list(range(100, 148))
+    s.add("a", a_prompt, P1)
+    assert d.round()
+    b = s.add("b", a_prompt[:17] + list(range(300, 315)), P1)
+    d.run()
+    assert b.num_preemptions == 1 and b.cached_tokens == 16
+    assert s.cache.hit_tokens == b.cached_tokens  # 32 before: counted at each admission
+    assert s.cache.queried_tokens == len(a_prompt) + len(b.prompt_ids)

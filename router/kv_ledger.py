@@ -97,6 +97,13 @@ class Letting:
         refs, count = self.ledger.refs, self.count
         return sum(1 for p in self.ledger.pages.get(h, ()) if count[p] + 1 == refs[p]) * self.ledger.page_size
 
+    def gain_with(self, h: Holder, others) -> int:
+        """Tokens of ``h``'s pages that ``h`` letting go together with ``others`` would free
+        beyond :attr:`freed` (two snapshots holding the same pages free them only together)."""
+        refs, count, pages = self.ledger.refs, self.count, self.ledger.pages
+        extra = Counter(p for o in set(others) | {h} for p in pages.get(o, ()))
+        return sum(1 for p in pages.get(h, ()) if count[p] + extra[p] == refs[p]) * self.ledger.page_size
+
     def add(self, h: Holder) -> None:
         refs, count = self.ledger.refs, self.count
         for p in self.ledger.pages.get(h, ()):

@@ -48,6 +48,9 @@ class _Charges:
     def gain(self, slot: int) -> int:
         return self.cache.charge(slot)
 
+    def gain_with(self, slot: int, others: list[int]) -> int:
+        return self.cache.charge(slot)
+
     def add(self, slot: int) -> None:
         pass
 
@@ -188,8 +191,12 @@ class PrefixCache:
         gives back ``tokens`` of KV (or none is left), passing over those whose drop would
         give back nothing more (their pages are held by a running row, or by a snapshot
         kept). ``plan``: ``gain(slot)``, the KV tokens dropping ``slot`` too would give back,
-        and ``add(slot)`` (``router.kv_ledger.Letting`` over slots; default: each slot's
-        :meth:`charge`). Returns what the evicted ones give back once every stage dropped them."""
+        ``gain_with(slot, others)``, the same dropped together with ``others``, and
+        ``add(slot)`` (``router.kv_ledger.Letting`` over slots; default: each slot's
+        :meth:`charge`). When no one drop gives anything back but some together do
+        (snapshots holding the same pages: a prompt's end and its short reply's end in one
+        page), the least recently used of those goes first. Returns what the evicted ones
+        give back once every stage dropped them."""
         plan = plan or _Charges(self)
         evicted, got = [], 0
         left = sorted(self.evictable(keep), key=lambda s: self.nodes[s].last_used)
@@ -205,6 +212,13 @@ class PrefixCache:
                 else:
                     passed.append(slot)
             left = passed
+            if not progress and got < tokens:
+                slot = next((s for s in left if plan.gain_with(s, left) > 0), -1)
+                if slot >= 0:
+                    plan.add(slot)
+                    evicted.append(slot)
+                    left.remove(slot)
+                    progress = True
         for slot in evicted:
             self._remove(slot)
         return got

@@ -1040,6 +1040,9 @@ class _SlotDrops:
     def gain(self, slot: int) -> int:
         return self.letting.gain(("slot", slot))
 
+    def gain_with(self, slot: int, others: list[int]) -> int:
+        return self.letting.gain_with(("slot", slot), [("slot", s) for s in others])
+
     def add(self, slot: int) -> None:
         self.letting.add(("slot", slot))
 

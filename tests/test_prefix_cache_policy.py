@@ -135,3 +135,15 @@ def test_hits_counted_once_when_preempted_before_the_first_micro_batch():
     assert b.num_preemptions == 1 and b.cached_tokens == 16
     assert s.cache.hit_tokens == b.cached_tokens  # 32 before: counted at each admission
     assert s.cache.queried_tokens == len(a_prompt) + len(b.prompt_ids)
+
+
+def test_eviction_drops_snapshots_that_free_pages_only_together():
+    # a prompt's end (10 tokens) and its short reply's end (11 tokens) in the same three pages
+    # of 4: neither drop alone gives a page back, both together give three
+    s = make(page=4)
+    d = Driver(s)
+    s.add("a", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    d.run()
+    c = s.cache
+    assert c.num_cached == 2 and s.kv_reserved == 12
+    assert c.evict(4, plan=s._drop_plan()) == 12 and sorted(c.take_drops()) == sorted(c.lens)

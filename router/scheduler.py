@@ -758,14 +758,17 @@ class Scheduler:
         return slots if max(slots, default=-1) >= 0 else []
 
     def flush_cache(self) -> None:
-        """Evict every cached prefix not in use (``take_dropped_slots`` has them)."""
+        """Evict every cached prefix not in use (``take_dropped_slots`` has them), and forget
+        the branch points seen."""
         if self.cache:
             self.cache.flush()
+            self._branches.clear()
 
     def clear_cache(self) -> None:
         """The stages dropped every slot (a recovery): forget them all."""
         if self.cache:
             self.cache.clear()
+            self._branches.clear()
             for h in self.kv.holders("slot"):
                 self.kv.release(h)
             self._row_snapshots.clear()

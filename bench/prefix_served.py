@@ -169,7 +169,11 @@ def table(on: dict, off: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ppspec.bench.prefix_served", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the demo model; with --tiny, made)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU: a random 4-layer hidden-64 checkpoint with an MTP head (served_vs_engine's), made in a "
+                         "temporary folder: a round's fixed cost outweighs its compute and replies do not re-tokenize "
+                         "to their ids, as with the random 1.46B on the H200")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--spec", default="mtp", choices=("none", "ngram", "mtp"))
@@ -207,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     from ppspec.bench.serving import serving
     from ppspec.router.llm import DEMO_MODEL
 
+    if a.tiny and not a.model:
+        import tempfile
+
+        from ppspec.bench.served_vs_engine import make_tiny
+
+        a.model = make_tiny(os.path.join(tempfile.mkdtemp(), "tiny"))
     a.model = a.model or DEMO_MODEL
     records, counter = load_sharegpt(), TokenCounter(a.model)
     results: dict[str, dict] = {}

@@ -45,6 +45,7 @@ def test_multi_turn_served_with_cache(served):
     ref_llm = LLM(path, max_rows=4, chunk_size=16)
     system = list(range(40, 85))
     convs = [system + [200 + i, 201, 202] for i in range(3)]
+    cached_sum = 0  # the responses' cached_tokens: the server's hit counter counts the same
     for turn in range(2):
         results = [None] * len(convs)
 
@@ -60,6 +61,7 @@ def test_multi_turn_served_with_cache(served):
         assert [ids for ids, _ in results] == [o.token_ids for o in ref]
         if turn == 1:  # each conversation's previous turn, prompt and reply, but its last token
             assert [cached for _, cached in results] == [len(p) - 4 for p in convs]
+        cached_sum += sum(cached for _, cached in results)
         convs = [p + ids + [210, 211, 212] for p, (ids, _) in zip(convs, results)]
 
     # a flush while a request runs: refused without the key, and the request's tokens stay
@@ -77,6 +79,7 @@ def test_multi_turn_served_with_cache(served):
     metrics = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(c.url + "/metrics").text)
                for s in fam.samples}
     assert 0 < metrics["ppspec:prefix_cache_hits_total"] < metrics["ppspec:prefix_cache_queries_total"]
+    assert metrics["ppspec:prefix_cache_hits_total"] == cached_sum + out["r"][1]
 
     assert httpx.post(c.url + "/v1/cache/flush", headers=AUTH, timeout=30).status_code == 200
     infos = c.wait_rows_free()

@@ -56,9 +56,9 @@ def default_lanes(num_stages: int, spec: str, async_scheduling: bool) -> int:
     runs, so no stage waits for the router, and a decode forward costs about the same
     at 32 rows as at 64 (it reads every weight once), so splitting the running requests
     over more lanes than stages costs throughput (H200, 1.46B, PP1 at concurrency 64:
-    7658 tok/s with one lane against 6199 with two; docs/PERFORMANCE.md). Verify rounds
-    (speculation) and rounds without async scheduling wait for their last result: one
-    more lane than stages keeps a stage busy meanwhile."""
+    7658 tok/s with one lane against 6199 with two; docs/PERFORMANCE.md). Rounds that wait
+    for their last result (n-gram verifies, MTP lanes with a request near its end, no async
+    scheduling): one more lane than stages keeps a stage busy meanwhile."""
     return num_stages if async_scheduling and spec == "none" else num_stages + 1
 
 

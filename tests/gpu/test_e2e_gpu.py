@@ -279,3 +279,48 @@ def test_structured_output_on_cuda_with_graphs_and_mtp(prompts, dtype):
     if dtype == "float32":
         gaps = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in ref]
         _check_near_ties(outs, [o.token_ids for o in ref], gaps)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_fp32_following_verifies_identical_to_pp1(prompts, reference, pp):
+    """Async scheduling of MTP verify rounds (docs/DESIGN.md, "Async scheduling") on CUDA:
+    the engine that serves HTTP, over in-process stages replaying the fused greedy MTP round
+    in CUDA graphs, sends each round before the last one's result and the first stage fills
+    in its ids, position and commit: PP1's tokens without speculation."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ppspec.router.engine import Engine
+    from ppspec.router.pipeline import InProcessPipeline
+    from ppspec.router.types import SamplingParams
+
+    ref, gaps = reference
+    follows = []
+
+    async def run():
+        pipe = InProcessPipeline.build(DEMO, pp, device="cuda", max_rows=N, kv_tokens=65536, num_speculative_steps=3,
+                                       use_mtp=True, dtype=torch.float32)
+        engine = Engine(pipe, model_name="demo", tokenizer=None)
+        step = pipe.step
+
+        async def spied(inp, *commit):
+            follows.append(inp.mode == "verify" and inp.follows_round > 0)
+            return await step(inp, *commit)
+
+        pipe.step = spied
+        await engine.start()
+
+        async def one(i, p):
+            out = []
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            async for o in engine.generate(f"r{i}", _ids(p), params):
+                out += o.new_token_ids
+            return SimpleNamespace(token_ids=out)
+        try:
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        finally:
+            await engine.close()
+
+    outs = asyncio.run(run())
+    _check_near_ties(outs, ref, gaps)
+    assert sum(follows) > 0, "no verify round followed the one before it"

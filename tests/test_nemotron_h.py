@@ -357,7 +357,9 @@ def test_prefix_cache_snapshots_mamba2_state(make_ckpt, kind, design):
               commit_design=design)
     replies, cached = multi_turn(llm, conversations())
     assert replies == ref
-    assert cached[0] == [0, 32, 32, 32] and all(c > 0 for c in cached[1])
+    # the last conversation waits for the snapshot where the third leaves the system prompt
+    # (test_prefix_cache.test_multi_turn_with_cache_matches_pp1_without)
+    assert cached[0] == [0, 32, 32, 44] and all(c > 0 for c in cached[1])
     assert_all_free(llm)
 
 

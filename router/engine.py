@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
 from typing import AsyncIterator, Callable
@@ -199,8 +200,28 @@ class Engine:
         """A loop per lane, the stats and stall watches, the output task (on the engine's
         loop: ``interrupted`` runs while it is stopped)."""
         run = self._loop.create_task
-        self._tasks = [run(self._lane_loop(k)) for k in range(self.scheduler.num_lanes)]
+        self._tasks = [self._run_lane(k) for k in range(self.scheduler.num_lanes)]
         self._tasks += [run(self._stats_loop()), run(self._stall_watch()), run(self._output_loop())]
+
+    def _run_lane(self, lane: int) -> asyncio.Task:
+        """Lane ``lane``'s loop as a task whose unexpected end (an exception out of the
+        scheduler or the result's processing, not a failed step, which ``_complete``
+        handles) fails the requests in flight and starts the lane again (``_lane_ended``),
+        instead of leaving them to wait for ever."""
+        t = asyncio.ensure_future(self._lane_loop(lane))
+        t.add_done_callback(functools.partial(self._lane_ended, lane))
+        return t
+
+    def _lane_ended(self, lane: int, t: asyncio.Task) -> None:
+        if t.cancelled() or self._stopping or t.exception() is None:
+            return  # cancelled (a stall, shutdown) or replaced: its successor runs
+        e = t.exception()
+        log.error("lane %d stopped on %s: %s; its requests fail and the lane starts again", lane,
+                  type(e).__name__, e, exc_info=e)
+        self._fail(f"lane {lane} stopped: {type(e).__name__}: {e}")
+        if self._tasks and self._tasks[lane] is t:
+            self._lane_gen[lane] += 1
+            self._tasks[lane] = self._run_lane(lane)
 
     def _prefix_cache(self, infos: list[StageInfo], page_size: int) -> PrefixCache | None:
         """The prefix cache over the stages' snapshot slots (the fewest any stage has). With
@@ -581,7 +602,7 @@ class Engine:
             for lane in stuck:
                 self._lane_gen[lane] += 1  # the old loop ends even if its cancel is swallowed
                 self._tasks[lane].cancel()
-                self._tasks[lane] = asyncio.ensure_future(self._lane_loop(lane))
+                self._tasks[lane] = self._run_lane(lane)
 
     def _end_dropped(self, dropped, error) -> None:
         """Hand each dropped request's stream its error (``error(request_id)``); count it aborted."""

@@ -599,3 +599,47 @@ def test_a_verify_back_after_a_failure_sends_no_commit_after_the_recovery(refere
     assert len(verifies) >= 2 and isinstance(first, StageDownError), first
     assert reasons == ["stage 1 restarted (test)"], reasons
     assert after == reference[1]
+
+
+def test_a_lane_whose_loop_raises_fails_its_requests_and_serves_again(reference):
+    """An exception out of a lane's own work (here the scheduler's processing of a result,
+    once), not a step a stage refused: the lane's requests end with StageDownError instead
+    of waiting for ever, every row comes back, and the restarted lane serves the next
+    requests with the tokens of PP1 without speculation."""
+    torch.set_num_threads(1)
+    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+
+    async def run():
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=1)
+        await engine.start()
+        process, raised = engine.scheduler.process, []
+
+        def process_once_broken(*a, **kw):
+            if not raised and a[0].mode == "verify":
+                raised.append(1)
+                raise RuntimeError("scheduler bug for the test")
+            return process(*a, **kw)
+
+        engine.scheduler.process = process_once_broken
+        # a hang here would be the bug: the guard is generous, the requests take seconds
+        first = await asyncio.wait_for(asyncio.gather(*(_collect(engine, f"a{i}", p) for i, p in
+                                                        enumerate(PROMPTS[:3]))), 300)
+        for _ in range(600):  # the full recovery (every stage reset) runs before new requests
+            if engine.failure is None:
+                break
+            await asyncio.sleep(0.05)
+        again = await asyncio.wait_for(asyncio.gather(*(_collect(engine, f"b{i}", p) for i, p in
+                                                        enumerate(PROMPTS))), 300)
+        for _ in range(100):  # the recovery's releases run in the background
+            if len(engine.scheduler.free_rows) == 8:
+                break
+            await asyncio.sleep(0.05)
+        free = len(engine.scheduler.free_rows)
+        await engine.close()
+        return raised, first, again, free
+
+    raised, first, again, free = asyncio.run(run())
+    assert raised == [1]
+    assert all(isinstance(r, StageDownError) and "scheduler bug for the test" in str(r) for r in first), first
+    assert again == reference[:-1]
+    assert free == 8

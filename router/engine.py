@@ -208,13 +208,13 @@ class Engine:
         scheduler or the result's processing, not a failed step, which ``_complete``
         handles) fails the requests in flight and starts the lane again (``_lane_ended``),
         instead of leaving them to wait for ever."""
-        t = asyncio.ensure_future(self._lane_loop(lane))
+        t = self._loop.create_task(self._lane_loop(lane))
         t.add_done_callback(functools.partial(self._lane_ended, lane))
         return t
 
     def _lane_ended(self, lane: int, t: asyncio.Task) -> None:
-        if t.cancelled() or self._stopping or t.exception() is None:
-            return  # cancelled (a stall, shutdown) or replaced: its successor runs
+        if t.cancelled() or self._stopping or not isinstance(t.exception(), Exception):
+            return  # cancelled (a stall, shutdown), replaced, or interrupted (LLM's KeyboardInterrupt)
         e = t.exception()
         log.error("lane %d stopped on %s: %s; its requests fail and the lane starts again", lane,
                   type(e).__name__, e, exc_info=e)

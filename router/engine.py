@@ -13,10 +13,10 @@ waiting for the router. Within a lane, async scheduling
 (docs/DESIGN.md, "Async scheduling") forms and sends round r + 1 while round r is in
 flight: a continuing request's input ids are what round r emits (a decode's token; with
 MTP the bonus token and round r's drafts, its position and round r's commit too), which
-the first stage fills in; so at concurrency 1 too a stage finds the next round queued. What a result means to clients (tokens to the request
-streams, whose detokenization, stop-string search and SSE writing follow, and the
-metrics) is handed to one output task through a queue, after the lane has sent its next
-micro-batch.
+the first stage fills in; so at concurrency 1 too a stage finds the next round queued.
+What a result means to clients (tokens to the request streams, whose detokenization,
+stop-string search and SSE writing follow, and the metrics) is handed to one output task
+through a queue, after the lane has sent its next micro-batch.
 
 Implements the ``AsyncEngine`` shape the HTTP layer (``router.api``) serves; ``LLM``
 (``router.llm``) drives the same engine from its own event loop (``submit``, ``settle``,
@@ -213,9 +213,9 @@ class Engine:
         return t
 
     def _lane_ended(self, lane: int, t: asyncio.Task) -> None:
-        if t.cancelled() or self._stopping or not isinstance(t.exception(), Exception):
+        e = None if t.cancelled() else t.exception()
+        if self._stopping or not isinstance(e, Exception):
             return  # cancelled (a stall, shutdown), replaced, or interrupted (LLM's KeyboardInterrupt)
-        e = t.exception()
         log.error("lane %d stopped on %s: %s; its requests fail and the lane starts again", lane,
                   type(e).__name__, e, exc_info=e)
         self._fail(f"lane {lane} stopped: {type(e).__name__}: {e}")

@@ -15,6 +15,9 @@ the kernels ranked by time (microseconds and launches per step). Cases:
   ``LLM.generate`` (``max_tokens`` 1) with each token budget of ``--budgets``: per
   micro-batch (one chunk), wall against kernel time; host time between kernels shows as
   the difference.
+- ``mixed``: ``--decoders`` requests of the 1.46B checkpoint decode, then one
+  ``--prefill-tokens`` prompt arrives (``prefill_ttft``'s mixed load): each round while it
+  prefills (wall ms, the micro-batch's prefill tokens), then the kernels of those rounds.
 
 Wall time much above kernel time means the host (or launch gaps) bounds the step.
 """
@@ -68,11 +71,12 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefill-tokens", type=int, default=8000)
     ap.add_argument("--budgets", default="512,2048,8192", help="token budgets (chunk sizes) of the prefill case")
+    ap.add_argument("--decoders", type=int, default=32, help="decoding requests of the mixed case")
     a = ap.parse_args(argv)
     cases = a.case.split(",")
 
     path = a.model
-    if "1b" in cases or "prefill" in cases:
+    if "1b" in cases or "prefill" in cases or "mixed" in cases:
         from ppspec.bench import gpu_bench
 
         if path is None:
@@ -124,6 +128,57 @@ def main(argv=None) -> None:
                    f"1B prefill of {a.prefill_tokens} tokens, budget {budget}: per micro-batch ({chunks} per prompt)")
             del llm
             torch.cuda.empty_cache()
+
+    if "mixed" in cases:
+        _mixed(torch, path, a)
+
+
+def _mixed(torch, path: str, a) -> None:
+    """The ``mixed`` case: per-round wall times while a long prompt prefills beside
+    ``a.decoders`` decoding requests, then those rounds' kernels."""
+    import random
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ppspec.bench.prefill_ttft import random_prompt
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    rnd = random.Random(0)
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_rows=a.decoders + 2,
+              kv_tokens=max(65536, 2 * a.prefill_tokens + a.decoders * 1024), max_context=a.prefill_tokens + 64)
+    vocab = llm.pipeline.runners[0].cfg.vocab_size
+    forever = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
+    ids = [llm.add_request(random_prompt(rnd, 64, vocab), forever) for _ in range(a.decoders)]
+    while any(not llm.completions[r].token_ids for r in ids):
+        llm.step()
+    for _ in range(5):
+        llm.step()
+    # a first long prompt warms every bucket its chunks meet
+    for label in ("warm", "measured"):
+        long_req = llm.add_request(random_prompt(rnd, a.prefill_tokens, vocab),
+                                   SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        walls = []
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            while not llm.completions[long_req].token_ids:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                llm.step()
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t0)
+        base = []
+        for _ in range(8):
+            t0 = time.perf_counter()
+            llm.step()
+            torch.cuda.synchronize()
+            base.append(time.perf_counter() - t0)
+    print(f"\n### mixed: {a.decoders} decoding, a {a.prefill_tokens}-token prompt arrives "
+          f"(budget {llm.scheduler.max_num_batched_tokens}, {llm.scheduler.mixed_prefill_tokens} beside decodes)\n")
+    print("rounds during its prefill (ms): " + " ".join(f"{w * 1e3:.1f}" for w in walls))
+    print("rounds after (ms): " + " ".join(f"{w * 1e3:.1f}" for w in base))
+    _table(prof, len(walls), sum(walls), a.top, "mixed rounds while the prompt prefills")
+    for r in ids:
+        llm.abort(r)
 
 
 if __name__ == "__main__":

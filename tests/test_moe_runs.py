@@ -25,7 +25,7 @@ def hf_model(path):
 
 # kind -> the MoE block's attribute name in a decoder layer (ours and transformers')
 BLOCKS = {"qwen3_next_moe": "mlp", "qwen3_5_moe": "mlp", "granite_a": "block_sparse_moe", "nemotron_h_a": "mixer",
-          "nemotron_h_b": "mixer"}
+          "nemotron_h_b": "mixer", "nemotron_h_latent": "mixer"}
 
 
 def moe_layers(r: StageRunner, attr: str) -> list[int]:
@@ -140,7 +140,7 @@ def test_each_run_equals_a_per_token_reference(fn, act, routes):
 
 @pytest.mark.parametrize("run,dtype", [("experts_grouped", torch.bfloat16), ("experts_dense", torch.float32)],
                          ids=["grouped-bf16", "dense-fp32"])
-@pytest.mark.parametrize("kind", ["nemotron_h_a", "nemotron_h_b"])
+@pytest.mark.parametrize("kind", ["nemotron_h_a", "nemotron_h_b", "nemotron_h_latent"])
 def test_nemotron_moe_block_reads_nothing_on_the_host(make_ckpt, monkeypatch, kind, run, dtype):
     """NemotronH's MoE block (router, routed experts, shared expert) with the runs CUDA takes
     on the meta device, where a host read (``.item()``, ``.tolist()``, ``nonzero``, a tensor

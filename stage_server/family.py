@@ -178,7 +178,7 @@ class ModelFamily:
       ``kv_layers``: those with paged KV (a layer may be in both: attention and a mixer in
       parallel, as Falcon-H1's).
     - ``capturable``: whether its decode / verify forward can be recorded in a CUDA graph
-      (False when a layer reads the device on the host, e.g. NemotronH's MoE expert grouping);
+      (False when a layer reads the device on the host, or the family's graphs are switched off);
       ``prefill_capturable`` (default True): whether its short prefill chunks can be too
       (``graphs.PrefillGraphs``; False where a prefill reads sequence bounds on the host).
     - ``forward(meta, hidden, layer_states) -> [T, hidden]`` (pre final norm), where

@@ -100,9 +100,8 @@ class StageRunner:
             graphs (``stage_server.graphs``), one per padded batch size, captured at start,
             and so do commits of as many rows and short prefill chunks (``PrefillGraphs``);
             0 runs every step eagerly. None: ``min(max_rows, 256)`` on CUDA, 0 on CPU. On a
-            CPU stage a positive value runs the graphs' padded path eagerly (tests). NemotronH's
-            stages with MoE blocks always run eagerly (its expert grouping is read on the
-            host), and so do the Mamba2 hybrids and Kimi Linear with ``PPSPEC_FAMILY_GRAPHS=0``
+            CPU stage a positive value runs the graphs' padded path eagerly (tests). The Mamba2
+            hybrids and Kimi Linear run eagerly with ``PPSPEC_FAMILY_GRAPHS=0``
             (``graphs.family_graphs``; their prefill chunks always).
 
     Eager prefill chunks take FlashInfer's attention where it is installed and the stage
@@ -263,8 +262,7 @@ class StageRunner:
         if cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
         if cuda_graph_max_bs and not self.model.capturable:
-            # e.g. NemotronH's MoE blocks group tokens by expert on the host; the Mamba2 / KDA families
-            # with PPSPEC_FAMILY_GRAPHS=0
+            # e.g. the Mamba2 / KDA families with PPSPEC_FAMILY_GRAPHS=0
             log.info("stage %d: CUDA graphs off (this stage's %s layers run eagerly)", pp_rank, c.model_type)
         elif cuda_graph_max_bs:
             before = _reserved(self.device)

@@ -82,7 +82,11 @@ NEMOTRON_KINDS = {
                          mamba_num_heads=6, mamba_head_dim=12, n_groups=3, ssm_state_size=8, conv_kernel=3,
                          use_bias=True, tie_word_embeddings=True, n_routed_experts=8, num_experts_per_tok=2,
                          n_group=2, topk_group=1, routed_scaling_factor=1.5, time_step_limit=(0.02, 10.0)),
-    # no MoE block: a stage that CUDA graphs can record
+    # MoE blocks with a latent projection (the experts in 40 dims), MLP biases
+    "nemotron_h_latent": dict(hybrid_override_pattern="M*E-E", num_attention_heads=4, num_key_value_heads=2,
+                              mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                              n_routed_experts=6, num_experts_per_tok=2, moe_latent_size=40, mlp_bias=True),
+    # no MoE block
     "nemotron_h_c": dict(hybrid_override_pattern="M*-MM-", num_attention_heads=4, num_key_value_heads=2,
                          mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4),
 }

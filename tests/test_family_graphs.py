@@ -2,20 +2,20 @@
 padded decode / verify path (``stage_server.graphs.StepGraphs``, run eagerly on the CPU:
 ``capture=False``) with ``PPSPEC_FAMILY_GRAPHS=1``: the hidden states of every decode and
 verify step and the committed state after a commit equal the unpadded eager forward's,
-three requests at rows that are not batch positions padded to the bucket of four (Kimi
-Linear's, Granite's and Qwen3-Next's MoE layers among them: their experts run without a
-host read on CUDA); a stage with NemotronH's MoE blocks, and every Mamba2 / KDA stage with
-the switch off (``PPSPEC_FAMILY_GRAPHS=0``), stays eager."""
+three requests at rows that are not batch positions padded to the bucket of four (NemotronH's,
+Kimi Linear's, Granite's and Qwen3-Next's MoE layers among them: their experts run without
+a host read on CUDA); every Mamba2 / KDA stage with the switch off
+(``PPSPEC_FAMILY_GRAPHS=0``) stays eager."""
 import pytest
 import torch
 
 from ppspec.proto.messages import StepInput
 from ppspec.stage_server.runner import StageRunner
 
-KINDS = ["nemotron_h_c", "falcon_h1_a", "granite_b", "granite_a", "bamba_a", "kimi_dense_4l", "kimi_moe_5l",
-         "qwen3_next_moe"]
+KINDS = ["nemotron_h_c", "nemotron_h_a", "nemotron_h_b", "falcon_h1_a", "granite_b", "granite_a", "bamba_a",
+         "kimi_dense_4l", "kimi_moe_5l", "qwen3_next_moe"]
 # the families whose expert runs are the layers.moe ones (CUDA: grouped GEMM or dense)
-MOE_KINDS = ["kimi_moe_5l", "granite_a", "qwen3_next_moe"]
+MOE_KINDS = ["nemotron_h_a", "nemotron_h_b", "kimi_moe_5l", "granite_a", "qwen3_next_moe"]
 
 
 def _steps(r: StageRunner, prompts: list[list[int]], rows: list[int]) -> list[torch.Tensor]:
@@ -84,13 +84,6 @@ def test_padded_graph_path_with_the_cuda_expert_runs_equals_eager(make_ckpt, mon
     test_padded_graph_path_equals_eager(make_ckpt, monkeypatch, kind, "replay")
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h_a"])
-def test_a_stage_with_moe_layers_stays_eager(make_ckpt, monkeypatch, kind):
-    monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "1")
-    r = StageRunner(make_ckpt(kind), max_rows=2, num_speculative_steps=1, cuda_graph_max_bs=2)
-    assert not r.model.capturable and not r.graphs and r.prefill_graphs is None
-
-
 def test_with_the_switch_off_the_families_stay_eager(make_ckpt, monkeypatch):
     monkeypatch.setenv("PPSPEC_FAMILY_GRAPHS", "0")
     r = StageRunner(make_ckpt("falcon_h1_a"), max_rows=2, num_speculative_steps=1, cuda_graph_max_bs=2)
@@ -100,12 +93,12 @@ def test_with_the_switch_off_the_families_stay_eager(make_ckpt, monkeypatch):
         StageRunner(make_ckpt("falcon_h1_a"), max_rows=2, cuda_graph_max_bs=2)
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h_c", "kimi_dense_4l", "granite_a", "qwen3_next_moe"])
+@pytest.mark.parametrize("kind", ["nemotron_h_c", "nemotron_h_a", "kimi_dense_4l", "granite_a", "qwen3_next_moe"])
 def test_pp2_speculation_through_the_padded_graphs_equals_pp1(make_ckpt, monkeypatch, kind):
     """Greedy tokens of PP2 with drafts of the reference continuation, some wrong
     (``test_spec_invariance.Oracle``), requests joining at different steps, every verify
-    through the graphs' padded path (NemotronH's second stage has no attention layer),
-    equal PP1 without speculation run eagerly; drafts are accepted."""
+    through the graphs' padded path (NemotronH's second stage has no attention layer; "a"'s
+    holds its MoE block), equal PP1 without speculation run eagerly; drafts are accepted."""
     torch.set_num_threads(1)
     from test_spec_invariance import Oracle, drive
 

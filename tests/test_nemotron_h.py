@@ -23,7 +23,8 @@ from ppspec.stage_server.config import CheckpointError, load_config
 from ppspec.stage_server.loader import load_stage_model
 from ppspec.stage_server.runner import StageRunner, split_layers
 
-KINDS = ["nemotron_h_a", "nemotron_h_b", "granite_a", "granite_b", "bamba_a", "bamba_b", "falcon_h1_a", "falcon_h1_b"]
+KINDS = ["nemotron_h_a", "nemotron_h_b", "nemotron_h_latent", "granite_a", "granite_b", "bamba_a", "bamba_b",
+         "falcon_h1_a", "falcon_h1_b"]
 TOL = 1e-4
 
 

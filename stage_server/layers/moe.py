@@ -1,5 +1,11 @@
-"""Mixture-of-experts blocks that model families share: SwiGLU experts stacked in two
-tensors, and their run over routed tokens.
+"""Mixture-of-experts blocks that model families share: experts stacked in two tensors,
+and their run over routed tokens.
+
+An expert is ``down_proj(act(gate_up_proj x))``; :class:`ExpertAct` says what ``act`` does
+with the first projection's rows: :data:`SWIGLU` (``silu(gate) * up`` of its two halves:
+Qwen3-Next, Kimi Linear, Granite 4.0 hybrid) or :data:`RELU2` (``relu(up)^2``, no gate:
+NemotronH). The experts carry it as ``act`` (:func:`expert_act`; SwiGLU where they do not),
+and every run below applies it the same way.
 
 Three runs of the same sum, one per place (:func:`routed_experts` picks):
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +35,40 @@ from torch import nn
 from ppspec.kernels.activation import silu_mul
 
 
+class ExpertAct(NamedTuple):
+    """An expert's activation between its two projections: ``fn`` maps the first
+    projection's output ``[N, gates * I]`` to the down projection's input ``[N, I]``;
+    ``gates``: the first projection's rows per intermediate unit (2: gate and up halves, 1:
+    up alone)."""
+
+    gates: int
+    fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return silu_mul(gate, up)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x)^2`` (transformers' ``ReLUSquaredActivation``)."""
+    return torch.square(F.relu(x))
+
+
+SWIGLU = ExpertAct(2, _swiglu)  # silu(gate) * up, [gate | up] = gate_up_proj x
+RELU2 = ExpertAct(1, relu2)  # relu(up)^2, up = gate_up_proj x (NemotronH's non-gated experts)
+
+
+def expert_act(experts) -> ExpertAct:
+    """The experts' activation: their ``act``, SwiGLU where they carry none."""
+    return getattr(experts, "act", SWIGLU)
+
+
 class Experts(nn.Module):
-    """Expert weights stacked: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, from the
-    config's ``num_experts`` (E), ``moe_intermediate_size`` (I), ``hidden_size`` (H)."""
+    """SwiGLU expert weights stacked: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``,
+    from the config's ``num_experts`` (E), ``moe_intermediate_size`` (I), ``hidden_size`` (H)."""
+
+    act = SWIGLU
 
     def __init__(self, cfg):
         super().__init__()
@@ -40,10 +78,12 @@ class Experts(nn.Module):
 
 
 def run_experts(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """``sum_j top_w[t, j] * expert_{top_i[t, j]}(x_t)`` with SwiGLU experts: x ``[T, hidden]``,
-    top_i ``[T, k]`` int64, top_w ``[T, k]`` (the product in torch's promotion of top_w and
-    the experts' output). Returns ``[T, hidden]`` in x's dtype."""
+    """``sum_j top_w[t, j] * expert_{top_i[t, j]}(x_t)``, each expert ``down_proj(act(gate_up_proj
+    x))`` (``act``: :func:`expert_act`): x ``[T, hidden]``, top_i ``[T, k]`` int64, top_w
+    ``[T, k]`` (the product in torch's promotion of top_w and the experts' output). Returns
+    ``[T, hidden]`` in x's dtype."""
     k = top_i.shape[-1]
+    act = expert_act(experts).fn
     # group the (token, slot) pairs by expert on the device; one host read of the group
     # sizes per layer (not one per expert) decides which expert GEMMs run
     flat = top_i.flatten()
@@ -54,8 +94,7 @@ def run_experts(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, exper
     ys, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            gate, up = F.linear(xs[start:start + n], experts.gate_up_proj[e]).chunk(2, dim=-1)
-            ys.append(F.linear(silu_mul(gate, up), experts.down_proj[e]))
+            ys.append(F.linear(act(F.linear(xs[start:start + n], experts.gate_up_proj[e])), experts.down_proj[e]))
             start += n
     if not ys:
         return torch.zeros_like(x)
@@ -72,25 +111,26 @@ def experts_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, e
     E = experts.down_proj.shape[0]
     if T == 0:
         return torch.zeros_like(x)
+    act = expert_act(experts).fn
     ids, order = torch.sort(top_i.flatten())
     ends = torch.searchsorted(ids, torch.arange(E, device=ids.device, dtype=ids.dtype), right=True, out_int32=True)
     xs = x.index_select(0, order // k)
-    gate, up = torch._grouped_mm(xs, experts.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    ys = torch._grouped_mm(silu_mul(gate, up), experts.down_proj.transpose(1, 2), offs=ends)
+    h = act(torch._grouped_mm(xs, experts.gate_up_proj.transpose(1, 2), offs=ends))
+    ys = torch._grouped_mm(h, experts.down_proj.transpose(1, 2), offs=ends)
     pairs = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, -1)
     return (pairs * top_w.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 def experts_dense(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """:func:`run_experts` as fixed-shape dense work: every expert's SwiGLU on every token
-    (one GEMM over the stacked ``[E 2I, H]`` weights, one batched GEMM for the down
-    projections), then the per-expert outputs summed with weights ``[T, E]`` that are
-    ``top_w`` at the chosen experts and 0 elsewhere. Shapes as :func:`run_experts`."""
+    """:func:`run_experts` as fixed-shape dense work: every expert on every token (one GEMM
+    over the stacked ``[E gI, H]`` first projections, the activation, one batched GEMM for
+    the down projections), then the per-expert outputs summed with weights ``[T, E]`` that
+    are ``top_w`` at the chosen experts and 0 elsewhere. Shapes as :func:`run_experts`."""
     T, H = x.shape
     E, I2, _ = experts.gate_up_proj.shape
+    act = expert_act(experts)
     w = torch.zeros(T, E, dtype=top_w.dtype, device=x.device).scatter_(1, top_i, top_w)
-    gate, up = F.linear(x, experts.gate_up_proj.reshape(E * I2, H)).view(T * E, I2).chunk(2, dim=-1)
-    h = silu_mul(gate, up).view(T, E, I2 // 2)
+    h = act.fn(F.linear(x, experts.gate_up_proj.reshape(E * I2, H)).view(T * E, I2)).view(T, E, I2 // act.gates)
     ys = torch.bmm(h.transpose(0, 1), experts.down_proj.transpose(1, 2))  # [E, T, H]
     return (ys * w.t().unsqueeze(-1)).sum(0).to(x.dtype)
 
@@ -107,10 +147,11 @@ def grouped_gemm_runs(x: torch.Tensor, experts: Experts) -> bool:
     dense run in a graph capture, the host's grouping in eager steps). Elsewhere it falls back to a loop that copies the group bounds to the
     host, which a CUDA graph cannot hold."""
     _, I2, H = experts.gate_up_proj.shape
+    inter = I2 // expert_act(experts).gates
     if os.environ.get("PPSPEC_MOE_GROUPED", "1") == "0" or not x.is_cuda or not hasattr(torch, "_grouped_mm"):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return (x.dtype == experts.gate_up_proj.dtype == torch.bfloat16 and H % 8 == 0 and (I2 // 2) % 8 == 0
+    return (x.dtype == experts.gate_up_proj.dtype == torch.bfloat16 and H % 8 == 0 and inter % 8 == 0
             and _sm_major(index) in (9, 10))
 
 

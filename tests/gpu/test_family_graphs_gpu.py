@@ -1,8 +1,8 @@
 """CUDA graphs of the Mamba2 hybrids', Kimi Linear's and Qwen3-Next's MoE decode and verify
 steps (``PPSPEC_FAMILY_GRAPHS=1``) on CUDA in fp32 (``make test-gpu``), for NemotronH,
-Falcon-H1, Granite 4.0 hybrid, Kimi Linear and Qwen3-Next checkpoints (NemotronH's without
-MoE blocks; Kimi Linear's with and without MoE layers; Granite's and Qwen3-Next's with
-them: their experts run dense in fp32, ``layers.moe.experts_dense``):
+Falcon-H1, Granite 4.0 hybrid, Kimi Linear and Qwen3-Next checkpoints (NemotronH's and Kimi
+Linear's with and without MoE blocks; Granite's and Qwen3-Next's with them: their experts
+run dense in fp32, ``layers.moe.experts_dense``):
 
 - a graphed stage (captured at start, three requests replayed in the bucket of four) gives
   the logits of every decode and verify step and the committed state after a commit of
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 
 BF16 = torch.bfloat16
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ["nemotron_h_c", "falcon_h1_a", "kimi_dense_4l", "kimi_moe_5l", "granite_a", "qwen3_next_moe"]
+KINDS = ["nemotron_h_c", "nemotron_h_a", "falcon_h1_a", "kimi_dense_4l", "kimi_moe_5l", "granite_a",
+         "qwen3_next_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +104,10 @@ def test_graphed_pp2_speculation_equals_eager_pp1(ckpts, monkeypatch, kind):
             assert gap < 1e-4, f"divergence at {j} where the reference's top-2 gap is {gap}"
 
 
-@pytest.mark.parametrize("kind", ["kimi_moe_5l", "kimi_qlora_7l", "granite_a", "qwen3_next_moe"])
+@pytest.mark.parametrize("kind", ["kimi_moe_5l", "kimi_qlora_7l", "granite_a", "qwen3_next_moe", "nemotron_h_b"])
 def test_bf16_cuda_stage_in_graphs_is_as_close_to_fp32_as_the_cpu_bf16_stage(tmp_path, kind):
     """A whole bf16 MoE stage on CUDA (the grouped-GEMM experts on compute capability 9 /
-    10, the family's kernels: Kimi's MLA, Granite's Mamba2, Qwen3-Next's GDN; decode and
+    10, the family's kernels: Kimi's MLA, Granite's and NemotronH's Mamba2, Qwen3-Next's GDN; decode and
     verify replayed from CUDA graphs) against the fp32 stage on the CPU (which equals
     transformers within 1e-4: tests/test_kimi_linear.py, test_nemotron_h.py,
     test_model_reference.py; transformers itself would take fla's kernels on this

@@ -176,12 +176,14 @@ def test_mla_attention_triton_long_context_decode(dev):
     assert _rel_err(mla_attention_gpu(*args), mla_attention_ref(*args)) < 1e-2
 
 
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])
 @pytest.mark.parametrize("T", [1, 5, 64, 256])
-def test_moe_expert_runs_on_cuda(monkeypatch, T):
-    """bf16 routed experts on CUDA: the grouped-GEMM run (compute capability 9 / 10: the
-    H200's; ``PPSPEC_MOE_GROUPED=0`` picks the dense run) and the dense run against the
-    CPU's grouping in fp32 on the same bf16 values, within 1e-2 (relative); the grouped run
-    recorded in a CUDA graph and replayed on new tokens and routes equals its eager run."""
+def test_moe_expert_runs_on_cuda(monkeypatch, T, act):
+    """bf16 routed experts on CUDA, SwiGLU and relu2 without a gate (NemotronH's): the
+    grouped-GEMM run (compute capability 9 / 10: the H200's; ``PPSPEC_MOE_GROUPED=0`` picks
+    the dense run) and the dense run against the CPU's grouping in fp32 on the same bf16
+    values, within 1e-2 (relative); the grouped run recorded in a CUDA graph and replayed on
+    new tokens and routes equals its eager run."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from types import SimpleNamespace
@@ -189,10 +191,11 @@ def test_moe_expert_runs_on_cuda(monkeypatch, T):
     from ppspec.stage_server.layers import moe
 
     E, k, H, I = 16, 4, 256, 64
+    gates, extra = (2, {}) if act == "swiglu" else (1, dict(act=moe.RELU2))
     gen = torch.Generator().manual_seed(T)
-    ex = SimpleNamespace(gate_up_proj=(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(BF16),
-                         down_proj=(torch.randn(E, H, I, generator=gen) * I ** -0.5).to(BF16))
-    gpu = SimpleNamespace(gate_up_proj=ex.gate_up_proj.cuda(), down_proj=ex.down_proj.cuda())
+    ex = SimpleNamespace(gate_up_proj=(torch.randn(E, gates * I, H, generator=gen) * H ** -0.5).to(BF16),
+                         down_proj=(torch.randn(E, H, I, generator=gen) * I ** -0.5).to(BF16), **extra)
+    gpu = SimpleNamespace(gate_up_proj=ex.gate_up_proj.cuda(), down_proj=ex.down_proj.cuda(), **extra)
 
     def routes(seed):
         g = torch.Generator().manual_seed(seed)
@@ -201,7 +204,7 @@ def test_moe_expert_runs_on_cuda(monkeypatch, T):
         return x, top_i, top_w
 
     x, top_i, top_w = routes(1)
-    f32 = SimpleNamespace(gate_up_proj=ex.gate_up_proj.float(), down_proj=ex.down_proj.float())
+    f32 = SimpleNamespace(gate_up_proj=ex.gate_up_proj.float(), down_proj=ex.down_proj.float(), **extra)
     ref = moe.run_experts(x.float(), top_i, top_w, f32)
     grouped = torch.cuda.get_device_capability()[0] in (9, 10)
     assert moe.grouped_gemm_runs(x.cuda(), gpu) == grouped

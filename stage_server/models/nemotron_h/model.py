@@ -23,12 +23,8 @@ from ...layers.attention import Attention
 from ...layers.common import RMSNorm
 from ...graphs import family_graphs
 from ...layers.mamba2 import MAMBA2, Mamba2Mixer
+from ...layers.moe import RELU2, relu2, routed_experts
 from .config import NemotronHConfig
-
-
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    """``relu(x)^2`` (transformers' ``ReLUSquaredActivation``)."""
-    return torch.square(F.relu(x))
 
 
 class MLP(nn.Module):
@@ -76,7 +72,11 @@ class TopkRouter(nn.Module):
 
 class Experts(nn.Module):
     """Expert weights stacked: ``up_proj [E, I, in]``, ``down_proj [E, in, I]`` (``in``: the
-    hidden size, or ``moe_latent_size`` with a latent projection)."""
+    hidden size, or ``moe_latent_size`` with a latent projection); relu2 experts without a
+    gate for ``layers.moe``'s runs (``act``; ``gate_up_proj``, their name for the first
+    projection, is ``up_proj``)."""
+
+    act = RELU2
 
     def __init__(self, cfg: NemotronHConfig):
         super().__init__()
@@ -84,9 +84,14 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.moe_intermediate_size, d))
         self.down_proj = nn.Parameter(torch.zeros(cfg.n_routed_experts, d, cfg.moe_intermediate_size))
 
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self.up_proj
+
 
 class MoE(nn.Module):
-    """Routed relu2 experts plus a shared relu2 expert on the block input (``NemotronHMoE``)."""
+    """Routed relu2 experts plus a shared relu2 expert on the block input (``NemotronHMoE``);
+    the routed ones run by ``layers.moe.routed_experts`` (no host read on CUDA)."""
 
     def __init__(self, cfg: NemotronHConfig):
         super().__init__()
@@ -102,21 +107,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        k = idx.shape[1]
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        # one host read of the group sizes per layer decides which expert GEMMs run
-        counts = torch.bincount(flat, minlength=self.experts.up_proj.shape[0]).tolist()
-        tok = order // k
-        hs, ws = h[tok], w.flatten()[order, None]
-        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                y = F.linear(relu2(F.linear(hs[start:start + n], self.experts.up_proj[e])), self.experts.down_proj[e])
-                out.index_add_(0, tok[start:start + n], y * ws[start:start + n])
-                start += n
-        out = out.to(h.dtype)
+        out = routed_experts(h, idx, w, self.experts)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out + self.shared_experts(x)
@@ -180,9 +171,9 @@ class NemotronHStageModel(nn.Module):
     @property
     def capturable(self) -> bool:
         """Decode / verify in CUDA graphs: unless ``PPSPEC_FAMILY_GRAPHS=0``
-        (``graphs.family_graphs``) and no MoE block in the stage (it groups tokens by expert
-        on the host)."""
-        return family_graphs() and all(layer.kind != "moe" for layer in self.layers.values())
+        (``graphs.family_graphs``). The MoE blocks run their experts without a host read on
+        CUDA (``layers.moe.routed_experts``)."""
+        return family_graphs()
 
     @property
     def state_layers(self) -> list[int]:

@@ -43,6 +43,29 @@ def _table(prof, steps: int, wall_s: float, top: int, title: str) -> None:
               f"{e.self_device_time_total / total_us:.1%} |")
 
 
+def _host_profile(torch, fn, top: int) -> None:
+    """Where the host's time of ``fn()`` goes (cProfile, no CUPTI): wall with and without
+    the profiler, then the functions of most cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    plain = time.perf_counter() - t0
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(top)
+    print(f"\nwall without a profiler {plain * 1e3:.1f} ms; the host under cProfile (cumulative):\n")
+    print("\n".join(out.getvalue().splitlines()[:top + 12]))
+
+
 def _profile(torch, fn, steps: int):
     from torch.profiler import ProfilerActivity, profile
 
@@ -126,6 +149,7 @@ def main(argv=None) -> None:
             chunks = -(-a.prefill_tokens // budget)
             _table(prof, 3 * chunks, wall, a.top,
                    f"1B prefill of {a.prefill_tokens} tokens, budget {budget}: per micro-batch ({chunks} per prompt)")
+            _host_profile(torch, lambda: llm.generate(prompt, p), a.top)
             del llm
             torch.cuda.empty_cache()
 

@@ -3,6 +3,12 @@ kernel (``attention/gpu.py``), bf16, output gate on. Prints numbers; asserts onl
 the two agree within bf16 error.
 
     python3 kernels/bench_prefill_attention.py [--requests 4] [--tokens 2048] [--prefix 0 6144]
+    python3 kernels/bench_prefill_attention.py --triton-sweep --requests 1 --tokens 8192 --prefix 0 24576
+
+``--triton-sweep`` needs no FlashInfer: the Triton kernel alone with each tile choice of
+:data:`SWEEP` (``(block_m, block_n, stages, num_warps)``, ``default`` being
+``gpu.tiles``'), at the 1.46B checkpoint's heads (16, 2, 128) and the Qwen3.5 ones
+(16, 2, 256), against the reference in fp32 on the same inputs.
 
 Each case is ``requests`` chunks of ``tokens`` queries after ``prefix`` cached tokens per
 request (rows and pages scattered, page size 16), for Qwen3.5-sized heads (16 query heads,
@@ -75,12 +81,53 @@ def bench(B: int, L: int, prefix: int, heads: tuple[int, int, int]) -> dict:
                 fi_tflops=flops / t_fi / 1e9, triton_tflops=flops / t_tr / 1e9, rel_diff=err)
 
 
+SWEEP = ["default", (64, 64, 1, 8), (64, 64, 2, 4), (128, 64, 2, 8), (128, 64, 3, 8), (128, 32, 2, 8),
+         (64, 32, 2, 8), (64, 32, 2, 4), (128, 128, 2, 8)]
+
+
+def sweep(B: int, L: int, prefix: int, heads: tuple[int, int, int]) -> None:
+    """Time the Triton kernel with each tile choice of :data:`SWEEP` on one case."""
+    from ppspec.kernels.attention import gpu
+    from ppspec.kernels.attention.naive import paged_attention_ref
+
+    args, gate, _ = case(B, L, prefix, *heads)
+    Hq, _, hd = heads
+    flops = 4 * hd * Hq * B * sum(prefix + i + 1 for i in range(L))
+    ref = None
+    if L * B * (prefix + L) <= 8192 * 8192:  # the reference materialises the score matrix
+        ref = paged_attention_ref(*[x.float() if torch.is_tensor(x) and x.is_floating_point() else x for x in args],
+                                  gate=gate.float())
+    default = gpu.tiles
+    for choice in SWEEP:
+        gpu.tiles = default if choice == "default" else (lambda *a, c=choice: c)
+        try:
+            o = paged_attention_gpu(*args, gate=gate)
+            ms = triton.testing.do_bench(lambda: paged_attention_gpu(*args, gate=gate))
+        except Exception as e:  # noqa: BLE001  (a tile choice Triton refuses)
+            print(f"| {heads} | {B} x {L} | {prefix} | {choice} | failed: {type(e).__name__} | | |", flush=True)
+            continue
+        finally:
+            gpu.tiles = default
+        err = float((o.double() - ref.double()).norm() / ref.double().norm()) if ref is not None else float("nan")
+        print(f"| {heads} | {B} x {L} | {prefix} | {choice} | {ms:.3f} | {flops / ms / 1e9:.0f} | {err:.1e} |",
+              flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 6144])
+    ap.add_argument("--triton-sweep", action="store_true", help="the Triton kernel's tile choices, no FlashInfer")
     a = ap.parse_args(argv)
+    if a.triton_sweep:
+        print(f"{torch.cuda.get_device_name()}, Triton paged attention, bf16, gated")
+        print("| heads (q, kv, hd) | requests x tokens | prefix | tiles | ms | TFLOP/s | rel. diff to fp32 ref |")
+        print("|---|---|---|---|---|---|---|")
+        for heads in ((16, 2, 128), (16, 2, 256)):
+            for prefix in a.prefix:
+                sweep(a.requests, a.tokens, prefix, heads)
+        return
     mod, why = fa._flashinfer()
     if mod is None:
         sys.exit(f"flashinfer does not import: {why}")

@@ -38,6 +38,46 @@ from .naive import check_gate
 
 
 @triton.jit
+def _attn_keys(acc, m_i, l_i, b_q, k_cache, v_cache, page_table, row, pt_stride, i_hk, o_d, m_d, q_pos,
+               start, end, qk_scale,
+               HKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+               IEEE: tl.constexpr, MASK: tl.constexpr):
+    """One block of ``BLOCK_N`` keys from ``start`` into the online softmax (base 2: the
+    scores come scaled by ``scale * log2(e)``). ``MASK`` off: every key of the block lies
+    below ``end`` and is visible to every query of the program, so no mask is built."""
+    pos = start + tl.arange(0, BLOCK_N)
+    if MASK:
+        m_n = pos < end
+        page = tl.load(page_table + row * pt_stride + pos // PAGE, mask=m_n, other=0).to(tl.int64)
+    else:
+        page = tl.load(page_table + row * pt_stride + pos // PAGE).to(tl.int64)
+    slot = page * PAGE + pos % PAGE
+    kv_off = (slot[:, None] * HKV + i_hk) * HD + o_d[None, :]
+    if MASK:
+        b_k = tl.load(k_cache + kv_off, mask=m_n[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(v_cache + kv_off, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    else:
+        b_k = tl.load(k_cache + kv_off, mask=m_d[None, :], other=0.0)
+        b_v = tl.load(v_cache + kv_off, mask=m_d[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(b_q.to(b_k.dtype), tl.trans(b_k))
+    s = s * qk_scale
+    if MASK:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & m_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(b_v.dtype), b_v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
 def _paged_attn_kernel(
     q, k_cache, v_cache, page_table, rows, kv_lens, cu_q, o, gate, part_acc, part_ml,
     scale, pt_stride, sg0, sg1,
@@ -47,7 +87,9 @@ def _paged_attn_kernel(
 ):
     i_b = tl.program_id(0)
     i_hk = tl.program_id(1)
-    i_mb = tl.program_id(2) // SPLITS
+    # the blocks of late queries, which see the most keys, go first: a causal prefill's
+    # longest programs then do not make the launch's tail
+    i_mb = tl.num_programs(2) // SPLITS - 1 - tl.program_id(2) // SPLITS
     i_s = tl.program_id(2) % SPLITS
     G: tl.constexpr = HQ // HKV
     # the index tensors come as the stage made them (int64 or int32); int32 arithmetic here
@@ -69,6 +111,7 @@ def _paged_attn_kernel(
         q_pos = n - L + i_q
         last_i = tl.minimum(L - 1, (m_start + BLOCK_M - 1) // G)
         hi = n - L + last_i + 1  # keys [0, hi) are visible to some query of this block
+        qk_scale = scale * 1.4426950408889634  # log2(e): the softmax in base 2
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -79,33 +122,18 @@ def _paged_attn_kernel(
             chunk = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
             lo = i_s * chunk
             end = tl.minimum(lo + chunk, hi)
+        # whole blocks below the first query's position are visible to every query of the
+        # block: no mask there (most of a long prefill's keys); the rest is masked
+        first = n - L + m_start // G + 1
+        full = tl.maximum(lo, tl.minimum(end, first // BLOCK_N * BLOCK_N))
         # NS > 1: Triton's pipeliner issues the next blocks' page-table, K and V loads (cp.async)
         # while this one computes; a decode or verify program is otherwise latency-bound
-        for start in tl.range(lo, end, BLOCK_N, num_stages=NS):
-            pos = start + tl.arange(0, BLOCK_N)
-            m_n = pos < end
-            page = tl.load(page_table + row * pt_stride + pos // PAGE, mask=m_n, other=0).to(tl.int64)
-            slot = page * PAGE + pos % PAGE
-            kv_off = (slot[:, None] * HKV + i_hk) * HD + o_d[None, :]
-            b_k = tl.load(k_cache + kv_off, mask=m_n[:, None] & m_d[None, :], other=0.0)
-            b_v = tl.load(v_cache + kv_off, mask=m_n[:, None] & m_d[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(b_q.to(b_k.dtype), tl.trans(b_k))
-            s = s * scale
-            vis = (pos[None, :] <= q_pos[:, None]) & m_n[None, :]
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(b_v.dtype), b_v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        for start in tl.range(lo, full, BLOCK_N, num_stages=NS):
+            acc, m_i, l_i = _attn_keys(acc, m_i, l_i, b_q, k_cache, v_cache, page_table, row, pt_stride, i_hk, o_d,
+                                       m_d, q_pos, start, end, qk_scale, HKV, HD, PAGE, BLOCK_N, IEEE, False)
+        for start in tl.range(full, end, BLOCK_N, num_stages=NS):
+            acc, m_i, l_i = _attn_keys(acc, m_i, l_i, b_q, k_cache, v_cache, page_table, row, pt_stride, i_hk, o_d,
+                                       m_d, q_pos, start, end, qk_scale, HKV, HD, PAGE, BLOCK_N, IEEE, True)
         m_o = m_q[:, None] & m_d[None, :]
         if SPLITS > 1:  # partial (acc, max, sum) of this share; _combine_splits_kernel ends it
             part = (tok[:, None] * HQ + i_hq[:, None]) * SPLITS + i_s
@@ -133,7 +161,7 @@ def _combine_splits_kernel(
     HQ: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     """One (query token, query head): the SPLITS partial softmaxes merged (flash-decoding:
-    each share's sum and output rescaled by ``e^{m_s - max_s m_s}``), then the epilogue.
+    each share's sum and output rescaled by ``2^{m_s - max_s m_s}``, its scores being in base 2), then the epilogue.
     A share with no visible key holds m = -1e30, l = 0 and weighs nothing."""
     tok = tl.program_id(0).to(tl.int64)
     i_hq = tl.program_id(1)
@@ -142,7 +170,7 @@ def _combine_splits_kernel(
     base = (tok * HQ + i_hq) * SPLITS
     m_s = tl.load(part_ml + (base + o_s) * 2)
     l_s = tl.load(part_ml + (base + o_s) * 2 + 1)
-    w = tl.exp(m_s - tl.max(m_s, axis=0))
+    w = tl.exp2(m_s - tl.max(m_s, axis=0))  # the shares' maxima are in base 2
     acc = tl.load(part_acc + (base + o_s)[:, None] * BD + o_d[None, :])
     out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(tl.sum(l_s * w, axis=0), 1e-30)
     _attn_epilogue(out, o, gate, tok, i_hq, o_d, o_d < HD, sg0, sg1, HQ, HD, HAS_GATE)
@@ -218,14 +246,9 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
     BD = triton.next_power_of_2(hd)
     M = max_l * G  # (query, grouped head) rows of a request and KV head
-    BLOCK_M = 16 if M <= 16 else (32 if M <= 32 or (ieee and BD > 128) else 64)
-    # decode and verify (one M block) read K and V through a 2-stage pipeline of 64 keys;
-    # a prefill block of 64 rows keeps one stage of 32 keys at wide heads (shared memory)
-    one_block = M <= BLOCK_M
-    BLOCK_N = 32 if ieee or (BD > 128 and not one_block) else 64
-    stages = 2 if one_block and not ieee else 1
+    block_m, block_n, stages, warps = tiles(M, BD, ieee)
     elt = 4 if ieee else 2
-    tiles = fit_shared(BLOCK_M, BLOCK_N, stages, BD, elt)
+    block_m, block_n, stages = fit_shared(block_m, block_n, stages, BD, elt)
 
     def launch(block_m, block_n, num_stages):
         m_blocks = triton.cdiv(M, block_m)
@@ -239,7 +262,7 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
             q, k_cache, v_cache, pt, rows, lens, cu, o, g3, part_acc, part_ml, float(scale), pt.stride(0), sg0, sg1,
             HQ=Hq, HKV=Hkv, HD=hd, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BD=BD, IEEE=ieee,
             HAS_GATE=gate is not None, SPLITS=splits, NS=num_stages,
-            num_warps=4 if block_m <= 32 and BD <= 256 else 8,
+            num_warps=warps,
         )
         if splits > 1:
             _combine_splits_kernel[(T, Hq)](
@@ -247,8 +270,27 @@ def paged_attention_gpu(q, k_cache, v_cache, page_table, req_pool_indices, kv_le
                 num_warps=4 if BD >= 256 else 2,
             )
 
-    launch_fitting(launch, *tiles, BD, elt)
+    launch_fitting(launch, block_m, block_n, stages, BD, elt)
     return o
+
+
+def tiles(M: int, BD: int, ieee: bool) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, stages, num_warps)`` for ``M`` (query, grouped head) rows per
+    request and KV head, padded head dim ``BD``, fp32 (``ieee``) or 16-bit inputs, before
+    :func:`fit_shared`.
+
+    Decode and verify (one block of rows) read K and V through a 2-stage pipeline of 64
+    keys. A 16-bit prefill takes 128 rows (64 at head dim 256) against 64 keys (32) through
+    a 2-stage pipeline on 8 warps: each K / V block then serves twice the queries of 64 rows
+    (kernels/bench_prefill_attention.py --triton-sweep on the H200, docs/PERFORMANCE.md,
+    "Prefill attention"). fp32 keeps small tiles: its IEEE products hold 4-byte operands."""
+    if ieee:
+        block_m = 16 if M <= 16 else (32 if M <= 32 or BD > 128 else 64)
+        return block_m, 32, 1, 4 if block_m <= 32 else 8
+    if M <= 64:
+        block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+        return block_m, 64, 2, 4 if block_m <= 32 else 8
+    return (128, 64, 2, 8) if BD <= 128 else (64, 32, 2, 8)
 
 
 # Decode and verify launch one program per (request, KV head): at batch 64 with 2 KV heads

@@ -10,7 +10,9 @@ flushed no stage holds a row, a KV page or a snapshot, nor the router a charge o
   is admitted: the turn misses and prefills it all;
 - a request admitted with a hit (its snapshot pinned, its pages shared) is preempted
   before its first chunk ran: the pin and the shared pages go back, and readmitted it
-  hits again, counted once.
+  hits again, counted once;
+- and all of it at once: the engine as served (async scheduling), 32 conversations at a
+  time on four snapshot slots and a KV pool that preempts, some turns aborted.
 """
 from __future__ import annotations
 
@@ -160,3 +162,85 @@ def test_a_request_preempted_with_its_hit_before_its_first_chunk(ckpt, turns, pp
     assert sched.num_preemptions == 1 and req.cached_tokens == hit
     assert sched.cache.hit_tokens == hit and not sched.cache.pins
     assert_all_free(llm)
+
+
+async def _conversations(engine, n, turns, seed, aborts=0.0):
+    """``n`` multi-turn conversations at once through ``engine`` (half of them after a shared
+    40-token system prompt), each turn the last one, its reply and a new message; a turn is
+    aborted (and its conversation ends) with probability ``aborts``. Returns
+    ``{(conversation, turn): tokens}``, ``"aborted"`` for the aborted turns."""
+    import asyncio
+    import random
+
+    rnd = random.Random(seed)
+    system = [rnd.randrange(3, 250) for _ in range(40)]
+    out = {}
+
+    async def conversation(k):
+        r = random.Random(seed * 1000 + k)
+        prompt = (system if k % 2 else []) + [r.randrange(3, 250) for _ in range(r.randrange(5, 80))]
+        for t in range(turns):
+            params = SamplingParams(temperature=0, max_tokens=r.randrange(1, 30), ignore_eos=True)
+            abort_at = r.randrange(0, 6) if r.random() < aborts else None
+            toks = []
+            gen = engine.generate(f"c{k}t{t}", list(prompt), params)
+            async for o in gen:
+                toks += o.new_token_ids
+                if abort_at is not None and len(toks) >= abort_at:
+                    await engine.abort(f"c{k}t{t}")
+                    await gen.aclose()
+                    out[(k, t)] = "aborted"
+                    return
+            out[(k, t)] = toks
+            prompt = prompt + toks + [r.randrange(3, 250) for _ in range(r.randrange(3, 30))]
+
+    await asyncio.gather(*(conversation(k) for k in range(n)))
+    return out
+
+
+@pytest.mark.parametrize("pp,slots,kv_tokens,aborts", [(1, 4, 1024, 0.0), (2, 4, 640, 0.25)])
+def test_served_engine_at_concurrency_32_with_few_slots_and_a_short_pool(ckpt, pp, slots, kv_tokens, aborts):
+    """The engine as ``ppspec serve`` runs it (async scheduling: a lane's next round sent
+    before its last one's result; the stages' compute on the loop's thread, so that the
+    interleaving is the same in every run) with 32 conversations at once, MTP, four
+    snapshot slots and a KV pool that preempts: every turn gets the tokens of the same
+    engine without the cache (no request fails), snapshots are hit, and a flush leaves
+    nothing held."""
+    import asyncio
+
+    from ppspec.router.engine import Engine
+    from ppspec.router.pipeline import InProcessPipeline
+    from ppspec.stage_server.snapshots import snapshot_nbytes
+
+    per_slot = max(snapshot_nbytes(r.state) for r in InProcessPipeline.build(ckpt, pp, max_rows=2,
+                                                                             kv_tokens=64).runners)
+
+    async def serve(cache):
+        pipe = InProcessPipeline.build(ckpt, pp, max_rows=64, kv_tokens=kv_tokens, num_speculative_steps=3,
+                                       use_mtp=True, prefix_cache_gb=(slots + 0.5) * per_slot / 2**30 if cache else 0)
+        pipe.inline = True
+        engine = Engine(pipe, model_name="m", tokenizer=None, speculative_algorithm="mtp",
+                        enable_prefix_caching=cache, max_num_batched_tokens=256, chunk_size=64)
+        await engine.start()
+        try:
+            got = await asyncio.wait_for(_conversations(engine, 32, 3, seed=pp, aborts=aborts), 600)
+            s = engine.scheduler
+            while not engine.settled() or s.releasing_rows():
+                await asyncio.sleep(0.01)
+            held = None
+            if cache:
+                assert s.cache.num_slots == slots
+                figures = (s.num_preemptions, s.cache.hit_tokens)
+                await engine.flush_cache()
+                held = (s.kv_reserved, len(s.free_rows), s.cache.num_used, dict(s.cache.pins), figures,
+                        [(len(r.rows_in_use), r.kv.used_pages if r.kv else 0, r.mtp_kv.used_pages if r.mtp_kv else 0,
+                          r.snapshots.used) for r in pipe.runners])
+            return got, held
+        finally:
+            await engine.close()
+
+    want, _ = asyncio.run(serve(False))
+    got, (kv, free, used, pins, (preempted, hit), stages) = asyncio.run(serve(True))
+    assert got == want
+    assert preempted > 0 and hit > 0
+    assert (kv, free, used, pins) == (0, 64, 0, {}) and stages == [(0, 0, 0, 0)] * pp

@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU: a random 4-layer hidden-64 checkpoint with an MTP head (served_vs_engine's), made in a "
                          "temporary folder: a round's fixed cost outweighs its compute and replies do not re-tokenize "
                          "to their ids, as with the random 1.46B on the H200")
+    ap.add_argument("--tiny-vocab-size", type=int, default=8192,
+                    help="with --tiny, the checkpoint's vocab_size: 8192 is the demo tokenizer's; 32000 is the "
+                         "H200's random 1.46B's, whose ids from 8192 on decode to no text")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--spec", default="mtp", choices=("none", "ngram", "mtp"))
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from ppspec.bench.served_vs_engine import make_tiny
 
-        a.model = make_tiny(os.path.join(tempfile.mkdtemp(), "tiny"))
+        a.model = make_tiny(os.path.join(tempfile.mkdtemp(), "tiny"), vocab_size=a.tiny_vocab_size)
     a.model = a.model or DEMO_MODEL
     records, counter = load_sharegpt(), TokenCounter(a.model)
     results: dict[str, dict] = {}

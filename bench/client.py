@@ -33,6 +33,15 @@ _SSE_FIELDS = ("data:", "event:", "id:", "retry:", ":")
 
 clock = time.perf_counter  # seconds; module-level so that tests can replace it
 
+# A stream without text is a failed request (as vLLM's benchmark counts it: no TTFT). When
+# the usage says tokens were generated, they decode to nothing: ids past the tokenizer's
+# vocabulary (a random checkpoint whose vocab_size exceeds its tokenizer's, as bench
+# gpu_bench's 1.46B: 32000 ids, the demo tokenizer's 8192) or special tokens. That is the
+# checkpoint's output, not a server error; the error says which.
+NO_TEXT = "the stream ended without any generated text"
+NO_TEXT_TOKENS = (", though the server generated tokens (usage): ids that decode to no text "
+                  "(past the tokenizer's vocabulary, or special tokens)")
+
 
 @dataclass
 class RequestResult:
@@ -189,7 +198,9 @@ async def stream_request(
         r.non_openai = True
         return r
     if r.num_chunks == 0:
-        r.error = "the stream ended without any generated text"
+        r.error = NO_TEXT
+        if r.completion_tokens:  # the server did generate: tokens that decode to no text
+            r.error += NO_TEXT_TOKENS
         return r
     r.e2el = last - st
     r.success = True

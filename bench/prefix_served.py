@@ -20,7 +20,12 @@ warm-up does not run every shape), and the cache is flushed (``POST /v1/cache/fl
 before every workload, so that no workload hits what an earlier one left. Around each
 workload the server's ``ppspec:prefix_cache_hits_total`` / ``queries_total`` are read:
 the prompt tokens it reports hit must equal the sum of the responses'
-``usage.prompt_tokens_details.cached_tokens`` (printed; ``hits_agree``).
+``usage.prompt_tokens_details.cached_tokens`` (printed; ``hits_agree``). A failed request
+is one whose stream carried no text, as in ``ppspec bench``; ``failed_no_text`` counts
+those the server answered in full with tokens that decode to nothing: a random checkpoint
+whose ``vocab_size`` exceeds its tokenizer's (gpu_bench's 1.46B: 32000 ids, the demo
+tokenizer's 8192) emits such replies, short ones most often, with the cache on or off
+(its tokens differ in bf16 where a hit replaces a prefill).
 
 Prints a table of the on / off ratios against the issue's targets (later-turn TTFT at
 most 0.3x, shared-system-prompt TTFT at most 0.2x, first turns within 3%), and writes
@@ -66,6 +71,7 @@ def flush(url: str, cache: bool) -> None:
 def run_workloads(a, url: str, cache: bool, records: list[dict], counter) -> dict:
     """Every workload of ``a.workloads`` against the server at ``url``: ``{name: figures}``.
     ``records``: ShareGPT (``dataset.load_sharegpt``); ``counter``: the model's ``TokenCounter``."""
+    from ppspec.bench.client import NO_TEXT_TOKENS
     from ppspec.bench.dataset import sample_sharegpt, shared_prefix
     from ppspec.bench.multiturn import run_multi_turn, sample_conversations
     from ppspec.bench.runner import RunConfig, run_benchmark
@@ -106,11 +112,14 @@ def run_workloads(a, url: str, cache: bool, records: list[dict], counter) -> dic
         # every response that reported its usage, a turn the client counts failed included
         # (a reply with no text); the server counts every request that ran a micro-batch
         usage_cached = sum(x.get("cached_tokens") or 0 for x in rows)
+        # failed turns the server answered in full, with tokens that decode to no text (a
+        # random checkpoint's ids past its tokenizer's vocabulary): not server errors
+        no_text = sum(1 for x in rows if not x["success"] and (x.get("error") or "").endswith(NO_TEXT_TOKENS))
         fig = {
             "output_tok_s": r["output_throughput"],
             "ttft_ms": (r["ttft_later_turns_ms"] if name.startswith("mt") else r["ttft_ms"])["mean"],
             "hit_rate": r.get("hit_rate_later_turns"),
-            "requests": len(rows), "failed": r["failed"],
+            "requests": len(rows), "failed": r["failed"], "failed_no_text": no_text,
             "later_turns": len(later) if name.startswith("mt") else None,
             "server_queried": q1 - q0, "server_hit": h1 - h0, "usage_cached": usage_cached,
             "errors": r.get("errors", []),
@@ -120,7 +129,8 @@ def run_workloads(a, url: str, cache: bool, records: list[dict], counter) -> dic
         print(f"  {'on ' if cache else 'off'} {name:6s}: {fig['output_tok_s']:8.1f} output tok/s, TTFT mean "
               f"{fig['ttft_ms']:8.1f} ms{' (turns 2+)' if name.startswith('mt') else ''}, hit "
               f"{fig['server_hit']} of {fig['server_queried']} prompt tokens (responses' cached_tokens "
-              f"{usage_cached}), {fig['failed']} failed", flush=True)
+              f"{usage_cached}), {fig['failed']} failed"
+              f"{f' ({no_text} of them replies that decode to no text)' if no_text else ''}", flush=True)
         for e in fig["errors"]:
             print(f"      error: {e}", flush=True)
     return out
@@ -174,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU: a random 4-layer hidden-64 checkpoint with an MTP head (served_vs_engine's), made in a "
                          "temporary folder: a round's fixed cost outweighs its compute and replies do not re-tokenize "
                          "to their ids, as with the random 1.46B on the H200")
+    ap.add_argument("--tiny-vocab-size", type=int, default=8192,
+                    help="with --tiny, the checkpoint's vocab_size: 8192 is the demo tokenizer's; 32000 is the "
+                         "H200's random 1.46B's, whose ids from 8192 on decode to no text")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--spec", default="mtp", choices=("none", "ngram", "mtp"))
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from ppspec.bench.served_vs_engine import make_tiny
 
-        a.model = make_tiny(os.path.join(tempfile.mkdtemp(), "tiny"))
+        a.model = make_tiny(os.path.join(tempfile.mkdtemp(), "tiny"), vocab_size=a.tiny_vocab_size)
     a.model = a.model or DEMO_MODEL
     records, counter = load_sharegpt(), TokenCounter(a.model)
     results: dict[str, dict] = {}

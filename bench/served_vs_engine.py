@@ -54,12 +54,15 @@ TINY_SHAPE = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hi
                   linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=16384)
 
 
-def make_tiny(path: str) -> str:
+def make_tiny(path: str, seed: int = 0, **shape) -> str:
+    """The random tiny checkpoint at ``path`` (:data:`TINY_SHAPE`, ``shape`` overriding it),
+    its weights drawn after ``torch.manual_seed(seed)``: the same checkpoint in every run."""
     import torch
 
     from ppspec.bench.gpu_bench import make_random_checkpoint
 
-    make_random_checkpoint(torch, path, "cpu", mtp=True, **TINY_SHAPE)
+    torch.manual_seed(seed)
+    make_random_checkpoint(torch, path, "cpu", mtp=True, **{**TINY_SHAPE, **shape})
     return path
 
 

@@ -16,6 +16,8 @@ from ppspec.proto.messages import (
     Commit, Release, StageInfo, StepInput, StepOutput, fill_following, note_round, with_left_out,
 )
 
+from .types import StageDownError
+
 
 class Pipeline(abc.ABC):
     """What the engine (``router.engine.Engine``) calls. Stages order a step or release of
@@ -94,12 +96,20 @@ class InProcessPipeline(Pipeline):
     The async API computes on one worker thread, so that an HTTP server in the same event
     loop keeps answering; with ``inline`` (``LLM``, whose loop serves nothing else) on the
     loop's thread, without a thread hand-off per call.
+
+    ``order_timeout``: seconds a step or release waits for the pending commit of its rows
+    (as a stage server's ``order_timeout``); past it the call raises StageDownError naming
+    the rows and the rounds whose commits never came, and the engine recovers (its release
+    of every row abandons them) instead of waiting for ever.
     """
 
-    def __init__(self, runners: list):
+    def __init__(self, runners: list, order_timeout: float = 600.0):
         if not runners:
             raise ValueError("a pipeline needs at least one stage")
+        if not order_timeout > 0:
+            raise ValueError(f"order_timeout must be > 0 seconds, got {order_timeout}")
         self.runners = runners
+        self.order_timeout = order_timeout
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ppspec-inproc")
         # async API: rows whose verify awaits its commit -> (micro_batch_id, round). The
         # driver sends a commit in the background and may step the lane again first; as a
@@ -118,7 +128,8 @@ class InProcessPipeline(Pipeline):
         self.stepping = 0  # micro-batches past the gate, not yet back
 
     @classmethod
-    def build(cls, model_dir: str, pp_size: int = 1, device: str = "cpu", **runner_kwargs) -> "InProcessPipeline":
+    def build(cls, model_dir: str, pp_size: int = 1, device: str = "cpu", order_timeout: float = 600.0,
+              **runner_kwargs) -> "InProcessPipeline":
         """One ``StageRunner`` per PP rank. ``device``: one device for every stage, or a
         comma-separated device per stage (``"cuda:0,cuda:1"``: each stage on its GPU, the
         hidden states copied between them). Raises ValueError for a list of another length."""
@@ -126,7 +137,8 @@ class InProcessPipeline(Pipeline):
         from ppspec.stage_server.runner import StageRunner
 
         devices = stage_devices(device, pp_size, spread_cuda=False)
-        return cls([StageRunner(model_dir, k, pp_size, device=devices[k], **runner_kwargs) for k in range(pp_size)])
+        return cls([StageRunner(model_dir, k, pp_size, device=devices[k], **runner_kwargs) for k in range(pp_size)],
+                   order_timeout)
 
     # ---- synchronous API (single-process driver)
     def info_sync(self) -> list[StageInfo]:
@@ -191,9 +203,19 @@ class InProcessPipeline(Pipeline):
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def _wait_committed(self, rows: list[int]) -> None:
-        async with self._committed:
-            await self._committed.wait_for(lambda: not any(r in self._pending for r in rows))
+    async def _wait_committed(self, rows: list[int], what: str) -> None:
+        """Until no row of ``rows`` awaits a commit; StageDownError after ``order_timeout``
+        seconds (a commit that never came: the rows' state is unknown)."""
+        try:
+            async with self._committed:
+                await asyncio.wait_for(self._committed.wait_for(lambda: not any(r in self._pending for r in rows)),
+                                       self.order_timeout)
+        except asyncio.TimeoutError:
+            stuck = sorted((r, self._pending[r]) for r in rows if r in self._pending)
+            shown = ", ".join(f"row {r} (micro-batch {m} round {k})" for r, (m, k) in stuck[:8])
+            more = f" and {len(stuck) - 8} more" if len(stuck) > 8 else ""
+            raise StageDownError(f"in-process stages: {what} waited {self.order_timeout:g}s for the commits of "
+                                 f"{shown}{more}") from None
 
     async def step(self, inp: StepInput) -> StepOutput:
         key, noted, n, left_out = ("", inp.micro_batch_id), None, len(inp.req_pool_indices), []
@@ -206,7 +228,8 @@ class InProcessPipeline(Pipeline):
                                                       self._pending)
                 if commit is not None:  # the followed verify's, before the step, as the stages apply it
                     await self.commit_accept(commit)
-            await self._wait_committed(inp.req_pool_indices)
+            await self._wait_committed(inp.req_pool_indices, f"{inp.mode} of micro-batch {inp.micro_batch_id} "
+                                                              f"round {inp.round}")
             if self.inline:
                 # the other lanes' steps, the commits and the output task run between two
                 # steps, in the order a pipeline of stage servers meets them
@@ -231,7 +254,7 @@ class InProcessPipeline(Pipeline):
         rows = r.req_pool_indices
         if r.abandon:
             await self._done(rows, None)
-        await self._wait_committed(rows)
+        await self._wait_committed(rows, f"release of rows {rows[:8]}{' ...' if len(rows) > 8 else ''}")
         await self._run(self.release_sync, rows, r.snapshot_slots, r.drop_slots)
 
     async def _done(self, rows: list[int], key: tuple[int, int] | None) -> None:

@@ -824,7 +824,11 @@ class Scheduler:
             if batch.restore_slots and batch.restore_slots[i] >= 0:
                 self._unpin(r)
             toks = output_ids[i]
-            if batch.snapshot_slots and batch.snapshot_slots[i] >= 0:  # every stage took it
+            # every stage took it; unless the request failed while this step was in flight
+            # (fail_all abandoned the slot: it is dropped, and after a recovery it may be
+            # another request's already)
+            if batch.snapshot_slots and batch.snapshot_slots[i] >= 0 and \
+                    self.cache.taking.get(batch.snapshot_slots[i]) == r.request_id:
                 # filed under its tokens and the next one (at a prompt's end: the one sampled)
                 key = (r.all_ids + toks[:1])[: batch.seq_lens[i] + batch.extend_lens[i] + 1]
                 if len(key) > self.cache.lens[batch.snapshot_slots[i]]:

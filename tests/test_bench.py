@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 
@@ -710,3 +711,32 @@ def test_edge_cost_divides_the_servers_cpu_by_the_tokens_it_streamed(capsys):
     first = out[0].split(", ")
     assert first[2] == f"{want} tokens" and first[3] == "0 failed", out
     assert float(first[0].split(": ")[1].split()[0]) > 0
+
+
+def test_a_stream_without_text_fails_and_says_whether_tokens_came():
+    """A stream that carries no text is a failed request (no TTFT), as vLLM's benchmark
+    counts it. When its usage says the server generated tokens, the error says they decode
+    to nothing (ids past the tokenizer's vocabulary, special tokens: a random checkpoint's
+    output, not a server error), so that a report tells the two apart."""
+    from ppspec.bench.client import NO_TEXT, NO_TEXT_TOKENS, stream_request
+
+    def sse(*chunks):
+        return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    empty = {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}
+    text = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+    bodies = {"tokens": sse(empty, empty, usage), "nothing": sse(empty), "text": sse(text, usage)}
+
+    async def run(kind):
+        transport = httpx.MockTransport(lambda req: httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, text=bodies[kind]))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await stream_request(client, "http://stub/v1/chat/completions", {}, True)
+
+    r = asyncio.run(run("tokens"))
+    assert not r.success and r.completion_tokens == 3 and r.error == NO_TEXT + NO_TEXT_TOKENS
+    r = asyncio.run(run("nothing"))
+    assert not r.success and r.error == NO_TEXT
+    r = asyncio.run(run("text"))
+    assert r.success and r.error is None and r.text == "hi" and r.completion_tokens == 3

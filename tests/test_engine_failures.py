@@ -643,3 +643,52 @@ def test_a_lane_whose_loop_raises_fails_its_requests_and_serves_again(reference)
     assert all(isinstance(r, StageDownError) and "scheduler bug for the test" in str(r) for r in first), first
     assert again == reference[:-1]
     assert free == 8
+
+
+def test_a_commit_that_never_comes_fails_the_rounds_waiting_for_it_instead_of_hanging(reference):
+    """The in-process pipeline orders a step or release of a row after the row's pending
+    commit, as a stage server does. A commit lost on the way (dropped here, once): the next
+    round of those rows waited for it for ever. With ``order_timeout`` it fails after that
+    many seconds with StageDownError naming the rows and the round whose commit it waited
+    for; the engine recovers (its release of every row abandons the lost commit) and
+    serves the next requests with the tokens of PP1 without speculation."""
+    torch.set_num_threads(1)
+    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True,
+                                   order_timeout=1.0)
+    commit, lost = pipe.commit_accept, []
+
+    async def losing_the_first_commit(c):
+        if not lost:
+            lost.append((c.micro_batch_id, c.round, list(c.req_pool_indices)))
+            return None  # never applied, never settled: its rows stay pending
+        return await commit(c)
+
+    pipe.commit_accept = losing_the_first_commit
+
+    async def run():
+        # each round after the last one's result: every commit goes out on its own
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=1,
+                        async_scheduling=False)
+        await engine.start()
+        try:
+            # without the timeout this waits for ever: the guard makes that a failure
+            first = await asyncio.wait_for(asyncio.gather(*(_collect(engine, f"a{i}", p) for i, p in
+                                                            enumerate(PROMPTS[:2]))), 120)
+            for _ in range(600):  # the recovery runs in the background
+                if engine.failure is None:
+                    break
+                await asyncio.sleep(0.05)
+            again = await asyncio.wait_for(asyncio.gather(*(_collect(engine, f"b{i}", p) for i, p in
+                                                            enumerate(PROMPTS[:3]))), 120)
+            await engine.settle()
+            return first, again, len(engine.scheduler.free_rows), [i["rows_in_use"] for i in await pipe.info()]
+        finally:
+            await engine.close()
+
+    first, again, free, in_use = asyncio.run(run())
+    (mb, rnd, rows), = lost
+    assert all(isinstance(r, StageDownError) for r in first), first
+    msg = str(first[0])
+    assert "waited 1s for the commits of" in msg and f"row {rows[0]} (micro-batch {mb} round {rnd})" in msg, msg
+    assert again == reference[:3]
+    assert free == 8 and in_use == [0, 0]

@@ -147,3 +147,39 @@ def test_eviction_drops_snapshots_that_free_pages_only_together():
     c = s.cache
     assert c.num_cached == 2 and s.kv_reserved == 12
     assert c.evict(4, plan=s._drop_plan()) == 12 and sorted(c.take_drops()) == sorted(c.lens)
+
+
+def test_a_result_back_after_a_failure_files_no_snapshot_of_the_failed_request():
+    """A stage failure ends every request (``fail_all``): a snapshot a micro-batch in flight
+    was taking is abandoned (dropped on every stage). That micro-batch's result may still
+    come back afterwards (the failure was another call's): it must not file the slot, which
+    would then be both cached and dropped (freed while the tree still names it); nor, once
+    the recovery forgot every slot (``clear_cache``) and the slot went to a new request's
+    micro-batch, file that request's slot under the failed one's tokens."""
+    prompt = list(range(100, 200))
+    for recovered in (False, True):
+        s = make()
+        s.add("a", prompt, P)
+        batch = s.schedule(0)
+        slot = batch.snapshot_slots[0]
+        assert slot >= 0 and batch.extend_lens == [64]  # a chunk inside the prompt: snapshotted after it
+        _, rows = s.fail_all()
+        assert s.cache.to_drop == [slot] and s.cache.taking == {} and rows == batch.rows
+        if recovered:  # the recovery ran before the result came back; a new request took the slot
+            s.take_dropped_slots()
+            s.clear_cache()
+            s.free(rows)
+            s.add("b", list(range(300, 400)), P)
+            again = s.schedule(0)
+            assert again.snapshot_slots == [slot] and s.cache.taking == {slot: "b"}
+        s.process(batch, [[]])  # the failed request's chunk, back
+        assert slot not in s.cache.nodes and s.cache.lookup(prompt) == (-1, 0)
+        if recovered:
+            assert s.cache.taking == {slot: "b"} and s.cache.to_drop == []
+            s.process(again, [[]])  # "b"'s own result files it, under b's tokens
+            assert s.cache.lookup(list(range(300, 400))) == (slot, 64)
+        else:
+            assert s.cache.to_drop == [slot]
+            s.slots_dropped(s.take_dropped_slots())
+            s.free(rows)  # the recovery's release of every row
+            assert s.cache.free.count(slot) == 1 and s.cache.num_used == 0 and s.kv_reserved == 0

@@ -3,7 +3,7 @@ kernel (``attention/gpu.py``), bf16, output gate on. Prints numbers; asserts onl
 the two agree within bf16 error.
 
     python3 kernels/bench_prefill_attention.py [--requests 4] [--tokens 2048] [--prefix 0 6144]
-    python3 kernels/bench_prefill_attention.py --triton-sweep --requests 1 --tokens 8192 --prefix 0 24576
+    python3 kernels/bench_prefill_attention.py --triton-sweep --requests 1 --tokens 8192 --prefix 0 24576 --head-dims 128
 
 ``--triton-sweep`` needs no FlashInfer: the Triton kernel alone with each tile choice of
 :data:`SWEEP` (``(block_m, block_n, stages, num_warps)``, ``default`` being
@@ -119,12 +119,13 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 6144])
     ap.add_argument("--triton-sweep", action="store_true", help="the Triton kernel's tile choices, no FlashInfer")
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 256], help="head dims of the sweep (16 / 2 heads)")
     a = ap.parse_args(argv)
     if a.triton_sweep:
         print(f"{torch.cuda.get_device_name()}, Triton paged attention, bf16, gated")
         print("| heads (q, kv, hd) | requests x tokens | prefix | tiles | ms | TFLOP/s | rel. diff to fp32 ref |")
         print("|---|---|---|---|---|---|---|")
-        for heads in ((16, 2, 128), (16, 2, 256)):
+        for heads in [(16, 2, hd) for hd in a.head_dims]:
             for prefix in a.prefix:
                 sweep(a.requests, a.tokens, prefix, heads)
         return

@@ -154,7 +154,8 @@ class StageRunner:
 
         for name, v, least in (("max_rows", max_rows, 1), ("kv_tokens", kv_tokens, 1), ("page_size", page_size, 1),
                                ("num_speculative_steps", num_speculative_steps, 0),
-                               ("max_context", 1 if max_context is None else max_context, 1)):
+                               ("max_context", 1 if max_context is None else max_context, 1),
+                               ("mixed_graph_tokens", 0 if mixed_graph_tokens is None else mixed_graph_tokens, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
         if not 0 <= pp_rank < pp_size:
@@ -616,7 +617,8 @@ class StageRunner:
         return meta, hidden
 
     def _graph_runs(self, head: StepInput, chunks: StepInput) -> list[StepInput] | None:
-        """The steps a mixed micro-batch runs as graph replays: its decode / verify part in
+        """The steps a mixed micro-batch that no mixed graph holds (:class:`MixedGraphs`: one
+        request's chunk of the beside-decode length) runs as graph replays: its decode / verify part in
         the decode or verify graphs, then its prefill chunks in one prefill bucket, or one
         bucket per request where together they fit none (two new prompts of 100 tokens fit
         no short bucket, and the long ones hold one request). None: it runs eagerly.

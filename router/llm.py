@@ -142,6 +142,7 @@ class LLM:
             use_mtp=speculative_algorithm == "mtp", max_context=max_context,
             dtype=getattr(torch, dtype), device=device, fault=fault, commit_design=commit_design,
             cuda_graph_max_bs=cuda_graph_max_bs, prefix_cache_gb=prefix_cache_gb if enable_prefix_caching else 0.0,
+            mixed_graph_tokens=mixed_prefill_tokens,  # the chunks beside decodes: their graphs
         )
         self.pipeline.inline = True  # this loop serves nothing else: compute on its thread
         self.model_dir = model

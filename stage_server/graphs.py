@@ -25,6 +25,7 @@ how the CPU tests check the padding against the unpadded path.
 from __future__ import annotations
 
 import array
+import dataclasses
 import gc
 import itertools
 import logging
@@ -36,9 +37,10 @@ import torch
 
 from ppspec.kernels.checks import known
 from ppspec.kernels.gdn import SHORT_PREFILL_TOKENS
+from ppspec.kernels.gdn.chunk_plan import device_chunk_plan
 from ppspec.kernels.paging import paged_layout
 
-from .batch import PREFILL, BatchMeta
+from .batch import PREFILL, BatchMeta, MixedMeta
 
 
 def host_int64(values: list[int]) -> torch.Tensor:
@@ -230,22 +232,31 @@ class StepGraphs:
         hidden states); aux: ``B`` counts. Returns the step's layout in the first pool (views
         of the static buffers, valid until the next run) and the forward's output for the ``B`` requests
         (a fresh tensor)."""
-        B, D = len(rows), self.D
-        b = self.bucket(B)
-        self._fill(b, rows, seq_lens, ids, aux)
-        if self.hidden is not None:
-            self.hidden[: B * D].copy_(hidden)
+        B = len(rows)
+        b = self._load(rows, seq_lens, ids, hidden, aux)
         self.launched_at = time.perf_counter()  # the host's time before the device work (bench.profile_host)
         if self.capture:
             self.graphs[b].replay()
             out = self.outputs[b]
         else:
             out = self._step(b)
-        v = self.views[b]
-        meta = BatchMeta(self.mode, v["rows"][:B], v["seq_lens"][:B], self.ext[:B], self.cu[: B + 1],
+        return self._result(b, B), out[: B * (out.shape[0] // b)].clone()
+
+    def _load(self, rows, seq_lens, ids, hidden, aux) -> int:
+        """Fill the bucket of ``len(rows)`` requests (ids, aux, and the hidden rows): its size."""
+        b = self.bucket(len(rows))
+        self._fill(b, rows, seq_lens, ids, aux)
+        if self.hidden is not None:
+            self.hidden[: len(rows) * self.D].copy_(hidden)
+        return b
+
+    def _result(self, b: int, B: int) -> BatchMeta:
+        """The layout of the first ``B`` requests of bucket ``b`` in the first pool (views of
+        the static buffers, valid until the next run)."""
+        v, D = self.views[b], self.D
+        return BatchMeta(self.mode, v["rows"][:B], v["seq_lens"][:B], self.ext[:B], self.cu[: B + 1],
                          v["positions"][: B * D], v["slots", 0][: B * D], self.metas[b][0].page_table,
                          v["kv_lens"][:B], D)
-        return meta, out[: B * (out.shape[0] // b)].clone()
 
 
 class CommitGraphs:
@@ -366,7 +377,7 @@ class PrefillGraphs:
     :func:`long_prefill_graph_tokens`) take one request's chunk beside one padding sequence,
     keyed ``(2, t, chunks)``; their GDN layers run fla's chunked kernels, whose chunk plan
     the graph derives from the bucket's ``cu_seqlens`` on the device
-    (``fla_prefill.device_chunk_plan``) and states as the fact ``fla_chunks``. Without
+    (``chunk_plan.device_chunk_plan``) and states as the fact ``fla_chunks``. Without
     them a long chunk's eager forward spent ~50 ms of host time for 5 ms of kernels at 512
     tokens on the H200 (docs/PERFORMANCE.md, "Prefill and the token budget").
 
@@ -399,6 +410,7 @@ class PrefillGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.prepared: dict[tuple, BatchMeta] = {}  # each bucket's layout as its forward last made it
         with torch.inference_mode():  # no version counter: the facts below survive the fills
             self.ints = torch.zeros(5 * n_max + 1 + 3 * t_max, dtype=torch.long, device=device)
             self.hidden = torch.zeros(t_max, hidden_size, dtype=dtype, device=device) if takes_hidden else None
@@ -451,16 +463,22 @@ class PrefillGraphs:
         return BatchMeta(PREFILL, v["rows"], v["seq_lens"], v["ext"], v["cu"], v["positions"], v["slots"],
                          None if self.kv is None else self.kv.page_table, v["kv_lens"], 0)
 
-    def _forward(self, b: tuple) -> torch.Tensor:
-        meta = self.metas[b]
+    def _prepare(self, b: tuple) -> BatchMeta:
+        """Bucket ``b``'s layout, completed on the device from what the host filled (recorded
+        in a graph before the forward, by this bucket's graph and by :class:`MixedGraphs`):
+        ``has_init``, and a long bucket's fla chunk plan from its ``cu_seqlens``. A copy of
+        ``metas[b]``: each graph that records it keeps its own ``has_init``."""
+        meta = dataclasses.replace(self.metas[b])
         meta.has_init = meta.seq_lens > 0  # inside the graph: recomputed by every replay
-        if _chunks(b):  # a long bucket: fla's chunk plan from this chunk's cu_seqlens, on the device
-            from ppspec.kernels.gdn.fla_prefill import device_chunk_plan
-
+        if _chunks(b):
             ci, co, slots = self.plans[b]
             new_ci, new_co = device_chunk_plan(self.views[b]["cu"], _chunks(b), slots)
             ci.copy_(new_ci)
             co.copy_(new_co)
+        return meta
+
+    def _forward(self, b: tuple) -> torch.Tensor:
+        meta = self.prepared[b] = self._prepare(b)
         hidden = None if self.hidden is None else self.hidden[: b[1]]
         return self.forward(meta, self.views[b]["ids"], hidden)
 
@@ -499,17 +517,145 @@ class PrefillGraphs:
         Returns the chunk's layout for its ``B`` requests (views of the static buffers,
         valid until the next run) and the layers' output ``[T, hidden]`` (a fresh tensor)."""
         B, T = len(rows), sum(extend_lens)
-        b = self.bucket(B, T)
-        self._fill(b, rows, seq_lens, extend_lens, ids)
-        if self.hidden is not None:
-            self.hidden[:T].copy_(hidden)
+        b = self._load(rows, seq_lens, extend_lens, ids, hidden)
         if self.capture:
             self.graphs[b].replay()
             out = self.outputs[b]
         else:
             out = self._forward(b)
-        meta, v = self.metas[b], self.views[b]
-        meta = BatchMeta(PREFILL, v["rows"][:B], v["seq_lens"][:B], v["ext"][:B], v["cu"][: B + 1], v["positions"][:T],
-                         v["slots"][:T], meta.page_table, v["kv_lens"][:B], 0,
-                         has_init=meta.has_init[:B])
-        return meta, out[:T].clone()
+        return self._result(b, B, T), out[:T].clone()
+
+    def _load(self, rows, seq_lens, extend_lens, ids, hidden) -> tuple:
+        """Fill the bucket of this chunk (its ids and hidden rows too): its key."""
+        T = sum(extend_lens)
+        b = self.bucket(len(rows), T)
+        self._fill(b, rows, seq_lens, extend_lens, ids)
+        if self.hidden is not None:
+            self.hidden[:T].copy_(hidden)
+        return b
+
+    def _result(self, b: tuple, B: int, T: int, meta: BatchMeta | None = None) -> BatchMeta:
+        """The layout of bucket ``b``'s first ``B`` sequences, ``T`` tokens (views of the
+        static buffers, valid until the next run); ``meta``: what the graph that ran recorded
+        (:meth:`_prepare`), by default this bucket's own."""
+        meta, v = meta or self.prepared[b], self.views[b]
+        return BatchMeta(PREFILL, v["rows"][:B], v["seq_lens"][:B], v["ext"][:B], v["cu"][: B + 1], v["positions"][:T],
+                         v["slots"][:T], meta.page_table, v["kv_lens"][:B], 0, has_init=meta.has_init[:B])
+
+
+def mixed_graph_tokens() -> int:
+    """The chunk length (tokens) whose long prefill bucket gets :class:`MixedGraphs`:
+    ``PPSPEC_MIXED_GRAPH_TOKENS`` (default 512, the router's ``--mixed-prefill-tokens`` on
+    CUDA, so the chunks of a long prompt arriving beside decodes; 0 turns them off)."""
+    value = os.environ.get("PPSPEC_MIXED_GRAPH_TOKENS", "512")
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"PPSPEC_MIXED_GRAPH_TOKENS must be an integer, got {value!r}") from None
+
+
+class MixedGraphs:
+    """Graphs of a mixed micro-batch (decode or verify requests, then one request's prefill
+    chunk) as ONE forward, one per (decode / verify bucket ``b`` of ``steps``, long prefill
+    bucket ``(2, t, chunks)`` of ``prefill``).
+
+    Replayed one after the other, a step graph and a long prefill graph each read every
+    weight and run every GEMM, once for the ``b * D`` decode tokens and once for the chunk's
+    ``t``: on the H200 (1.46B, 32 decodes beside 512-token chunks) a mixed round took ~10 ms,
+    7.3 of them kernels, against 2.8 ms for the decode round alone. Here the eager mixed
+    forward (a :class:`MixedMeta` over the ``b * D`` padded decode / verify tokens followed
+    by the chunk bucket's ``t`` padded tokens, bounds ``[0, b * D, b * D + t]``, static per
+    graph) is recorded once, so the token-wise work (projections, norms, MLP) runs over
+    both parts in one GEMM each and attention / GDN per part with the part's kernel.
+
+    Nothing is duplicated: the head's static buffers, host fill, device layout
+    (``StepGraphs._layout``) and metas are those of ``steps`` (the mode's graphs), the
+    chunk's (fill, ``has_init``, fla's chunk plan made on the device: ``PrefillGraphs._prepare``)
+    those of ``prefill``'s long bucket; the forward's inputs are the two buffers joined
+    inside the graph (``ids`` ``[b * D + t]`` int64, ``hidden`` ``[b * D + t, hidden]`` in
+    the stage's dtype on later stages), its output ``[b * D + t, hidden]``.
+
+    Only the long bucket that a chunk of ``chunk_tokens`` tokens takes gets graphs (both of
+    its chunk-count variants), since beside decodes the router sends a long prompt in chunks
+    of ``--mixed-prefill-tokens`` (:func:`mixed_graph_tokens`): ``len(steps.sizes) x 2``
+    graphs, none when ``prefill`` has no such bucket. A chunk of another length, or two
+    chunks, runs as before (``StageRunner._graph_runs``).
+
+    Args:
+        forward: ``forward(meta: MixedMeta, ids, hidden or None) -> [b * D + t, hidden]``.
+        steps: the mode's :class:`StepGraphs` (one KV pool). prefill: the stage's
+            :class:`PrefillGraphs`.
+        chunk_tokens: the chunk length whose long bucket gets graphs.
+        capture: record CUDA graphs (False: run the padded path eagerly, as the CPU tests do).
+        pool: CUDA graph memory pool shared with the other graphs.
+    """
+
+    def __init__(self, forward: Callable, steps: StepGraphs, prefill: PrefillGraphs, *, chunk_tokens: int,
+                 capture: bool, pool=None):
+        self.forward, self.steps, self.prefill, self.capture, self.pool = forward, steps, prefill, capture, pool
+        long = prefill.bucket(1, chunk_tokens) if chunk_tokens > 0 else None
+        chunk_buckets = [b for b in prefill.buckets if long is not None and len(long) == 3 and b[:2] == long[:2]]
+        self.keys = {(hb, pb) for hb in steps.sizes for pb in chunk_buckets}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, torch.Tensor] = {}
+        self.prepared: dict[tuple, tuple[BatchMeta, BatchMeta]] = {}  # each key's parts as its forward made them
+        t0 = time.perf_counter()
+        D = steps.D
+        with torch.inference_mode():
+            # the largest first: smaller graphs reuse their memory in the shared pool
+            for key in sorted(self.keys, key=lambda k: (k[0] * D + k[1][1], k[1][2]), reverse=True):
+                hb, pb = key
+                steps._fill(hb, [], [], [], [])
+                prefill._fill(pb, [], [], [], [])
+                if capture:
+                    self.graphs[key], self.outputs[key], self.pool = record(lambda: self._forward(key), self.pool)
+        if capture and self.keys:
+            log.info("captured %d CUDA graphs for %s beside a prefill chunk (batch sizes %s x chunk buckets %s) "
+                     "in %.1f s", len(self.keys), steps.mode, steps.sizes, sorted(chunk_buckets),
+                     time.perf_counter() - t0)
+
+    def _forward(self, key: tuple) -> torch.Tensor:
+        (hb, pb), steps, prefill = key, self.steps, self.prefill
+        steps._layout(hb)
+        head, chunk = steps.metas[hb][0], prefill._prepare(pb)
+        self.prepared[key] = head, chunk
+        n, t = hb * steps.D, pb[1]
+        slots = None
+        if steps.kvs[0] is not None:  # the parts' slots joined (no attention layers: placeholders)
+            kv = steps.kvs[0]
+            slots = known(torch.cat([head.slots, chunk.slots]), min=0, max=kv.k.shape[1] * kv.page_size - 1)
+        meta = MixedMeta([head, chunk], [0, n, n + t], torch.cat([head.positions, chunk.positions]), slots)
+        ids = torch.cat([steps.views[hb]["ids"], prefill.views[pb]["ids"]])
+        hidden = None if steps.hidden is None else torch.cat([steps.hidden[:n], prefill.hidden[:t]])
+        return self.forward(meta, ids, hidden)
+
+    def bucket(self, batch_size: int, chunk_tokens: int) -> tuple | None:
+        """The graph a micro-batch of ``batch_size`` decode / verify requests and one chunk of
+        ``chunk_tokens`` tokens replays, or None."""
+        key = (self.steps.bucket(batch_size), self.prefill.bucket(1, chunk_tokens))
+        return key if key in self.keys else None
+
+    def run(self, rows: list[int], seq_lens: list[int], ids: list[int], chunk_row: int, chunk_seq_len: int,
+            chunk_ids: list[int], hidden: torch.Tensor | None = None) -> tuple[MixedMeta, torch.Tensor]:
+        """Run ``B = len(rows)`` decode / verify requests (``ids``: ``B * D``) and one
+        request's chunk (row ``chunk_row``, ``chunk_seq_len`` tokens cached, ``chunk_ids``:
+        its ``T`` tokens) in one replay (host lists the stage has validated, KV pages
+        reserved; :meth:`bucket` must hold it). hidden: ``[B * D + T, hidden]`` on later
+        stages. Returns the micro-batch's :class:`MixedMeta` (the parts: the head's layout
+        and the chunk's, bounds ``[0, B * D, B * D + T]``) and the layers' output
+        ``[B * D + T, hidden]`` (a fresh tensor)."""
+        B, D, T = len(rows), self.steps.D, len(chunk_ids)
+        key = self.bucket(B, T)
+        hb, pb = key
+        n = B * D
+        self.steps._load(rows, seq_lens, ids, None if hidden is None else hidden[:n], ())
+        self.prefill._load([chunk_row], [chunk_seq_len], [T], chunk_ids, None if hidden is None else hidden[n:])
+        self.steps.launched_at = time.perf_counter()
+        if self.capture:
+            self.graphs[key].replay()
+            out = self.outputs[key]
+        else:
+            out = self._forward(key)
+        head = self.steps._result(hb, B)
+        chunk = self.prefill._result(pb, 1, T, self.prepared[key][1])
+        return MixedMeta.of([head, chunk], [[D] * B, [T]]), torch.cat([out[:n], out[hb * D:hb * D + T]])

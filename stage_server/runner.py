@@ -26,7 +26,8 @@ from .config import PAGE_SIZE
 from .family import ModelConfig, split_layers  # noqa: F401  (split_layers: tests import it from here)
 from .loader import load_stage_model
 from .models import family_of
-from .graphs import CommitGraphs, PrefillGraphs, StepGraphs, host_int64
+from .graphs import CommitGraphs, MixedGraphs, PrefillGraphs, StepGraphs, host_int64
+from .graphs import mixed_graph_tokens as default_mixed_graph_tokens
 from .pools import COMMIT_DESIGNS, KVPool, RowStatePool
 from ppspec.kernels.attention import flashinfer as fi_attention
 from ppspec.kernels.checks import known
@@ -103,6 +104,11 @@ class StageRunner:
             CPU stage a positive value runs the graphs' padded path eagerly (tests). The Mamba2
             hybrids and Kimi Linear run eagerly with ``PPSPEC_FAMILY_GRAPHS=0``
             (``graphs.family_graphs``; their prefill chunks always).
+        mixed_graph_tokens: a mixed micro-batch of decodes or verifies beside one request's
+            chunk of this many tokens (the long prefill bucket that holds it: both of its
+            graphs) replays one graph per batch size (``graphs.MixedGraphs``); 0: none.
+            None: ``PPSPEC_MIXED_GRAPH_TOKENS`` (default 512, the router's
+            ``--mixed-prefill-tokens`` on CUDA). Long buckets exist where graphs are captured.
 
     Eager prefill chunks take FlashInfer's attention where it is installed and the stage
     allows it (bf16/fp16 on CUDA; ``PPSPEC_ATTENTION_BACKEND``, ``auto`` by default, see
@@ -142,12 +148,14 @@ class StageRunner:
         strict_lengths: bool = False,
         cuda_graph_max_bs: int | None = None,
         prefix_cache_gb: float = 0.0,
+        mixed_graph_tokens: int | None = None,
     ):
         from .config import load_config
 
         for name, v, least in (("max_rows", max_rows, 1), ("kv_tokens", kv_tokens, 1), ("page_size", page_size, 1),
                                ("num_speculative_steps", num_speculative_steps, 0),
-                               ("max_context", 1 if max_context is None else max_context, 1)):
+                               ("max_context", 1 if max_context is None else max_context, 1),
+                               ("mixed_graph_tokens", 0 if mixed_graph_tokens is None else mixed_graph_tokens, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
         if not 0 <= pp_rank < pp_size:
@@ -256,6 +264,9 @@ class StageRunner:
         self.round_graphs: dict[str, StepGraphs] = {}  # last stage, MTP, every request greedy
         self.commit_graphs: CommitGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # short prefill chunks
+        # mode -> a mixed micro-batch's graphs (decodes / verifies beside one long chunk)
+        self.mixed_graphs: dict[str, MixedGraphs] = {}
+        self.mixed_graph_tokens = default_mixed_graph_tokens() if mixed_graph_tokens is None else mixed_graph_tokens
         on_cuda = self.device.type == "cuda"
         if cuda_graph_max_bs is None:
             cuda_graph_max_bs = min(max_rows, 256) if on_cuda else 0
@@ -273,6 +284,7 @@ class StageRunner:
             if pool_bytes is not None and pool_bytes + self.graph_bytes > memory_budget:
                 self.graphs = self.mtp_graphs = self.round_graphs = {}
                 self.commit_graphs = self.prefill_graphs = None
+                self.mixed_graphs = {}
                 raise ValueError(
                     f"stage {pp_rank} needs {gib(pool_bytes + self.graph_bytes)}: weights and pools "
                     f"{pool_bytes / 2**30:.2f}, CUDA graphs for batches up to {min(cuda_graph_max_bs, max_rows)} "
@@ -320,6 +332,13 @@ class StageRunner:
                 takes_hidden=not self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype,
                 device=self.device, max_kv_len=self.max_context + self.num_steps + 1, capture=capture, pool=pool)
             pool = self.prefill_graphs.pool
+            # a mixed micro-batch (decodes / verifies and one request's chunk) in one replay
+            for mode, g in self.graphs.items():
+                mg = MixedGraphs(lambda meta, ids, hidden: layers((meta,), ids, hidden, None), g, self.prefill_graphs,
+                                 chunk_tokens=self.mixed_graph_tokens, capture=capture, pool=pool)
+                pool = mg.pool
+                if mg.keys:
+                    self.mixed_graphs[mode] = mg
         if self.state is not None and self.state.verifies:
             self.commit_graphs = CommitGraphs(self.state.launch_commit, max_bs=max_bs, pad_row=self.max_rows,
                                               device=self.device, capture=capture, pool=pool)
@@ -543,6 +562,10 @@ class StageRunner:
                 self.faults.after_verify(meta)
             return meta, hidden
         parts = inp.parts()
+        if inp.num_prefill and len(parts[1].req_pool_indices) == 1:
+            mg = self.mixed_graphs.get(parts[0].mode)
+            if mg is not None and mg.bucket(len(parts[0].req_pool_indices), len(parts[1].input_ids)) is not None:
+                return self._run_mixed_graph(mg, inp, *parts)
         runs = self._graph_runs(*parts) if inp.num_prefill else None
         if runs is not None:
             # a mixed micro-batch in graph replays, which cost less than one eager forward of
@@ -578,8 +601,24 @@ class StageRunner:
             self.faults.after_verify(metas[0])
         return meta, hidden
 
+    def _run_mixed_graph(self, mg: MixedGraphs, inp: StepInput, head: StepInput,
+                         chunk: StepInput) -> tuple[MixedMeta, torch.Tensor]:
+        """A mixed micro-batch of decodes or verifies and one request's chunk in one replay
+        of ``mg`` (the chunk's row first dropped or caught up, as before any prefill)."""
+        row, seq = chunk.req_pool_indices[0], chunk.seq_lens[0]
+        self.rows.rows_in_use.add(row)
+        self.rows.touched = True
+        self._replay_before_prefill([row], [seq])
+        meta, hidden = mg.run(head.req_pool_indices, head.seq_lens, head.input_ids, row, seq, chunk.input_ids,
+                              inp.hidden_states)
+        self.forwards["graph"] += 1
+        if head.mode == VERIFY:
+            self.faults.after_verify(meta.parts[0])
+        return meta, hidden
+
     def _graph_runs(self, head: StepInput, chunks: StepInput) -> list[StepInput] | None:
-        """The steps a mixed micro-batch runs as graph replays: its decode / verify part in
+        """The steps a mixed micro-batch that no mixed graph holds (:class:`MixedGraphs`: one
+        request's chunk of the beside-decode length) runs as graph replays: its decode / verify part in
         the decode or verify graphs, then its prefill chunks in one prefill bucket, or one
         bucket per request where together they fit none (two new prompts of 100 tokens fit
         no short bucket, and the long ones hold one request). None: it runs eagerly.

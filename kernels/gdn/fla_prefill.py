@@ -8,7 +8,7 @@ prefill step, ten times the layer's kernels at 512 tokens (docs/PERFORMANCE.md, 
 Here the forward-level functions run directly (``_fla_forward``, the composition of fla's
 ``chunk_gated_delta_rule_fwd``), with the step's chunk plan made once per micro-batch
 (:func:`chunk_plan`, cached on the ``cu_seqlens`` tensor as a fact) or on the device
-inside a CUDA graph (:func:`device_chunk_plan`), and one kernel (``_qkv_prep_kernel``)
+inside a CUDA graph (``chunk_plan.device_chunk_plan``), and one kernel (``_qkv_prep_kernel``)
 that L2-normalises q and k (eps 1e-6, fp32, as fla's ``l2norm_fwd`` and the reference)
 and packs q, k, v from the conv output's column views, where fla's path ran five.
 
@@ -23,7 +23,6 @@ import inspect
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -35,6 +34,8 @@ from fla.ops.utils.cumsum import chunk_local_cumsum_scalar
 from fla.ops.utils.constant import RCP_LN2
 
 from ..checks import fact, remember
+# fla's chunk length (64 tokens); the plan made on the device, re-exported (tests import it from here)
+from .chunk_plan import CHUNK, device_chunk_plan  # noqa: F401
 from .naive import check_prefill_shapes
 
 def direct() -> bool:
@@ -42,9 +43,6 @@ def direct() -> bool:
     ``PPSPEC_FLA_DIRECT=0`` takes its public autograd entry point instead, whose Python costs
     ~2.7 ms per layer call: docs/PERFORMANCE.md, "Prefill and the token budget")."""
     return os.environ.get("PPSPEC_FLA_DIRECT", "1") != "0"
-
-
-CHUNK = 64  # fla's chunk length (tokens); a sequence of n tokens has ceil(n / CHUNK) chunks
 
 
 def _direct(fn):
@@ -75,7 +73,7 @@ def chunk_plan(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Te
     """fla's varlen chunk plan of the packed sequences ``cu_seqlens`` ``[B + 1]`` on
     ``device``: ``(chunk_indices [NT, 2]`` int64, (sequence, chunk within it) per chunk,
     ``chunk_offsets [B + 1]`` int64, each sequence's first chunk). Read from the fact
-    ``fla_chunks`` (a graph states it, :func:`device_chunk_plan`), else made from the
+    ``fla_chunks`` (a graph states it, ``chunk_plan.device_chunk_plan``), else made from the
     values the stage states (the fact ``values``) in one host-to-device copy and remembered
     with them, so the layers of one micro-batch share it; without either, from one device
     read (not remembered)."""
@@ -90,20 +88,6 @@ def chunk_plan(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Te
     if stated:
         remember(cu_seqlens, "fla_chunks", plan)
     return plan
-
-
-def device_chunk_plan(cu_seqlens: torch.Tensor, num_chunks: int, slots: torch.Tensor | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk plan of :func:`chunk_plan` computed on the device (no host read, so a CUDA
-    graph can record it), for sequences that have exactly ``num_chunks`` chunks in all (the
-    caller's bucket guarantees it: fla's grids are sized by it). ``slots``: a cached
-    ``arange(num_chunks)`` on the device (made when None)."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    offsets = F.pad(((lens + CHUNK - 1) // CHUNK).cumsum(0), (1, 0))
-    if slots is None:
-        slots = torch.arange(num_chunks, device=cu_seqlens.device, dtype=offsets.dtype)
-    seq = torch.searchsorted(offsets, slots, right=True) - 1
-    return torch.stack([seq, slots - offsets[seq]], 1), offsets
 
 
 # ---------------------------------------------------------------- q, k, v packing

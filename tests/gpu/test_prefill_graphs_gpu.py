@@ -3,8 +3,9 @@ request's chunk beside a padding sequence, fla's GDN kernels with the chunk plan
 graph): the logits of every chunk, and of the decode after them, equal those of the eager
 forward (``PPSPEC_PREFILL_GRAPH_TOKENS=0``); chunks a multiple of 64 tokens long and not
 (the two graphs of a bucket), a chunk continuing a row's state, and a mixed micro-batch of
-decodes and a long chunk (the decode and the long-prefill graph replayed one after the
-other); value/key head ratios 1 and 2; fp32 and bf16."""
+decodes and long chunks (the decode and the long-prefill graphs replayed one after the
+other), and decodes or verifies beside one chunk of the beside-decode size in one mixed
+graph (``MixedGraphs``); value/key head ratios 1 and 2; fp32 and bf16."""
 import pytest
 import torch
 
@@ -105,3 +106,84 @@ def test_mixed_verify_with_chunks_one_graph_each_and_mtp_equals_eager(make_ckpt,
         got[name] = [(o.output_ids, o.drafts) for o in (r.step(s) for s in steps)]
     assert got["graphed"] == got["eager"]
     assert graphed.forwards.get("eager", 0) == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_ratio1", "qwen3_5_ratio2_7l"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 8e-2)])
+def test_mixed_graph_equals_eager(make_ckpt, monkeypatch, kind, dtype, tol):
+    """Decodes beside one request's long chunk in ONE graph (``graphs.MixedGraphs``, chunks
+    of ``mixed_graph_tokens=512``: the 576-token bucket's two graphs): 3 decodes (bucket 4)
+    beside a continuing 512-token chunk (9 fla chunks), then 5 decodes (bucket 8) beside a new
+    prompt's 400 tokens (10 chunks); logits equal the eager stage's, and so do those of a
+    decode of every row after (the state and KV the mixed graphs wrote). One replay per
+    mixed micro-batch, nothing eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+    pytest.importorskip("fla")
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server import graphs
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_ckpt(kind)
+    g = torch.Generator().manual_seed(2)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    common = dict(max_rows=8, kv_tokens=8192, num_speculative_steps=0, dtype=dtype, device="cuda")
+    monkeypatch.setenv("PPSPEC_FLA_DIRECT", "1")
+    monkeypatch.setenv("PPSPEC_PREFILL_GRAPH_TOKENS", "1024")
+    graphed = StageRunner(path, cuda_graph_max_bs=8, mixed_graph_tokens=512, **common)
+    eager = StageRunner(path, cuda_graph_max_bs=0, **common)
+    mg = graphed.mixed_graphs["decode"]
+    assert sorted(mg.keys) == [(b, (2, 576, c)) for b in (1, 2, 4, 8) for c in (9, 10)]
+    seen = []
+    run = graphs.MixedGraphs.run
+    monkeypatch.setattr(graphs.MixedGraphs, "run",
+                        lambda self, rows, s, i, r, q, ids, *a: seen.append(self.bucket(len(rows), len(ids)))
+                        or run(self, rows, s, i, r, q, ids, *a))
+    heads, lens = [0, 1, 2, 3, 4], [20, 33, 7, 64, 11]
+    prompt, new = rand(700), rand(400)
+    first = [StepInput(0, 0, "prefill", heads, [0] * 5, lens, rand(sum(lens))),
+             StepInput(0, 0, "prefill", [6], [0], [188], prompt[:188], sample=[False], next_token_ids=[prompt[188]])]
+    for inp in first:
+        _close(_logits(graphed, inp), _logits(eager, inp), tol)
+    mixed = [StepInput(0, 1, "decode", heads[:3] + [6], lens[:3] + [188], [1, 1, 1, 512], rand(3) + prompt[188:],
+                       num_prefill=1),
+             StepInput(0, 2, "decode", heads + [7], [n + 1 for n in lens[:3]] + lens[3:] + [0], [1] * 5 + [400],
+                       rand(5) + new, num_prefill=1)]
+    before = dict(graphed.forwards)  # the first prefill (135 tokens in 5 rows) ran eagerly
+    for inp in mixed:
+        _close(_logits(graphed, inp), _logits(eager, inp), tol)
+    assert seen == [(4, (2, 576, 9)), (8, (2, 576, 10))]
+    assert graphed.forwards == {**before, "graph": before["graph"] + 2}
+    dec = StepInput(0, 3, "decode", heads + [6, 7], [n + 2 for n in lens[:3]] + [n + 1 for n in lens[3:]] + [700, 400],
+                    [1] * 7, rand(7))
+    _close(_logits(graphed, dec), _logits(eager, dec), tol)
+
+
+def test_mixed_verify_graph_with_mtp_equals_eager(make_ckpt, monkeypatch):
+    """On the last stage with MTP (fp32): verifies of 3 requests beside a new prompt's
+    512-token chunk replay one mixed graph; the sampled tokens and the MTP drafts (of the
+    verifies and of the chunk, which ends its prompt) equal the eager stage's."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+    pytest.importorskip("fla")
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    g = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    common = dict(max_rows=8, kv_tokens=4096, num_speculative_steps=2, use_mtp=True, dtype=torch.float32,
+                  device="cuda")
+    monkeypatch.setenv("PPSPEC_FLA_DIRECT", "1")
+    monkeypatch.setenv("PPSPEC_PREFILL_GRAPH_TOKENS", "1024")
+    graphed = StageRunner(path, cuda_graph_max_bs=8, mixed_graph_tokens=512, **common)
+    eager = StageRunner(path, cuda_graph_max_bs=0, **common)
+    assert set(graphed.mixed_graphs) == {"decode", "verify"}
+    steps = [StepInput(0, 0, "prefill", [1, 2, 3], [0, 0, 0], [25, 15, 9], rand(49)),
+             StepInput(0, 1, "verify", [1, 2, 3, 5], [25, 15, 9, 0], [3, 3, 3, 512], rand(9 + 512),
+                       num_drafts=[2, 2, 2, 0], sample=[True] * 4, next_token_ids=[-1] * 4, num_prefill=1)]
+    got = {}
+    for name, r in (("graphed", graphed), ("eager", eager)):
+        got[name] = [(o.output_ids, o.drafts) for o in (r.step(s) for s in steps)]
+    assert got["graphed"] == got["eager"]
+    assert graphed.forwards == {"graph": 2}  # the first prefill (a short bucket), then one mixed replay

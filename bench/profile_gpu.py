@@ -201,6 +201,28 @@ def _mixed(torch, path: str, a) -> None:
     print("rounds during its prefill (ms): " + " ".join(f"{w * 1e3:.1f}" for w in walls))
     print("rounds after (ms): " + " ".join(f"{w * 1e3:.1f}" for w in base))
     _table(prof, len(walls), sum(walls), a.top, "mixed rounds while the prompt prefills")
+    # a third prompt without torch.profiler: plain round times, then the host under cProfile
+    # (time a builtin spends waiting for the device, a .tolist() say, counts as its own)
+    import cProfile
+    import io
+    import pstats
+
+    for label in ("plain", "cprofile"):
+        long_req = llm.add_request(random_prompt(rnd, a.prefill_tokens, vocab),
+                                   SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        pr, walls = cProfile.Profile(), []
+        while not llm.completions[long_req].token_ids:
+            t0 = time.perf_counter()
+            if label == "cprofile":
+                pr.enable()
+            llm.step()
+            torch.cuda.synchronize()
+            pr.disable()
+            walls.append(time.perf_counter() - t0)
+        print(f"\nrounds during its prefill, {label} (ms): " + " ".join(f"{w * 1e3:.1f}" for w in walls))
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(a.top)
+    print("\n".join(out.getvalue().splitlines()[:a.top + 12]))
     for r in ids:
         llm.abort(r)
 

@@ -525,10 +525,11 @@ class PrefillGraphs:
             out = self._forward(b)
         return self._result(b, B, T), out[:T].clone()
 
-    def _load(self, rows, seq_lens, extend_lens, ids, hidden) -> tuple:
-        """Fill the bucket of this chunk (its ids and hidden rows too): its key."""
+    def _load(self, rows, seq_lens, extend_lens, ids, hidden, b: tuple | None = None) -> tuple:
+        """Fill bucket ``b`` (default: the smallest that holds this chunk) with the chunk, its
+        ids and hidden rows too: its key."""
         T = sum(extend_lens)
-        b = self.bucket(len(rows), T)
+        b = b or self.bucket(len(rows), T)
         self._fill(b, rows, seq_lens, extend_lens, ids)
         if self.hidden is not None:
             self.hidden[:T].copy_(hidden)
@@ -578,8 +579,9 @@ class MixedGraphs:
     Only the long bucket that a chunk of ``chunk_tokens`` tokens takes gets graphs (both of
     its chunk-count variants), since beside decodes the router sends a long prompt in chunks
     of ``--mixed-prefill-tokens`` (:func:`mixed_graph_tokens`): ``len(steps.sizes) x 2``
-    graphs, none when ``prefill`` has no such bucket. A chunk of another length, or two
-    chunks, runs as before (``StageRunner._graph_runs``).
+    graphs, none when ``prefill`` has no such bucket. A shorter chunk that fills at least
+    half the bucket pads into it (:meth:`bucket`); a longer or shorter one, or two chunks,
+    runs as before (``StageRunner._graph_runs``).
 
     Args:
         forward: ``forward(meta: MixedMeta, ids, hidden or None) -> [b * D + t, hidden]``.
@@ -596,6 +598,7 @@ class MixedGraphs:
         long = prefill.bucket(1, chunk_tokens) if chunk_tokens > 0 else None
         chunk_buckets = [b for b in prefill.buckets if long is not None and len(long) == 3 and b[:2] == long[:2]]
         self.keys = {(hb, pb) for hb in steps.sizes for pb in chunk_buckets}
+        self.chunk_t = chunk_buckets[0][1] if chunk_buckets else None  # the captured bucket's tokens
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.prepared: dict[tuple, tuple[BatchMeta, BatchMeta]] = {}  # each key's parts as its forward made them
@@ -631,8 +634,19 @@ class MixedGraphs:
 
     def bucket(self, batch_size: int, chunk_tokens: int) -> tuple | None:
         """The graph a micro-batch of ``batch_size`` decode / verify requests and one chunk of
-        ``chunk_tokens`` tokens replays, or None."""
-        key = (self.steps.bucket(batch_size), self.prefill.bucket(1, chunk_tokens))
+        ``chunk_tokens`` tokens replays, or None.
+
+        The chunk's own bucket (:meth:`PrefillGraphs.bucket`) where it has graphs; a chunk
+        whose own bucket is a smaller one (a prompt's last, 320 tokens of an 8000-token
+        prompt in chunks of 512, say) pads into the captured bucket while at least half the
+        bucket's tokens are its own: one replay that pads the chunk costs less than two
+        that each read every weight (on the H200 such a round took 13.4 ms in two replays,
+        a mixed graph's round 8-9 ms; docs/PERFORMANCE.md, "Prefill and the token budget").
+        A shorter chunk keeps the two replays, its prefill graph being small."""
+        hb, t = self.steps.bucket(batch_size), self.chunk_t
+        key = (hb, self.prefill.bucket(1, chunk_tokens))
+        if key not in self.keys and t is not None and t // 2 <= chunk_tokens < t:
+            key = (hb, (2, t, _fla_chunks(chunk_tokens) + _fla_chunks(t - chunk_tokens)))
         return key if key in self.keys else None
 
     def run(self, rows: list[int], seq_lens: list[int], ids: list[int], chunk_row: int, chunk_seq_len: int,
@@ -649,7 +663,7 @@ class MixedGraphs:
         hb, pb = key
         n = B * D
         self.steps._load(rows, seq_lens, ids, None if hidden is None else hidden[:n], ())
-        self.prefill._load([chunk_row], [chunk_seq_len], [T], chunk_ids, None if hidden is None else hidden[n:])
+        self.prefill._load([chunk_row], [chunk_seq_len], [T], chunk_ids, None if hidden is None else hidden[n:], pb)
         self.steps.launched_at = time.perf_counter()
         if self.capture:
             self.graphs[key].replay()

@@ -136,3 +136,22 @@ def test_llm_decoders_beside_a_long_prompt_match_pp1(make_ckpt, monkeypatch, pp,
     chunks = [k[1] for _, k in seen[::pp]]  # each round's, once (every stage runs it)
     assert chunks == [(2, 192, 3), (2, 192, 3), (2, 192, 4)] and len(seen) == 3 * pp, seen
     assert set(llm.rows_in_use()) == {0}  # every stage
+
+
+def test_a_prompts_last_chunk_pads_into_the_mixed_graph(make_ckpt, monkeypatch):
+    """With chunks of 256 beside the decodes (the 320-token bucket's graphs), a prompt's last
+    chunk of 170 tokens, whose own bucket (192) has no mixed graph, pads into the 320-token
+    one (170 of its 320 tokens are the chunk's, 150 padding: fla chunk variant 3 + 3 = 6);
+    one of 100 keeps the two replays. Greedy tokens equal PP1's without speculation."""
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    g = torch.Generator().manual_seed(9)
+    # 33 tokens of short prompts and 479 of the long one fill the first 512-token round
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 12, 5, 9, 479 + 256 + 170)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [c.token_ids for c in LLM(path, max_rows=8).generate(prompts, params)]
+    llm = LLM(path, max_rows=8, cuda_graph_max_bs=8, max_num_batched_tokens=512, mixed_prefill_tokens=256)
+    seen = _spy(monkeypatch)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == want
+    assert [k[1] for _, k in seen] == [(2, 320, 5), (2, 320, 6)], seen
+    mg = llm.pipeline.runners[0].mixed_graphs["decode"]
+    assert mg.bucket(4, 100) is None and mg.bucket(4, 160) == (4, (2, 320, 6)) and mg.bucket(4, 320) is None

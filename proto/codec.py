@@ -245,7 +245,8 @@ _INFO_SCALARS = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers",
                  "kv_tokens", "kv_pages_used", "kv_pages_total", "max_context", "num_speculative_steps", "has_mtp",
                  "vocab_size", "busy_seconds", "pending_commits", "commit_design", "prefill_attention",
                  "instance_id", "next_instance_id", "owner_router_id", "not_serving", "replaced", "warmup_seconds",
-                 "transport", "transport_detail", "snapshot_slots", "snapshots_in_use", "device_type")
+                 "transport", "transport_detail", "snapshot_slots", "snapshots_in_use", "device_type",
+                 "device_uuid")
 
 
 def info_to_pb(i: StageInfo) -> "pb.InfoReply":

@@ -428,6 +428,7 @@ class StageInfo(TypedDict, total=False):
     prefill_attention: str      # "flashinfer" or "triton" (CUDA), "torch" (CPU)
     warmup_seconds: float       # the warm-up at start
     device_type: str            # "cuda" or "cpu" (the router's default token budget)
+    device_uuid: str            # the accelerator's identity ("" on the CPU): equal on stages that share one
     # the stage server's
     pending_commits: int        # rows whose verify awaits its commit
     instance_id: str            # random per process: a restart changes it

@@ -51,16 +51,25 @@ _STAGE_SHAPE = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers", 
                 "vocab_size", "max_rows", "max_context", "kv_tokens", "eos_token_ids")
 
 
-def default_lanes(num_stages: int, spec: str, async_scheduling: bool) -> int:
-    """Micro-batches in flight by default. Without speculation and with async scheduling,
-    one per stage: a lane's next round is queued at the first stage while its last one
-    runs, so no stage waits for the router, and a decode forward costs about the same
-    at 32 rows as at 64 (it reads every weight once), so splitting the running requests
-    over more lanes than stages costs throughput (H200, 1.46B, PP1 at concurrency 64:
-    7658 tok/s with one lane against 6199 with two; docs/PERFORMANCE.md). Rounds that wait
-    for their last result (n-gram verifies, MTP lanes with a request near its end, no async
-    scheduling): one more lane than stages keeps a stage busy meanwhile."""
-    return num_stages if async_scheduling and spec == "none" else num_stages + 1
+def compute_units(infos: list[StageInfo]) -> int:
+    """How many of the stages can compute at once: one per accelerator (stages reporting
+    the same ``device_uuid`` share one and take turns on it), one per CPU stage."""
+    uuids = [i.get("device_uuid", "") for i in infos]
+    return len({u for u in uuids if u}) + sum(1 for u in uuids if not u)
+
+
+def default_lanes(units: int, spec: str, async_scheduling: bool) -> int:
+    """Micro-batches in flight by default, for ``units`` stages that compute at once
+    (:func:`compute_units`). Without speculation and with async scheduling, one per unit:
+    a lane's next round is queued at the first stage while its last one runs, so no stage
+    waits for the router, and a decode forward costs about the same at 32 rows as at 64
+    (it reads every weight once), so splitting the running requests over more lanes than
+    units costs throughput (H200, 1.46B, PP1 at concurrency 64: 7658 tok/s with one lane
+    against 6199 with two; PP2 with both stages on one GPU, two lanes of ~32 rows: 0.66x
+    PP1, each round of all requests reading every weight twice; docs/PERFORMANCE.md).
+    Rounds that wait for their last result (n-gram verifies, MTP lanes with a request near
+    its end, no async scheduling): one more lane than units keeps one busy meanwhile."""
+    return units if async_scheduling and spec == "none" else units + 1
 
 
 def _all_slots(infos: list[StageInfo]) -> dict:
@@ -168,7 +177,7 @@ class Engine:
             raise ValueError(f"stage layer ranges {ranges} do not chain over {infos[0]['num_layers']} layers")
         self.spec = spec
         self.max_model_len = min(i["max_context"] for i in infos)
-        lanes = self.num_micro_batches or default_lanes(len(infos), spec, self.async_scheduling)
+        lanes = self.num_micro_batches or default_lanes(compute_units(infos), spec, self.async_scheduling)
         kv_tokens, page_size = kv_budget(infos)
         budget, mixed = default_token_budget(infos, self.max_batch_size, steps if spec != "none" else 0)
         self.scheduler = Scheduler(

@@ -397,6 +397,7 @@ class StageRunner:
             "commit_design": self.commit_design,
             "prefill_attention": self.prefill_attention,
             "device_type": self.device.type,
+            "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "",
             "vocab_size": self.cfg.vocab_size,
             "eos_token_ids": list(self.cfg.eos_token_ids),
             "memory_bytes": self.memory_report(),

@@ -413,6 +413,7 @@ class PrefillGraphs:
         self.prepared: dict[tuple, BatchMeta] = {}  # each bucket's layout as its forward last made it
         with torch.inference_mode():  # no version counter: the facts below survive the fills
             self.ints = torch.zeros(5 * n_max + 1 + 3 * t_max, dtype=torch.long, device=device)
+            self.iota = torch.arange(t_max, dtype=torch.long, device=device)
             self.hidden = torch.zeros(t_max, hidden_size, dtype=dtype, device=device) if takes_hidden else None
             for b in self.buckets:
                 if len(b) == 3:  # fla's chunk plan of a long bucket: (chunk_indices, chunk_offsets, slots)
@@ -445,8 +446,10 @@ class PrefillGraphs:
 
     def _views(self, n: int, t: int) -> dict[str, torch.Tensor]:
         out, o = {}, 0
+        # ids before positions and slots: a long bucket's host fill ends with its ids, its
+        # positions and slots being derived on the device (_device_layout)
         for name, size in (("rows", n), ("seq_lens", n), ("ext", n), ("kv_lens", n), ("cu", n + 1),
-                           ("positions", t), ("slots", t), ("ids", t)):
+                           ("ids", t), ("positions", t), ("slots", t)):
             out[name], o = self.ints[o:o + size], o + size
         return out
 
@@ -471,11 +474,29 @@ class PrefillGraphs:
         meta = dataclasses.replace(self.metas[b])
         meta.has_init = meta.seq_lens > 0  # inside the graph: recomputed by every replay
         if _chunks(b):
+            self._device_layout(b)
             ci, co, slots = self.plans[b]
             new_ci, new_co = device_chunk_plan(self.views[b]["cu"], _chunks(b), slots)
             ci.copy_(new_ci)
             co.copy_(new_co)
         return meta
+
+    def _device_layout(self, b: tuple) -> None:
+        """A long bucket's token positions and KV slots from its rows, ``seq_lens`` and
+        ``cu_seqlens`` (one request's chunk of ``T = cu[1]`` tokens, then the padding
+        sequence on the padding row from position 0): on the device, where the host would
+        write two lists of ``t`` ints (8256 at the largest bucket). The padding row's page
+        table points at the padding page, so its tokens' slots fall there."""
+        v, t = self.views[b], b[1]
+        j = self.iota[:t]
+        T = v["cu"][1]
+        mine = j < T
+        pos = torch.where(mine, v["seq_lens"][0] + j, j - T)
+        v["positions"].copy_(pos)
+        if self.kv is not None:
+            ps = self.kv.page_size
+            row = torch.where(mine, v["rows"][0], v["rows"][1])
+            v["slots"].copy_(self.kv.page_table[row, pos // ps] * ps + pos % ps)
 
     def _forward(self, b: tuple) -> torch.Tensor:
         meta = self.prepared[b] = self._prepare(b)
@@ -500,14 +521,18 @@ class PrefillGraphs:
             ext = [t - _FLA_CHUNK, _FLA_CHUNK]
         rows, seq = list(rows) + [self.pad_row] * pad, list(seq_lens) + [0] * pad
         cu = [0, *itertools.accumulate(ext)]
+        head = rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + list(ids) + [0] * (t - T)
+        if nt:  # a long bucket: positions and slots on the device (_device_layout), not t host ints each
+            host = host_int64(head)
+            self.ints[: host.numel()].copy_(host)
+            return
         positions = [s + j for s, e in zip(seq, ext) for j in range(e)]
         if self.kv is None:
             slots = [0] * t
         else:
             slots = [x for r, s, e in zip(rows[:B], seq, ext) for x in self.kv.slot_list([r], list(range(s, s + e)))]
             slots += [self.kv.pad_slot(i) for i in range(t - T)]
-        host = host_int64(rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + positions + slots
-                          + list(ids) + [0] * (t - T))
+        host = host_int64(head + positions + slots)
         self.ints[: host.numel()].copy_(host)
 
     def run(self, rows: list[int], seq_lens: list[int], extend_lens: list[int], ids: list[int],

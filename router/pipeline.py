@@ -207,10 +207,12 @@ class InProcessPipeline(Pipeline):
         """Until no row of ``rows`` awaits a commit; StageDownError after ``order_timeout``
         seconds (a commit that never came: the rows' state is unknown)."""
         try:
-            async with self._committed:
-                await asyncio.wait_for(self._committed.wait_for(lambda: not any(r in self._pending for r in rows)),
-                                       self.order_timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: no task of its own, so the lanes' steps and
+            # commits interleave on the loop exactly as without a bound (the fault tests'
+            # interleavings depend on it)
+            async with asyncio.timeout(self.order_timeout), self._committed:
+                await self._committed.wait_for(lambda: not any(r in self._pending for r in rows))
+        except TimeoutError:
             stuck = sorted((r, self._pending[r]) for r in rows if r in self._pending)
             shown = ", ".join(f"row {r} (micro-batch {m} round {k})" for r, (m, k) in stuck[:8])
             more = f" and {len(stuck) - 8} more" if len(stuck) > 8 else ""

@@ -698,15 +698,16 @@ class Scheduler:
         return n < p.max_tokens and len(r.prompt_ids) + n < self.max_context
 
     # ------------------------------------------------------------------ prefix cache
-    def _reserve_snapshot(self, r: Request, length: int) -> int:
-        """A slot for a snapshot of ``r``'s row after ``length`` tokens, -1 when none is
-        free (a snapshot is never worth a wait). It holds the row's pages of those tokens: no
-        new KV page, and they stay in use after the row's release."""
+    def _reserve_snapshot(self, r: Request, length: int, chunk: bool = True) -> int:
+        """A slot for a snapshot of ``r``'s row after ``length`` tokens (``chunk``: after a
+        prefill chunk, else the finished row's), -1 when none is free (a snapshot is never
+        worth a wait). It holds the row's pages of those tokens: no new KV page, and they
+        stay in use after the row's release."""
         c = self.cache
         # a chunk's inside or at the end of the prompt, not at a branch point: the request's
         # own later snapshot (its next chunk's, its finished row's) supersedes it, so it
         # evicts only snapshots superseded too (PrefixCache, "Eviction")
-        superseded = length <= r.prefill_len and length != r.branch_at
+        superseded = chunk and length <= r.prefill_len and length != r.branch_at
         slot = c.reserve(length, r.request_id, superseded)
         if slot >= 0:
             self.kv.take(("slot", slot), ("row", r.row), length)
@@ -942,7 +943,7 @@ class Scheduler:
             n = r.num_computed
             if reason in ("stop", "length") and r.prefill_done and n < len(r.all_ids) and not (
                     r.in_flight and r.aborted):
-                slot = self._reserve_snapshot(r, n)
+                slot = self._reserve_snapshot(r, n, chunk=False)
                 if slot >= 0:
                     self._row_snapshots[r.row] = (slot, r.all_ids[: n + 1])
         row, r.row = r.row, -1

@@ -19,6 +19,19 @@ Slots are stable ids handed to every stage. Each is in one of these states:
   while pinned: its restore may still be on its way through the stages);
 - dropping: evicted; free again once every stage dropped it (:meth:`dropped`).
 
+Eviction, one rule (:meth:`_order`), for a new snapshot's slot and for KV alike: first
+the snapshots never restored from that a deeper snapshot on the same path supersedes (a
+chunk's inside a prompt once the prompt's end is filed, a prompt's end once the finished
+row's is: a request that reaches them reaches the deeper one too, unless it leaves the
+path in between), then least recently used. A new snapshot that its own request will
+supersede (``superseded``: a chunk's inside or at the end of its prompt, not at a branch
+point) evicts only the former (:meth:`evict_one`), and takes no free slot that another
+kind (a finished row's, a branch point's) evicted for; that kind evicts the first in the
+order, but while a slot evicted for it is on its way only a superseded one (finished rows
+ending together do not evict each other's snapshots for one another). A slot evicted for
+a new snapshot is free only once every stage dropped it: the next snapshot of its kind
+takes it.
+
 KV accounting: a snapshot holds the KV pages of its tokens on every stage (shared with
 rows and other snapshots), from :meth:`reserve` to :meth:`dropped`. The scheduler's KV
 budget counts each page once, whoever holds it (``router.kv_ledger``), and evicts only
@@ -30,13 +43,14 @@ import itertools
 
 
 class _Node:
-    __slots__ = ("key", "children", "parent", "slot", "last_used")
+    __slots__ = ("key", "children", "parent", "slot", "last_used", "hit")
 
     def __init__(self, key: tuple[int, ...], parent: "_Node | None"):
         self.key, self.parent = key, parent  # key: the token ids on the edge into this node
         self.children: dict[int, _Node] = {}
         self.slot = -1
         self.last_used = 0
+        self.hit = False  # a micro-batch restored from its snapshot
 
 
 class _Charges:
@@ -76,6 +90,7 @@ class PrefixCache:
         self.to_drop: list[int] = []         # evicted, drop not sent yet
         self.dropping: set[int] = set()      # evicted, drop sent
         self._clock = itertools.count(1)
+        self.owed = 0  # slots evicted for snapshots not superseded, not taken by one yet
         # counters (tokens): prompts looked up, and the part of them found
         self.queried_tokens = self.hit_tokens = 0
 
@@ -115,7 +130,8 @@ class PrefixCache:
     def use(self, slot: int) -> None:
         """A micro-batch will restore from ``slot``: pinned until :meth:`done`."""
         self.pins[slot] = self.pins.get(slot, 0) + 1
-        self.nodes[slot].last_used = next(self._clock)
+        node = self.nodes[slot]
+        node.last_used, node.hit = next(self._clock), True
 
     def done(self, slot: int) -> None:
         """The restore from ``slot`` ran on every stage (or never will)."""
@@ -134,10 +150,13 @@ class PrefixCache:
         """KV tokens (whole pages) the snapshot in ``slot`` holds on every stage."""
         return -(-self.lens[slot] // self.page_size) * self.page_size
 
-    def reserve(self, length: int, request_id: str) -> int:
-        """A free slot for a snapshot of ``length`` tokens of ``request_id``'s row, or -1."""
-        if not self.free or length < 1:
+    def reserve(self, length: int, request_id: str, superseded: bool = False) -> int:
+        """A free slot for a snapshot of ``length`` tokens of ``request_id``'s row, or -1
+        (``superseded``: none of those evicted for the other kind, :meth:`evict_one`)."""
+        if len(self.free) <= (self.owed if superseded else 0) or length < 1:
             return -1
+        if not superseded:
+            self.owed = max(0, self.owed - 1)
         slot = self.free.pop()
         self.lens[slot], self.taking[slot] = length, request_id
         return slot
@@ -152,7 +171,7 @@ class PrefixCache:
         if node.slot >= 0:
             self.to_drop.append(slot)
             return
-        node.slot = slot
+        node.slot, node.hit = slot, False
         node.last_used = next(self._clock)
         self.nodes[slot] = node
 
@@ -186,8 +205,18 @@ class PrefixCache:
         return node
 
     # ------------------------------------------------------------------ eviction
+    def _order(self, slot: int) -> tuple[int, int]:
+        """Where ``slot`` comes in the eviction order (lowest first): ``(0, ·)`` for a
+        snapshot never restored from with a deeper one below it on its path (every node
+        but the root holds a snapshot or has children, so ``children`` means one below:
+        the requests that reach it reach that one as well, but for one that leaves the path
+        in between), ``(1, ·)`` for the rest; then least recently used (filed or restored
+        from)."""
+        node = self.nodes[slot]
+        return (1 if node.hit or not node.children else 0), node.last_used
+
     def evict(self, tokens: int, keep: int = -1, plan=None) -> int:
-        """Evict least recently used unpinned snapshots (not ``keep``) until dropping them
+        """Evict unpinned snapshots (not ``keep``) in :meth:`_order` until dropping them
         gives back ``tokens`` of KV (or none is left), passing over those whose drop would
         give back nothing more (their pages are held by a running row, or by a snapshot
         kept). ``plan``: ``gain(slot)``, the KV tokens dropping ``slot`` too would give back,
@@ -195,11 +224,11 @@ class PrefixCache:
         ``add(slot)`` (``router.kv_ledger.Letting`` over slots; default: each slot's
         :meth:`charge`). When no one drop gives anything back but some together do
         (snapshots holding the same pages: a prompt's end and its short reply's end in one
-        page), the least recently used of those goes first. Returns what the evicted ones
+        page), the first of those in that order goes first. Returns what the evicted ones
         give back once every stage dropped them."""
         plan = plan or _Charges(self)
         evicted, got = [], 0
-        left = sorted(self.evictable(keep), key=lambda s: self.nodes[s].last_used)
+        left = sorted(self.evictable(keep), key=self._order)
         progress = True
         while got < tokens and progress:  # again after a pass: a drop may free another's pages
             progress, passed = False, []
@@ -227,24 +256,25 @@ class PrefixCache:
         """Cached slots no micro-batch restores from (and not ``keep``)."""
         return [s for s in self.nodes if s not in self.pins and s != keep]
 
-    def evict_one(self) -> bool:
-        """Evict the least recently used unpinned snapshot (a slot for a new one)."""
-        slot = self._lru()
-        if slot >= 0:
-            self._remove(slot)
-        return slot >= 0
+    def evict_one(self, superseded: bool = False) -> bool:
+        """Evict the first unpinned snapshot in :meth:`_order`: a slot for a new one, which
+        found none (the module's docstring). Only a superseded one, never restored from,
+        for a new snapshot that is ``superseded`` itself (its own request's later snapshot
+        extends it) or while a slot evicted for the other kind is on its way. False when
+        none is evicted."""
+        slots = [s for s in self.nodes if s not in self.pins]
+        slot = min(slots, key=self._order, default=-1)
+        if slot < 0 or (self._order(slot)[0] > 0 and (superseded or self.owed > 0)):
+            return False
+        self._remove(slot)
+        self.owed += not superseded
+        return True
 
     def flush(self) -> None:
         """Evict every unpinned snapshot."""
         for slot in [s for s in self.nodes if s not in self.pins]:
             self._remove(slot)
-
-    def _lru(self, keep: int = -1) -> int:
-        best, slot = None, -1
-        for s, node in self.nodes.items():
-            if s not in self.pins and s != keep and (best is None or node.last_used < best):
-                best, slot = node.last_used, s
-        return slot
+        self.owed = 0
 
     def _remove(self, slot: int) -> None:
         node = self.nodes.pop(slot)

@@ -262,10 +262,10 @@ class Scheduler:
         prefix_cache: a :class:`~ppspec.router.prefix_cache.PrefixCache` (None: off). An
             admitted request starts from the deepest snapshot of its prefill tokens; prefill
             chunks that end inside the prompt and finished requests leave snapshots. Their
-            KV pages count in the KV budget; least recently used ones are evicted before
-            any request is preempted. The driver drops evicted slots
-            (:meth:`take_dropped_slots`, then :meth:`slots_dropped`) and releases finished
-            rows with :meth:`release_snapshots`.
+            KV pages count in the KV budget; they are evicted (superseded ones first, then
+            least recently used: ``PrefixCache``) before any request is preempted. The
+            driver drops evicted slots (:meth:`take_dropped_slots`, then
+            :meth:`slots_dropped`) and releases finished rows with :meth:`release_snapshots`.
         async_scheduling: form a lane's next micro-batch while its last one is in flight
             (docs/DESIGN.md, "Async scheduling"; the async ``Engine`` sets it): a request
             whose micro-batch in flight decodes, verifies MTP drafts or ends its prompt
@@ -698,17 +698,21 @@ class Scheduler:
         return n < p.max_tokens and len(r.prompt_ids) + n < self.max_context
 
     # ------------------------------------------------------------------ prefix cache
-    def _reserve_snapshot(self, r: Request, length: int) -> int:
-        """A slot for a snapshot of ``r``'s row after ``length`` tokens, -1 when none is
-        free (a snapshot is never worth a wait). It holds the row's pages of those tokens: no
-        new KV page, and they stay in use after the row's release."""
+    def _reserve_snapshot(self, r: Request, length: int, chunk: bool = True) -> int:
+        """A slot for a snapshot of ``r``'s row after ``length`` tokens (``chunk``: after a
+        prefill chunk, else the finished row's), -1 when none is free (a snapshot is never
+        worth a wait). It holds the row's pages of those tokens: no new KV page, and they
+        stay in use after the row's release."""
         c = self.cache
-        if not c.free:
-            c.evict_one()  # its slot is free once dropped: the next snapshot gets it
-            return -1
-        slot = c.reserve(length, r.request_id)
+        # a chunk's inside or at the end of the prompt, not at a branch point: the request's
+        # own later snapshot (its next chunk's, its finished row's) supersedes it, so it
+        # evicts only snapshots superseded too (PrefixCache, "Eviction")
+        superseded = chunk and length <= r.prefill_len and length != r.branch_at
+        slot = c.reserve(length, r.request_id, superseded)
         if slot >= 0:
             self.kv.take(("slot", slot), ("row", r.row), length)
+        elif length >= 1:
+            c.evict_one(superseded)  # its slot is free once dropped: a later snapshot gets it
         return slot
 
     def _branch(self, req: Request) -> tuple[int, int]:
@@ -939,7 +943,7 @@ class Scheduler:
             n = r.num_computed
             if reason in ("stop", "length") and r.prefill_done and n < len(r.all_ids) and not (
                     r.in_flight and r.aborted):
-                slot = self._reserve_snapshot(r, n)
+                slot = self._reserve_snapshot(r, n, chunk=False)
                 if slot >= 0:
                     self._row_snapshots[r.row] = (slot, r.all_ids[: n + 1])
         row, r.row = r.row, -1

@@ -148,10 +148,9 @@ def _slot_gb(ckpt) -> float:
 
 def test_eviction_under_a_small_snapshot_budget(ckpt):
     """Three snapshot slots for three conversations, each leaving chunk snapshots and a
-    finished one per turn: snapshots are evicted (least recently used, never one a
-    micro-batch restores from), later turns still hit, and the tokens stay the same. (With
-    four conversations cycling through three slots, LRU leaves a hit to the order in which
-    finished requests' releases land.)"""
+    finished one per turn: snapshots are evicted (superseded ones first, then least
+    recently used, never one a micro-batch restores from), later turns still hit, and the
+    tokens stay the same."""
     convs = conversations(3)
     reference = multi_turn(LLM(ckpt, chunk_size=CHUNK), convs)[0]
     llm = LLM(ckpt, speculative_algorithm="mtp", chunk_size=CHUNK, enable_prefix_caching=True,
@@ -260,4 +259,24 @@ def test_next_turn_hits_the_prompt_end_where_the_reply_changed(ckpt, spec):
     ref = LLM(ckpt, chunk_size=CHUNK)
     assert got == [o.token_ids for o in ref.generate(turn2, p)]
     assert [r.cached_tokens for r in reqs] == [len(c) for c in convs]
+    assert_all_free(llm)
+
+
+
+def test_two_snapshot_slots_for_four_conversations(ckpt, reference):
+    """Four conversations at once on two snapshot slots, MTP: the chunk snapshots inside
+    prompts (the prompt's end supersedes them) and the prompts' ends (the finished row's
+    supersedes them) give way to the finished rows' snapshots (PrefixCache._order), so
+    that each later turn has a conversation hitting its whole previous turn; the tokens
+    are those of PP1 without the cache."""
+    llm = LLM(ckpt, speculative_algorithm="mtp", chunk_size=CHUNK, enable_prefix_caching=True,
+              prefix_cache_gb=2.5 * _slot_gb(ckpt))
+    assert llm.scheduler.cache.num_slots == 2
+    replies, cached = multi_turn(llm, conversations())
+    assert replies == reference
+    convs = conversations()
+    for t in range(1, TURNS):
+        prev = [c + r for c, r in zip(convs, replies[t - 1])]
+        assert any(got == len(p) - 1 for got, p in zip(cached[t], prev))
+        convs = [p + [11 + t - 1, 12, 13 + i] for i, p in enumerate(prev)]
     assert_all_free(llm)

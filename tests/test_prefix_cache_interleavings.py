@@ -198,12 +198,12 @@ async def _conversations(engine, n, turns, seed, aborts=0.0):
     return out
 
 
-@pytest.mark.parametrize("pp,slots,kv_tokens,aborts", [(1, 4, 1024, 0.0), (2, 4, 640, 0.25)])
+@pytest.mark.parametrize("pp,slots,kv_tokens,aborts", [(1, 4, 1024, 0.0), (2, 4, 640, 0.25), (1, 2, 1024, 0.0)])
 def test_served_engine_at_concurrency_32_with_few_slots_and_a_short_pool(ckpt, pp, slots, kv_tokens, aborts):
     """The engine as ``ppspec serve`` runs it (async scheduling: a lane's next round sent
     before its last one's result; the stages' compute on the loop's thread, so that the
-    interleaving is the same in every run) with 32 conversations at once, MTP, four
-    snapshot slots and a KV pool that preempts: every turn gets the tokens of the same
+    interleaving is the same in every run) with 32 conversations at once, MTP, four (or
+    two) snapshot slots and a KV pool that preempts: every turn gets the tokens of the same
     engine without the cache (no request fails), snapshots are hit, and a flush leaves
     nothing held."""
     import asyncio

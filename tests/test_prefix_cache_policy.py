@@ -183,3 +183,63 @@ def test_a_result_back_after_a_failure_files_no_snapshot_of_the_failed_request()
             s.slots_dropped(s.take_dropped_slots())
             s.free(rows)  # the recovery's release of every row
             assert s.cache.free.count(slot) == 1 and s.cache.num_used == 0 and s.kv_reserved == 0
+
+
+def test_a_tight_slot_budget_keeps_the_release_snapshot_over_chunk_snapshots():
+    """Two snapshot slots. A conversation's first turn leaves its prompt's end and its
+    finished row's snapshot (which supersedes the prompt's end); then a long prompt runs in
+    chunks of 16, each chunk inside it wanting a snapshot. Its chunks may take only the
+    superseded prompt's end, never the conversation's last snapshot: the next turn, arriving
+    while the long one still decodes, hits the whole first turn. (Plain LRU: the chunks'
+    snapshots push out both, and the next turn hits nothing.)"""
+    s = make(chunk=16, slots=2)
+    d = Driver(s)
+    prompt = list(range(100, 112))
+    s.add("a1", prompt, P)
+    d.run()
+    c = s.cache
+    assert c.num_cached == 2  # the prompt's end (12 tokens) and the finished row (15)
+    long = s.add("b", list(range(500, 600)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while long.num_computed < len(long.prompt_ids):
+        assert d.round()
+    a2 = s.add("a2", prompt + [7] * 4 + list(range(300, 320)), P)
+    d.run()
+    assert a2.cached_tokens == len(prompt) + 3  # the first turn's prompt and reply, but its last token
+    # the long prompt's six chunks inside it got one slot: the one the prompt's end gave up
+    assert sum(1 for b in d.batches for i, sl in enumerate(b.snapshot_slots)
+               if b.requests[i] is long and sl >= 0) == 1
+    assert c.hit_tokens == a2.cached_tokens
+    s.flush_cache()
+    s.slots_dropped(s.take_dropped_slots())
+    assert c.num_used == 0 and not c.pins and not c.taking and s.kv_reserved == 0
+    assert sorted(c.free) == [0, 1] and len(s.free_rows) == s.max_rows
+
+
+def test_eviction_order_superseded_snapshots_first_then_least_recently_used():
+    """PrefixCache alone: a snapshot with a deeper one below it on its path that no request
+    restored from goes first; a leaf, or one restored from, only after those, least recently
+    used first; a new snapshot that is superseded itself evicts only the former, and takes
+    no slot evicted for one that is not."""
+    c = PrefixCache(5)
+
+    def take(key):
+        slot = c.reserve(len(key) - 1, "r")
+        c.commit(slot, key)
+        return slot
+
+    leaf_old = take([9, 9, 9])
+    mid, deep = take([1, 2, 3]), take([1, 2, 3, 4, 5])  # deep supersedes mid
+    hit = take([5, 6, 7])
+    c.use(hit)
+    c.done(hit)
+    below = take([5, 6, 7, 8, 9])  # supersedes hit, which a request restored from
+    assert not c.free
+    assert sorted(c.nodes, key=c._order) == [mid, leaf_old, deep, hit, below]
+    assert c.evict_one(superseded=True) and c.take_drops() == [mid]
+    assert not c.evict_one(superseded=True) and c.take_drops() == []
+    assert c.evict_one() and c.take_drops() == [leaf_old] and c.owed == 1
+    assert c.lookup([1, 2, 3, 4, 5, 6]) == (deep, 4) and c.lookup([1, 2, 3, 7]) == (-1, 0)
+    c.dropped([mid, leaf_old])
+    assert c.reserve(4, "x", superseded=True) >= 0  # two free, one owed to a snapshot not superseded
+    assert c.reserve(4, "y", superseded=True) == -1
+    assert c.reserve(4, "z") >= 0 and c.owed == 0

@@ -155,3 +155,29 @@ def test_a_prompts_last_chunk_pads_into_the_mixed_graph(make_ckpt, monkeypatch):
     assert [k[1] for _, k in seen] == [(2, 320, 5), (2, 320, 6)], seen
     mg = llm.pipeline.runners[0].mixed_graphs["decode"]
     assert mg.bucket(4, 100) is None and mg.bucket(4, 160) == (4, (2, 320, 6)) and mg.bucket(4, 320) is None
+
+
+@pytest.mark.parametrize("seq,T", [(0, 150), (40, 100), (7, 250)])
+def test_a_lone_chunk_in_a_long_bucket_equals_eager(make_ckpt, seq, T):
+    """One request's prefill chunk alone (no decodes) in a long bucket, whose positions and
+    KV slots the bucket derives on the device from its row, cached length and
+    ``cu_seqlens``: stage 0's hidden states and the sampled token equal the eager stage's
+    (PP2, fp32), with a prefix already cached (``seq`` > 0) and without."""
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    layers = split_layers(7, 2)
+
+    def stages(bs):
+        return [StageRunner(path, k, 2, layer_range=layers[k], cuda_graph_max_bs=bs, max_rows=12) for k in range(2)]
+    graphed, eager = stages(8), stages(0)
+    g = torch.Generator().manual_seed(seq + T)
+    prompt = torch.randint(0, 256, (seq + T,), generator=g).tolist()
+    if seq:
+        first = StepInput(0, 0, "prefill", [5], [0], [seq], prompt[:seq], sample=[False], next_token_ids=[prompt[seq]])
+        for st in (graphed, eager):
+            _step_all(st, first)
+    inp = StepInput(0, 1, "prefill", [5], [seq], [T], prompt[seq:], sample=[True], next_token_ids=[-1])
+    h_g, out_g = _step_all(graphed, inp)
+    h_e, out_e = _step_all(eager, inp)
+    assert graphed[0].prefill_graphs.bucket(1, T)[:2] == ((2, 192) if T < 192 else (2, 320))
+    torch.testing.assert_close(h_g, h_e, atol=1e-5, rtol=1e-5)
+    assert out_g.output_ids == out_e.output_ids

@@ -65,6 +65,14 @@ MAX_CHUNK_REPLAYS = 8
 
 
 
+def _device_uuid(device: torch.device) -> str:
+    """The accelerator's identity, equal for stages that share it whatever their
+    ``CUDA_VISIBLE_DEVICES`` numbering; "" on the CPU (each CPU stage counts on its own)."""
+    if device.type != "cuda":
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+
+
 def _reserved(device: torch.device) -> int:
     """Bytes the caching allocator holds on ``device`` (0 off CUDA)."""
     return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
@@ -397,7 +405,7 @@ class StageRunner:
             "commit_design": self.commit_design,
             "prefill_attention": self.prefill_attention,
             "device_type": self.device.type,
-            "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "",
+            "device_uuid": _device_uuid(self.device),
             "vocab_size": self.cfg.vocab_size,
             "eos_token_ids": list(self.cfg.eos_token_ids),
             "memory_bytes": self.memory_report(),

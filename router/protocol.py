@@ -27,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -142,6 +143,18 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
             if isinstance(item, _Request):
                 names += ignored_fields(item, f"{prefix}{key}." + ("" if i is None else f"{i}."))
     return names
+
+
+def _null_means_default(*fields: str):
+    """A before-validator reading ``null`` as the default of ``fields``: OpenAI's API takes
+    ``null`` for these (its spec marks them nullable), and clients that write every field,
+    such as those generated from that spec, send it. (Each model names its
+    validator apart: a subclass attribute of the same name would replace its parent's.)"""
+
+    def null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
+
+    return field_validator(*fields, mode="before")(classmethod(null_is_default))
 
 
 class StreamOptions(_Request):
@@ -277,6 +290,8 @@ class _GenerationRequest(_Request):
     guided_choice: Optional[list[str]] = Field(None, min_length=1)
     guided_grammar: Optional[str] = None
 
+    _nullable_common = _null_means_default("stream", "n")
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v: Union[str, list[str], None]) -> Union[str, list[str], None]:
@@ -357,6 +372,8 @@ class CompletionRequest(_GenerationRequest):
     """Not supported: only null or an empty string."""
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     """Only best_of == n is supported."""
+
+    _nullable_completion = _null_means_default("echo")
 
     @property
     def echo_only(self) -> bool:
@@ -482,6 +499,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """Return per-token log-probabilities in ``choices[i].logprobs.content``."""
     top_logprobs: Optional[int] = Field(None, ge=0)
     """Top alternatives per token; needs ``logprobs: true``."""
+    _nullable_chat = _null_means_default("logprobs")
     tools: Optional[list[dict[str, Any]]] = None
     """Functions the model may call (``{"type": "function", "function": {"name", ...}}``),
     rendered by the chat template; needs a server started with ``--tool-call-parser``."""

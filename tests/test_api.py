@@ -1206,3 +1206,22 @@ def test_a_grammar_is_built_off_the_event_loop(client, engine, monkeypatch):
     assert events == ["build starts", "plain answered"]
     grammars = [p.grammar for _, p in engine.calls.values() if p.grammar is not None]
     assert grammars == [structured.request_grammar(CompletionRequest(prompt="hi", guided_json={"type": "object"}))]
+
+
+@pytest.mark.parametrize("path,body,nulls", [
+    ("completions", {"prompt": "hi"}, ("stream", "n", "echo", "logprobs")),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, ("stream", "n", "logprobs", "top_logprobs")),
+])
+def test_an_explicit_null_of_a_nullable_openai_field_means_its_default(server, path, body, nulls):
+    """OpenAI's API (and vLLM's) take ``null`` for ``stream``, ``n``, ``logprobs`` and
+    completions' ``echo``: clients that write every field (OpenAPI-generated ones) send them
+    so. The answer is the one without the fields."""
+    base = dict(body, model=MODEL, max_tokens=4, seed=3, temperature=1.0)
+    want = httpx.post(f"{server}/v1/{path}", json=base, timeout=30)
+    got = httpx.post(f"{server}/v1/{path}", json=dict(base, **{k: None for k in nulls}), timeout=30)
+    assert want.status_code == 200, want.text
+    assert got.status_code == 200, got.text
+    w, g = want.json(), got.json()
+    assert g["object"] == w["object"] and len(g["choices"]) == len(w["choices"]) == 1
+    assert g["choices"] == w["choices"] and g["usage"] == w["usage"]
+

@@ -522,6 +522,17 @@ class ChatCompletionRequest(_GenerationRequest):
     """vLLM's: when the last message is the assistant's, its content starts each choice's
     content (with ``continue_final_message``: the whole reply)."""
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice_form(cls, v: Any) -> Any:
+        """Name the accepted forms (pydantic's union error names its own branch types)."""
+        if v is None or (isinstance(v, str) and v in ("none", "auto", "required")):
+            return v
+        fn = v.get("function") if isinstance(v, dict) else None
+        if isinstance(fn, dict) and v.get("type") == "function" and isinstance(fn.get("name"), str):
+            return v
+        raise ValueError('expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:

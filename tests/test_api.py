@@ -1225,3 +1225,14 @@ def test_an_explicit_null_of_a_nullable_openai_field_means_its_default(server, p
     assert g["object"] == w["object"] and len(g["choices"]) == len(w["choices"]) == 1
     assert g["choices"] == w["choices"] and g["usage"] == w["usage"]
 
+
+@pytest.mark.parametrize("choice", ["bogus", {"type": "function"}, {"type": "function", "function": {}}, 5])
+def test_a_bad_tool_choice_says_which_forms_are_accepted(server, choice):
+    r = httpx.post(f"{server}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": choice,
+        "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tool_choice", err
+    assert err["message"].startswith('tool_choice: expected "none", "auto", "required" or {"type": "function", '
+                                     '"function": {"name": ...}}'), err

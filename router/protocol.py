@@ -535,6 +535,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _check_chat(self):
+        if "chat_template" in (self.model_extra or {}):  # it would change the prompt: refused, not ignored
+            raise ValueError("chat_template in a request is not supported (vLLM refuses it too, without "
+                             "--trust-request-chat-template): start the server with --chat-template")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:

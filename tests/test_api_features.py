@@ -81,6 +81,20 @@ def test_unknown_fields_are_ignored_with_one_warning(server, engine, caplog):
                      "stream_options.bar, messages.0.foo"]
 
 
+
+def test_a_chat_template_in_the_request_is_refused_not_ignored(server, engine):
+    """A request's own ``chat_template`` would change the prompt: rendering with the server's
+    instead (what ignoring it did) answers another question, so it is a 400 (vLLM's too,
+    without ``--trust-request-chat-template``) and nothing reaches the engine."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "chat_template" and "--chat-template" in err["message"], err
+    assert engine.calls == {}
+
+
 def _events(text):
     return [json.loads(line[len("data: "):]) for line in text.splitlines()
             if line.startswith("data: ") and line != "data: [DONE]"]

@@ -218,6 +218,27 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone(server, engine, tokenizer, s
     assert params.max_tokens == 1 and params.prompt_logprobs == 1
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_text_offsets_count_the_echoed_prompt(server, engine, tokenizer, stream):
+    """With ``echo``, every generated token's ``text_offset`` counts the prompt text before
+    it, in each chunk of a stream too (the chunks after the first counted from the
+    completion's start): the offsets without echo, shifted by the prompt's length."""
+    prompt = "Echo me back"
+    body = dict(prompt=prompt, max_tokens=12, seed=5, temperature=1.0, logprobs=1, stream=stream)
+
+    def offsets(echo):
+        r = _post(server, "/v1/completions", dict(body, echo=echo))
+        assert r.status_code == 200, r.text
+        choices = [c for ev in _events(r.text) for c in ev["choices"]] if stream else r.json()["choices"]
+        return [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+
+    plain, echoed = offsets(False), offsets(True)
+    n = len(tokenizer.encode(prompt))
+    assert len(plain) == 12 and len(echoed) == n + 12
+    assert echoed[n:] == [len(prompt) + o for o in plain]
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, engine, tokenizer):
     """vLLM's ``truncate_prompt_tokens``: the engine runs each prompt's last k tokens (a
     chat's rendered prompt too; -1: the context's worth, so a prompt longer than the context

@@ -243,7 +243,8 @@ class _GenerationRequest(_Request):
     stop: Optional[Union[str, list[str]]] = None
     """Stop strings: the text ends before the first occurrence of any (not included)."""
     stop_token_ids: Optional[list[int]] = Field(None, max_length=64)
-    """Extra token ids that end a choice (vLLM extension)."""
+    """Extra token ids that end a choice (vLLM extension); as EOS, the one that ends it is
+    left out of the text unless ``include_stop_str_in_output``."""
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=MAX_N)

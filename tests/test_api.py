@@ -1236,3 +1236,48 @@ def test_a_bad_tool_choice_says_which_forms_are_accepted(server, choice):
     assert err["param"] == "tool_choice", err
     assert err["message"].startswith('tool_choice: expected "none", "auto", "required" or {"type": "function", '
                                      '"function": {"name": ...}}'), err
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_token_that_stops_a_choice_is_not_in_its_text(client, engine, tokenizer, include):
+    """As vLLM: the stop token (EOS, or one of ``stop_token_ids``) that ends a choice stays
+    in its token ids and log-probabilities but not in its text, unless
+    ``include_stop_str_in_output`` (then its text ends the choice's text)."""
+    stop_id = engine.text_ids[len(engine.text_ids) // 2]  # a token of the generated text
+    stopped = 0
+    for skip in (True, False):
+        for stream in (False, True):
+            for seed in range(6):
+                body = {"ignore_eos": True, "stop_token_ids": [stop_id], "return_token_ids": True,
+                        "include_stop_str_in_output": include, "skip_special_tokens": skip}
+                kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=60, temperature=1.0, seed=seed,
+                          logprobs=1, extra_body=body)
+                if stream:
+                    texts, ids, finish, _, _ = collect_completion_stream(client.completions.create(stream=True, **kw))
+                    text, ids, finish = texts[0], ids[0], finish[0]
+                else:
+                    (choice,) = client.completions.create(**kw).choices
+                    text, ids, finish = choice.text, extra(choice, "token_ids"), choice.finish_reason
+                rid = list(engine.calls)[-1]
+                assert ids == engine.outputs[rid]
+                kept = ids if (include or finish != "stop") else ids[:-1]
+                assert finish != "stop" or ids[-1] == stop_id
+                want = tokenizer.decode(kept, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                assert text == want, (seed, stream, finish)
+                stopped += finish == "stop"
+    assert stopped  # some seeds met the stop token
+    # EOS, written out (skip_special_tokens false): the same rule
+    eos_stops = 0
+    for seed in range(6):
+        (choice,) = client.completions.create(
+            model=MODEL, prompt="The quick brown fox", max_tokens=300, temperature=1.0, seed=seed,
+            extra_body={"return_token_ids": True, "skip_special_tokens": False,
+                        "include_stop_str_in_output": include}).choices
+        ids = extra(choice, "token_ids")
+        if choice.finish_reason == "stop":
+            eos_stops += 1
+            assert ids[-1] == tokenizer.eos_token_id
+            want = tokenizer.decode(ids if include else ids[:-1], skip_special_tokens=False,
+                                    clean_up_tokenization_spaces=False)
+            assert choice.text == want, seed
+    assert eos_stops  # and some met EOS

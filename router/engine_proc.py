@@ -176,7 +176,8 @@ class EngineServer:
         then close the engine (``owner``) or abort this client's requests."""
         e = self.engine
         _write(self.writer, ("ready", {"max_model_len": e.max_model_len, "spec": e.spec,
-                                       "prefix_caching": e.prefix_caching, "health": e.health()}))
+                                       "prefix_caching": e.prefix_caching, "health": e.health(),
+                                       "eos": list(getattr(e, "eos", None) or [])}))
         watch = asyncio.ensure_future(self._watch_health())
         calls: set[asyncio.Task] = set()
         try:
@@ -269,6 +270,7 @@ class EngineClient:
 
         self.argv, self.tokenizer, self.model_name, self.owner = argv, tokenizer, model_name, owner
         self.max_model_len, self.spec, self.prefix_caching = 0, None, False
+        self.eos: list[int] | None = None  # the engine's EOS ids, once it said ready
         self.queues: dict[str, asyncio.Queue] = {}
         self._health: tuple[bool, str] = (False, "the engine process is starting")
         self._replies: dict[int, asyncio.Future] = {}
@@ -315,6 +317,7 @@ class EngineClient:
             raise EngineStartError(msg[1])
         facts = msg[1]
         self.max_model_len, self.spec, self.prefix_caching = facts["max_model_len"], facts["spec"], facts["prefix_caching"]
+        self.eos = facts.get("eos") or None
         self._health = tuple(facts["health"])
         self._reader_task = asyncio.ensure_future(self._read_loop())
 

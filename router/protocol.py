@@ -27,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -144,6 +145,18 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
     return names
 
 
+def _null_means_default(*fields: str):
+    """A before-validator reading ``null`` as the default of ``fields``: OpenAI's API takes
+    ``null`` for these (its spec marks them nullable), and clients that write every field,
+    such as those generated from that spec, send it. (Each model names its
+    validator apart: a subclass attribute of the same name would replace its parent's.)"""
+
+    def null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
+
+    return field_validator(*fields, mode="before")(classmethod(null_is_default))
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     """Send one last chunk (``choices: []``) with the request's ``usage`` before ``[DONE]``."""
@@ -230,7 +243,8 @@ class _GenerationRequest(_Request):
     stop: Optional[Union[str, list[str]]] = None
     """Stop strings: the text ends before the first occurrence of any (not included)."""
     stop_token_ids: Optional[list[int]] = Field(None, max_length=64)
-    """Extra token ids that end a choice (vLLM extension)."""
+    """Extra token ids that end a choice (vLLM extension); as EOS, the one that ends it is
+    left out of the text unless ``include_stop_str_in_output``."""
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -276,6 +290,8 @@ class _GenerationRequest(_Request):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = Field(None, min_length=1)
     guided_grammar: Optional[str] = None
+
+    _nullable_common = _null_means_default("stream", "n")
 
     @field_validator("stop")
     @classmethod
@@ -357,6 +373,8 @@ class CompletionRequest(_GenerationRequest):
     """Not supported: only null or an empty string."""
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     """Only best_of == n is supported."""
+
+    _nullable_completion = _null_means_default("echo")
 
     @property
     def echo_only(self) -> bool:
@@ -482,6 +500,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """Return per-token log-probabilities in ``choices[i].logprobs.content``."""
     top_logprobs: Optional[int] = Field(None, ge=0)
     """Top alternatives per token; needs ``logprobs: true``."""
+    _nullable_chat = _null_means_default("logprobs")
     tools: Optional[list[dict[str, Any]]] = None
     """Functions the model may call (``{"type": "function", "function": {"name", ...}}``),
     rendered by the chat template; needs a server started with ``--tool-call-parser``."""
@@ -504,8 +523,22 @@ class ChatCompletionRequest(_GenerationRequest):
     """vLLM's: when the last message is the assistant's, its content starts each choice's
     content (with ``continue_final_message``: the whole reply)."""
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice_form(cls, v: Any) -> Any:
+        """Name the accepted forms (pydantic's union error names its own branch types)."""
+        if v is None or (isinstance(v, str) and v in ("none", "auto", "required")):
+            return v
+        fn = v.get("function") if isinstance(v, dict) else None
+        if isinstance(fn, dict) and v.get("type") == "function" and isinstance(fn.get("name"), str):
+            return v
+        raise ValueError('expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
     @model_validator(mode="after")
     def _check_chat(self):
+        if "chat_template" in (self.model_extra or {}):  # it would change the prompt: refused, not ignored
+            raise ValueError("chat_template in a request is not supported (vLLM refuses it too, without "
+                             "--trust-request-chat-template): start the server with --chat-template")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:

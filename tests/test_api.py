@@ -1206,3 +1206,78 @@ def test_a_grammar_is_built_off_the_event_loop(client, engine, monkeypatch):
     assert events == ["build starts", "plain answered"]
     grammars = [p.grammar for _, p in engine.calls.values() if p.grammar is not None]
     assert grammars == [structured.request_grammar(CompletionRequest(prompt="hi", guided_json={"type": "object"}))]
+
+
+@pytest.mark.parametrize("path,body,nulls", [
+    ("completions", {"prompt": "hi"}, ("stream", "n", "echo", "logprobs")),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, ("stream", "n", "logprobs", "top_logprobs")),
+])
+def test_an_explicit_null_of_a_nullable_openai_field_means_its_default(server, path, body, nulls):
+    """OpenAI's API (and vLLM's) take ``null`` for ``stream``, ``n``, ``logprobs`` and
+    completions' ``echo``: clients that write every field (OpenAPI-generated ones) send them
+    so. The answer is the one without the fields."""
+    base = dict(body, model=MODEL, max_tokens=4, seed=3, temperature=1.0)
+    want = httpx.post(f"{server}/v1/{path}", json=base, timeout=30)
+    got = httpx.post(f"{server}/v1/{path}", json=dict(base, **{k: None for k in nulls}), timeout=30)
+    assert want.status_code == 200, want.text
+    assert got.status_code == 200, got.text
+    w, g = want.json(), got.json()
+    assert g["object"] == w["object"] and len(g["choices"]) == len(w["choices"]) == 1
+    assert g["choices"] == w["choices"] and g["usage"] == w["usage"]
+
+
+@pytest.mark.parametrize("choice", ["bogus", {"type": "function"}, {"type": "function", "function": {}}, 5])
+def test_a_bad_tool_choice_says_which_forms_are_accepted(server, choice):
+    r = httpx.post(f"{server}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": choice,
+        "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tool_choice", err
+    assert err["message"].startswith('tool_choice: expected "none", "auto", "required" or {"type": "function", '
+                                     '"function": {"name": ...}}'), err
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_token_that_stops_a_choice_is_not_in_its_text(client, engine, tokenizer, include):
+    """As vLLM: the stop token (EOS, or one of ``stop_token_ids``) that ends a choice stays
+    in its token ids and log-probabilities but not in its text, unless
+    ``include_stop_str_in_output`` (then its text ends the choice's text)."""
+    stop_id = engine.text_ids[len(engine.text_ids) // 2]  # a token of the generated text
+    stopped = 0
+    for skip in (True, False):
+        for stream in (False, True):
+            for seed in range(6):
+                body = {"ignore_eos": True, "stop_token_ids": [stop_id], "return_token_ids": True,
+                        "include_stop_str_in_output": include, "skip_special_tokens": skip}
+                kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=60, temperature=1.0, seed=seed,
+                          logprobs=1, extra_body=body)
+                if stream:
+                    texts, ids, finish, _, _ = collect_completion_stream(client.completions.create(stream=True, **kw))
+                    text, ids, finish = texts[0], ids[0], finish[0]
+                else:
+                    (choice,) = client.completions.create(**kw).choices
+                    text, ids, finish = choice.text, extra(choice, "token_ids"), choice.finish_reason
+                rid = list(engine.calls)[-1]
+                assert ids == engine.outputs[rid]
+                kept = ids if (include or finish != "stop") else ids[:-1]
+                assert finish != "stop" or ids[-1] == stop_id
+                want = tokenizer.decode(kept, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                assert text == want, (seed, stream, finish)
+                stopped += finish == "stop"
+    assert stopped  # some seeds met the stop token
+    # EOS, written out (skip_special_tokens false): the same rule
+    eos_stops = 0
+    for seed in range(6):
+        (choice,) = client.completions.create(
+            model=MODEL, prompt="The quick brown fox", max_tokens=300, temperature=1.0, seed=seed,
+            extra_body={"return_token_ids": True, "skip_special_tokens": False,
+                        "include_stop_str_in_output": include}).choices
+        ids = extra(choice, "token_ids")
+        if choice.finish_reason == "stop":
+            eos_stops += 1
+            assert ids[-1] == tokenizer.eos_token_id
+            want = tokenizer.decode(ids if include else ids[:-1], skip_special_tokens=False,
+                                    clean_up_tokenization_spaces=False)
+            assert choice.text == want, seed
+    assert eos_stops  # and some met EOS

@@ -81,6 +81,20 @@ def test_unknown_fields_are_ignored_with_one_warning(server, engine, caplog):
                      "stream_options.bar, messages.0.foo"]
 
 
+
+def test_a_chat_template_in_the_request_is_refused_not_ignored(server, engine):
+    """A request's own ``chat_template`` would change the prompt: rendering with the server's
+    instead (what ignoring it did) answers another question, so it is a 400 (vLLM's too,
+    without ``--trust-request-chat-template``) and nothing reaches the engine."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "chat_template" and "--chat-template" in err["message"], err
+    assert engine.calls == {}
+
+
 def _events(text):
     return [json.loads(line[len("data: "):]) for line in text.splitlines()
             if line.startswith("data: ") and line != "data: [DONE]"]
@@ -202,6 +216,27 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone(server, engine, tokenizer, s
     assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(ids)
     ((_, params),) = engine.calls.values()
     assert params.max_tokens == 1 and params.prompt_logprobs == 1
+
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_text_offsets_count_the_echoed_prompt(server, engine, tokenizer, stream):
+    """With ``echo``, every generated token's ``text_offset`` counts the prompt text before
+    it, in each chunk of a stream too (the chunks after the first counted from the
+    completion's start): the offsets without echo, shifted by the prompt's length."""
+    prompt = "Echo me back"
+    body = dict(prompt=prompt, max_tokens=12, seed=5, temperature=1.0, logprobs=1, stream=stream)
+
+    def offsets(echo):
+        r = _post(server, "/v1/completions", dict(body, echo=echo))
+        assert r.status_code == 200, r.text
+        choices = [c for ev in _events(r.text) for c in ev["choices"]] if stream else r.json()["choices"]
+        return [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+
+    plain, echoed = offsets(False), offsets(True)
+    n = len(tokenizer.encode(prompt))
+    assert len(plain) == 12 and len(echoed) == n + 12
+    assert echoed[n:] == [len(prompt) + o for o in plain]
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, engine, tokenizer):

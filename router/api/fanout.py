@@ -146,6 +146,15 @@ class Runner:
         self.tokenizer = engine.tokenizer  # decoding, on the event loop
         self._background: set[asyncio.Task] = set()
 
+    @property
+    def eos_ids(self) -> set[int]:
+        """The ids the engine stops on unless ``ignore_eos``: the checkpoint's EOS ids where
+        the engine says them (known once it started), else the tokenizer's."""
+        eos = getattr(self.engine, "eos", None)
+        if eos is None:
+            eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        return {int(t) for t in eos}
+
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -231,6 +240,8 @@ class Fanout:
         stream = TextStream(runner.tokenizer, sub.prompt_ids, self.stops, self.skip_special_tokens,
                             sub.params.min_tokens, self.include_stop)
         first, finished, last_token = True, False, None
+        # the token that ends a choice ("stop" from the engine) stays out of its text, as vLLM's
+        stop_ids = set(sub.params.stop_token_ids) | (set() if sub.params.ignore_eos else runner.eos_ids)
         it: Any = None
         try:
             it = runner.engine.generate(sub.request_id, sub.prompt_ids, sub.params)
@@ -250,6 +261,9 @@ class Fanout:
                     if self.want_logprobs:
                         records.append(TokenRecord(tid, logprobs[j] if j < len(logprobs) else None,
                                                     len(stream.text)))
+                    if (out.finish_reason == "stop" and j == len(out.new_token_ids) - 1 and tid in stop_ids
+                            and not self.include_stop):
+                        break
                     if stream.add(tid):
                         break
                 if stream.stopped:

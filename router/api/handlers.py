@@ -374,9 +374,9 @@ class OpenAIHandlers:
 
         def chunks(ev: Event, usage: UsageInfo | None) -> Iterable[bytes]:
             sub = prepared.subs[ev.index]
-            prefix = ""
-            if ev.first and body.echo and prepared.prompt_texts:
-                prefix = prepared.prompt_texts[sub.prompt_index]
+            # the echoed prompt text: sent with the first chunk, counted in every chunk's offsets
+            echoed = prepared.prompt_texts[sub.prompt_index] if body.echo and prepared.prompt_texts else ""
+            prefix = echoed if ev.first else ""
             text = prefix + ev.text
             # tokens whose text is held back (a possible stop string) make no chunk unless
             # the client asked for their ids or logprobs
@@ -388,7 +388,7 @@ class OpenAIHandlers:
                 return
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(self._pieces(body), ev.tokens, body.logprobs, len(prefix))
+                logprobs = completion_logprobs(self._pieces(body), ev.tokens, body.logprobs, len(echoed))
                 if prefix:
                     logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs, self._pieces(body)), logprobs)
             choice = CompletionChoice(

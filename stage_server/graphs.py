@@ -469,7 +469,8 @@ class PrefillGraphs:
     def _prepare(self, b: tuple) -> BatchMeta:
         """Bucket ``b``'s layout, completed on the device from what the host filled (recorded
         in a graph before the forward, by this bucket's graph and by :class:`MixedGraphs`):
-        ``has_init``, and a long bucket's fla chunk plan from its ``cu_seqlens``. A copy of
+        ``has_init``, and for a long bucket its positions and KV slots
+        (:meth:`_device_layout`) and fla's chunk plan from its ``cu_seqlens``. A copy of
         ``metas[b]``: each graph that records it keeps its own ``has_init``."""
         meta = dataclasses.replace(self.metas[b])
         meta.has_init = meta.seq_lens > 0  # inside the graph: recomputed by every replay

@@ -259,7 +259,9 @@ class Engine:
         if self.scheduler is None or self.scheduler.cache is None:
             return 0
         self.scheduler.flush_cache()
-        return await self._drop_evicted()
+        dropped = await self._drop_evicted()
+        self._record_cache()
+        return dropped
 
     async def _drop_evicted(self) -> int:
         """Drop the prefix-cache slots evicted since the last call on every stage, then
@@ -546,12 +548,18 @@ class Engine:
             self.metrics.on_stage_rpc(k, "commit", s)
         if batch.mode == "verify":
             self.metrics.on_verify_requests(up.num_drafts, up.accept_lengths)
-        c = self.scheduler.cache
-        if c is not None:
-            seen = self._cache_counted
-            self.metrics.on_prefix_cache(c.queried_tokens - seen[0], c.hit_tokens - seen[1], c.num_used / c.num_slots)
-            self._cache_counted = (c.queried_tokens, c.hit_tokens)
+        self._record_cache()
         self.metrics.set_queue(self.scheduler.num_running, self.scheduler.num_waiting)
+
+    def _record_cache(self) -> None:
+        """The prefix cache's tokens looked up and hit since the last call, and its slots'
+        use now (after each step, and after a flush: no step may follow it soon)."""
+        c = self.scheduler.cache
+        if not self.metrics or c is None:
+            return
+        seen = self._cache_counted
+        self.metrics.on_prefix_cache(c.queried_tokens - seen[0], c.hit_tokens - seen[1], c.num_used / c.num_slots)
+        self._cache_counted = (c.queried_tokens, c.hit_tokens)
 
     def _set_in_flight(self, lane: int | None = None) -> None:
         """After lane ``lane``'s micro-batches in flight changed: ``outstanding`` (the send

@@ -85,3 +85,7 @@ def test_multi_turn_served_with_cache(served):
     infos = c.wait_rows_free()
     assert all(i.snapshot_slots > 0 for i in infos)
     assert [(i.rows_in_use, i.kv_pages_used, i.snapshots_in_use) for i in infos] == [(0, 0, 0)] * 2
+    # the usage gauge says so at once, with no step after the flush to refresh it
+    metrics = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(c.url + "/metrics").text)
+               for s in fam.samples}
+    assert metrics["ppspec:prefix_cache_usage"] == 0

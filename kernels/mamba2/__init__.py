@@ -3,8 +3,8 @@
 
 The plain-torch reference (``naive.py``, ``naive_replay.py``) is the CPU path and the
 oracle. On CUDA ``mamba2_recurrent*`` take a Triton kernel from ``triton_recurrent``, the
-output norm one from ``triton_norm``, and the prefill takes fla's simple-GLA chunk kernels (``fla_scan``, :func:`fla_scan_on`) where
-those modules import.
+output norm one from ``triton_norm``, and a bf16 / fp16 prefill takes fla's simple-GLA chunk
+kernels (``fla_scan``, :func:`fla_scan_on`) where those modules import.
 """
 from __future__ import annotations
 
@@ -49,15 +49,21 @@ def mamba2_prefill_rows(x, dt, A, B, C, D, dt_bias, cu_seqlens, state, req_pool_
         IndexError: a row outside the pool, before anything is written.
     """
     _check_rows(req_pool_indices, state.shape[0])
-    fn = pick(x.is_cuda and fla_scan_on(), "mamba2.fla_scan", "mamba2_prefill_rows_fla", _prefill_rows_ref)
+    fn = pick(x.is_cuda and fla_scan_on(x.dtype), "mamba2.fla_scan", "mamba2_prefill_rows_fla", _prefill_rows_ref)
     return fn(x, dt, A, B, C, D, dt_bias, cu_seqlens, state, req_pool_indices, has_init, dt_limit, chunk_size)
 
 
-def fla_scan_on() -> bool:
-    """Whether the CUDA prefill takes fla's chunk kernels (``PPSPEC_MAMBA2_FLA=1``; off by
-    default until a GPU run checks it: under Triton's interpreter the fp32 path matches the
-    reference, bf16 cannot be checked there)."""
-    return os.environ.get("PPSPEC_MAMBA2_FLA", "0") == "1"
+def fla_scan_on(dtype: torch.dtype) -> bool:
+    """Whether the CUDA prefill of ``dtype`` activations takes fla's chunk kernels: bf16 and
+    fp16 do, fp32 keeps the reference. fla's chunk kernels run their fp32 products as TF32
+    on the GPU (``tl.dot``'s default), up to ~0.07 off the fp32 reference on the H200, while
+    exact under Triton's interpreter; fp32 serves as the exact path (tests against
+    transformers), so it stays exact. ``PPSPEC_MAMBA2_FLA=1`` takes fla for every dtype,
+    ``0`` for none."""
+    forced = os.environ.get("PPSPEC_MAMBA2_FLA", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 def _prefill_rows_ref(x, dt, A, B, C, D, dt_bias, cu_seqlens, state, req_pool_indices, has_init,

@@ -8,14 +8,15 @@ for a commit holds across an event-loop turn. A call cancelled while it waited f
 lock left its rows marked as being committed for good: the next router's first commit of
 such a row was refused ("rows [...] are being committed already": seen in
 test_chaos_soak_short and test_a_new_router_resets_the_stages_an_old_one_left_mid_stream
-under CPU load). Here the interleaving is injected in one process: the test holds the
-lock, the commit's compute ends, its call is cancelled, the lock is let go.
+under CPU load). A call cancelled while its compute still waited for the compute thread
+dropped the compute but not the row's pending mark: the row looked committed and was not.
+Here both interleavings are injected in one process.
 """
 from __future__ import annotations
 
 import asyncio
+import threading
 
-import grpc
 import pytest
 import torch
 
@@ -78,12 +79,16 @@ def _commit(mb, rnd, rows, acc):
     return pb.CommitRequest(micro_batch_id=mb, round=rnd, req_pool_indices=rows, accept_lengths=acc)
 
 
-def test_a_commit_cancelled_after_it_ran_leaves_no_row_committing(make_ckpt):
-    """The commit's compute ends while a step holds the condition's lock; then its call is
-    cancelled. The row is committed (its decode equals that of the same request committed
-    without a cancel), nothing stays pending or committing, and a new router that takes
-    the row over (release with abandon, a new request) commits it as usual."""
+@pytest.mark.parametrize("when", ["settling", "queued"])
+def test_a_commit_cancelled_once_admitted_is_applied_and_leaves_no_row_committing(make_ckpt, when):
+    """The commit's call is cancelled (its router went away) once the stage admitted it:
+    ``settling``: its compute ended while a step holds the condition's lock, which its
+    bookkeeping waits for; ``queued``: its compute waits behind another on the compute
+    thread. Either way the row is committed (its decode equals that of the same request
+    committed without a cancel), nothing stays pending or committing, and a new router that
+    takes the row over (release with abandon, a new request) commits it as usual."""
     s = _servicer(make_ckpt)
+    gate = threading.Event()
 
     async def scenario():
         # the reference: the same request on row 1, its commit not cancelled
@@ -94,18 +99,28 @@ def test_a_commit_cancelled_after_it_ran_leaves_no_row_committing(make_ckpt):
 
         acc0, last0 = await _prefill_verify(s, 0, mb=1, rnd=9)
         assert (acc0, last0) == (acc, last)  # the same request
-        await s.cond.acquire()  # a step waiting for a commit holds the lock across a turn
+        if when == "settling":
+            await s.cond.acquire()  # a step waiting for a commit holds the lock across a turn
+        else:
+            # the compute thread runs something else meanwhile
+            busy = asyncio.get_running_loop().run_in_executor(s.executor, gate.wait)
         call = asyncio.ensure_future(s.CommitAccept(_commit(1, 9, [0], [acc0]), Context()))
         await asyncio.sleep(0)  # admitted: its compute queued
         assert s.committing == {0}
-        await s._compute(lambda: None)  # the compute thread is FIFO: the commit ran
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert not call.done()  # its bookkeeping waits for the lock
+        if when == "settling":
+            await s._compute(lambda: None)  # the compute thread is FIFO: the commit ran
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not call.done()  # its bookkeeping waits for the lock
         call.cancel()  # the router that sent it went away
-        s.cond.release()
+        if when == "settling":
+            s.cond.release()
+        else:
+            gate.set()
+            await busy
         with pytest.raises(asyncio.CancelledError):
             await call
+        await s._compute(lambda: None)  # after the commit's compute, if it still ran
         for _ in range(3):  # anything the cancelled call left to finish
             await asyncio.sleep(0)
         assert (s.committing, s.pending) == (set(), {})
@@ -124,4 +139,5 @@ def test_a_commit_cancelled_after_it_ran_leaves_no_row_committing(make_ckpt):
     except Refused as e:
         pytest.fail(f"{e.code}: {e.details}")
     finally:
+        gate.set()
         s.executor.shutdown()

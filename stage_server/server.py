@@ -11,7 +11,8 @@ point-to-point between hosts, or inline bytes).
 senders (the router, the previous stage) and may arrive in either order. A verify marks
 its rows *pending* with its ``(micro_batch_id, round)``; any later step or release that
 names a pending row waits until the commit of that round has been applied. A commit must
-name exactly the micro-batch and round its rows are pending on, or it is refused.
+name exactly the micro-batch and round its rows are pending on, or it is refused. Once
+admitted, a commit is applied and accounted for even when its call is cancelled.
 
 **Bad input** is refused with a status naming the field before anything changes (see
 :class:`StageServicer`); every stage refuses the same malformed step, the first before any
@@ -101,6 +102,7 @@ class StageServicer(pb_grpc.StageServicer):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{runner.pp_rank}")
         self.pending: dict[int, tuple[int, int]] = {}
         self.committing: set[int] = set()  # rows whose commit is being applied
+        self._settling: set[asyncio.Task] = set()  # admitted commits not yet accounted for (_settle_commit)
         self.instance_id = uuid.uuid4().hex[:12]  # this process; a restarted stage has another
         self.next_instance_id = ""  # the next stage's, as the wiring check last saw it
         # why the stage service is NOT_SERVING ("" while it serves), for Info: the router's
@@ -444,7 +446,9 @@ class StageServicer(pb_grpc.StageServicer):
     async def _apply_commit(self, c, context) -> float:
         """Check and apply one commit (a CommitAccept, or the one a step carries): the rows
         must be pending on its verify; returns the stage's seconds for it. Aborts the call
-        when refused (the rows stay pending for a valid commit)."""
+        when refused (the rows stay pending for a valid commit). Once admitted, a commit is
+        applied and accounted for even when its call is cancelled meanwhile (its router
+        gone, the stream it rode on broken): see :meth:`_settle_commit`."""
         rows, acc = c.req_pool_indices, c.accept_lengths
         key = (c.micro_batch_id, c.round)
         rank = self.runner.pp_rank
@@ -477,15 +481,32 @@ class StageServicer(pb_grpc.StageServicer):
             self.runner.commit_accept(c.micro_batch_id, c.round, rows, acc)
             return time.perf_counter() - t0
 
-        seconds, done = 0.0, True
+        # queued now, in the order the stage admitted it (before any later step or release)
+        ran = asyncio.get_running_loop().run_in_executor(self.executor, timed_commit)
+        settle = asyncio.ensure_future(self._settle_commit(ran, key, rows))
+        self._settling.add(settle)  # referenced until done: the call may not wait for it
+        settle.add_done_callback(self._settling.discard)
+        seconds, error = await asyncio.shield(settle)  # cancelled, the call leaves it to finish
+        if error is not None:
+            await self._fail(context, error, what)
+        return seconds
+
+    async def _settle_commit(self, ran: asyncio.Future, key: tuple[int, int], rows) -> tuple[float, Exception | None]:
+        """Await an admitted commit's compute ``ran``, then account for it: its rows are no
+        longer being committed and, once it wrote, no longer pending on ``key``; the steps
+        and releases waiting for them are woken. A task of its own, which the commit's call
+        never cancels: the bookkeeping waits for the condition's lock (a step waiting for a
+        commit holds it across a turn), and a call cancelled there left its rows committing
+        for good (the next commit of those rows was refused as "being committed already").
+        Returns the commit's seconds and the error that failed it (None: applied)."""
+        seconds, error, done = 0.0, None, True
         try:
-            seconds = await self._compute(timed_commit)
+            seconds = await ran
         except (ValueError, IndexError) as e:
-            done = False  # refused before writing: the rows stay pending for a valid commit
-            await self._fail(context, e, what)
+            done, error = False, e  # refused before writing: the rows stay pending for a valid commit
         except Exception as e:
+            error = e
             await self._compute(self.runner.mark_broken, rows)
-            await self._fail(context, e, what)
         finally:
             async with self.cond:
                 self.committing.difference_update(rows)
@@ -494,7 +515,7 @@ class StageServicer(pb_grpc.StageServicer):
                         if self.pending.get(r) == key:
                             del self.pending[r]
                 self.cond.notify_all()
-        return seconds
+        return seconds, error
 
     async def Release(self, request: pb.ReleaseRequest, context):
         await self._check_router(request.router_id, context, "release")

@@ -531,18 +531,19 @@ class StageRunner:
         self.check_input(inp)
         out = StepOutput(inp.micro_batch_id, inp.round)
         grammars = self._prepare_grammars(inp)
-        with self.rows.applying(inp):
+        parts = inp.parts()  # once: each call copies the step's lists
+        with self.rows.applying(inp, parts):
             if grammars:
                 self.grammars.install(grammars)
             graphs = self._greedy_round_graphs(inp)
             if graphs is not None:
                 self._run_greedy_round(graphs, inp, out)
             else:
-                meta, hidden = self._run_layers(inp)
+                meta, hidden = self._run_layers(inp, parts)
                 if not self.is_last:
                     out.hidden_states = hidden
                 else:
-                    self._last_stage(inp, meta, hidden, out)
+                    self._last_stage(inp, meta, hidden, out, parts)
         if inp.snapshot_slots:  # a prefill writes the state in place: it is committed, nothing pending
             self.snapshots.take(inp.req_pool_indices, inp.snapshot_slots,
                                 [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)], pending=False)
@@ -577,7 +578,7 @@ class StageRunner:
         with self.rows.applying(inp):
             return self._run_layers(inp)
 
-    def _run_layers(self, inp: StepInput) -> tuple[BatchMeta | MixedMeta, torch.Tensor]:
+    def _run_layers(self, inp: StepInput, parts: list[StepInput] | None = None) -> tuple[BatchMeta | MixedMeta, torch.Tensor]:
         rows = inp.req_pool_indices
         graphs = None if inp.num_prefill else self.graphs.get(inp.mode)
         if graphs is not None and graphs.bucket(len(rows)) is not None:
@@ -587,7 +588,7 @@ class StageRunner:
             if inp.mode == VERIFY:
                 self.faults.after_verify(meta)
             return meta, hidden
-        parts = inp.parts()
+        parts = parts or inp.parts()
         if inp.num_prefill and len(parts[1].req_pool_indices) == 1:
             mg = self.mixed_graphs.get(parts[0].mode)
             if mg is not None and mg.bucket(len(parts[0].req_pool_indices), len(parts[1].input_ids)) is not None:
@@ -678,14 +679,15 @@ class StageRunner:
         if cont:
             st.flush(known(device_int64(cont, self.device), min=min(cont), max=max(cont)))
 
-    def _last_stage(self, inp: StepInput, meta: BatchMeta | MixedMeta, hidden: torch.Tensor, out: StepOutput) -> None:
+    def _last_stage(self, inp: StepInput, meta: BatchMeta | MixedMeta, hidden: torch.Tensor, out: StepOutput,
+                    parts: list[StepInput] | None = None) -> None:
         """Logits, acceptance and sampling (and the MTP head's drafts) of the step's requests.
         A mixed micro-batch's parts sample as their own steps would, results in request order;
         the targets of every part cross to the host in ONE read (a read per part waited for
         the device once per part: docs/PERFORMANCE.md, "Prefill and the token budget")."""
         if isinstance(meta, MixedMeta):
             parts = [(p, m, hidden[meta.bounds[i]:meta.bounds[i + 1]])
-                     for i, (p, m) in enumerate(zip(inp.parts(), meta.parts))]
+                     for i, (p, m) in enumerate(zip(parts or inp.parts(), meta.parts))]
         else:
             parts = [(inp, meta, hidden)]
         todo = [self._targets(*p) for p in parts]

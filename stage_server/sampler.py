@@ -88,6 +88,13 @@ def _noise(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
     return -torch.log(u)
 
 
+def _device_float32(values: list[float], device) -> torch.Tensor:
+    """``values`` as fp32 on ``device`` without a blocking copy (``pools.device_int64``'s way:
+    a copy from pageable memory would synchronise the stream)."""
+    host = torch.tensor(values, dtype=torch.float32)
+    return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+
+
 def filter_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (vLLM / HF semantics).
 
@@ -147,34 +154,32 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
     for b in bans:
         spec = specs[b]
         n_ban = min(D, spec.min_tokens - output_lens[b])
-        logits[b, :n_ban, spec.banned_until_min] = float("-inf")
+        logits[b, :n_ban, device_int64(spec.banned_until_min, dev)] = float("-inf")
     for b in other:
         spec = specs[b]
         rows = logits[b]  # [D, V], a view
         if spec.allowed_token_ids:
             keep = torch.full((V,), float("-inf"), dtype=torch.float32, device=dev)
-            keep[torch.tensor(spec.allowed_token_ids, dtype=torch.long, device=dev)] = 0.0
+            keep[device_int64(spec.allowed_token_ids, dev)] = 0.0
             rows += keep
         if spec.bad_word_lens:
             _ban_bad_words(rows, spec, drafts[b][: D - 1])
         if spec.logit_bias_ids:
-            ids = torch.tensor(spec.logit_bias_ids, dtype=torch.long, device=dev)
-            rows[:, ids] += torch.tensor(spec.logit_bias_values, dtype=torch.float32, device=dev)
+            rows[:, device_int64(spec.logit_bias_ids, dev)] += _device_float32(spec.logit_bias_values, dev)
         if not spec.penalized:
             continue
         counts = torch.zeros(D, V, dtype=torch.float32, device=dev)
         if spec.output_token_ids:
-            counts[:, torch.tensor(spec.output_token_ids, dtype=torch.long, device=dev)] = torch.tensor(
-                spec.output_token_counts, dtype=torch.float32, device=dev)
+            counts[:, device_int64(spec.output_token_ids, dev)] = _device_float32(spec.output_token_counts, dev)
         for j, d in enumerate(drafts[b][: D - 1]):
             counts[j + 1:, d] += 1  # draft j is generated before positions j + 1 on
         seen = counts > 0
         if spec.repetition_penalty != 1.0:
             rep = seen.clone()
             if spec.prompt_token_ids:
-                rep[:, torch.tensor(spec.prompt_token_ids, dtype=torch.long, device=dev)] = True
+                rep[:, device_int64(spec.prompt_token_ids, dev)] = True
             r = spec.repetition_penalty
-            rows.copy_(torch.where(rep, torch.where(rows > 0, rows / r, rows * r), rows))
+            torch.where(rep, torch.where(rows > 0, rows / r, rows * r), rows, out=rows)  # in place, no copy
         if spec.presence_penalty or spec.frequency_penalty:
             rows.sub_(counts * spec.frequency_penalty + seen * spec.presence_penalty)
     return logits
@@ -192,7 +197,7 @@ def _ban_bad_words(rows: torch.Tensor, spec: SamplingSpec, drafts: list[int]) ->
         ends = [w[-1] for w in words if len(w) - 1 <= len(past) and past[len(past) - len(w) + 1:] == w[:-1]]
         if not ends:
             continue
-        row, ids = rows[j], torch.tensor(ends, dtype=torch.long, device=rows.device)
+        row, ids = rows[j], device_int64(ends, rows.device)
         kept = row[ids]
         row[ids] = float("-inf")
         if bool(torch.isneginf(row).all()):

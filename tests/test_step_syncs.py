@@ -156,3 +156,36 @@ def test_decode_and_prefill_graph_steps_read_the_device_once(make_ckpt, monkeypa
         out = st.step(StepInput(0, 2, "prefill", [5], [0], [150], prompt[:150], sample=[False],
                                 next_token_ids=[prompt[150]]))
     assert c == [] and out.output_ids == [[]] and st.forwards == {"graph": 3}
+
+
+def test_sampling_in_a_mixed_step_reads_the_device_once(make_ckpt, monkeypatch):
+    """The decodes of a mixed graph step sample with every logit rule that has no host read
+    by design (temperature with top-k / top-p / min-p, repetition / presence / frequency
+    penalties, logit bias, allowed ids, the min_tokens ban) beside a chunk inside its
+    prompt: still one read (the rules' ids and values go to the device without a blocking
+    copy), and the tokens equal the eager stage's (the same seeded picks)."""
+    from ppspec.proto.messages import SamplingSpec
+
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    (graphed,), eager = _runners(path, 1), StageRunner(path, max_rows=12, cuda_graph_max_bs=0)
+    guard = SyncGuard(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    rows, lens = [4, 7, 2, 1, 3], [12, 9, 9, 5, 14]
+    first = StepInput(0, 0, "prefill", rows, [0] * 5, lens, rand(sum(lens)))
+    for st in (graphed, eager):
+        st.step(first)
+    specs = [SamplingSpec(),
+             SamplingSpec(temperature=0.7, seed=3, top_k=50, top_p=0.9, min_p=0.05),
+             SamplingSpec(temperature=1.0, seed=4, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                          output_token_ids=[5, 9], output_token_counts=[2, 1], prompt_token_ids=[1, 2, 3]),
+             SamplingSpec(logit_bias_ids=[7, 11], logit_bias_values=[5.0, -3.0], allowed_token_ids=list(range(200))),
+             SamplingSpec(min_tokens=3, banned_until_min=[2])]
+    prompt = rand(200)
+    inp = StepInput(0, 1, "decode", rows + [9], lens + [0], [1] * 5 + [150], rand(5) + prompt[:150],
+                    sample=[True] * 5 + [False], next_token_ids=[-1] * 5 + [prompt[150]],
+                    sampling=specs + [SamplingSpec()], output_lens=[1] * 5 + [0], num_prefill=1)
+    calls, out = _step_counted([graphed], inp, guard)
+    assert calls == [["tolist"]] and graphed.forwards["graph"] == 2  # the first prefill, then one mixed replay
+    assert out.output_ids == eager.step(inp).output_ids
+    assert out.output_ids[3][0] < 200 and out.output_ids[-1] == []

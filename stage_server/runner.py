@@ -686,25 +686,25 @@ class StageRunner:
         the targets of every part cross to the host in ONE read (a read per part waited for
         the device once per part: docs/PERFORMANCE.md, "Prefill and the token budget")."""
         if isinstance(meta, MixedMeta):
-            parts = [(p, m, hidden[meta.bounds[i]:meta.bounds[i + 1]])
-                     for i, (p, m) in enumerate(zip(parts or inp.parts(), meta.parts))]
+            pieces = [(p, m, hidden[meta.bounds[i]:meta.bounds[i + 1]])
+                      for i, (p, m) in enumerate(zip(parts or inp.parts(), meta.parts))]
         else:
-            parts = [(inp, meta, hidden)]
-        todo = [self._targets(*p) for p in parts]
+            pieces = [(inp, meta, hidden)]
+        todo = [self._targets(*p) for p in pieces]
         live = [t.targets for t in todo if t.targets is not None]
         # the step's one read of the device before its result: every part's targets at once
         flat = (live[0].flatten() if len(live) == 1 else torch.cat([t.flatten() for t in live])).tolist() if live else []
         outs, at = [], 0
-        for (p, m, h), t in zip(parts, todo):
+        for (p, m, h), t in zip(pieces, todo):
             host = None
             if t.targets is not None:
                 B, D = t.targets.shape
                 host = [flat[at + b * D:at + (b + 1) * D] for b in range(B)]
                 at += B * D
-            o = out if len(parts) == 1 else StepOutput(inp.micro_batch_id, inp.round)
+            o = out if len(pieces) == 1 else StepOutput(inp.micro_batch_id, inp.round)
             self._sampled(p, m, h, t, host, o)
             outs.append(o)
-        if len(parts) == 1:
+        if len(pieces) == 1:
             return
         out.output_ids = [t for o in outs for t in o.output_ids]
         if any(o.drafts for o in outs):

@@ -13,6 +13,11 @@ waits: the step synchronised on its read-back), from the launch to the step's en
 time, the read-back of the tokens and the host's sampling), and the commit (host time;
 its device work is a few microseconds). ``--device cpu`` runs the same split on the demo
 checkpoint without graphs (a smoke test of the tool).
+
+``--case mixed`` splits the same way the step of a mixed micro-batch (``--batch`` decodes
+beside one request's ``--chunk``-token chunk of a long prompt, in one mixed graph) and
+counts its synchronisations with the device on CUDA (:func:`split_mixed`); ``--device cpu``
+times the host's part on the demo checkpoint (the forward, eager there, timed apart).
 """
 from __future__ import annotations
 
@@ -102,6 +107,112 @@ def split_1b(torch, batch: int, steps: int, device: str) -> None:
         del r, step
 
 
+def split_mixed(torch, batch: int, chunk: int, steps: int, device: str) -> dict[str, float]:
+    """The host's part of a mixed micro-batch: ``batch`` decodes beside one request's chunk
+    of ``chunk`` tokens of a long prompt, in one mixed graph (``graphs.MixedGraphs``, built for
+    chunks of ``chunk`` tokens), through ``StageRunner.step`` on the last stage. Medians of
+    ``steps`` steps (ms): ``wall``; ``host_before_launch`` (validation, the rows, KV pages,
+    the graphs' fill: the device waits); ``after_launch`` (the rest of the step: on CUDA the
+    device's time, the read of the tokens and the host's sampling; on the CPU the forward
+    and the logits, computed eagerly there, are left out: ``forward``) and ``reads``, the step's
+    synchronisations with the device (CUDA: ``torch.cuda.set_sync_debug_mode``; one is the
+    read of the sampled tokens). The prompt restarts on the same row when it would pass the
+    context.
+
+    CUDA: the random 1.46B checkpoint, bf16, an 8k context. CPU: the demo checkpoint, fp32,
+    a prompt of 4 chunks, with the long prefill bucket the CUDA stage captures forced (the
+    CPU has none: they need fla), its forward run eagerly."""
+    import os
+    import random
+    import statistics
+    import tempfile
+    import warnings
+
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server import graphs
+    from ppspec.stage_server.runner import StageRunner
+
+    cuda = device == "cuda"
+    if cuda:
+        from ppspec.bench.gpu_bench import make_random_checkpoint
+
+        path = os.path.join(tempfile.mkdtemp(), "qwen35-1b")
+        make_random_checkpoint(torch, path)
+        kw, ctx = dict(dtype=torch.bfloat16, device="cuda"), 8192
+    else:
+        from ppspec.router.llm import DEMO_MODEL
+
+        path, kw, ctx = DEMO_MODEL, dict(dtype=torch.float32, device="cpu"), 4 * chunk + 128  # a short prompt: fast
+    long_tokens = graphs.PrefillGraphs.__dict__["_long_tokens"]  # the staticmethod itself
+    if not cuda:  # the bucket CUDA captures for this chunk, for this runner only
+        t = next(t for t in graphs.PREFILL_GRAPH_LONG_TOKENS if t > chunk)
+        graphs.PrefillGraphs._long_tokens = staticmethod(lambda capture, max_kv_len: [t])
+    try:
+        r = StageRunner(path, max_rows=batch + 1, kv_tokens=batch * 1024 + ctx + 1024, cuda_graph_max_bs=batch,
+                        mixed_graph_tokens=chunk, max_context=ctx, **kw)
+    finally:
+        graphs.PrefillGraphs._long_tokens = long_tokens
+    mg = r.mixed_graphs["decode"]
+    forward = {"s": 0.0}
+    if not cuda:  # the CPU runs the graph's forward eagerly: timed apart
+        run_forward = mg._forward
+
+        def timed(key):
+            t0 = time.perf_counter()
+            out = run_forward(key)
+            forward["s"] += time.perf_counter() - t0
+            return out
+        mg._forward = timed
+        logits = r.model.logits
+
+        def timed_logits(*a, **k):
+            t0 = time.perf_counter()
+            out = logits(*a, **k)
+            forward["s"] += time.perf_counter() - t0
+            return out
+        r.model.logits = timed_logits
+    rnd = random.Random(0)
+    V = r.cfg.vocab_size
+    rows, lens, row = list(range(batch)), [64] * batch, batch
+    r.step(StepInput(0, 0, "prefill", rows, [0] * batch, lens, [rnd.randrange(V) for _ in range(64 * batch)]))
+    prompt = [rnd.randrange(V) for _ in range(ctx - 64)]
+    seq, rows_t = 0, {k: [] for k in ("wall", "host_before_launch", "after_launch", "forward", "reads")}
+    for i in range(steps + 3):
+        if seq + chunk + 1 > len(prompt):
+            r.release([row])
+            seq = 0
+        inp = StepInput(0, i + 1, "decode", rows + [row], lens + [seq], [1] * batch + [chunk],
+                        [rnd.randrange(V) for _ in range(batch)] + prompt[seq:seq + chunk],
+                        sample=[True] * batch + [False], next_token_ids=[-1] * batch + [prompt[seq + chunk]],
+                        num_prefill=1)
+        forward["s"] = 0.0
+        before = r.forwards["graph"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            t0 = time.perf_counter()
+            try:
+                r.step(inp)
+            finally:
+                wall = time.perf_counter() - t0
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+        if r.forwards["graph"] != before + 1 or not t0 < mg.steps.launched_at < t0 + wall:
+            raise RuntimeError("the mixed step did not replay its mixed graph")
+        lens, seq = [n + 1 for n in lens], seq + chunk
+        if i < 3:  # every kernel and bucket met once first
+            continue
+        pre = mg.steps.launched_at - t0
+        rows_t["wall"].append(wall)
+        rows_t["host_before_launch"].append(pre)
+        rows_t["after_launch"].append(wall - pre - forward["s"])
+        rows_t["forward"].append(forward["s"])
+        rows_t["reads"].append(sum("synchroniz" in str(w.message) for w in caught) / 1e3)
+    return {k: statistics.median(v) * 1e3 for k, v in rows_t.items()}
+
+
 def main(argv=None) -> None:
     import torch
 
@@ -114,13 +225,22 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--case", choices=("demo", "1b"), default="demo")
-    ap.add_argument("--steps", type=int, default=30, help="--case 1b: timed steps (median)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="--case 1b only")
+    ap.add_argument("--case", choices=("demo", "1b", "mixed"), default="demo")
+    ap.add_argument("--steps", type=int, default=30, help="--case 1b / mixed: timed steps (median)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="--case 1b / mixed only")
+    ap.add_argument("--chunk", type=int, default=512, help="--case mixed: the prefill chunk beside the decodes")
     a = ap.parse_args(argv)
     B = a.batch
     if a.case == "1b":
         split_1b(torch, B, a.steps, a.device)
+        return
+    if a.case == "mixed":
+        t = split_mixed(torch, B, a.chunk, a.steps, a.device)
+        print(f"| mixed step, {B} decodes + a {a.chunk}-token chunk ({a.device}) | wall (ms) | host before the launch "
+              "| after the launch | CPU: forward and logits, not in after | device reads |")
+        print("|---|---|---|---|---|---|")
+        print(f"| median of {a.steps} | {t['wall']:.3f} | {t['host_before_launch']:.3f} | {t['after_launch']:.3f} | "
+              f"{t['forward']:.3f} | {t['reads']:.0f} |")
         return
 
     prompts = [[1 + (i * 7 + j) % 300 for j in range(24)] for i in range(B)]

@@ -51,7 +51,6 @@ class BatchMeta:
         return int(self.rows.numel())
 
 
-@dataclass
 class MixedMeta:
     """Layout of a mixed micro-batch: its parts (a decode or verify :class:`BatchMeta`,
     then a prefill one) over consecutive token ranges ``[bounds[i], bounds[i + 1])``.
@@ -59,13 +58,29 @@ class MixedMeta:
     The token-wise work (projections, norms, RoPE, the KV store, the MLP) runs over all
     ``T`` tokens at once, so decodes and prefill chunks share its GEMMs; attention and the
     GDN conv / recurrence run per part with that part's kernel (:func:`per_part`).
-    positions, slots: ``[T]``, the parts' concatenated."""
+    positions, slots: ``[T]``, the parts' concatenated, joined when first read: after a
+    graph replay nothing reads them (the last stage samples per part), and two joins are
+    two launches on the step's path."""
 
-    parts: list[BatchMeta]
-    bounds: list[int]
-    positions: torch.Tensor
-    slots: torch.Tensor | None
-    mode: str = "mixed"
+    mode = "mixed"
+
+    def __init__(self, parts: list[BatchMeta], bounds: list[int], positions: torch.Tensor | None = None,
+                 slots: torch.Tensor | None = None):
+        self.parts, self.bounds = parts, bounds
+        self._positions, self._slots = positions, slots
+
+    @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            self._positions = torch.cat([m.positions for m in self.parts])
+        return self._positions
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        """None without attention layers (a graph's layout carries placeholder slots even then)."""
+        if self._slots is None and all(m.slots is not None for m in self.parts):
+            self._slots = torch.cat([m.slots for m in self.parts])
+        return self._slots
 
     @classmethod
     def of(cls, parts: list[BatchMeta], extend_lens: list[list[int]]) -> MixedMeta:
@@ -73,9 +88,7 @@ class MixedMeta:
         bounds = [0]
         for e in extend_lens:
             bounds.append(bounds[-1] + sum(e))
-        # None without attention layers (a graph's layout carries placeholder slots even then)
-        slots = None if any(m.slots is None for m in parts) else torch.cat([m.slots for m in parts])
-        return cls(parts, bounds, torch.cat([m.positions for m in parts]), slots)
+        return cls(parts, bounds)
 
 
 def per_part(meta, fn, *xs: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,20 @@ def host_int64(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
 
 
+def load_host(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """``dst[:n] = host`` (``n`` values on the host) without waiting for the device.
+
+    A plain ``copy_`` from pageable memory to CUDA synchronises the stream: the host would
+    wait for every kernel queued before it (the previous micro-batch's replay, on a stage
+    whose step returns before its device work ends), and a sync debug mode counts it. On
+    CUDA the values go through pinned memory with an asynchronous copy instead, ordered on
+    the stream after every replay that read ``dst`` before (the caching host allocator
+    keeps the pinned block until the copy ran); on a CPU it is a plain copy."""
+    if dst.device.type == "cuda":
+        host = host.pin_memory()
+    dst[: host.numel()].copy_(host, non_blocking=True)
+
+
 log = logging.getLogger("ppspec.stage")
 
 
@@ -193,7 +207,7 @@ class StepGraphs:
         pad = b - len(rows)
         host = host_int64(list(rows) + [self.pad_row] * pad + list(seq_lens) + [0] * pad
                           + list(aux) + [1] * (b - len(aux)) + list(ids) + [0] * (b * self.D - len(ids)))
-        self.ints[: host.numel()].copy_(host)
+        load_host(self.ints, host)
 
     def _layout(self, b: int) -> None:
         """Positions, KV lengths and every pool's KV slots of bucket ``b`` from its rows and
@@ -247,7 +261,7 @@ class StepGraphs:
         b = self.bucket(len(rows))
         self._fill(b, rows, seq_lens, ids, aux)
         if self.hidden is not None:
-            self.hidden[: len(rows) * self.D].copy_(hidden)
+            self.hidden[: len(rows) * self.D].copy_(hidden, non_blocking=True)
         return b
 
     def _result(self, b: int, B: int) -> BatchMeta:
@@ -299,8 +313,7 @@ class CommitGraphs:
 
     def _fill(self, b: int, rows: list[int], accept_lengths: list[int]) -> None:
         pad = b - len(rows)
-        host = host_int64(list(rows) + [self.pad_row] * pad + list(accept_lengths) + [0] * pad)
-        self.ints[: 2 * b].copy_(host)
+        load_host(self.ints, host_int64(list(rows) + [self.pad_row] * pad + list(accept_lengths) + [0] * pad))
 
     def run(self, rows: list[int], accept_lengths: list[int]) -> None:
         """Commit ``rows`` with ``accept_lengths`` (host lists the stage has validated:
@@ -524,8 +537,7 @@ class PrefillGraphs:
         cu = [0, *itertools.accumulate(ext)]
         head = rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + list(ids) + [0] * (t - T)
         if nt:  # a long bucket: positions and slots on the device (_device_layout), not t host ints each
-            host = host_int64(head)
-            self.ints[: host.numel()].copy_(host)
+            load_host(self.ints, host_int64(head))
             return
         positions = [s + j for s, e in zip(seq, ext) for j in range(e)]
         if self.kv is None:
@@ -533,8 +545,7 @@ class PrefillGraphs:
         else:
             slots = [x for r, s, e in zip(rows[:B], seq, ext) for x in self.kv.slot_list([r], list(range(s, s + e)))]
             slots += [self.kv.pad_slot(i) for i in range(t - T)]
-        host = host_int64(head + positions + slots)
-        self.ints[: host.numel()].copy_(host)
+        load_host(self.ints, host_int64(head + positions + slots))
 
     def run(self, rows: list[int], seq_lens: list[int], extend_lens: list[int], ids: list[int],
             hidden: torch.Tensor | None = None) -> tuple[BatchMeta, torch.Tensor]:
@@ -558,7 +569,7 @@ class PrefillGraphs:
         b = b or self.bucket(len(rows), T)
         self._fill(b, rows, seq_lens, extend_lens, ids)
         if self.hidden is not None:
-            self.hidden[:T].copy_(hidden)
+            self.hidden[:T].copy_(hidden, non_blocking=True)
         return b
 
     def _result(self, b: tuple, B: int, T: int, meta: BatchMeta | None = None) -> BatchMeta:

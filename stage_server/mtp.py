@@ -12,7 +12,7 @@ from ppspec.kernels.checks import known
 from ppspec.proto.messages import DECODE, PREFILL, StepInput
 
 from .batch import BatchMeta
-from .pools import KVPool
+from .pools import KVPool, device_int64
 
 
 class ChainIndex(NamedTuple):
@@ -78,12 +78,16 @@ class MTPDrafter:
                 sel = [i for b in sub for i in range(cu[b], cu[b + 1] - 1)]
                 mmeta = self.layout(PREFILL, [rows[b] for b in sub], [seq_lens[b] for b in sub], [ext[b] for b in sub],
                                    self.mtp_kv)
-                self.model.mtp(self.model.embed(torch.tensor(tok, dtype=torch.long, device=self.device)),
-                               hidden[torch.tensor(sel, device=self.device)], mmeta, self.mtp_kv.layer(0))
+                self.model.mtp(self.model.embed(device_int64(tok, self.device)),
+                               hidden[device_int64(sel, self.device)], mmeta, self.mtp_kv.layer(0))
             nxt = [emitted[b][0] if emitted[b] else inp.next_token_ids[b] for b in range(B)]
-            last = hidden[torch.tensor([c - 1 for c in cu[1:]], device=self.device)]
-            drafts = chain.run(rows, [s + e for s, e in zip(seq_lens, ext)], nxt, last, [1] * B)[1].tolist()
-            return [dr if w else [] for dr, w in zip(drafts, wants)]
+            last = hidden[device_int64([c - 1 for c in cu[1:]], self.device)]
+            # the chain writes the head's KV at each chunk's last position; its drafts are read
+            # only where a request sampled (a chunk inside its prompt reads nothing)
+            drafts = chain.run(rows, [s + e for s, e in zip(seq_lens, ext)], nxt, last, [1] * B)[1]
+            if not any(wants):
+                return [[] for _ in range(B)]
+            return [dr if w else [] for dr, w in zip(drafts.tolist(), wants)]
         tok, sel, ext = [], [], []
         for b in range(B):
             if inp.mode == PREFILL:
@@ -100,8 +104,7 @@ class MTPDrafter:
         mmeta = self.layout(PREFILL, rows, seq_lens, ext, self.mtp_kv)
         mtp = self.model.mtp
         kv = self.mtp_kv.layer(0)
-        tok_t = torch.tensor(tok, dtype=torch.long, device=self.device)
-        u = mtp(self.model.embed(tok_t), hidden[torch.tensor(sel, device=self.device)], mmeta, kv)
+        u = mtp(self.model.embed(device_int64(tok, self.device)), hidden[device_int64(sel, self.device)], mmeta, kv)
         if not any(wants) or self.num_steps == 0:
             return [[] for _ in range(B)]
         ends = mmeta.cu_seqlens[1:] - 1

@@ -35,10 +35,10 @@ class RowTable:
         self.broken_rows: set[int] = set()  # state undefined after a failed step: release them
         self.touched = False  # the running step has started writing pools
 
-    def check_state(self, inp: StepInput) -> None:
+    def check_state(self, inp: StepInput, parts: list[StepInput] | None = None) -> None:
         """The rows' state admits the step (in the compute order: after earlier steps and
-        commits). Raises RowStateError."""
-        for part in inp.parts():
+        commits); ``parts``: ``inp.parts()`` where the caller has them. Raises RowStateError."""
+        for part in parts or inp.parts():
             self._check_part_rows(part)
 
     def _check_part_rows(self, inp: StepInput) -> None:
@@ -81,13 +81,14 @@ class RowTable:
             pool.ensure(rows, want, need)
 
     @contextmanager
-    def applying(self, inp: StepInput):
+    def applying(self, inp: StepInput, parts: list[StepInput] | None = None):
         """Around the part of a step that writes pools: checks the rows' state and takes
         the step's KV pages first; if the body raises, undoes what can be undone (rows the
         step started are released) and marks rows it continued as broken (a decode or
         prefill may have half-advanced their state; a verify leaves committed state as it
         was). On success, records the rows' new lengths."""
-        self.check_state(inp)
+        parts = parts or inp.parts()  # the caller's, where it has them (each call copies the step's lists)
+        self.check_state(inp, parts)
         if inp.snapshot_slots:
             self.snapshots.check(inp.snapshot_slots, "snapshot_slots", occupied=False)
         restored = []
@@ -99,7 +100,6 @@ class RowTable:
             for r in restored:
                 self.forget(r)
             raise
-        parts = inp.parts()
         new = [r for p in parts if p.mode == PREFILL for r, s in zip(p.req_pool_indices, p.seq_lens) if s == 0] + restored
         self.touched = False
         try:

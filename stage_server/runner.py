@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import logging
@@ -26,16 +27,16 @@ from .config import PAGE_SIZE
 from .family import ModelConfig, split_layers  # noqa: F401  (split_layers: tests import it from here)
 from .loader import load_stage_model
 from .models import family_of
-from .graphs import CommitGraphs, MixedGraphs, PrefillGraphs, StepGraphs, host_int64
+from .graphs import CommitGraphs, MixedGraphs, PrefillGraphs, StepGraphs
 from .graphs import mixed_graph_tokens as default_mixed_graph_tokens
-from .pools import COMMIT_DESIGNS, KVPool, RowStatePool
+from .pools import COMMIT_DESIGNS, KVPool, RowStatePool, device_int64
 from ppspec.kernels.attention import flashinfer as fi_attention
 from ppspec.kernels.checks import known
 from ppspec.proto.messages import SamplingSpec, StepInput, StepOutput
 
 from .grammar import GrammarRows
 from .rows import RowTable
-from .sampler import verify_and_sample
+from .sampler import accept, sample_targets
 from .faults import FAULTS, SNAPSHOT_FAULTS, CommitFaults  # noqa: F401  (FAULTS: tests import it from here)
 from .mtp import ChainIndex, MTPDrafter
 from .snapshots import SnapshotPool, snapshot_nbytes, slots_for_budget
@@ -63,6 +64,22 @@ _GREEDY = SamplingSpec()  # the sampling of a request whose step names none
 # checkpoint takes tens of ms of host time on the H200 (docs/PERFORMANCE.md, "Prefill and the token budget")
 MAX_CHUNK_REPLAYS = 8
 
+
+
+@dataclasses.dataclass
+class _Sampling:
+    """One part of a step on the last stage between its targets and their read
+    (``StageRunner._targets`` / ``_sampled``)."""
+
+    sample: list[bool]
+    specs: list[SamplingSpec]
+    output_lens: list[int]
+    drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    num_drafts: list[int] = dataclasses.field(default_factory=list)
+    cu: list[int] | None = None  # a prefill's cu_seqlens, host ints
+    mask: object | None = None  # the grammar's TokenMask
+    targets: torch.Tensor | None = None  # [B, D] on the device; None: nothing sampled
+    logits: torch.Tensor | None = None
 
 
 def _device_uuid(device: torch.device) -> str:
@@ -424,9 +441,9 @@ class StageRunner:
         dev = self.device
         kv_lens = [s + e for s, e in zip(seq_lens, extend_lens)]
         B = len(rows)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-        seq_t = torch.tensor(seq_lens, dtype=torch.long, device=dev)
-        ext_t = torch.tensor(extend_lens, dtype=torch.long, device=dev)
+        # one copy that does not wait for the device (a blocking one synchronises the stream)
+        ints = device_int64(list(rows) + list(seq_lens) + list(extend_lens), dev)
+        rows_t, seq_t, ext_t = ints[:B], ints[B:2 * B], ints[2 * B:]
         cu = torch.zeros(B + 1, dtype=torch.long, device=dev)
         cu[1:] = ext_t.cumsum(0)
         total = sum(extend_lens)
@@ -514,18 +531,19 @@ class StageRunner:
         self.check_input(inp)
         out = StepOutput(inp.micro_batch_id, inp.round)
         grammars = self._prepare_grammars(inp)
-        with self.rows.applying(inp):
+        parts = inp.parts()  # once: each call copies the step's lists
+        with self.rows.applying(inp, parts):
             if grammars:
                 self.grammars.install(grammars)
             graphs = self._greedy_round_graphs(inp)
             if graphs is not None:
                 self._run_greedy_round(graphs, inp, out)
             else:
-                meta, hidden = self._run_layers(inp)
+                meta, hidden = self._run_layers(inp, parts)
                 if not self.is_last:
                     out.hidden_states = hidden
                 else:
-                    self._last_stage(inp, meta, hidden, out)
+                    self._last_stage(inp, meta, hidden, out, parts)
         if inp.snapshot_slots:  # a prefill writes the state in place: it is committed, nothing pending
             self.snapshots.take(inp.req_pool_indices, inp.snapshot_slots,
                                 [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)], pending=False)
@@ -560,7 +578,7 @@ class StageRunner:
         with self.rows.applying(inp):
             return self._run_layers(inp)
 
-    def _run_layers(self, inp: StepInput) -> tuple[BatchMeta | MixedMeta, torch.Tensor]:
+    def _run_layers(self, inp: StepInput, parts: list[StepInput] | None = None) -> tuple[BatchMeta | MixedMeta, torch.Tensor]:
         rows = inp.req_pool_indices
         graphs = None if inp.num_prefill else self.graphs.get(inp.mode)
         if graphs is not None and graphs.bucket(len(rows)) is not None:
@@ -570,7 +588,7 @@ class StageRunner:
             if inp.mode == VERIFY:
                 self.faults.after_verify(meta)
             return meta, hidden
-        parts = inp.parts()
+        parts = parts or inp.parts()
         if inp.num_prefill and len(parts[1].req_pool_indices) == 1:
             mg = self.mixed_graphs.get(parts[0].mode)
             if mg is not None and mg.bucket(len(parts[0].req_pool_indices), len(parts[1].input_ids)) is not None:
@@ -600,7 +618,7 @@ class StageRunner:
         if isinstance(meta, MixedMeta) and meta.slots is not None:  # the parts' slots, joined
             known(meta.slots, min=0, max=self.kv.num_pages * self.kv.page_size - 1)
         if self.is_first:
-            hidden = self.model.embed_tokens(torch.tensor(inp.input_ids, dtype=torch.long, device=self.device))
+            hidden = self.model.embed_tokens(device_int64(inp.input_ids, self.device))
         else:
             hidden = inp.hidden_states.to(device=self.device, dtype=self.dtype)
         self.rows.touched = True
@@ -657,53 +675,89 @@ class StageRunner:
         new = [r for r, s in zip(rows, seq_lens) if s == 0]
         cont = [r for r, s in zip(rows, seq_lens) if s > 0]
         if new:
-            st.drop_pending(known(torch.tensor(new, device=self.device), min=min(new), max=max(new)))
+            st.drop_pending(known(device_int64(new, self.device), min=min(new), max=max(new)))
         if cont:
-            st.flush(known(torch.tensor(cont, device=self.device), min=min(cont), max=max(cont)))
+            st.flush(known(device_int64(cont, self.device), min=min(cont), max=max(cont)))
 
-    def _last_stage(self, inp: StepInput, meta: BatchMeta | MixedMeta, hidden: torch.Tensor, out: StepOutput) -> None:
+    def _last_stage(self, inp: StepInput, meta: BatchMeta | MixedMeta, hidden: torch.Tensor, out: StepOutput,
+                    parts: list[StepInput] | None = None) -> None:
+        """Logits, acceptance and sampling (and the MTP head's drafts) of the step's requests.
+        A mixed micro-batch's parts sample as their own steps would, results in request order;
+        the targets of every part cross to the host in ONE read (a read per part waited for
+        the device once per part: docs/PERFORMANCE.md, "Prefill and the token budget")."""
         if isinstance(meta, MixedMeta):
-            # each part samples (and drafts) as its own step would; results in request order
-            parts = [StepOutput(inp.micro_batch_id, inp.round) for _ in meta.parts]
-            for i, (p, m, o) in enumerate(zip(inp.parts(), meta.parts, parts)):
-                self._last_stage(p, m, hidden[meta.bounds[i]:meta.bounds[i + 1]], o)
-            out.output_ids = [t for o in parts for t in o.output_ids]
-            if any(o.drafts for o in parts):
-                out.drafts = [d for o in parts for d in (o.drafts or [[]] * len(o.output_ids))]
-            for name in ("logprobs", "prompt_logprobs"):
-                if any(getattr(o, name) is not None for o in parts):
-                    setattr(out, name, [x for o in parts for x in (getattr(o, name) or [None] * len(o.output_ids))])
+            pieces = [(p, m, hidden[meta.bounds[i]:meta.bounds[i + 1]])
+                      for i, (p, m) in enumerate(zip(parts or inp.parts(), meta.parts))]
+        else:
+            pieces = [(inp, meta, hidden)]
+        todo = [self._targets(*p) for p in pieces]
+        live = [t.targets for t in todo if t.targets is not None]
+        # the step's one read of the device before its result: every part's targets at once
+        flat = (live[0].flatten() if len(live) == 1 else torch.cat([t.flatten() for t in live])).tolist() if live else []
+        outs, at = [], 0
+        for (p, m, h), t in zip(pieces, todo):
+            host = None
+            if t.targets is not None:
+                B, D = t.targets.shape
+                host = [flat[at + b * D:at + (b + 1) * D] for b in range(B)]
+                at += B * D
+            o = out if len(pieces) == 1 else StepOutput(inp.micro_batch_id, inp.round)
+            self._sampled(p, m, h, t, host, o)
+            outs.append(o)
+        if len(pieces) == 1:
             return
+        out.output_ids = [t for o in outs for t in o.output_ids]
+        if any(o.drafts for o in outs):
+            out.drafts = [d for o in outs for d in (o.drafts or [[]] * len(o.output_ids))]
+        for name in ("logprobs", "prompt_logprobs"):
+            if any(getattr(o, name) is not None for o in outs):
+                setattr(out, name, [x for o in outs for x in (getattr(o, name) or [None] * len(o.output_ids))])
+
+    def _targets(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor) -> "_Sampling":
+        """One part's logits and target tokens on the device (``sampler.sample_targets``), nothing
+        read. A prefill whose requests all continue inside their prompts samples nothing: no
+        logits, no targets (its MTP head and prompt logprobs still run, in :meth:`_sampled`)."""
         B = meta.batch_size
-        sample = inp.sample or [True] * B
+        t = _Sampling(sample=inp.sample or [True] * B, specs=inp.sampling or [_GREEDY] * B,  # read only: shared
+                      output_lens=inp.output_lens or [0] * B)
+        rows = inp.req_pool_indices
+        constrained = self.grammars.constrained(rows)
         if inp.mode == PREFILL:
-            cu = [0, *itertools.accumulate(inp.extend_lens)]  # from the host (a device read would wait)
+            t.cu = [0, *itertools.accumulate(inp.extend_lens)]  # from the host (a device read would wait)
+            t.drafts, t.num_drafts = [[] for _ in range(B)], [0] * B
+            if not any(t.sample) and not constrained:
+                return t
             # one logit row per request: its last token (only requests that sample are judged)
-            last_idx = torch.tensor([cu[b + 1] - 1 for b in range(B)], device=self.device)
+            last_idx = device_int64([t.cu[b + 1] - 1 for b in range(B)], self.device)
             logits = self.model.logits(hidden[last_idx], upcast=False).unsqueeze(1)  # [B, 1, V]
-            drafts = torch.zeros(B, 0, dtype=torch.long)
-            num_drafts = [0] * B
         else:
             d = meta.tokens_per_request
             # in the model's dtype: the sampler upcasts only the rows that sample
             logits = self.model.logits(hidden, upcast=False).view(B, d, -1)
-            ids = host_int64(inp.input_ids).view(B, d)
-            drafts, num_drafts = ids[:, 1:], inp.num_drafts or [0] * B
-        specs = inp.sampling or [_GREEDY] * B  # read only: one shared default
-        output_lens = inp.output_lens or [0] * B
-        rows = inp.req_pool_indices
-        mask = None
-        if self.grammars.constrained(rows):
-            drafts_l = [row[: num_drafts[b]] for b, row in enumerate(drafts.tolist())] if drafts.numel() else [[]] * B
-            mask = self.grammars.token_mask(rows, drafts_l, sample, logits.shape[1])
-        results = verify_and_sample(logits, drafts, num_drafts, specs, output_lens, mask)
-        out.output_ids = [r.tokens if sample[b] else [] for b, r in enumerate(results)]
-        if mask is not None:
-            self.grammars.advance(rows, mask, out.output_ids)
+            t.num_drafts = inp.num_drafts or [0] * B
+            ids = inp.input_ids  # each request's d tokens: its last one, then its drafts (host lists)
+            t.drafts = [list(ids[b * d + 1:b * d + 1 + t.num_drafts[b]]) for b in range(B)]
+        if constrained:
+            t.mask = self.grammars.token_mask(rows, t.drafts, t.sample, logits.shape[1])
+        t.targets, t.logits = sample_targets(logits, t.drafts, t.num_drafts, t.specs, t.output_lens, t.mask)
+        return t
+
+    def _sampled(self, inp: StepInput, meta: BatchMeta, hidden: torch.Tensor, t: "_Sampling",
+                 targets: list[list[int]] | None, out: StepOutput) -> None:
+        """One part's results from its targets read on the host (``targets``; None where it
+        sampled nothing): acceptance, grammar, logprobs, prompt logprobs, MTP drafts."""
+        B, specs, sample, rows = meta.batch_size, t.specs, t.sample, inp.req_pool_indices
+        results = None
+        if targets is not None:
+            results = accept(targets, t.drafts, t.num_drafts, specs, t.logits)
+        out.output_ids = ([r.tokens if sample[b] else [] for b, r in enumerate(results)] if results
+                          else [[] for _ in range(B)])
+        if t.mask is not None:
+            self.grammars.advance(rows, t.mask, out.output_ids)
         if any(s.logprobs is not None for s in specs):
-            out.logprobs = [r.logprobs if sample[b] else None for b, r in enumerate(results)]
+            out.logprobs = [r.logprobs if sample[b] else None for b, r in enumerate(results)] if results else [None] * B
         if inp.mode == PREFILL and any(s.prompt_logprobs is not None for s in specs):
-            out.prompt_logprobs = self._prompt_logprobs(inp, hidden, specs, cu)
+            out.prompt_logprobs = self._prompt_logprobs(inp, hidden, specs, t.cu)
         if self.use_mtp:
             graphs = self.mtp_graphs.get(inp.mode)
             # a constrained request's draft chain is masked step by step on the host: eagerly
@@ -711,7 +765,7 @@ class StageRunner:
                 # decode / verify: the head runs over all D positions of each request (the
                 # KV past the accepted ones is rewritten by the chain and the next round)
                 d = meta.tokens_per_request
-                ids = [t for e in out.output_ids for t in e + [0] * (d - len(e))]
+                ids = [tok for e in out.output_ids for tok in e + [0] * (d - len(e))]
                 acc = [len(e) for e in out.output_ids]
                 out.drafts = graphs.run(inp.req_pool_indices, inp.seq_lens, ids, hidden, acc)[1].tolist()
             else:
@@ -725,7 +779,7 @@ class StageRunner:
         last position predicts the first output token instead). Log-probabilities of the
         model's logits (fp32, before any penalty or bias: vLLM's prompt_logprobs); ``rank``
         is 1 + the number of tokens more likely than the prompt token (vLLM's)."""
-        ids = host_int64(inp.input_ids).tolist()
+        ids = list(inp.input_ids)
         nxt = inp.next_token_ids or [-1] * len(specs)
         out: list = []
         for b, spec in enumerate(specs):

@@ -33,6 +33,7 @@ import torch
 from ppspec.proto.messages import SamplingSpec
 
 from .grammar import TokenMask
+from .pools import device_int64
 
 _MASK64 = (1 << 64) - 1
 
@@ -80,11 +81,18 @@ def exponential_noise(seed: int, positions: list[int], vocab: int, device) -> to
 
 def _noise(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
     """:func:`exponential_noise` of ``(seed, position)`` pairs, one row each."""
-    rows = torch.tensor([_s64(_mix_int((seed & _MASK64) ^ _mix_int(p + 0x632BE59BD9B4E019))) for seed, p in keys],
-                        dtype=torch.int64, device=device)
+    rows = device_int64([_s64(_mix_int((seed & _MASK64) ^ _mix_int(p + 0x632BE59BD9B4E019))) for seed, p in keys],
+                        device)
     z = _mix(rows[:, None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA)
     u = (_shr(z, 11).double() + 0.5) * (2.0 ** -53)
     return -torch.log(u)
+
+
+def _device_float32(values: list[float], device) -> torch.Tensor:
+    """``values`` as fp32 on ``device`` without a blocking copy (``pools.device_int64``'s way:
+    a copy from pageable memory would synchronise the stream)."""
+    host = torch.tensor(values, dtype=torch.float32)
+    return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
 
 
 def filter_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
@@ -146,34 +154,32 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
     for b in bans:
         spec = specs[b]
         n_ban = min(D, spec.min_tokens - output_lens[b])
-        logits[b, :n_ban, spec.banned_until_min] = float("-inf")
+        logits[b, :n_ban, device_int64(spec.banned_until_min, dev)] = float("-inf")
     for b in other:
         spec = specs[b]
         rows = logits[b]  # [D, V], a view
         if spec.allowed_token_ids:
             keep = torch.full((V,), float("-inf"), dtype=torch.float32, device=dev)
-            keep[torch.tensor(spec.allowed_token_ids, dtype=torch.long, device=dev)] = 0.0
+            keep[device_int64(spec.allowed_token_ids, dev)] = 0.0
             rows += keep
         if spec.bad_word_lens:
             _ban_bad_words(rows, spec, drafts[b][: D - 1])
         if spec.logit_bias_ids:
-            ids = torch.tensor(spec.logit_bias_ids, dtype=torch.long, device=dev)
-            rows[:, ids] += torch.tensor(spec.logit_bias_values, dtype=torch.float32, device=dev)
+            rows[:, device_int64(spec.logit_bias_ids, dev)] += _device_float32(spec.logit_bias_values, dev)
         if not spec.penalized:
             continue
         counts = torch.zeros(D, V, dtype=torch.float32, device=dev)
         if spec.output_token_ids:
-            counts[:, torch.tensor(spec.output_token_ids, dtype=torch.long, device=dev)] = torch.tensor(
-                spec.output_token_counts, dtype=torch.float32, device=dev)
+            counts[:, device_int64(spec.output_token_ids, dev)] = _device_float32(spec.output_token_counts, dev)
         for j, d in enumerate(drafts[b][: D - 1]):
             counts[j + 1:, d] += 1  # draft j is generated before positions j + 1 on
         seen = counts > 0
         if spec.repetition_penalty != 1.0:
             rep = seen.clone()
             if spec.prompt_token_ids:
-                rep[:, torch.tensor(spec.prompt_token_ids, dtype=torch.long, device=dev)] = True
+                rep[:, device_int64(spec.prompt_token_ids, dev)] = True
             r = spec.repetition_penalty
-            rows.copy_(torch.where(rep, torch.where(rows > 0, rows / r, rows * r), rows))
+            torch.where(rep, torch.where(rows > 0, rows / r, rows * r), rows, out=rows)  # in place, no copy
         if spec.presence_penalty or spec.frequency_penalty:
             rows.sub_(counts * spec.frequency_penalty + seen * spec.presence_penalty)
     return logits
@@ -191,7 +197,7 @@ def _ban_bad_words(rows: torch.Tensor, spec: SamplingSpec, drafts: list[int]) ->
         ends = [w[-1] for w in words if len(w) - 1 <= len(past) and past[len(past) - len(w) + 1:] == w[:-1]]
         if not ends:
             continue
-        row, ids = rows[j], torch.tensor(ends, dtype=torch.long, device=rows.device)
+        row, ids = rows[j], device_int64(ends, rows.device)
         kept = row[ids]
         row[ids] = float("-inf")
         if bool(torch.isneginf(row).all()):
@@ -216,13 +222,15 @@ def verify_and_sample(
     output_lens: list[int],
     token_mask: TokenMask | None = None,
 ) -> list[AcceptResult]:
-    """Accept drafts and sample the next token for every request of a batch.
+    """Accept drafts and sample the next token for every request of a batch:
+    :func:`sample_targets` on the device, one read of the targets, :func:`accept` on the host.
 
     Args:
         logits: ``[B, D, V]`` target logits at the D verified positions, fp32 or the
             model's dtype (the rows that sample are upcast to fp32 here; the argmax is the
             same either way, upcasting being exact).
-        drafts: ``[B, D - 1]`` int64 draft tokens (position j's logits judge draft j).
+        drafts: ``[B, D - 1]`` int64 draft tokens (position j's logits judge draft j), on
+            the host.
         num_drafts: valid drafts per request (``<= D - 1``; the rest is padding never accepted).
         specs: sampling spec per request. output_lens: tokens generated before this step
             (the output index of the first token produced here).
@@ -233,15 +241,31 @@ def verify_and_sample(
     Returns:
         One :class:`AcceptResult` per request, ``1 <= len(tokens) <= num_drafts + 1``.
 
-    Every position's target token (argmax, or the seeded Gumbel-max pick; module
-    docstring) is computed on the logits' device; only ``[B, D]`` token ids cross to the
-    host, plus the logit rows of the requests that ask for logprobs. At a 248K vocabulary,
-    batch 32 and D = 4 that is 512 bytes against 127 MB.
+    Only ``[B, D]`` token ids cross to the host, plus the logit rows of the requests that
+    ask for logprobs. At a 248K vocabulary, batch 32 and D = 4 that is 512 bytes against 127 MB.
     """
-    B, D, V = logits.shape
+    B = logits.shape[0]
     drafts_l = drafts.tolist() if drafts.numel() else [[] for _ in range(B)]
     drafts_l = [row[: num_drafts[b]] for b, row in enumerate(drafts_l)]
-    logits = adjust_logits(logits, drafts_l, specs, output_lens)
+    targets, logits = sample_targets(logits, drafts_l, num_drafts, specs, output_lens, token_mask)
+    return accept(targets.tolist(), drafts_l, num_drafts, specs, logits)
+
+
+def sample_targets(
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    num_drafts: list[int],
+    specs: list[SamplingSpec],
+    output_lens: list[int],
+    token_mask: TokenMask | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position's target token (argmax, or the seeded Gumbel-max pick; module
+    docstring), on the logits' device without reading it: ``(targets [B, D] int64, the
+    processed logits)``. ``drafts``: per request its real drafts (host lists); the other
+    arguments as :func:`verify_and_sample`. A step reads the targets of all its parts at
+    once (``StageRunner._last_stage``), then :func:`accept` judges the drafts."""
+    V = logits.shape[-1]
+    logits = adjust_logits(logits, drafts, specs, output_lens)
     if token_mask is not None:
         logits = token_mask.apply(logits)
     targets = logits.argmax(-1)  # [B, D]
@@ -256,20 +280,29 @@ def verify_and_sample(
             part = rows[i: i + _NOISE_ROWS]
             noise = _noise([(specs[b].seed, output_lens[b] + j) for b, j in part], V, logits.device)
             picks.append((probs[i: i + len(part)].double() / noise).argmax(-1))
-        at = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        at = device_int64([x for pair in rows for x in pair], logits.device).view(-1, 2)
         targets = targets.clone()
         targets[at[:, 0], at[:, 1]] = torch.cat(picks)
-    targets_l = targets.tolist()  # [B][D], one transfer for the batch
+    return targets, logits
+
+
+def accept(targets: list[list[int]], drafts: list[list[int]], num_drafts: list[int], specs: list[SamplingSpec],
+           logits: torch.Tensor) -> list[AcceptResult]:
+    """The host's part of :func:`verify_and_sample`: per request, its drafts while each
+    equals its position's target (``targets``: :func:`sample_targets`' read on the host),
+    then the target of the first position that differs (or of the bonus position); the
+    log-probabilities of the emitted tokens from ``logits`` (the processed ones) for the
+    requests that ask (one more read of their rows)."""
     lp_rows = [b for b, spec in enumerate(specs) if spec.logprobs is not None]
-    moved = logits[torch.tensor(lp_rows, dtype=torch.long, device=logits.device)].float().cpu() if lp_rows else None
+    moved = logits[device_int64(lp_rows, logits.device)].float().cpu() if lp_rows else None
     host_row = {b: moved[i] for i, b in enumerate(lp_rows)}  # [D, V] fp32 on the host
     results = []
     for b, spec in enumerate(specs):
         # the one acceptance rule: drafts while each equals its position's target, then
         # the target of the first position that differs (or of the bonus position)
-        tg, m = targets_l[b], num_drafts[b]
+        tg, m = targets[b], num_drafts[b]
         j = 0
-        while j < m and drafts_l[b][j] == tg[j]:
+        while j < m and drafts[b][j] == tg[j]:
             j += 1
         res = AcceptResult(tg[: j + 1])
         if spec.logprobs is not None:

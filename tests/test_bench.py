@@ -668,6 +668,23 @@ def test_host_split_of_a_step_adds_up(capsys):
 
 
 
+def test_host_split_of_a_mixed_step_adds_up(capsys):
+    """``profile_host --case mixed`` on the CPU (demo checkpoint, 4 decodes beside a 128-token
+    chunk in one mixed graph, its forward eager): the host time before the launch and after
+    it are positive and, with the eager forward and logits, add up to the wall time of one
+    timed step; a CPU has no device to read (0 reads), and the long bucket forced for the
+    tool's runner is the CPU's none again after it."""
+    from ppspec.bench.profile_host import main as profile_host
+    from ppspec.stage_server import graphs
+
+    profile_host(["--case", "mixed", "--device", "cpu", "--batch", "4", "--chunk", "128", "--steps", "1"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| median of 1 |"))
+    wall, before, after, forward, reads = (float(c) for c in line.strip("|").split("|")[1:])
+    assert 0 < before < wall and 0 < after < wall and 0 < forward < wall and reads == 0
+    assert before + after + forward == pytest.approx(wall, abs=2.5e-3)
+    assert graphs.PrefillGraphs._long_tokens(False, 4096) == []
+
+
 def test_host_split_refuses_a_batch_its_graphs_do_not_hold():
     import torch
 

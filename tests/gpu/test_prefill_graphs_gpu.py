@@ -187,3 +187,70 @@ def test_mixed_verify_graph_with_mtp_equals_eager(make_ckpt, monkeypatch):
         got[name] = [(o.output_ids, o.drafts) for o in (r.step(s) for s in steps)]
     assert got["graphed"] == got["eager"]
     assert graphed.forwards == {"graph": 2}  # the first prefill (a short bucket), then one mixed replay
+
+
+def _syncs(step):
+    """``step()``'s result and the synchronising CUDA calls it made (``torch.cuda.set_sync_debug_mode``:
+    device reads, and copies from pageable host memory, which synchronise the stream)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return out, [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+def test_mixed_step_synchronises_once(make_ckpt, monkeypatch):
+    """The step of a mixed micro-batch in one mixed graph (5 decodes beside a prompt's
+    512-token chunks, fp32, the replay commit design of a CUDA stage) synchronises with the
+    device once, its read of the sampled tokens: the chunk inside the prompt computes no
+    logits, the prompt's last chunk samples with the decodes in the same read, and the
+    host's lists go to the device without a blocking copy (tests/test_step_syncs.py counts
+    the same calls on the CPU). A decode step alone synchronises once too. The tokens equal
+    the eager stage's."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+    pytest.importorskip("fla")
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    g = torch.Generator().manual_seed(4)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    common = dict(max_rows=8, kv_tokens=8192, num_speculative_steps=0, dtype=torch.float32, device="cuda")
+    monkeypatch.setenv("PPSPEC_FLA_DIRECT", "1")
+    monkeypatch.setenv("PPSPEC_PREFILL_GRAPH_TOKENS", "1024")
+    graphed = StageRunner(path, cuda_graph_max_bs=8, mixed_graph_tokens=512, **common)
+    eager = StageRunner(path, cuda_graph_max_bs=0, **common)
+    heads, lens = [0, 1, 2, 3, 4], [20, 33, 7, 64, 11]
+    first = StepInput(0, 0, "prefill", heads, [0] * 5, lens, rand(sum(lens)))
+    for r in (graphed, eager):
+        r.step(first)
+    rnd = 0
+    # a first prompt's two chunks (row 6) meet every kernel once (a first launch may
+    # synchronise), then a second prompt's (row 7) are counted
+    for row, prompt, counted in ((6, rand(1024), False), (7, rand(1024), True)):
+        for seq in (0, 512):
+            rnd, last = rnd + 1, seq + 512 == len(prompt)
+            inp = StepInput(0, rnd, "decode", heads + [row], lens + [seq], [1] * 5 + [512],
+                            rand(5) + prompt[seq:seq + 512], sample=[True] * 5 + [last],
+                            next_token_ids=[-1] * 5 + [-1 if last else prompt[seq + 512]], num_prefill=1)
+            before = graphed.forwards["graph"]
+            out, syncs = _syncs(lambda: graphed.step(inp))
+            assert graphed.forwards["graph"] == before + 1  # one mixed replay
+            if counted:
+                assert len(syncs) == 1, syncs
+            assert out.output_ids == eager.step(inp).output_ids
+            assert [bool(t) for t in out.output_ids] == [True] * 5 + [last]
+            lens = [n + 1 for n in lens]
+    for _ in range(2):
+        rnd += 1
+        dec = StepInput(0, rnd, "decode", heads, lens, [1] * 5, rand(5))
+        out, syncs = _syncs(lambda: graphed.step(dec))
+        assert len(syncs) == 1, syncs
+        assert out.output_ids == eager.step(dec).output_ids
+        lens = [n + 1 for n in lens]

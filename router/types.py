@@ -204,9 +204,14 @@ class SamplingParams:
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """vLLM's tokenization of ``bad_words``: each word as written (leading spaces stripped)
     and, when that gives another first token and the same length, after one space (a word
-    inside text). Raises InvalidRequestError for a word that tokenizes to nothing."""
+    inside text). Raises InvalidRequestError for a word that tokenizes to nothing or is not
+    UTF-8 text (a JSON string may hold a lone surrogate, which the tokenizer cannot take)."""
     out: list[list[int]] = []
     for w in words:
+        try:
+            w.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("bad_words is not valid UTF-8 text", param="bad_words") from None
         bare = tokenizer.encode(w.lstrip(), add_special_tokens=False)
         if not bare:
             raise InvalidRequestError(f"bad_words: {w!r} tokenizes to no token", param="bad_words")

@@ -9,6 +9,7 @@ must give the same tokens as without.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -91,9 +92,10 @@ def test_bad_words_tokenize_as_vllm():
         spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
         want = [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
         assert bad_words_token_ids(tok, [word]) == want
-    with pytest.raises(InvalidRequestError) as e:
-        bad_words_token_ids(tok, [" "])
-    assert e.value.param == "bad_words"
+    for bad in (" ", "a\udc80b"):  # no token; a lone surrogate, which no tokenizer can encode
+        with pytest.raises(InvalidRequestError) as e:
+            bad_words_token_ids(tok, [bad])
+        assert e.value.param == "bad_words"
 
 
 def test_bad_words_strings_through_the_llm(plain):
@@ -112,6 +114,7 @@ def test_bad_words_strings_through_the_llm(plain):
     (dict(allowed_token_ids=[2], min_tokens=2, stop_token_ids=[2]), "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words"),
     (dict(bad_words=["  "]), "bad_words"),
+    (dict(bad_words=["ok", "\ud800"]), "bad_words"),  # a lone surrogate: the tokenizer cannot take it
     (dict(logprobs=21), "logprobs"),
     (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
@@ -157,7 +160,8 @@ def _post(body: dict, max_logprobs: int = 20, path: str = "/v1/completions"):
         await engine.start()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "t")), base_url="http://t",
                                      timeout=120) as c:
-            r = await c.post(path, json=body)
+            # json.dumps writes ASCII escapes, so a lone surrogate reaches the server as JSON allows
+            r = await c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
         await engine.settle()
         for t in engine._tasks:
             t.cancel()

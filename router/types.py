@@ -191,19 +191,12 @@ class SamplingParams:
         if seqs is not None and not all(isinstance(s, (list, tuple)) and s and all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in s) for s in seqs):
             raise InvalidRequestError("bad_words_token_ids must be non-empty lists of token ids", param="bad_words")
-        if ids is None:
-            return
-        # A one-token bad word is masked everywhere, and min_tokens bans every stop token (EOS
-        # too unless ignore_eos): with nothing else allowed every logit would be masked, and
-        # the token sampled one the request excludes.
-        allowed = set(ids) - {s[0] for s in seqs or () if len(s) == 1}
-        if not allowed:
-            raise InvalidRequestError("allowed_token_ids: every allowed token is a one-token bad word",
-                                      param="allowed_token_ids")
+        # min_tokens bans every stop token (EOS too unless ignore_eos): with nothing else
+        # allowed, every logit would be masked and the sampled token one outside the set
         stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids or ()))
-        if self.min_tokens > 0 and allowed <= stops:
-            raise InvalidRequestError("allowed_token_ids: every allowed token is a stop token or a bad word, so "
-                                      "min_tokens cannot be met", param="allowed_token_ids")
+        if ids is not None and self.min_tokens > 0 and set(self.allowed_token_ids) <= stops:
+            raise InvalidRequestError("allowed_token_ids: every allowed token is a stop token, so min_tokens "
+                                      "cannot be met", param="allowed_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -121,23 +121,6 @@ def test_allowed_eos_alone_with_min_tokens_is_refused_unless_ignore_eos(plain):
     assert out.token_ids == [EOS] * 3 and out.finish_reason == "length"
 
 
-def test_allowed_tokens_that_are_all_bad_words_are_refused(plain):
-    """A one-token bad word is masked at every position: with only such tokens allowed,
-    nothing is left to sample (the bad word came out), so the request is refused; with
-    EOS allowed too, EOS is what comes out."""
-    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
-    (t,), *_ = bad_words_token_ids(tok, ["$"])
-    with pytest.raises(InvalidRequestError) as e:
-        plain.generate([PROMPTS[0]], SamplingParams(max_tokens=3, allowed_token_ids=[t], bad_words=["$"]))
-    assert e.value.param == "allowed_token_ids"
-    with pytest.raises(InvalidRequestError):  # EOS banned by min_tokens at the first position
-        plain.generate([PROMPTS[0]], SamplingParams(max_tokens=3, min_tokens=1, allowed_token_ids=[t, EOS],
-                                                    bad_words=["$"]))
-    out = plain.generate([PROMPTS[0]], SamplingParams(max_tokens=3, allowed_token_ids=[t, EOS], bad_words=["$"],
-                                                      temperature=0))[0]
-    assert out.token_ids == [EOS] and out.finish_reason == "stop"
-
-
 @pytest.mark.parametrize("body, param", [
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[99999]), "allowed_token_ids"),

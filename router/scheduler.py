@@ -363,7 +363,7 @@ class Scheduler:
         (nothing allocated) or QueueFullError."""
         from .types import QueueFullError
 
-        params.validate(self.max_logprobs, self.vocab_size)
+        params.validate(self.max_logprobs, self.vocab_size, self.eos)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if request_id in self.requests:

@@ -157,9 +157,9 @@ def _calls_grammar(tag_for, tools: list[dict], name: str | None, parallel: bool)
 
 
 MAX_XML_WHITESPACE = 1
-"""Whitespace characters in a row the XML calls allow around a value: the format's one
-newline, which the ``qwen3_coder`` parser strips (more would reach the arguments, and an
-enum's value would no longer match)."""
+"""Whitespace characters in a row the XML calls allow around a value: room for the format's
+one newline (xgrammar lets it be any of space, tab, CR, newline), which the ``qwen3_coder``
+parser strips (more would reach the arguments, and an enum's value would no longer match)."""
 
 TOOL_CALL_FORMATS = {"hermes": partial(_calls_grammar, _hermes_tag), "qwen3_coder": partial(_calls_grammar, _qwen3_coder_tag)}
 """Grammar of the calls ``tool_choice`` forces, per ``--tool-call-parser``."""

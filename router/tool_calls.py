@@ -127,6 +127,9 @@ class Hermes:
         return parsed
 
 
+_XML_SPACE = (" ", "\t", "\r", "\n")  # never "": text[:1] of an empty value
+
+
 class Qwen3Coder:
     """``<function=NAME><parameter=P>value</parameter>...</function>`` blocks."""
 
@@ -143,9 +146,11 @@ class Qwen3Coder:
                 self.types[fn["name"]] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
 
     def _value(self, function: str, param: str, text: str) -> Any:
-        # the value's own first and last newline are the format's
-        text = text[1:] if text.startswith("\n") else text
-        text = text[:-1] if text.endswith("\n") else text
+        # One whitespace character on each side is the format's: its newline, or what a forced
+        # call's grammar (xgrammar's qwen_xml) allows there instead (a space, tab or CR),
+        # which left in a string would break the schema the grammar enforced on the rest.
+        text = text[1:] if text[:1] in _XML_SPACE else text
+        text = text[:-1] if text[-1:] in _XML_SPACE else text
         kind = self.types.get(function, {}).get(param)
         kinds = kind if isinstance(kind, list) else [kind]
         if kind is None or "string" in kinds:

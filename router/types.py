@@ -74,12 +74,14 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     """``bad_words`` tokenized (the engine fills it from ``bad_words`` at submission)."""
 
-    def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
+    def validate(self, max_logprobs: int = 20, vocab_size: int | None = None,
+                 eos_token_ids: list[int] | None = None) -> None:
         """Raise ``InvalidRequestError`` naming the bad field (a wrong type included: a
         float ``max_tokens`` or a bool ``logprobs`` is refused, not truncated).
         ``max_logprobs``: the server's cap on ``logprobs`` and ``prompt_logprobs`` (vLLM's
         ``--max-logprobs``; -1: none); with ``vocab_size`` known, -1 asks for every token
-        and is replaced by it."""
+        and is replaced by it. ``eos_token_ids``: the model's, where known (the scheduler),
+        stop tokens too unless ``ignore_eos``."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -127,7 +129,7 @@ class SamplingParams:
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens must be in [0, max_tokens]", param="min_tokens")
         self._check_logprobs(max_logprobs, vocab_size)
-        self._check_token_rules(vocab_size)
+        self._check_token_rules(vocab_size, eos_token_ids)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
@@ -168,7 +170,7 @@ class SamplingParams:
                                           f"--max-logprobs {cap}", param=name)
             setattr(self, name, want)
 
-    def _check_token_rules(self, vocab_size: int | None) -> None:
+    def _check_token_rules(self, vocab_size: int | None, eos_token_ids: list[int] | None = None) -> None:
         """``allowed_token_ids``, ``bad_words`` and their token sequences."""
         ids = self.allowed_token_ids
         if ids is not None:
@@ -189,7 +191,10 @@ class SamplingParams:
         if seqs is not None and not all(isinstance(s, (list, tuple)) and s and all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in s) for s in seqs):
             raise InvalidRequestError("bad_words_token_ids must be non-empty lists of token ids", param="bad_words")
-        if ids is not None and self.min_tokens > 0 and set(self.allowed_token_ids) <= set(self.stop_token_ids):
+        # min_tokens bans every stop token (EOS too unless ignore_eos): with nothing else
+        # allowed, every logit would be masked and the sampled token one outside the set
+        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids or ()))
+        if ids is not None and self.min_tokens > 0 and set(self.allowed_token_ids) <= stops:
             raise InvalidRequestError("allowed_token_ids: every allowed token is a stop token, so min_tokens "
                                       "cannot be met", param="allowed_token_ids")
 
@@ -204,9 +209,14 @@ class SamplingParams:
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """vLLM's tokenization of ``bad_words``: each word as written (leading spaces stripped)
     and, when that gives another first token and the same length, after one space (a word
-    inside text). Raises InvalidRequestError for a word that tokenizes to nothing."""
+    inside text). Raises InvalidRequestError for a word that tokenizes to nothing or is not
+    UTF-8 text (a JSON string may hold a lone surrogate, which the tokenizer cannot take)."""
     out: list[list[int]] = []
     for w in words:
+        try:
+            w.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("bad_words is not valid UTF-8 text", param="bad_words") from None
         bare = tokenizer.encode(w.lstrip(), add_special_tokens=False)
         if not bare:
             raise InvalidRequestError(f"bad_words: {w!r} tokenizes to no token", param="bad_words")

@@ -20,7 +20,9 @@ def load_config(model_dir: str):
     """Parse ``model_dir/config.json`` with the parser of the family its ``model_type``
     names (``stage_server.models.family_for``); the config object is the family's
     (``ModelConfig``: ``models.qwen3_next.config.HybridConfig`` for Qwen3-Next / Qwen3.5).
-    Without an ``eos_token_id`` in config.json, ``generation_config.json``'s counts.
+    The EOS ids are config.json's ``eos_token_id`` followed by those generation_config.json
+    adds (transformers' ``generate`` stops on the latter, vLLM adds them to the stop tokens:
+    Qwen's name ``<|endoftext|>`` beside config.json's ``<|im_end|>``).
 
     Raises:
         CheckpointError: missing or unreadable config, a ``model_type`` no family serves, or
@@ -29,12 +31,16 @@ def load_config(model_dir: str):
     path, raw = read_config_json(model_dir)
     cfg = family_for(path, raw).parse_config(path, raw)
     gen_path = os.path.join(model_dir, "generation_config.json")
-    if not cfg.eos_token_ids and os.path.isfile(gen_path):
+    if os.path.isfile(gen_path):
         try:
             with open(gen_path) as f:
                 gen = json.load(f)
             if isinstance(gen, dict):
-                cfg.eos_token_ids = Fields(gen_path, gen).ints("eos_token_id", lo=0)
+                extra = Fields(gen_path, gen).ints("eos_token_id", lo=0)
+                cfg.eos_token_ids = list(dict.fromkeys([*cfg.eos_token_ids, *extra]))
         except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             pass
+        except CheckpointError:
+            if not cfg.eos_token_ids:  # the only EOS ids there are: the checkpoint is broken
+                raise
     return cfg

@@ -958,6 +958,35 @@ def test_lone_surrogates_in_any_field_never_break_the_answer(server, path, body,
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "Hello", "bad_words": ["ok", "b\ud800"]}, "bad_words"),
+    ("/v1/completions", {"prompt": "Hello", "guided_choice": ["yes", "n\udfffo"]}, "guided_choice"),
+    ("/v1/completions", {"prompt": "Hello", "structured_outputs": {"choice": ["\ud800"]}}, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi\ud800"}]}]},
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "\udc80"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": "\ud800"}},
+     "chat_template_kwargs"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi\ud800"}]}, "messages"),
+])
+def test_lone_surrogates_in_text_the_server_reads_are_a_400_before_the_engine(server, engine, path, body, param):
+    """Every field whose text reaches the tokenizer, the chat template or a grammar is
+    checked as the prompt is: a lone surrogate (which UTF-8 cannot encode) is a 400 naming
+    the field, before the engine sees the request, not a 500 from the tokenizer nor a choice
+    constraint of text that no token sequence spells."""
+    r = httpx.post(f"{server}{path}", content=json.dumps(body | {"max_tokens": 2}),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] == f"{param} is not valid UTF-8 text", err
+    assert not engine.calls
+    # surrogate pairs (an emoji written as two escapes, as json.dumps writes it) are text
+    ok = httpx.post(f"{server}/v1/completions", content=json.dumps({"prompt": "hi \U0001f680", "max_tokens": 2,
+                                                                    "bad_words": ["\U0001f680"]}),
+                    headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
+
+
 def test_api_key_401(engine):
     with run_server(build_app(engine, served_model_name=MODEL, api_key="sekrit")) as url:
         wrong = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)

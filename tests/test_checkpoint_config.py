@@ -298,3 +298,27 @@ def test_mtp_head_found_by_its_tensors_when_config_does_not_state_it(tmp_path, m
     off = _edit(src, tmp_path / "zero", _set("mtp_num_hidden_layers", 0))
     with pytest.raises(ValueError, match="mtp needs an mtp"):
         LLM(str(off), max_rows=4, speculative_algorithm="mtp")
+
+
+def test_generation_config_eos_ids_end_requests_as_in_transformers(tmp_path):
+    """transformers' generate stops on generation_config.json's eos_token_id (the demo's:
+    <|im_end|> and <|endoftext|>) and vLLM adds its ids to the stop tokens; config.json names
+    one of them. Every one ends a request here too, config.json's first."""
+    from transformers import GenerationConfig
+
+    from ppspec.router.llm import DEMO_MODEL
+
+    want = GenerationConfig.from_pretrained(DEMO_MODEL).eos_token_id
+    with open(os.path.join(DEMO_MODEL, "config.json")) as f:
+        first = json.load(f)["eos_token_id"]
+    cfg = load_config(DEMO_MODEL)
+    assert len(want) == 2 and cfg.eos_token_ids[0] == first and sorted(cfg.eos_token_ids) == sorted(want)
+    other = next(t for t in want if t != first)
+    llm = LLM(DEMO_MODEL, max_rows=2)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[other]))[0]
+    assert out.token_ids == [other] and out.finish_reason == "stop"
+    # a generation_config.json without eos_token_id leaves config.json's alone
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DEMO_MODEL, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert load_config(str(ckpt)).eos_token_ids == [first]

@@ -250,3 +250,17 @@ def test_prefix_caching_is_on_by_default_where_every_stage_has_a_cache():
     assert Engine._prefix_cache(SimpleNamespace(enable_prefix_caching=False), infos, 16) is None
     with pytest.raises(ValueError, match="stage 1 has no prefix cache"):
         Engine._prefix_cache(SimpleNamespace(enable_prefix_caching=True), bare, 16)
+
+
+def test_python_m_ppspec_is_the_ppspec_command():
+    """``python -m ppspec serve ...`` (as ``python -m vllm ...`` is tried) runs the same
+    command as ``ppspec serve ...``: here its usage error, exit 2, not "cannot be directly
+    executed"."""
+    want = subprocess.run([sys.executable, "-m", "ppspec.cli", "router", "--stages", "garbage"],
+                          capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "ppspec", "router", "--stages", "garbage"],
+                       capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stderr) == (want.returncode, want.stderr) and p.returncode == 2, p.stderr
+    v = subprocess.run([sys.executable, "-m", "ppspec", "--version"], capture_output=True, text=True, timeout=120)
+    from ppspec import __version__
+    assert v.returncode == 0 and v.stdout == f"ppspec {__version__}\n", v.stderr

@@ -9,6 +9,7 @@ must give the same tokens as without.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -19,6 +20,8 @@ from ppspec.router.llm import DEMO_MODEL, LLM
 from ppspec.router.types import InvalidRequestError, SamplingParams, bad_words_token_ids
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45]]
+with open(f"{DEMO_MODEL}/config.json") as _f:
+    EOS = json.load(_f)["eos_token_id"]  # the demo's one EOS id, which ends a request unless ignore_eos
 N = 14
 
 
@@ -91,9 +94,10 @@ def test_bad_words_tokenize_as_vllm():
         spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
         want = [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
         assert bad_words_token_ids(tok, [word]) == want
-    with pytest.raises(InvalidRequestError) as e:
-        bad_words_token_ids(tok, [" "])
-    assert e.value.param == "bad_words"
+    for bad in (" ", "a\udc80b"):  # no token; a lone surrogate, which no tokenizer can encode
+        with pytest.raises(InvalidRequestError) as e:
+            bad_words_token_ids(tok, [bad])
+        assert e.value.param == "bad_words"
 
 
 def test_bad_words_strings_through_the_llm(plain):
@@ -106,12 +110,27 @@ def test_bad_words_strings_through_the_llm(plain):
         assert not any(out[0].token_ids[i:i + len(w)] == w for i in range(N))
 
 
+def test_allowed_eos_alone_with_min_tokens_is_refused_unless_ignore_eos(plain):
+    """With only EOS allowed, min_tokens would mask every logit (it bans EOS), so the
+    request is refused; with ignore_eos EOS is no stop token and it is what comes out."""
+    with pytest.raises(InvalidRequestError) as e:
+        plain.generate([PROMPTS[0]], SamplingParams(max_tokens=3, min_tokens=1, allowed_token_ids=[EOS]))
+    assert e.value.param == "allowed_token_ids"
+    out = plain.generate([PROMPTS[0]], SamplingParams(max_tokens=3, min_tokens=1, allowed_token_ids=[EOS],
+                                                      ignore_eos=True, temperature=0))[0]
+    assert out.token_ids == [EOS] * 3 and out.finish_reason == "length"
+
+
 @pytest.mark.parametrize("body, param", [
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[99999]), "allowed_token_ids"),
     (dict(allowed_token_ids=[2], min_tokens=2, stop_token_ids=[2]), "allowed_token_ids"),
+    # EOS is a stop token too: min_tokens bans it, and nothing would be left to sample
+    (dict(allowed_token_ids=[EOS], min_tokens=1), "allowed_token_ids"),
+    (dict(allowed_token_ids=[EOS, 7], min_tokens=1, stop_token_ids=[7]), "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words"),
     (dict(bad_words=["  "]), "bad_words"),
+    (dict(bad_words=["ok", "\ud800"]), "bad_words"),  # a lone surrogate: the tokenizer cannot take it
     (dict(logprobs=21), "logprobs"),
     (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
@@ -157,7 +176,8 @@ def _post(body: dict, max_logprobs: int = 20, path: str = "/v1/completions"):
         await engine.start()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "t")), base_url="http://t",
                                      timeout=120) as c:
-            r = await c.post(path, json=body)
+            # json.dumps writes ASCII escapes, so a lone surrogate reaches the server as JSON allows
+            r = await c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
         await engine.settle()
         for t in engine._tasks:
             t.cancel()

@@ -391,6 +391,28 @@ def test_qwen3_coder_calls_parse_and_follow_the_schema(tok, pp1):
         jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
 
 
+@pytest.mark.parametrize("city,unit", [(" Strasbourg", "c"), ("Paris", " f"), ("Paris\t", "c\r"), ("\nParis", " c\n")])
+def test_qwen3_coder_whitespace_the_grammar_allows_around_a_value_is_not_in_it(tok, city, unit):
+    """The ``qwen_xml`` grammar of a forced call allows one whitespace character (any of
+    space, tab, CR, newline: xgrammar's) on each side of a value; the parser takes it off
+    as it takes off the format's newline, so the arguments still follow the schema (a
+    sampled " c" was no enum value, a space made a 10-character city 11)."""
+    import jsonschema
+
+    grammar = request_grammar(ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], tools=TOOLS, parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}), "qwen3_coder")
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=8192, stop_token_ids=[2]))
+    text = (f"<tool_call>\n<function=get_weather>\n<parameter=city>{city}</parameter>\n"
+            f"<parameter=unit>{unit}</parameter>\n</function>\n</tool_call>")
+    m = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+    assert m.accept_string(text) and m.accept_token(2)  # the grammar lets the model write it
+    content, calls = parse_tool_calls(text, "qwen3_coder", TOOLS)
+    args = json.loads(calls[0]["function"]["arguments"])
+    jsonschema.validate(args, WEATHER_ARGS)
+    assert content is None and args == {"city": city.strip(), "unit": unit.strip()}
+
+
 @pytest.fixture(scope="module")
 def pp1_none(pp1):
     """PP1 without speculation, in process: the reference of every greedy answer."""

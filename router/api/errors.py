@@ -8,9 +8,11 @@ message must not fail (it would turn a 404 into a 500).
 from __future__ import annotations
 
 import re
+from array import array
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from ..protocol import ErrorInfo, ErrorResponse
 from ..types import EngineError, InvalidRequestError
@@ -102,3 +104,39 @@ def check_utf8(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequestError(f"{param} is not valid UTF-8 text", param=param) from None
+
+
+def _holds_lone_surrogate(value: object) -> bool:
+    stack = [value]  # no recursion: a JSON schema may nest deeper than Python's stack
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():  # isascii: a flag of the string, no scan
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(v, BaseModel):
+            stack.extend(v.__dict__.values())
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            try:
+                array("q", v)  # token ids (a prompt's thousands): ints only, checked in C
+            except (TypeError, OverflowError):
+                stack.extend(v)
+    return False
+
+
+def check_utf8_fields(body: BaseModel, skip: tuple[str, ...] = ("model", "user")) -> None:
+    """``check_utf8`` over every field of a request (nested lists, dicts and models, keys
+    too) but ``skip``: ``model`` gets its 404 quoting the name, ``user`` is only a label.
+    The fields left are text the server reads (a prompt, messages, stop strings, bad words,
+    a grammar's choices, template arguments), which the tokenizer cannot encode with a lone
+    surrogate in it. Raises ``InvalidRequestError`` naming the first such field."""
+    for name, value in body.__dict__.items():
+        if value is None or value.__class__ in (bool, int, float):  # most fields: no walk
+            continue
+        if name not in skip and _holds_lone_surrogate(value):
+            raise InvalidRequestError(f"{name} is not valid UTF-8 text", param=name)

@@ -49,7 +49,7 @@ from ..protocol import (
 from ..reasoning import prompt_opens_reasoning
 from ..types import EngineError, InvalidRequestError
 from .chat_text import ChoiceText
-from .errors import APIError, check_utf8, error_body, renderable
+from .errors import APIError, check_utf8_fields, error_body, renderable
 from ..structured import grammar_builder
 from .fanout import ClientGone, Event, Fanout, Runner, Sub, TokenRecord, check_ids, make_subs, unless_disconnected
 from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_id_pieces
@@ -166,6 +166,7 @@ class OpenAIHandlers:
         """
         self.check_model(body.model)
         warn_ignored(body, "/v1/completions")
+        check_utf8_fields(body)
         keep = self._keep_last(body)
         p = body.prompt
         texts: list[str] | None = None
@@ -174,8 +175,6 @@ class OpenAIHandlers:
         elif isinstance(p[0], str):
             texts = list(p)  # type: ignore[arg-type]
         if texts is not None:
-            for t in texts:
-                check_utf8(t, "prompt")
             try:
                 # a truncated prompt may be longer than the context (the body size bounds it)
                 prompts = await self.tokens.encode(texts, max_tokens=None if keep else int(self.engine.max_model_len))
@@ -219,12 +218,10 @@ class OpenAIHandlers:
         ``InvalidRequestError`` when the template fails or the model has none."""
         self.check_model(body.model)
         warn_ignored(body, "/v1/chat/completions")
+        check_utf8_fields(body)
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         messages = [m.to_template() for m in body.messages]
-        for m in messages:
-            if isinstance(m.get("content"), str):
-                check_utf8(m["content"], "messages")
         if body.tools_in_use and self.tool_call_parser is None:
             raise InvalidRequestError("tools need a server started with --tool-call-parser (e.g. hermes)",
                                       param="tools")
@@ -336,8 +333,8 @@ class OpenAIHandlers:
         """``POST /tokenize``: the token ids ``/v1/completions`` (``prompt``) or
         ``/v1/chat/completions`` (``messages``) would run on."""
         self.check_model(body.model)
+        check_utf8_fields(body)
         if body.prompt is not None:
-            check_utf8(body.prompt, "prompt")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = (await self.tokens.encode([body.prompt], add_special))[0]
         else:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -305,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(on.get("on", {}), off.get("off", {})))
         return 0
     from ppspec.bench.dataset import TokenCounter, load_sharegpt
-    from ppspec.bench.serving import serving
+    from ppspec.bench.serving import serving_all
     from ppspec.router.llm import DEMO_MODEL
 
     if a.tiny and not a.model:
@@ -330,11 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefix_served: {sampling}", flush=True)
     names = ("off", "on") if a.cache == "both" else (a.cache,)
     runs: dict[str, dict[str, list]] = {n: {w: [] for w in a.workloads} for n in names}
-    with contextlib.ExitStack() as stack:
-        urls = {}
-        for name in names:  # every server up (and warmed up) before anything is timed
-            urls[name], _ = stack.enter_context(serving(serve_args(a, name == "on"), a.startup_timeout,
-                                                        f"prefix-{name}"))
+    # every server up (started side by side) and warmed up before anything is timed
+    with serving_all([(serve_args(a, n == "on"), f"prefix-{n}") for n in names], a.startup_timeout) as up:
+        urls = {n: url for n, (url, _) in zip(names, up)}
         for name in names:
             warm_up(a, urls[name], name == "on", records, counter, extra)
         order = abba(a.repeats) if a.cache == "both" else [a.cache] * a.repeats

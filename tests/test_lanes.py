@@ -70,26 +70,3 @@ async def _tokens(engine, rid, prompt, params):
     async for out in engine.generate(rid, prompt, params):
         ids += out.new_token_ids
     return ids
-
-
-def test_an_arrival_rides_in_the_micro_batch_its_lane_forms_now():
-    """Two lanes, lane 1's micro-batch in flight: a request arriving when lane 0 forms its
-    next micro-batch rides in it (lane 0 then holds one request more than lane 1), not in
-    lane 1 a round later; while both lanes are idle, arrivals spread over them."""
-    from ppspec.router.scheduler import Scheduler
-
-    s = Scheduler(max_rows=8, kv_tokens=1 << 14, max_context=1024, num_lanes=2, max_num_batched_tokens=256)
-    p = SamplingParams(temperature=0.0, max_tokens=50)
-    for r in ("a", "b", "c"):
-        s.add(r, [1, 2, 3], p)
-    b0 = s.schedule(0)
-    b1 = s.schedule(1)
-    assert [r.request_id for r in b0.requests] == ["a", "c"] and [r.request_id for r in b1.requests] == ["b"]
-    s.process(b0, [[5], [5]])  # lane 0's result is back, lane 1's is not
-    s.add("d", [4, 5, 6, 7], p)
-    b0 = s.schedule(0)
-    assert [r.request_id for r in b0.requests] == ["a", "c", "d"] and b0.num_prefill == 1
-    assert b0.extend_lens == [1, 1, 4] and s.requests["d"].lane == 0
-    s.process(b1, [[5]])
-    s.process(b0, [[6], [6], [9]])
-    assert [s.requests[r].output_ids for r in "abcd"] == [[5, 6], [5], [5, 6], [9]]

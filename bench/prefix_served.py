@@ -319,9 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.round_trip_tokens:
         from ppspec.bench.multiturn import round_trip_tokens
 
-        with open(os.path.join(a.model, "config.json")) as f:
-            cfg = json.load(f)
-        vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+        if counter.source != "tokenizer":
+            raise SystemExit(f"--round-trip-tokens: no tokenizer.json in {a.model}")
+        vocab = None  # the checkpoint's, when its config says (ids past it are refused)
+        if os.path.isfile(os.path.join(a.model, "config.json")):
+            with open(os.path.join(a.model, "config.json")) as f:
+                cfg = json.load(f)
+            vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
         words = round_trip_tokens(counter._tok, vocab)
         extra = {"allowed_token_ids": words}
     sampling = (f"replies sampled from {len(words)} word tokens that re-tokenize to their ids "

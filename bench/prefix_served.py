@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", default="prefix_served.json", help="the figures, as JSON")
     ap.add_argument("--compare", nargs=2, metavar=("ON.json", "OFF.json"), help="print the table of two runs' files")
     a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {a.repeats}")
     if a.compare:
         on, off = (json.load(open(p))["results"] for p in a.compare)
         print(table(on.get("on", {}), off.get("off", {})))

@@ -64,6 +64,36 @@ def sample_conversations(records: list[dict], num: int, seed: int, counter: Toke
     raise BenchError(f"only {len(out)} conversations with {min_turns}+ turns in the dataset, asked for {num}")
 
 
+def round_trip_tokens(tokenizer, vocab_size: int | None = None, checks: int = 64, length: int = 64,
+                      seed: int = 0) -> list[int]:
+    """The word tokens of ``tokenizer`` (a ``tokenizers.Tokenizer``; a space then ASCII
+    letters, below ``vocab_size``) whose text re-tokenizes to that one id, checked on
+    ``checks`` random sequences of ``length`` of them: each sequence's text, alone and after
+    a newline (a chat template's ``assistant\\n``), re-tokenizes to the same ids. A random
+    checkpoint sampling only these (``allowed_token_ids``) gives replies that come back in
+    the next turn's prompt as the ids it generated, as a trained model's do; BenchError
+    when there are none or a sequence does not round-trip."""
+    import re
+
+    ids = []
+    for i in range(min(tokenizer.get_vocab_size(), vocab_size or tokenizer.get_vocab_size())):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        if re.fullmatch(r" [A-Za-z]+", text) and tokenizer.encode(text, add_special_tokens=False).ids == [i]:
+            ids.append(i)
+    if not ids:
+        raise BenchError("the tokenizer has no word tokens (a space then letters) that re-tokenize to themselves")
+    rng = random.Random(f"round-trip-{seed}")
+    newline = tokenizer.encode("\n", add_special_tokens=False).ids
+    for _ in range(checks):
+        seq = [rng.choice(ids) for _ in range(length)]
+        text = tokenizer.decode(seq, skip_special_tokens=False)
+        alone = tokenizer.encode(text, add_special_tokens=False).ids
+        after = tokenizer.encode("\n" + text, add_special_tokens=False).ids
+        if alone != seq or after != newline + seq:
+            raise BenchError(f"word tokens {seq[:8]}... do not re-tokenize to themselves: {alone[:8]}...")
+    return ids
+
+
 async def run_multi_turn(cfg: RunConfig, convs: list[Conversation]) -> dict:
     root = normalize_base_url(cfg.base_url)
     url = root + "/v1/chat/completions"
@@ -83,6 +113,8 @@ async def run_multi_turn(cfg: RunConfig, convs: list[Conversation]) -> dict:
                                "temperature": cfg.temperature, "stream_options": {"include_usage": True}}
                     if cfg.ignore_eos:
                         payload["ignore_eos"] = True
+                    if cfg.extra_body:
+                        payload.update(cfg.extra_body)
                     r: RequestResult = await stream_request(client, url, payload, True, headers)
                     rows.append({"conversation": k, "turn": t, "success": r.success, "error": r.error,
                                  "ttft_s": r.ttft, "e2el_s": r.e2el, "prompt_tokens": r.prompt_tokens,

@@ -45,6 +45,7 @@ class RunConfig:
     metrics_prefix: str = DEFAULT_PREFIX
     progress: bool = True
     test_request: bool = True
+    extra_body: dict | None = None  # more request fields, sent with every request (e.g. allowed_token_ids)
 
 
 def normalize_base_url(url: str) -> str:
@@ -123,6 +124,8 @@ def build_payload(endpoint: str, model: str, sample: SampleRequest, max_tokens: 
     }
     if cfg.ignore_eos:
         payload["ignore_eos"] = True
+    if cfg.extra_body:
+        payload.update(cfg.extra_body)
     if endpoint == "chat":
         system = [{"role": "system", "content": sample.system}] if sample.system else []
         payload["messages"] = system + [{"role": "user", "content": sample.prompt}]

@@ -36,23 +36,44 @@ def serving(args: list[str], startup_timeout: float, name: str, env: dict | None
     baseline checkout on ``PYTHONPATH``: ``python -m`` puts the working directory first on
     ``sys.path``, so the current checkout's root would shadow it). Raises RuntimeError
     naming the log when it exits or is not healthy in time."""
-    url = f"http://127.0.0.1:{free_port()}"
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-{name}-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", *args, "--port", url.rsplit(":", 1)[1]],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while not healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ppspec serve ({name}) did not start; its log: {log.name}")
-            time.sleep(0.2)
+    with serving_all([(args, name)], startup_timeout, env, cwd) as [(url, proc)]:
         yield url, proc
+
+
+@contextlib.contextmanager
+def serving_all(servers: list[tuple[list[str], str]], startup_timeout: float, env: dict | None = None,
+                cwd: str | None = None):
+    """:func:`serving` of every ``(args, name)`` of ``servers`` at once (they start side by
+    side): yields their ``(url, process)`` in that order once every one is healthy."""
+    procs, logs = [], []
+    try:
+        for args, name in servers:
+            url = f"http://127.0.0.1:{free_port()}"
+            log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-{name}-", suffix=".log", delete=False)
+            logs.append(log)
+            procs.append((url, subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", *args, "--port",
+                                                 url.rsplit(":", 1)[1]], env=env, stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd), name))
+        deadline = time.monotonic() + startup_timeout
+        for (url, proc, name), log in zip(procs, logs):
+            while not healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"ppspec serve ({name}) did not start; its log: {log.name}")
+                time.sleep(0.2)
+        yield [(url, proc) for url, proc, _ in procs]
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        for _, proc, _ in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        for _, proc, _ in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for log in logs:
+            log.close()

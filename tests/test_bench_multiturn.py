@@ -86,3 +86,32 @@ def test_shared_prefix_is_one_system_message(tmp_path):
     assert len(systems) == 1 and all(b["messages"][0]["role"] == "system" for b in stub.bodies)
     assert len(systems.pop().split()) == 40  # whitespace counting: the fewest words that make 40
     assert len({b["messages"][1]["content"] for b in stub.bodies}) == 4
+
+
+def test_round_trip_tokens_come_back_through_the_chat_template():
+    """``prefix_served --round-trip-tokens``: replies of the chosen word tokens, as text in
+    the next turn's chat (transformers' tokenizer and chat template, not the bench's
+    ``tokenizers`` check), re-tokenize to the ids generated; a token outside the set
+    (a byte-level piece) is not chosen."""
+    import random
+
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from ppspec.bench.multiturn import round_trip_tokens
+    from ppspec.router.llm import DEMO_MODEL
+
+    ids = round_trip_tokens(Tokenizer.from_file(f"{DEMO_MODEL}/tokenizer.json"), vocab_size=32000)
+    ref = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    assert len(ids) > 1000 and max(ids) < ref.vocab_size
+    assert ref.encode("Hello world", add_special_tokens=False)[0] not in ids  # no leading space: not a word token
+    rng = random.Random(1)
+    for _ in range(20):
+        reply = [rng.choice(ids) for _ in range(rng.randint(1, 48))]
+        msgs = [{"role": "user", "content": "Say something."}]
+        first = ref.encode(ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)
+        chat = msgs + [{"role": "assistant", "content": ref.decode(reply)}, {"role": "user", "content": "More."}]
+        nxt = ref.encode(ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)
+        assert nxt[: len(first) + len(reply)] == first + reply

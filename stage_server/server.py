@@ -388,19 +388,25 @@ class StageServicer(pb_grpc.StageServicer):
                             self.pending[r] = was
                 self.cond.notify_all()
 
+        settled = False
         try:
             commit_seconds, out, sent = await self._compute(job)
         except _CommitFailed as failed:
-            e = failed.error
+            e, settled = failed.error, True
             await settle(False)
             if not isinstance(e, (ValueError, IndexError)):  # refused before writing, else undefined
                 await self._compute(self.runner.mark_broken, rows)
             await self._fail(context, e, f"commit of micro-batch {key[0]} round {key[1]}")
         except Exception as e:
+            settled = True
             await settle(True)
             await self._unmark(inp.verify_rows, verify)
             await self._fail(context, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
-        await settle(True)
+        finally:
+            # done; or the call was cancelled meanwhile (the job runs on or never starts): as
+            # a cancelled _apply_commit, its rows are no longer being committed nor pending on it
+            if not settled:
+                await settle(True)
         return await self._answer(request, context, inp, verify, out, sent, link, commit_seconds)
 
     async def _answer(self, request, context, inp: StepInput, verify: bool, out, sent, link,

@@ -170,3 +170,39 @@ def test_a_following_verify_reaches_the_compute_thread_before_the_round_it_follo
     got = asyncio.run(run())
     assert order == ["job _run", "job job", "round 2 answered"], order
     assert got == want
+
+
+def test_a_step_cancelled_while_its_commit_and_run_job_runs_leaves_no_row_being_committed(ckpt):
+    """The call of a step that carries a commit is cancelled (the router gave up on it)
+    while its one job runs on the compute thread: the commit's rows are not left being
+    committed (a later commit of theirs would be refused as a second one) and not pending on
+    that commit, as after a cancelled CommitAccept; the verify's own marks stay for the
+    router's release."""
+    import threading
+
+    s = servicer(ckpt, [])
+    gate, inside = threading.Event(), threading.Event()
+
+    async def run():
+        p = await step(s, prefill(0))
+        v = await step(s, verify(0, len(PROMPT), p.output_ids[0], p.drafts[0], 1, 2, 1))
+        acc = len(v.output_ids[0])
+        third = verify(0, len(PROMPT) + acc, v.output_ids[0], v.drafts[0], 1, 3, 1 + acc)
+        run_step = s.runner.step
+
+        def held(inp):  # round 3's step waits on the compute thread until the call is cancelled
+            inside.set()
+            gate.wait(60)
+            return run_step(inp)
+        s.runner.step = held
+        t = asyncio.ensure_future(step(s, third, Commit(1, 2, [0], [acc])))
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        gate.set()
+        return s.committing, dict(s.pending)
+
+    committing, pending = asyncio.run(run())
+    assert committing == set() and pending == {0: (1, 3)}

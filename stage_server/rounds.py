@@ -36,6 +36,7 @@ class SampledRounds:
     def __init__(self):
         self._ended: dict[tuple[str, int], dict[int, dict | None]] = {}
         self._running: dict[tuple[str, int], set[int]] = {}  # begun, not ended
+        self._waiting: dict[tuple[tuple[str, int], int], int] = {}  # (key, round) -> steps waiting for it
         self._cond: asyncio.Condition | None = None  # made in the serving event loop
 
     @property
@@ -49,9 +50,10 @@ class SampledRounds:
         that follows it waits for it even when a later round ends first."""
         self._running.setdefault(key, set()).add(round)
 
-    async def ended(self, key: tuple[str, int], round: int, emitted: dict | None) -> None:
+    async def ended(self, key: tuple[str, int], round: int, emitted: dict | None) -> bool:
         """Round ``round`` of micro-batch ``key`` ended: ``emitted`` (row -> its
-        ``RoundNote``), or None when it failed."""
+        ``RoundNote``), or None when it failed. Returns whether a step waits for it (woken
+        here: it runs once the caller yields)."""
         async with self._changed:
             self._running.get(key, set()).discard(round)
             rounds = self._ended.setdefault(key, {})
@@ -59,6 +61,7 @@ class SampledRounds:
             for r in sorted(rounds)[:-self.KEEP]:
                 del rounds[r]
             self._changed.notify_all()
+            return (key, round) in self._waiting
 
     async def wait(self, key: tuple[str, int], round: int, timeout: float | None) -> dict:
         """What round ``round`` of micro-batch ``key`` left per row, once it ended.
@@ -73,7 +76,17 @@ class SampledRounds:
             return round in rounds or (round not in self._running.get(key, ()) and any(r > round for r in rounds))
 
         async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(settled), timeout)
+            if not settled():
+                self._waiting[key, round] = self._waiting.get((key, round), 0) + 1
+                try:
+                    # no task of its own (as wait_for makes): the step that follows resumes on
+                    # the loop turn after the round's end notes it (``ended``)
+                    async with asyncio.timeout(timeout):
+                        await self._changed.wait_for(settled)
+                finally:
+                    n = self._waiting.pop((key, round)) - 1
+                    if n:
+                        self._waiting[key, round] = n
             rounds = self._ended[key]
         if round not in rounds:
             raise FollowError(f"follows_round {round} of micro-batch {key[1]}, but its last round is {max(rounds)}")

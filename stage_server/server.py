@@ -43,9 +43,9 @@ from ppspec.proto.codec import (
 )
 from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import (
-    PREFILL, VERIFY, StepInput, fill_following, note_round, with_left_out,
+    PREFILL, VERIFY, Commit, StepInput, fill_following, note_round, with_left_out,
 )
-from ppspec.proto.stream import StepStream, serve_steps
+from ppspec.proto.stream import StepAbort, StepStream, serve_steps
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from . import dataplane
@@ -62,6 +62,15 @@ ROUTER_MEMORY_S = 60.0  # routers Info reports: those that asked within this man
 REPLACED_MEMORY = 256  # routers a claim took this stage from, remembered (the oldest forgotten first)
 NEXT_CHECK_S = 2.0  # how often a stage re-reads its next stage's Info (a restart changes it)
 
+
+
+class _CommitFailed(Exception):
+    """The commit of a commit-and-step job (``StageServicer._commit_and_run``) raised
+    ``error``; the step did not run."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 class StageServicer(pb_grpc.StageServicer):
@@ -157,9 +166,9 @@ class StageServicer(pb_grpc.StageServicer):
         between)."""
         try:
             async with self.cond:
-                await asyncio.wait_for(
-                    self.cond.wait_for(lambda: not any(r in self.pending for r in rows)), self.order_timeout
-                )
+                if any(r in self.pending for r in rows):  # else no timer: the common case waits for nothing
+                    async with asyncio.timeout(self.order_timeout):  # no task of its own, as wait_for makes
+                        await self.cond.wait_for(lambda: not any(r in self.pending for r in rows))
                 if mark is not None:
                     for r in rows if marked is None else marked:
                         self.pending[r] = mark
@@ -205,33 +214,49 @@ class StageServicer(pb_grpc.StageServicer):
         if self.runner.pp_rank != 0:
             return await self._step_once(request, context, verify)
         key = (request.router_id, request.micro_batch_id)
-        n, noted = len(request.req_pool_indices), None
+        n, noted, ended = len(request.req_pool_indices), None, False
         self.sampled.begin(key, request.round)
         try:
-            left_out, inp = await self._follow(request, context, key) if request.follows_round else ([], None)
+            left_out, inp, commit = await self._follow(request, context, key) if request.follows_round \
+                else ([], None, None)
             # requests that ended in the followed round are not run: they emit nothing
-            ran = await self._step_once(request, context, verify, inp) if request.req_pool_indices or not left_out \
-                else None
-            noted = note_round(request, [t.ids for t in ran.output_ids], [t.ids for t in ran.drafts]) if ran else {}
-            if not left_out:
-                return ran
-            return result_to_pb(with_left_out(ran and result_from_pb(ran), n, left_out, request.micro_batch_id,
-                                              request.round))
+            runs = (inp.req_pool_indices if inp is not None else request.req_pool_indices) or not left_out
+            ran = await self._step_once(request, context, verify, inp, commit) if runs else None
+            # the step as it ran (``request`` itself is filled in only where it is relayed)
+            step = inp if inp is not None else request
+            noted = note_round(step, [t.ids for t in ran.output_ids], [t.ids for t in ran.drafts]) if ran else {}
+            if left_out:
+                ran = result_to_pb(with_left_out(ran and result_from_pb(ran), n, left_out, request.micro_batch_id,
+                                                 request.round))
+            woke = await self.sampled.ended(key, request.round, noted)
+            ended = True
+            if woke:
+                # the step that follows this round goes first, to the compute thread, and
+                # this result's write after it (the router does not wait for this one to
+                # send the next: it went already)
+                await asyncio.sleep(0)
+            return ran
         finally:  # an abort, a cancelled call, an error: the round failed
-            await self.sampled.ended(key, request.round, noted)
+            if not ended:
+                await self.sampled.ended(key, request.round, noted)
 
-    async def _follow(self, request: pb.StepRequest, context, key: tuple[str, int]) -> tuple[list[int], StepInput]:
-        """Fill ``request`` in from round ``follows_round``'s result, once that round ended
+    async def _follow(self, request: pb.StepRequest, context,
+                      key: tuple[str, int]) -> tuple[list[int], StepInput, Commit | None]:
+        """Fill the step in from round ``follows_round``'s result, once that round ended
         here (``fill_following``: FOLLOWS ids, a following verify's positions and the
         followed verify's commit, which the step then carries), and take out the requests
-        that round ended (a stop id); relayed without ``follows_round``. Returns the
-        indices of those taken out and the step as ``request`` now is, decoded (not decoded
-        again)."""
+        that round ended (a stop id). Returns the indices of those taken out, the step
+        filled in and decoded (not decoded again), and the commit it carries (None: none
+        added here). Where the step is relayed, ``request`` is filled in too (without
+        ``follows_round``, the commit in ``request.commit``); on the last stage (PP 1) it
+        is left as it came."""
         rank, what = self.runner.pp_rank, f"round {request.round} of micro-batch {request.micro_batch_id}"
         try:
+            # the first stage's step: no hidden states to decode; decoded while the round it
+            # follows still runs
+            unfilled = step_from_pb(request, self.specs)
             noted = await self.sampled.wait(key, request.follows_round, self.order_timeout)
-            # the first stage's step: no hidden states to decode
-            inp, left_out, commit = fill_following(step_from_pb(request, self.specs), noted, self.pending)
+            inp, left_out, commit = fill_following(unfilled, noted, self.pending)
             if commit is not None and request.HasField("commit"):
                 raise ValueError(f"it follows the verify of round {request.follows_round}, whose commit the first "
                                  f"stage adds, and carries a commit of its own")
@@ -241,6 +266,8 @@ class StageServicer(pb_grpc.StageServicer):
                                 f"{request.follows_round}, which it follows")
         except ValueError as e:  # that round failed (FollowError), or malformed: refused, nothing changed
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {what}: {e}")
+        if self._next is None:
+            return left_out, inp, commit
         if left_out:
             router_id, carried = request.router_id, None
             if request.HasField("commit"):  # relayed with the step (a copy: CopyFrom clears the original)
@@ -258,38 +285,51 @@ class StageServicer(pb_grpc.StageServicer):
             request.follows_round = 0
         if commit is not None:
             request.commit.CopyFrom(commit_to_pb(commit, request.router_id))
-        return left_out, inp
+        return left_out, inp, None
 
     async def _step_once(self, request: pb.StepRequest, context, verify: bool,
-                         inp: StepInput | None = None) -> pb.StepResult:
-        """``inp``: ``request`` decoded already (by ``_follow``), else None."""
+                         inp: StepInput | None = None, commit: Commit | None = None) -> pb.StepResult:
+        """``inp``: ``request`` decoded already (by ``_follow``), else None; ``commit``: the
+        commit the step carries when ``_follow`` added it and left ``request`` as it came
+        (else ``request.commit``, if any)."""
         rank = self.runner.pp_rank
         what = f"{request.mode or 'step'} of micro-batch {request.micro_batch_id}"
         await self._check_router(request.router_id, context, what)
-        # the commit of the micro-batch's last verify, if the step carries it: before the
-        # step's own checks, which would wait for it (docs/DESIGN.md, "Commit rule")
-        commit_seconds = (await self._apply_commit(commit_from_pb(request.commit), context)
-                          if request.HasField("commit") else None)
+        # the commit of the micro-batch's last verify, if the step carries it: checked before
+        # the step's own checks, and applied before the step runs (docs/DESIGN.md, "Commit rule")
+        if commit is None and request.HasField("commit"):
+            commit = commit_from_pb(request.commit)
+        if commit is not None:
+            await self._check_commit(commit, context)
         try:
-            inp = step_from_pb(request, self.specs) if inp is None else inp
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}")
+            try:
+                inp = step_from_pb(request, self.specs) if inp is None else inp
+            except ValueError as e:
+                raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {rank}: {e}") from None
+            if (inp.mode == VERIFY) != verify:
+                raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"stage {rank}: mode {inp.mode!r} sent to {'Verify' if verify else 'Forward'} "
+                                f"(Verify takes verify, Forward prefill and decode)")
+            try:  # refuse a malformed step before it waits for commits or marks rows
+                self.runner.check_input(inp, hidden=False)
+            except (ValueError, IndexError) as e:
+                raise StepAbort(self._code(e), f"stage {rank}: {e}") from None
+        except StepAbort as e:  # the step is refused; the commit it carried applies all the same
+            if commit is not None:
+                await self._apply_commit(commit, context)
+            await context.abort(e.code, e.details)
         # on the data plane: read on the compute thread with the step, no hand-off of its own
         ref = request.hidden_ref if request.HasField("hidden_ref") else None
-        if (inp.mode == VERIFY) != verify:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"stage {rank}: mode {inp.mode!r} sent to {'Verify' if verify else 'Forward'} "
-                f"(Verify takes verify, Forward prefill and decode)",
-            )
-        try:  # refuse a malformed step before it waits for commits or marks rows
-            self.runner.check_input(inp, hidden=False)
-        except (ValueError, IndexError) as e:
-            await self._fail(context, e, inp.mode)
+        mark = (inp.micro_batch_id, inp.round) if verify else None
+        if commit is not None and self._fusable(commit, inp.req_pool_indices):
+            # the commit and the step in one job of the compute thread: nothing else can
+            # wait for the rows between them (the usual case: a verify's commit riding on
+            # its rows' next step)
+            return await self._commit_and_run(request, context, inp, ref, commit, mark)
+        commit_seconds = await self._apply_commit(commit, context) if commit is not None else None
         rows = inp.req_pool_indices
         # a verify's rows wait for its commit (not the prefill chunks of a mixed one)
-        await self._wait_committed(rows, context, what, mark=(inp.micro_batch_id, inp.round) if verify else None,
-                                   marked=inp.verify_rows)
+        await self._wait_committed(rows, context, what, mark=mark, marked=inp.verify_rows)
         why = self._denied(request.router_id, what)  # again: another router may have claimed it while it waited
         if why:
             await self._unmark(inp.verify_rows, verify)
@@ -300,6 +340,91 @@ class StageServicer(pb_grpc.StageServicer):
         except Exception as e:
             await self._unmark(inp.verify_rows, verify)
             await self._fail(context, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
+        return await self._answer(request, context, inp, verify, out, sent, link, commit_seconds)
+
+    def _fusable(self, c: Commit, rows: list[int]) -> bool:
+        """Whether commit ``c`` and a step of ``rows`` may run as one job: once ``c``
+        applies, no row of the step is pending a commit, and no row of either is being
+        committed."""
+        key, named = (c.micro_batch_id, c.round), set(c.req_pool_indices)
+        pending = self.pending
+        return (all(r not in pending or (pending[r] == key and r in named) for r in rows)
+                and not self.committing.intersection(rows) and not self.committing.intersection(named))
+
+    async def _commit_and_run(self, request, context, inp: StepInput, ref, c: Commit,
+                              mark: tuple[int, int] | None) -> pb.StepResult:
+        """Apply commit ``c`` then run ``inp`` in one job of the compute thread (one hand-off
+        where two were): as :meth:`_apply_commit` then the step, with the same pending marks
+        once each is done. A refused commit leaves the rows pending as they were and runs
+        nothing; a step that fails after the commit applied keeps it applied."""
+        verify = mark is not None
+        key, rows = (c.micro_batch_id, c.round), c.req_pool_indices
+        marked = inp.verify_rows if verify else []
+        before = {r: self.pending.get(r) for r in marked}
+        # no await since the checks (``_fusable``): the marks the two would leave, at once
+        self.committing.update(rows)
+        for r in marked:
+            self.pending[r] = mark
+        link = self.link
+
+        def job():
+            t0 = time.perf_counter()
+            try:
+                self.runner.commit_accept(c.micro_batch_id, c.round, rows, c.accept_lengths)
+            except Exception as e:
+                raise _CommitFailed(e) from e
+            seconds = time.perf_counter() - t0
+            return (seconds, *self._run(inp, link, ref))
+
+        async def settle(committed: bool) -> None:
+            async with self.cond:
+                self.committing.difference_update(rows)
+                for r in rows:  # committed: the commit's own marks go (those the step re-marked stay)
+                    if committed and self.pending.get(r) == key:
+                        del self.pending[r]
+                if not committed:  # refused: as before the step
+                    for r, was in before.items():
+                        if was is None:
+                            self.pending.pop(r, None)
+                        else:
+                            self.pending[r] = was
+                self.cond.notify_all()
+
+        async def finish() -> tuple:
+            """Await the job, then account for it (a task of its own, as _settle_commit:
+            a cancelled call leaves it to finish, so no row stays committing and a queued
+            job still runs). Returns (the commit's error, the step's error, the job's result)."""
+            try:
+                result = await ran
+            except _CommitFailed as failed:
+                await settle(False)
+                if not isinstance(failed.error, (ValueError, IndexError)):  # refused before writing, else undefined
+                    await self._compute(self.runner.mark_broken, rows)
+                return failed.error, None, None
+            except Exception as e:
+                await settle(True)
+                return None, e, None
+            await settle(True)
+            return None, None, result
+
+        ran = asyncio.get_running_loop().run_in_executor(self.executor, job)  # queued now, in admission order
+        finished = asyncio.ensure_future(finish())
+        self._settling.add(finished)  # referenced until done: the call may not wait for it
+        finished.add_done_callback(self._settling.discard)
+        commit_error, step_error, result = await asyncio.shield(finished)
+        if commit_error is not None:
+            await self._fail(context, commit_error, f"commit of micro-batch {key[0]} round {key[1]}")
+        if step_error is not None:
+            await self._unmark(inp.verify_rows, verify)
+            await self._fail(context, step_error, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
+        commit_seconds, out, sent = result
+        return await self._answer(request, context, inp, verify, out, sent, link, commit_seconds)
+
+    async def _answer(self, request, context, inp: StepInput, verify: bool, out, sent, link,
+                      commit_seconds: float | None) -> pb.StepResult:
+        """The step's result: this stage's own on the last stage, else the next stage's
+        answer to the relayed step."""
+        rank = self.runner.pp_rank
         if self._next is None:
             out.stage_seconds = [out.compute_seconds]
             res = result_to_pb(out)
@@ -443,12 +568,9 @@ class StageServicer(pb_grpc.StageServicer):
     def _commit_what(request: pb.CommitRequest) -> str:
         return f"commit of micro-batch {request.micro_batch_id} round {request.round}"
 
-    async def _apply_commit(self, c, context) -> float:
-        """Check and apply one commit (a CommitAccept, or the one a step carries): the rows
-        must be pending on its verify; returns the stage's seconds for it. Aborts the call
-        when refused (the rows stay pending for a valid commit). Once admitted, a commit is
-        applied and accounted for even when its call is cancelled meanwhile (its router
-        gone, the stream it rode on broken): see :meth:`_settle_commit`."""
+    async def _check_commit(self, c, context) -> None:
+        """Abort the call when commit ``c`` is refused: malformed, or its rows are not all
+        pending on its verify, or being committed already. Changes nothing."""
         rows, acc = c.req_pool_indices, c.accept_lengths
         key = (c.micro_batch_id, c.round)
         rank = self.runner.pp_rank
@@ -473,6 +595,17 @@ class StageServicer(pb_grpc.StageServicer):
         if busy:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"stage {rank}: {what}: rows {brief(busy)} are being committed already")
+
+    async def _apply_commit(self, c, context) -> float:
+        """Check and apply one commit (a CommitAccept, or the one a step carries): the rows
+        must be pending on its verify; returns the stage's seconds for it. Aborts the call
+        when refused (the rows stay pending for a valid commit). Once admitted, a commit is
+        applied and accounted for even when its call is cancelled meanwhile (its router
+        gone, the stream it rode on broken): see :meth:`_settle_commit`."""
+        await self._check_commit(c, context)
+        rows, acc = c.req_pool_indices, c.accept_lengths
+        key = (c.micro_batch_id, c.round)
+        what = f"commit of micro-batch {key[0]} round {key[1]}"
         self.committing.update(rows)  # no await since the checks: a second commit sees them
 
         def timed_commit():

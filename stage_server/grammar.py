@@ -99,19 +99,23 @@ class CompileProcess:
         self._stopping = threading.Lock()
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-c", "from ppspec.stage_server.grammar import compile_worker; compile_worker()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._send = Connection(os.dup(self.proc.stdin.fileno()), readable=False)
-        self._recv = Connection(os.dup(self.proc.stdout.fileno()), writable=False)
-        self.proc.stdin.close()
-        self.proc.stdout.close()
-        self._send.send_bytes(self.info_json.encode())
+        with self._stopping:  # stop() sees the process and its pipes together, or neither
+            self.proc = proc
+            self._send = Connection(os.dup(proc.stdin.fileno()), readable=False)
+            self._recv = Connection(os.dup(proc.stdout.fileno()), writable=False)
+        proc.stdin.close()
+        proc.stdout.close()
         try:
+            self._send.send_bytes(self.info_json.encode())
             assert self._recv.recv_bytes() == b"ready"
         except (EOFError, OSError, AssertionError):
+            stopped = self.proc is not proc  # stop() from another thread killed it while it started
             self.stop()
-            raise ValueError("the grammar compiler process did not start") from None
+            raise ValueError("the grammar compiler process stopped while compiling it" if stopped
+                             else "the grammar compiler process did not start") from None
 
     def compile(self, text: str, timeout: float) -> str:
         """The compiled grammar of ``text`` (xgrammar's ``CompiledGrammar.serialize_json``).

@@ -202,6 +202,7 @@ def test_a_step_cancelled_while_its_commit_and_run_job_runs_leaves_no_row_being_
         with pytest.raises(asyncio.CancelledError):
             await t
         gate.set()
+        await asyncio.gather(*s._settling)  # what the cancelled call left to finish (the job, its accounting)
         return s.committing, dict(s.pending)
 
     committing, pending = asyncio.run(run())

@@ -15,6 +15,7 @@ are ``("row", req_pool_index)`` and ``("slot", snapshot slot)``.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import Counter
 
 Holder = tuple[str, int]
@@ -93,9 +94,14 @@ class Letting:
             self.add(h)
 
     def gain(self, h: Holder) -> int:
-        """Tokens that ``h`` letting go too would free beyond :attr:`freed`."""
-        refs, count = self.ledger.refs, self.count
-        return sum(1 for p in self.ledger.pages.get(h, ()) if count[p] + 1 == refs[p]) * self.ledger.page_size
+        """Tokens that ``h`` letting go too would free beyond :attr:`freed`: its pages whose
+        other holders all let go (``refs - count == 1``), counted in C (an eviction asks this
+        of every cached snapshot in turn, each holding a prompt's pages; a generator over the
+        pages with ``Counter`` lookups cost ~150 ns a page)."""
+        pages = self.ledger.pages.get(h, ())
+        left = map(operator.sub, map(self.ledger.refs.__getitem__, pages), map(self.count.get, pages,
+                                                                                itertools.repeat(0)))
+        return list(left).count(1) * self.ledger.page_size
 
     def gain_with(self, h: Holder, others) -> int:
         """Tokens of ``h``'s pages that ``h`` letting go together with ``others`` would free

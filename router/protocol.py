@@ -16,17 +16,21 @@ probabilities are natural logarithms.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar, Literal, Optional, Protocol, Union, runtime_checkable
+from typing import (TYPE_CHECKING, Any, AsyncIterator, ClassVar, ForwardRef, Literal, Optional, Protocol, Union,
+                    get_args, get_origin, runtime_checkable)
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -136,13 +140,33 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
     """Dotted names of the unknown (ignored) fields of a request and of the models it
     holds, e.g. ``["metadata", "messages.0.foo"]``."""
     names = [prefix + str(k) for k in (model.model_extra or {})]
-    for key in type(model).model_fields:
+    for key in _nesting_fields(type(model)):
         value = getattr(model, key)
         items = enumerate(value) if isinstance(value, list) else [(None, value)]
         for i, item in items:
             if isinstance(item, _Request):
                 names += ignored_fields(item, f"{prefix}{key}." + ("" if i is None else f"{i}."))
     return names
+
+
+def _may_hold_model(tp: Any) -> bool:
+    """Whether a value of the annotation ``tp`` may hold a pydantic model (``Any`` and an
+    unresolved name may)."""
+    if tp is Any or isinstance(tp, (str, ForwardRef)):
+        return True
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return True
+    if get_origin(tp) is Literal:
+        return False
+    return any(_may_hold_model(a) for a in get_args(tp))
+
+
+@functools.cache
+def _nesting_fields(cls: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of ``cls`` whose values may hold request models: the ones
+    :func:`ignored_fields` looks into (not a prompt's thousands of token ids, which it
+    looked at one by one: ~0.6 ms for 8000 ids)."""
+    return tuple(k for k, f in cls.model_fields.items() if _may_hold_model(f.annotation))
 
 
 def _null_means_default(*fields: str):
@@ -359,6 +383,9 @@ class _GenerationRequest(_Request):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+_TOKEN_IDS = TypeAdapter(list[int], config=ConfigDict(strict=True))
+
+
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
@@ -375,6 +402,21 @@ class CompletionRequest(_GenerationRequest):
     """Only best_of == n is supported."""
 
     _nullable_completion = _null_means_default("echo")
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids_first(cls, v: Any, handler: Any) -> Any:
+        """A flat list of token ids is validated as ``list[int]`` alone, which the union
+        gives it too (strict: no other member takes ints): the union tries ``list[str]``
+        first, which collects an error for every id (0.65 ms for 8000 ids against 0.06).
+        Anything else, or a list that ``list[int]`` refuses, goes through the union, whose
+        errors are the request's."""
+        if type(v) is list and v and type(v[0]) is int:
+            try:
+                return _TOKEN_IDS.validate_python(v)
+            except ValidationError:
+                pass
+        return handler(v)
 
     @property
     def echo_only(self) -> bool:

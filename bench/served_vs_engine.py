@@ -10,6 +10,11 @@ running) and through ``ppspec serve`` at each ``--pp`` with the ``ppspec bench``
   accept length with speculation) against the engine's time per round (a decode step, or
   a verify round with speculation) at batch 1;
 - PPk against PP1: tok/s at concurrency 64, TPOT at 1, TTFT of a ``--long-prompt`` token prompt;
+- that TTFT (a non-streamed completion of the prompt as token ids, ``max_tokens`` 1, the
+  median of three prompts that differ in their first token, after one untimed) against
+  ``LLM.generate`` of the same prompts in the same run, and the difference: what the served
+  path adds to a long prompt's prefill. ``ppspec serve`` caches prefixes by default and
+  ``LLM`` does not: ``--engine-prefix-caching`` gives the engine the cache too;
 - the first request after ``/health`` turned 200 against the same request in steady state;
 - tokens per micro-batch (output, and scheduled: ``ppspec:iteration_tokens``) and the
   stages' layer forwards by how they ran (``ppspec:stage_forwards``: graph replays or eager);
@@ -66,11 +71,30 @@ def make_tiny(path: str, seed: int = 0, **shape) -> str:
     return path
 
 
+def long_prompt(n: int, k: int = 0) -> list[int]:
+    """The TTFT prompt: ``n`` token ids (below 8192, the tiny checkpoint's vocabulary),
+    the ``k``-th of its kind: prompts of different ``k`` differ in their first id, so that
+    none finds another's prefix-cache snapshots (a prompt sent again would, on a CPU stage
+    whose prefill chunks of 512 tokens each leave one)."""
+    ids = [(7 * i) % 8000 + 100 for i in range(n)]
+    if ids:
+        ids[0] = 8100 + k
+    return ids
+
+
+def ttft_figures(time_one, n: int) -> float:
+    """Median seconds of ``time_one(prompt)`` over :func:`long_prompt` ``(n, 1..3)``, after one
+    untimed ``(n, 0)`` (first-use costs: allocations, a chunk size's kernels)."""
+    time_one(long_prompt(n, 0))
+    return statistics.median(time_one(long_prompt(n, k)) for k in (1, 2, 3))
+
+
 # ------------------------------------------------------------------ the engine in one process
 def engine_figures(a, prompts: list[list[int]]) -> dict:
     """``LLM.generate`` of every prompt at once (tok/s; ``cpu_round_s``, ``cpu_token_s``:
     the process's CPU seconds per micro-batch and per output token), and of one prompt
-    alone: tok/s and the median seconds of a round after its prefill (``round_s``)."""
+    alone: tok/s and the median seconds of a round after its prefill (``round_s``); the
+    TTFT of ``--long-prompt`` tokens (``long_ttft_s``, :func:`ttft_figures`)."""
     from ppspec.router.llm import LLM
     from ppspec.router.types import SamplingParams
 
@@ -79,7 +103,7 @@ def engine_figures(a, prompts: list[list[int]]) -> dict:
 
         torch.set_num_threads(a.num_threads)
     llm = LLM(a.model, speculative_algorithm=a.spec, device=a.device, dtype=a.dtype, max_rows=a.max_rows,
-              max_batch_size=a.max_rows, kv_tokens=a.kv_tokens)
+              max_batch_size=a.max_rows, kv_tokens=a.kv_tokens, enable_prefix_caching=a.engine_prefix_caching)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     # a whole untimed pass first: the timed runs meet no first-use cost (allocations, Triton
     # compiles, a batch size's graph capture), which a pass of two prompts left to the
@@ -111,8 +135,21 @@ def engine_figures(a, prompts: list[list[int]]) -> dict:
         solo.append(n / (time.perf_counter() - t0))
         solo_tokens, solo_steps = solo_tokens + n, solo_steps + len(times)
         rounds += times[1:]  # after the prefill
+    if a.long_prompt >= llm.max_context:
+        print(f"--long-prompt {a.long_prompt} is over the context of {llm.max_context} tokens: "
+              f"{llm.max_context - 1} used")
+        a.long_prompt = llm.max_context - 1
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def time_one(ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        llm.generate([ids], one)
+        return time.perf_counter() - t0
+
+    long_ttft = ttft_figures(time_one, a.long_prompt)
     del llm
     return {"tok_s": batch_tok_s, "solo_tok_s": statistics.median(solo), "round_s": statistics.median(rounds),
+            "long_ttft_s": long_ttft,
             # output tokens per micro-batch alone, the prefill's included (as the served figure counts them)
             "solo_tokens_per_round": solo_tokens / max(1, solo_steps),
             "cpu_round_s": cpu / max(1, rounds_done[0]), "cpu_token_s": cpu / max(1, tokens),
@@ -299,8 +336,7 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
         if a.long_prompt >= context:
             print(f"--long-prompt {a.long_prompt} is over the context of {context} tokens: {context - 1} used")
             a.long_prompt = context - 1
-        long_ids = [(7 * i) % 8000 + 100 for i in range(a.long_prompt)]
-        ttft = statistics.median(_timed_request(url, long_ids, 1) for _ in range(3))
+        ttft = ttft_figures(lambda ids: _timed_request(url, ids, 1), a.long_prompt)
     return {"tok_s": full["output_throughput"], "solo_tok_s": solo["output_throughput"],
             "tpot_s": solo["tpot_ms"]["mean"] / 1e3, "long_ttft_s": ttft, "first_s": first, "steady_s": steady,
             "failed": full["failed"] + solo["failed"],
@@ -324,7 +360,9 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
              f"{eng['round_s'] * 1e3:.2f} ms per round at batch 1, {eng['solo_tokens_per_round']:.2f} output tokens "
              f"per micro-batch alone (the served c1 figure below is the same count); {eng['tokens_per_round']:.1f} "
              f"output tokens per micro-batch with every prompt queued at once, {eng['closed_tokens_per_round']:.1f} "
-             f"with {a.concurrency} clients in a closed loop ({eng['closed_tok_s']:.1f} tok/s)", ""]
+             f"with {a.concurrency} clients in a closed loop ({eng['closed_tok_s']:.1f} tok/s); TTFT of "
+             f"{a.long_prompt} tokens {eng['long_ttft_s'] * 1e3:.1f} ms (prefix caching "
+             f"{'on' if a.engine_prefix_caching else 'off'})", ""]
     head = "| figure | target (H200) | " + " | ".join(names) + " |"
     lines += [head, "|---|---|" + "---|" * len(names)]
 
@@ -344,6 +382,8 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
     row(f"served round / engine round, PP{base}, concurrency 1", "<= 1.15", lambda s: _round_s(s[base]) / eng["round_s"])
     row(f"served / engine in a closed loop tok/s, PP{base}, concurrency {a.concurrency} (the same arrivals)", "-",
         lambda s: s[base]["tok_s"] / eng["closed_tok_s"])
+    row(f"served / engine TTFT, {a.long_prompt}-token prompt, PP{base}", "-",
+        lambda s: s[base]["long_ttft_s"] / eng["long_ttft_s"])
     for pp in pps[1:]:
         row(f"PP{pp} / PP{base} tok/s, concurrency {a.concurrency}", ">= 0.95", lambda s, pp=pp: s[pp]["tok_s"] / s[base]["tok_s"])
         row(f"PP{pp} / PP{base} TPOT, concurrency 1", "<= 1.1", lambda s, pp=pp: s[pp]["tpot_s"] / s[base]["tpot_s"])
@@ -357,6 +397,8 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
                                      ("tpot_s", "TPOT c1 (ms)", 1e3, "{:.2f}"),
                                      ("long_ttft_s", f"TTFT {a.long_prompt} tokens (ms)", 1e3, "{:.0f}")):
             lines.append(f"| PP{pp} {label} | " + " | ".join(fmt(served[n][pp][key] * scale, f) for n in names) + " |")
+        lines.append(f"| PP{pp} TTFT {a.long_prompt} tokens less the engine's (ms) | " + " | ".join(
+            fmt((served[n][pp]["long_ttft_s"] - eng["long_ttft_s"]) * 1e3, "{:.1f}") for n in names) + " |")
         # the system's own cost of a round at batch 1: a served round less the engine's
         lines.append(f"| PP{pp} overhead per round c1 (ms) | " + " | ".join(
             fmt((_round_s(served[n][pp]) - eng["round_s"]) * 1e3) for n in names) + " |")
@@ -396,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=131072)
     ap.add_argument("--solo-prompts", type=int, default=4, help="requests run alone (concurrency 1)")
     ap.add_argument("--long-prompt", type=int, default=8000, help="tokens of the TTFT prompt")
+    ap.add_argument("--engine-prefix-caching", action="store_true",
+                    help="the engine in one process caches prefixes, as ppspec serve does by default")
     ap.add_argument("--num-threads", type=int, default=1,
                     help="CPU: torch threads of the engine and of each stage (more than the free cores spin)")
     ap.add_argument("--serve-args", default="", help="more arguments for ppspec serve")

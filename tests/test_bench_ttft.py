@@ -1,0 +1,49 @@
+"""``served_vs_engine``'s long-prompt TTFT: prompts that share no prefix-cache snapshot,
+the median of three after one untimed, and the served figure against the engine's of the
+same run in the report (ratio and difference)."""
+from __future__ import annotations
+
+import argparse
+
+from ppspec.bench.served_vs_engine import long_prompt, report, ttft_figures
+
+
+def test_long_prompts_differ_in_their_first_id_only():
+    a, b = long_prompt(8000, 1), long_prompt(8000, 2)
+    assert len(a) == 8000 and a[1:] == b[1:] and a[0] != b[0]
+    assert long_prompt(8000, 0)[1:] == [(7 * i) % 8000 + 100 for i in range(1, 8000)]
+    assert max(max(long_prompt(8000, k)) for k in range(4)) < 8192  # the tiny checkpoint's vocabulary
+
+
+def test_ttft_is_the_median_of_three_after_an_untimed_one():
+    sent, seconds = [], iter([9.0, 0.3, 0.1, 0.2])
+
+    def time_one(ids):
+        sent.append(ids[0])
+        return next(seconds)
+
+    assert ttft_figures(time_one, 16) == 0.2  # the 9 s of the first is left out
+    assert sent == [8100, 8101, 8102, 8103]
+
+
+def fake_served(ttft_s):
+    cpu = {"rounds": 10, "tokens": 10, "scheduled_tokens": 10, "graph": 0, "eager": 10}
+    for part in ("router", "engine", "stages"):
+        cpu[f"{part}_round_s"] = cpu[f"{part}_token_s"] = 0.001
+    return {"tok_s": 100.0, "solo_tok_s": 50.0, "tpot_s": 0.002, "long_ttft_s": ttft_s, "first_s": 1.0,
+            "steady_s": 1.0, "failed": 0, "cpu": cpu, "solo_cpu": cpu}
+
+
+def test_the_report_gives_the_served_ttft_against_the_engines():
+    a = argparse.Namespace(model="m", device="cpu", dtype="float32", spec="none", num_prompts=4, max_tokens=8,
+                           max_rows=8, concurrency=4, long_prompt=8000, engine_prefix_caching=False)
+    eng = {"tok_s": 100.0, "solo_tok_s": 50.0, "round_s": 0.002, "solo_tokens_per_round": 1.0,
+           "tokens_per_round": 4.0, "closed_tokens_per_round": 4.0, "closed_tok_s": 90.0, "cpu_round_s": 0.001,
+           "cpu_token_s": 0.001, "long_ttft_s": 0.055}
+    text = report(a, eng, {"served": {1: fake_served(0.100), 2: fake_served(0.121)}})
+    lines = text.splitlines()
+    assert "TTFT of 8000 tokens 55.0 ms (prefix caching off)" in lines[2]
+    assert "| served / engine TTFT, 8000-token prompt, PP1 | - | 1.82 |" in lines  # 100 / 55
+    assert "| PP1 TTFT 8000 tokens less the engine's (ms) | 45.0 |" in lines
+    assert "| PP2 TTFT 8000 tokens less the engine's (ms) | 66.0 |" in lines
+    assert "| PP2 / PP1 TTFT, 8000-token prompt | <= 1.1 | 1.21 |" in lines

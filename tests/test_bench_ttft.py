@@ -1,6 +1,6 @@
-"""``served_vs_engine``'s long-prompt TTFT: prompts that share no prefix-cache snapshot,
+"""``served_vs_engine``'s long-prompt TTFT (prompts that share no prefix-cache snapshot,
 the median of three after one untimed, and the served figure against the engine's of the
-same run in the report (ratio and difference)."""
+same run in the report: ratio and difference) and ``request_path``'s table."""
 from __future__ import annotations
 
 import argparse
@@ -47,3 +47,14 @@ def test_the_report_gives_the_served_ttft_against_the_engines():
     assert "| PP1 TTFT 8000 tokens less the engine's (ms) | 45.0 |" in lines
     assert "| PP2 TTFT 8000 tokens less the engine's (ms) | 66.0 |" in lines
     assert "| PP2 / PP1 TTFT, 8000-token prompt | <= 1.1 | 1.21 |" in lines
+
+
+def test_request_path_times_every_step_and_sums_them():
+    from ppspec.bench.request_path import measure, table
+
+    figures = measure([40, 700], repeats=2)
+    assert list(figures) == [40, 700] and len(figures[40]) == 14
+    assert all(v > 0 for f in figures.values() for v in f.values())
+    lines = table(figures).splitlines()
+    assert lines[0] == "| step (median us) | 40 ids | 700 ids |" and len(lines) == 2 + 14 + 1
+    assert lines[-1] == f"| sum | {sum(figures[40].values()):.1f} | {sum(figures[700].values()):.1f} |"

@@ -235,21 +235,6 @@ def test_speculation_matches_pp1_without_speculation(spec_setup, spec, pp, lanes
     assert all(u == 0 for u in llm.rows_in_use())
 
 
-@pytest.mark.parametrize("design", ["copy", "replay"])
-def test_granite_speculation_matches_pp1_without_speculation(make_ckpt, design):
-    """Granite 4.0 hybrid (RoPE attention, MoE, multipliers, clamped dt) at PP3 with oracle
-    drafts: every accept length, tokens equal PP1 without speculation."""
-    path = make_ckpt("granite_a")
-    reqs = small_workload(seed=1)
-    ref = drive(LLM(path, max_rows=N_REQ), reqs)
-    llm = LLM(path, pp_size=3, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
-              num_speculative_steps=3, drafter=Oracle(ref, seed=4), commit_design=design)
-    rounds = record_rounds(llm)
-    assert drive(llm, reqs) == ref
-    assert {a for m, _, _, acc in rounds if m == "verify" for a in acc} == {1, 2, 3, 4}
-    assert all(u == 0 for u in llm.rows_in_use())
-
-
 @pytest.fixture(scope="module")
 def hybrid_refs(make_ckpt):
     """kind -> (checkpoint, workload, PP1 tokens without speculation), made once per kind."""
@@ -266,11 +251,12 @@ def hybrid_refs(make_ckpt):
 
 @pytest.mark.parametrize("design", ["copy", "replay"])
 @pytest.mark.parametrize("pp,lanes", [(1, 1), (2, 2), (3, 2), (4, 3)])
-@pytest.mark.parametrize("kind", ["bamba_a", "falcon_h1_a"])
-def test_bamba_and_falcon_speculation_match_pp1_without_speculation(hybrid_refs, kind, pp, lanes, design):
-    """Bamba (Mamba2 and attention layers in a pattern) and Falcon-H1 (both in every layer)
-    at PP 1 to 4 with oracle drafts: every accept length, requests joining and leaving,
-    tokens equal PP1 without speculation, every row free afterwards."""
+@pytest.mark.parametrize("kind", ["granite_a", "bamba_a", "falcon_h1_a"])
+def test_hybrid_speculation_matches_pp1_without_speculation(hybrid_refs, kind, pp, lanes, design):
+    """Granite 4.0 hybrid (RoPE attention, MoE, multipliers, clamped dt), Bamba (Mamba2 and
+    attention layers in a pattern) and Falcon-H1 (both in every layer) at PP 1 to 4 with
+    oracle drafts: every accept length, requests joining and leaving, tokens equal PP1
+    without speculation, every row free afterwards."""
     path, reqs, ref = hybrid_refs(kind)
     llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, speculative_algorithm="ngram",
               num_speculative_steps=3, drafter=Oracle(ref, seed=pp), commit_design=design)
@@ -286,8 +272,8 @@ def test_bamba_and_falcon_speculation_match_pp1_without_speculation(hybrid_refs,
 
 @pytest.mark.parametrize("design", ["copy", "replay"])
 @pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("kind", ["bamba_a", "falcon_h1_a"])
-def test_bamba_and_falcon_catch_the_commit_bugs(hybrid_refs, kind, fault, design):
+@pytest.mark.parametrize("kind", ["granite_a", "bamba_a", "falcon_h1_a"])
+def test_hybrids_catch_the_commit_bugs(hybrid_refs, kind, fault, design):
     """The three commit faults on a non-last stage change the tokens (docs/DESIGN.md, "The failure")."""
     path, reqs, ref = hybrid_refs(kind)
     llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
@@ -311,13 +297,17 @@ def test_invariance_catches_the_commit_bugs(spec_setup, fault, design):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,pp,design", [("nemotron_h_a", 2, "copy"), ("nemotron_h_a", 3, "replay"),
                                             ("nemotron_h_a", 4, "copy"), ("falcon_h1_a", 2, "replay"),
-                                            ("falcon_h1_a", 3, "copy")])
+                                            ("falcon_h1_a", 3, "copy"), ("falcon_h1_a", 4, "replay"),
+                                            ("granite_a", 2, "replay"), ("granite_a", 3, "copy"),
+                                            ("granite_a", 4, "replay"), ("bamba_a", 2, "copy"),
+                                            ("bamba_a", 3, "replay"), ("bamba_a", 4, "copy")])
 def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, hybrid_refs, kind, pp, design,
                                                                   tmp_path):
     """PP 2 to 4 stage processes and a router (tests/cluster.py), n-gram drafts, the
     requests sent at once and finishing at different lengths: every completion equals PP1
-    without speculation in one process, and every row is free afterwards (NemotronH; and
-    Falcon-H1, whose every layer holds both a Mamba2 state and KV)."""
+    without speculation in one process, and every row is free afterwards (NemotronH, Granite
+    4.0 hybrid with MoE, Bamba; and Falcon-H1, whose every layer holds both a Mamba2 state
+    and KV)."""
     import asyncio
 
     import httpx

@@ -390,3 +390,46 @@ def test_gpu_bench_falcon_h1_checkpoint_and_step_bytes(tmp_path):
     assert kv == 3 * 16 * 2 * 2 * 16 * 2  # 3 layers x 16 tokens x K and V of 2 heads of 16, 2 bytes
     assert w == sum(p.numel() * 4 for name, p in r.model.named_parameters() if not name.startswith("embed_tokens."))
     assert st == 3 * 2 * 4 * 4 * 16 * 8  # 3 Mamba2 states, read and written, fp32 [4, 16, 8]
+
+
+def test_gpu_bench_granite_checkpoint_and_step_bytes(tmp_path):
+    """gpu_bench's random Granite 4.0 hybrid checkpoint (toy size) loads and runs a decode
+    and a verify round; a decode step's bytes count the attention layers' KV, the Mamba2
+    states [H, P, N] read and written, and of the stacked experts (``input_linear`` /
+    ``output_linear``) only the top-k the batch routes to."""
+    from ppspec.bench.gpu_bench import decode_and_verify, make_random_granite_checkpoint, step_bytes
+
+    path = str(tmp_path / "granite")
+    shape = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
+                 num_local_experts=8, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                 mamba_d_state=8, max_position_embeddings=512)
+    n = make_random_granite_checkpoint(torch, path, "cpu", **shape)
+    dec, ver, ratios, r = decode_and_verify(torch, path, 1, 16, repeats=2, n=1, device="cpu", dtype=torch.float32)
+    assert n > 0 and dec > 0 and ver > 0 and len(ratios) == 2
+    w, kv, st = step_bytes(r, 1, 16)
+    assert kv == 1 * 16 * 2 * 2 * 16 * 2  # one attention layer x 16 tokens x K and V of 2 heads of 16, 2 bytes
+    params = dict(r.model.named_parameters())
+    routed = sum(p.numel() * 4 for k, p in params.items() if "_linear.weight" in k and ".block_sparse_moe." in k)
+    others = sum(p.numel() * 4 for k, p in params.items() if not k.startswith("embed_tokens."))
+    assert routed == 3 * (8 * 64 * 64 + 8 * 64 * 32) * 4  # 8 experts of 32 (gate | up, down) in each layer
+    assert w == others - routed + routed * 2 // 8  # batch 1: 2 of 8 experts
+    assert st == 2 * 2 * 4 * 4 * 32 * 8  # 2 Mamba2 layers, read and written, fp32 [4, 32, 8]
+
+
+def test_gpu_bench_bamba_checkpoint_and_step_bytes(tmp_path):
+    """gpu_bench's random Bamba checkpoint (toy size) loads and runs a decode and a verify
+    round; a decode step's bytes count the attention layers' KV and the Mamba2 states."""
+    from ppspec.bench.gpu_bench import decode_and_verify, make_random_bamba_checkpoint, step_bytes
+
+    path = str(tmp_path / "bamba")
+    shape = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[2],
+                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_n_heads=4,
+                 mamba_d_head=32, mamba_n_groups=2, mamba_d_state=8, max_position_embeddings=512)
+    n = make_random_bamba_checkpoint(torch, path, "cpu", **shape)
+    dec, ver, ratios, r = decode_and_verify(torch, path, 1, 16, repeats=2, n=1, device="cpu", dtype=torch.float32)
+    assert n > 0 and dec > 0 and ver > 0 and len(ratios) == 2
+    w, kv, st = step_bytes(r, 1, 16)
+    assert kv == 1 * 16 * 2 * 2 * 16 * 2  # one attention layer x 16 tokens x K and V of 2 heads of 16, 2 bytes
+    assert w == sum(p.numel() * 4 for k, p in r.model.named_parameters() if not k.startswith("embed_tokens."))
+    assert st == 3 * 2 * 4 * 4 * 32 * 8  # 3 Mamba2 layers, read and written, fp32 [4, 32, 8]

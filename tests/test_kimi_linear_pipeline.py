@@ -30,7 +30,7 @@ def setup(make_ckpt):
     return path, reqs, drive(LLM(path, max_rows=N_REQ), reqs)
 
 
-@pytest.mark.parametrize("pp,design", [(3, "copy"), (4, "replay")])
+@pytest.mark.parametrize("pp,design", [(1, "replay"), (2, "copy"), (3, "copy"), (4, "replay")])
 def test_oracle_drafts_match_no_speculation(setup, pp, design):
     path, reqs, ref = setup
     oracle = Oracle(ref, seed=2)

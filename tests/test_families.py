@@ -160,3 +160,24 @@ def test_a_tensor_of_the_wrong_shape_is_one_error_naming_its_file_and_name(make_
     msg = str(e.value)
     assert msg.startswith(f"{path / 'model.safetensors'}: tensor {key!r} has shape {bad}, expected "), msg
     assert msg.endswith(" from config.json") and f"expected {good}" in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["kimi_moe_5l", "nemotron_h_a", "granite_a", "bamba_a", "falcon_h1_a"])
+def test_mtp_speculation_on_a_family_without_an_mtp_head_is_refused_by_name(make_ckpt, tmp_path, kind):
+    """A family that loads no MTP head refuses speculative_algorithm mtp naming its model_type,
+    also where the checkpoint holds ``mtp.*`` tensors (NemotronH checkpoints may: they are
+    not loaded, as transformers does not load them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ppspec.router.llm import LLM
+
+    path = tmp_path / kind
+    shutil.copytree(make_ckpt(kind), path)
+    weights = load_file(path / "model.safetensors")
+    weights["mtp.layers.0.norm.weight"] = torch.ones(weights["lm_head.weight"].shape[1])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    with pytest.raises(ValueError, match=f"speculative algorithm mtp is not served for model_type '{model_type}'"):
+        LLM(str(path), max_rows=2, speculative_algorithm="mtp")

@@ -314,26 +314,50 @@ def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, hy
     and KV)."""
     import asyncio
 
-    import httpx
     from cluster import Cluster
 
     path, reqs, ref = spec_setup if kind == "nemotron_h_a" else hybrid_refs(kind)
-
-    async def complete(url):
-        async with httpx.AsyncClient(timeout=600) as client:
-            async def one(q):
-                r = await client.post(url + "/v1/completions", json=dict(
-                    prompt=q["prompt"], max_tokens=q["max_tokens"], temperature=0.0, ignore_eos=True,
-                    return_token_ids=True))
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["token_ids"]
-            return await asyncio.gather(*(one(q) for q in reqs))
-
     with Cluster(path, pp, "ngram", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ) as c:
-        outs = asyncio.run(complete(c.url))
+        outs = asyncio.run(_complete_all(c.url, reqs))
         infos = c.wait_rows_free()
     assert outs == ref
     assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)
+
+
+async def _complete_all(url, reqs):
+    """Every request of ``reqs`` sent at once (greedy, EOS ignored); their token ids."""
+    import asyncio
+
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(q):
+            r = await client.post(url + "/v1/completions", json=dict(
+                prompt=q["prompt"], max_tokens=q["max_tokens"], temperature=0.0, ignore_eos=True,
+                return_token_ids=True))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        return await asyncio.gather(*(one(q) for q in reqs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fault,design", [("nemotron_h_a", "skip_commit", "replay"),
+                                               ("granite_a", "positional_scratch", "copy"),
+                                               ("bamba_a", "stale_rows", "replay"),
+                                               ("falcon_h1_a", "skip_commit", "copy")])
+def test_stage_processes_catch_the_commit_bugs(spec_setup, hybrid_refs, kind, fault, design, tmp_path):
+    """Over real PP3 stage processes with n-gram drafts, as the GDN suite's
+    (tests/test_pipeline.py): a non-last stage's faulty commit changes the tokens of the
+    same requests that the test above finds equal to PP1 without speculation at PP3 under
+    the same commit design."""
+    import asyncio
+
+    from cluster import Cluster
+
+    path, reqs, ref = spec_setup if kind == "nemotron_h_a" else hybrid_refs(kind)
+    with Cluster(path, 3, "ngram", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ, fault=fault) as c:
+        outs = asyncio.run(_complete_all(c.url, reqs))
+    assert sum(o != r for o, r in zip(outs, ref)) > 0, f"fault {fault} went unnoticed"
 
 
 @pytest.mark.parametrize("design", ["copy", "replay"])

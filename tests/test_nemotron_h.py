@@ -171,6 +171,7 @@ def _edit(src, dst, fn):
     ("bamba_a", lambda c: c.update(mamba_n_groups=3), "mamba_n_groups"),
     ("bamba_a", lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
     ("bamba_a", lambda c: c.update(mamba_d_state=8), "mamba.in_proj.weight"),
+    ("falcon_h1_a", lambda c: c.update(hidden_act="gelu"), "hidden_act"),
     ("falcon_h1_a", lambda c: c.update(ssm_multipliers=[1.0, 2.0]), "ssm_multipliers"),
     ("falcon_h1_a", lambda c: c.update(mlp_multipliers="2"), "mlp_multipliers"),
     ("falcon_h1_a", lambda c: c.update(mamba_d_ssm=60), "mamba_d_ssm"),

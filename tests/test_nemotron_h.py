@@ -309,7 +309,8 @@ def test_invariance_catches_the_commit_bugs(spec_setup, fault, design):
 def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, hybrid_refs, kind, pp, design,
                                                                   tmp_path):
     """PP 2 to 4 stage processes and a router (tests/cluster.py), n-gram drafts, the
-    requests sent at once and finishing at different lengths: every completion equals PP1
+    requests sent at once to stages of half as many rows, so that the later ones join as
+    the first leave, finishing at different lengths: every completion equals PP1
     without speculation in one process, and every row is free afterwards (NemotronH, Granite
     4.0 hybrid with MoE, Bamba; and Falcon-H1, whose every layer holds both a Mamba2 state
     and KV)."""
@@ -318,7 +319,9 @@ def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, hy
     from cluster import Cluster
 
     path, reqs, ref = spec_setup if kind == "nemotron_h_a" else hybrid_refs(kind)
-    with Cluster(path, pp, "ngram", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ) as c:
+    # half the rows: the later requests wait, then join the running batch on the rows that
+    # finished requests leave (a reused row's state and conv window start afresh)
+    with Cluster(path, pp, "ngram", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ // 2) as c:
         outs = asyncio.run(_complete_all(c.url, reqs))
         infos = c.wait_rows_free()
     assert outs == ref

@@ -136,6 +136,27 @@ FALCON_H1_1B = dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=16, in
                     max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+# Granite 4.0 hybrid at about the same size (0.95B): 16 layers, attention (12 heads of 128, 4
+# KV heads, no positional encoding, as Granite 4.0-H) at 5 and 11, Mamba2 elsewhere (48 heads
+# of 64, one group of B / C of 128); every layer a shared SwiGLU MLP of 1024 and 16 SwiGLU
+# experts of 512, top 4; tied embeddings
+GRANITE_1B = dict(vocab_size=32000, hidden_size=1536, num_hidden_layers=16,
+                  layer_types=["attention" if i in (5, 11) else "mamba" for i in range(16)], num_attention_heads=12,
+                  num_key_value_heads=4, position_embedding_type="nope", intermediate_size=512,
+                  shared_intermediate_size=1024, num_local_experts=16, num_experts_per_tok=4, mamba_n_heads=48,
+                  mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
+                  tie_word_embeddings=True, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+
+# Bamba at about the same size (0.92B): 16 layers, attention (16 heads of 128, 8 KV heads,
+# RoPE over half of each head) at 5 and 11, Mamba2 elsewhere (64 heads of 64, one group of
+# B / C of 128), SwiGLU MLPs of 4096
+BAMBA_1B = dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=16, attn_layer_indices=[5, 11],
+                num_attention_heads=16, num_key_value_heads=8, intermediate_size=4096, mamba_n_heads=64,
+                mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
+                max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def make_random_nemotron_checkpoint(torch, path, device="cuda", **shape) -> int:
     """A random NemotronH-shaped checkpoint (``NemotronHForCausalLM``, default
     :data:`NEMOTRON_1B`), as :func:`_save_random`."""
@@ -146,6 +167,19 @@ def make_random_falcon_h1_checkpoint(torch, path, device="cuda", **shape) -> int
     """A random Falcon-H1-shaped checkpoint (``FalconH1ForCausalLM``, default
     :data:`FALCON_H1_1B`), as :func:`_save_random`."""
     return _save_random(torch, path, device, "FalconH1Config", "FalconH1ForCausalLM", {**FALCON_H1_1B, **shape})
+
+
+def make_random_granite_checkpoint(torch, path, device="cuda", **shape) -> int:
+    """A random Granite-4.0-hybrid-shaped checkpoint (``GraniteMoeHybridForCausalLM``, default
+    :data:`GRANITE_1B`), as :func:`_save_random`."""
+    return _save_random(torch, path, device, "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                        {**GRANITE_1B, **shape})
+
+
+def make_random_bamba_checkpoint(torch, path, device="cuda", **shape) -> int:
+    """A random Bamba-shaped checkpoint (``BambaForCausalLM``, default :data:`BAMBA_1B`), as
+    :func:`_save_random`."""
+    return _save_random(torch, path, device, "BambaConfig", "BambaForCausalLM", {**BAMBA_1B, **shape})
 
 
 def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int:
@@ -199,7 +233,8 @@ def make_random_checkpoint(torch, path, device="cuda", mtp=True, **shape) -> int
 def step_bytes(r, batch, ctx) -> tuple[int, int, int]:
     """Bytes a decode step of ``batch`` requests at context ``ctx`` must read: ``(weights,
     KV, state)``. Every weight but the embedding table (one row per token) and the MTP
-    head, of a routed MoE's experts at most the ``batch x top-k`` the tokens pick; keys and
+    head, of a routed MoE's experts (Granite's stacked ``block_sparse_moe.input_linear`` /
+    ``output_linear`` included) at most the ``batch x top-k`` the tokens pick; keys and
     values once where the pool shares them (MLA's latent); the state read and written once."""
     c = r.cfg
     weights = 0
@@ -207,7 +242,8 @@ def step_bytes(r, batch, ctx) -> tuple[int, int, int]:
     for n, p in r.model.named_parameters():
         if n.startswith(("mtp.", "embed_tokens.", "embeddings.")):
             continue
-        share = min(1.0, batch * c.num_experts_per_tok / experts) if ".experts." in n else 1.0
+        routed = ".experts." in n or ".block_sparse_moe.input_linear." in n or ".block_sparse_moe.output_linear." in n
+        share = min(1.0, batch * c.num_experts_per_tok / experts) if routed else 1.0
         weights += int(p.numel() * p.element_size() * share)
     kv = len(r.model.kv_layers) * batch * ctx * (1 if r.model.shared_kv else 2) * c.num_key_value_heads * c.head_dim * 2
     # the recurrent state of a row in one layer (GDN [HV, K, V], Mamba2 [H, P, N]), fp32
@@ -308,17 +344,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-demo", action="store_true", help="only the bandwidth and the 1B steps")
     ap.add_argument("--batch", default="1,16,64", help="1B batch sizes (comma-separated)")
     ap.add_argument("--skip-eager", action="store_true", help="1B decode with CUDA graphs only")
-    ap.add_argument("--family", choices=("qwen3_5", "kimi_linear", "nemotron_h", "falcon_h1"), default="qwen3_5",
+    ap.add_argument("--family", choices=("qwen3_5", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid",
+                                         "bamba"), default="qwen3_5",
                     help="the random 1B checkpoint's family: Qwen3.5 (GDN), Kimi Linear (KDA + MLA + MoE), "
-                         "NemotronH (Mamba2 + attention + relu2 MLP) or Falcon-H1 (attention beside Mamba2 in "
-                         "every layer)")
+                         "NemotronH (Mamba2 + attention + relu2 MLP), Falcon-H1 (attention beside Mamba2 in "
+                         "every layer), Granite 4.0 hybrid (Mamba2 + attention, shared MLP + MoE) or Bamba "
+                         "(Mamba2 + attention, SwiGLU MLPs)")
     ap.add_argument("--make-1b", metavar="PATH", default=None,
                     help="only save the random 1B checkpoint (with a random MTP head) at PATH and exit")
     a = ap.parse_args(argv)
     import torch
 
     make = {"kimi_linear": make_random_kimi_checkpoint, "nemotron_h": make_random_nemotron_checkpoint,
-            "falcon_h1": make_random_falcon_h1_checkpoint}.get(a.family, make_random_checkpoint)
+            "falcon_h1": make_random_falcon_h1_checkpoint, "granitemoehybrid": make_random_granite_checkpoint,
+            "bamba": make_random_bamba_checkpoint}.get(a.family, make_random_checkpoint)
     if a.make_1b:
         n = make(torch, a.make_1b, "cuda" if torch.cuda.is_available() else "cpu")
         print(f"saved {a.make_1b}: {n / 1e9:.2f} B parameters" + (" + MTP head" if a.family == "qwen3_5" else ""))

@@ -24,13 +24,15 @@ import tempfile
 
 import torch
 
-from ppspec.bench.gpu_bench import FALCON_H1_1B, KIMI_1B, NEMOTRON_1B, QWEN35_1B
+from ppspec.bench.gpu_bench import BAMBA_1B, FALCON_H1_1B, GRANITE_1B, KIMI_1B, NEMOTRON_1B, QWEN35_1B
 
 SHAPES = {  # family: (transformers config class, the gpu_bench shape)
     "qwen3_5": ("Qwen3_5TextConfig", QWEN35_1B),
     "kimi_linear": ("KimiLinearConfig", KIMI_1B),
     "nemotron_h": ("NemotronHConfig", NEMOTRON_1B),
     "falcon_h1": ("FalconH1Config", FALCON_H1_1B),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", GRANITE_1B),
+    "bamba": ("BambaConfig", BAMBA_1B),
 }
 
 

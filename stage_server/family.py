@@ -192,6 +192,9 @@ class ModelFamily:
     # parameter name suffixes kept fp32 in a bf16 / fp16 stage (transformers'
     # ``_keep_in_fp32_modules_strict``), e.g. a router's weight
     keep_fp32: tuple[str, ...] = ()
+    # whether the family loads an MTP head where the checkpoint has one (``has_mtp``); a
+    # family that does not refuses ``speculative_algorithm="mtp"`` whatever the checkpoint holds
+    serves_mtp: bool = False
 
     def parse_config(self, path: str, raw: dict) -> ModelConfig:
         """The config object of ``raw`` (the parsed ``config.json`` at ``path``).

@@ -51,22 +51,36 @@ class CheckpointReader:
                 except Exception as e:  # safetensors raises its own error types
                     raise CheckpointError(f"{path}: unreadable safetensors file: {e}") from None
         self._handles: dict[str, object] = {}
+        self.reads: list[str] = []  # the keys read since the caller last emptied it (fill_parameters)
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Tensor ``key``; with ``shape``, checked to have it (a layout conversion checks
+        the tensors it joins before joining them). Raises CheckpointError naming the file
+        and the tensor."""
         path = self.where.get(key)
         if path is None:
             raise CheckpointError(f"{self.model_dir}: tensor {key!r} missing from the checkpoint")
         try:
             if path not in self._handles:
                 self._handles[path] = safe_open(path, "pt")
-            return self._handles[path].get_tensor(key)
-        except CheckpointError:
-            raise
+            t = self._handles[path].get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read tensor {key!r}: {e}") from None
+        self.reads.append(key)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)} "
+                                  "from config.json")
+        return t
+
+    def stack_experts(self, keys: list[list[str]], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        """Per-expert tensors as one stacked tensor: expert ``e``'s tensors ``keys[e]``
+        (the ``j``-th of shape ``shapes[j]``, checked first) joined along dim 0, the
+        experts stacked. A tensor of another shape is a CheckpointError naming it."""
+        return torch.stack([torch.cat([self.get(k, shape) for k, shape in zip(ks, shapes, strict=True)])
+                            for ks in keys])
 
     def file_of(self, key: str) -> str:
         return self.where.get(key, self.model_dir)
@@ -82,7 +96,8 @@ def fill_parameters(model, reader: CheckpointReader, read, key_of, dtype: torch.
                     keep_fp32: tuple[str, ...] = ()):
     """Materialise ``model`` (built on the meta device) on ``device`` in ``dtype`` with every
     parameter read from the checkpoint: ``read(name)`` gives the tensor of parameter
-    ``name``, ``key_of(name)`` the checkpoint key an error names. Parameters whose name ends
+    ``name`` (reading ``reader``); an error names the one tensor it read, or, where it
+    joined several or read none (a converted layout), ``key_of(name)``. Parameters whose name ends
     with one of ``keep_fp32`` stay fp32 whatever ``dtype`` (as transformers'
     ``_keep_in_fp32_modules_strict``). Returns the model.
 
@@ -90,11 +105,15 @@ def fill_parameters(model, reader: CheckpointReader, read, key_of, dtype: torch.
         CheckpointError: a tensor missing, of the wrong shape, or with NaN / infinite values
             (in ``dtype``: an fp16 cast can overflow); the message names the file and tensor.
     """
-    state = {}
+    state, sources = {}, {}
     for name, p in model.named_parameters():
+        reader.reads = []
         t = read(name)
+        # the tensor an error names: the one read where the parameter is one checkpoint
+        # tensor under another name (an alternative prefix, a tied embedding), else its key
+        sources[name] = reader.reads[0] if len(reader.reads) == 1 else key_of(name)
         if tuple(t.shape) != tuple(p.shape):
-            key = key_of(name)
+            key = sources[name]
             raise CheckpointError(
                 f"{reader.file_of(key)}: tensor {key!r} has shape {tuple(t.shape)}, "
                 f"expected {tuple(p.shape)} from config.json"
@@ -110,7 +129,7 @@ def fill_parameters(model, reader: CheckpointReader, read, key_of, dtype: torch.
     names, params = zip(*model.named_parameters())
     finite = torch.stack([torch.isfinite(p).all() for p in params]).tolist()
     if not all(finite):
-        key = key_of(names[finite.index(False)])
+        key = sources[names[finite.index(False)]]
         raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has NaN or infinite values"
                               + ("" if dtype == torch.float32 else f" in {str(dtype).removeprefix('torch.')}"))
     return model

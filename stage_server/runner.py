@@ -216,6 +216,11 @@ class StageRunner:
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.is_first, self.is_last = self.model.is_first, self.model.is_last
         if use_mtp and self.is_last and not hasattr(self.model, "mtp"):
+            family = family_of(cfg)
+            if not family.serves_mtp:  # e.g. a NemotronH checkpoint's mtp.* tensors: not loaded
+                raise ValueError(f"{model_dir}: speculative algorithm mtp is not served for model_type "
+                                 f"{cfg.model_type!r} (family {family.name} loads no MTP head, whatever the "
+                                 "checkpoint holds); use ngram")
             raise ValueError(f"{model_dir}: speculative algorithm mtp needs an mtp.* head in the checkpoint")
         self.use_mtp = use_mtp and self.is_last
         self.num_steps = num_speculative_steps

@@ -120,3 +120,64 @@ def test_the_one_commit_of_any_declared_state(design):
         results[0].commit([1], [5])
     with pytest.raises(IndexError):
         results[0].commit([7], [1])
+
+
+@pytest.mark.parametrize("kind,key", [
+    ("qwen3_next_moe", "model.layers.0.mlp.experts.1.up_proj.weight"),       # per-expert, stacked
+    ("qwen3_next_moe", "model.layers.0.linear_attn.in_proj_qkvz.weight"),    # fused, split
+    ("qwen3_next_moe", "model.layers.2.linear_attn.in_proj_ba.weight"),
+    ("kimi_moe_5l", "model.layers.1.block_sparse_moe.experts.0.w1.weight"),  # per-expert w1 | w3, stacked
+    ("kimi_moe_5l", "model.layers.2.block_sparse_moe.experts.7.w2.weight"),
+    ("kimi_moe_5l", "model.layers.0.block_sparse_moe.down_proj.weight"),     # read for mlp.down_proj
+    ("kimi_moe_5l", "model.layers.1.self_attn.f_b_proj.weight"),
+    ("nemotron_h_a", "backbone.layers.5.mixer.experts.2.up_proj.weight"),    # per-expert, stacked
+    ("nemotron_h_a", "backbone.layers.0.mixer.in_proj.weight"),
+    ("granite_a", "model.layers.0.block_sparse_moe.input_linear.weight"),
+    ("granite_a", "model.layers.2.mamba.in_proj.weight"),
+    ("bamba_a", "model.layers.0.mamba.in_proj.weight"),
+    ("falcon_h1_a", "model.layers.1.mamba.in_proj.weight"),
+])
+def test_a_tensor_of_the_wrong_shape_is_one_error_naming_its_file_and_name(make_ckpt, tmp_path, kind, key):
+    """Every family, the layouts converted at load included (per-expert weights stacked,
+    Qwen3-Next's fused projections split, Kimi's MLP under ``block_sparse_moe.``): one
+    tensor one row longer than config.json implies is a CheckpointError naming the file
+    and that tensor as the checkpoint names it, and the shape expected."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ppspec.stage_server.loader import load_stage_model
+
+    path = tmp_path / kind
+    shutil.copytree(make_ckpt(kind), path)
+    weights = load_file(path / "model.safetensors")
+    good = tuple(weights[key].shape)
+    bad = (good[0] + 1,) + good[1:]
+    weights[key] = torch.zeros(bad)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_stage_model(str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"{path / 'model.safetensors'}: tensor {key!r} has shape {bad}, expected "), msg
+    assert msg.endswith(" from config.json") and f"expected {good}" in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["kimi_moe_5l", "nemotron_h_a", "granite_a", "bamba_a", "falcon_h1_a"])
+def test_mtp_speculation_on_a_family_without_an_mtp_head_is_refused_by_name(make_ckpt, tmp_path, kind):
+    """A family that loads no MTP head refuses speculative_algorithm mtp naming its model_type,
+    also where the checkpoint holds ``mtp.*`` tensors (NemotronH checkpoints may: they are
+    not loaded, as transformers does not load them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ppspec.router.llm import LLM
+
+    path = tmp_path / kind
+    shutil.copytree(make_ckpt(kind), path)
+    weights = load_file(path / "model.safetensors")
+    weights["mtp.layers.0.norm.weight"] = torch.ones(weights["lm_head.weight"].shape[1])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    with pytest.raises(ValueError, match=f"speculative algorithm mtp is not served for model_type '{model_type}'"):
+        LLM(str(path), max_rows=2, speculative_algorithm="mtp")

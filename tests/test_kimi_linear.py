@@ -58,7 +58,8 @@ def test_each_decoder_layer_matches_transformers(make_ckpt):
         assert (h - hs[i + 1][0]).abs().max() < TOL, f"layer {i} ({hf.config.layer_types[i]})"
 
 
-@pytest.mark.parametrize("kind,design", [("kimi_moe_5l", "copy"), ("kimi_qlora_7l", "copy"), ("kimi_moe_5l", "replay")])
+@pytest.mark.parametrize("kind,design", [("kimi_moe_5l", "copy"), ("kimi_qlora_7l", "copy"), ("kimi_moe_5l", "replay"),
+                                         ("kimi_qlora_7l", "replay")])
 def test_prefill_decode_verify_logits_match_transformers(make_ckpt, kind, design):
     path = make_ckpt(kind)
     hf = hf_model(path)

@@ -30,7 +30,7 @@ def setup(make_ckpt):
     return path, reqs, drive(LLM(path, max_rows=N_REQ), reqs)
 
 
-@pytest.mark.parametrize("pp,design", [(3, "copy"), (4, "replay")])
+@pytest.mark.parametrize("pp,design", [(1, "replay"), (2, "copy"), (3, "copy"), (4, "replay")])
 def test_oracle_drafts_match_no_speculation(setup, pp, design):
     path, reqs, ref = setup
     oracle = Oracle(ref, seed=2)
@@ -89,12 +89,14 @@ def test_stage_processes_with_ngram_match_pp1(processes_ref, pp, tmp_path):
 
 
 @pytest.mark.slow
-def test_stage_processes_catch_a_positional_commit(processes_ref, tmp_path):
-    """Over real processes the same comparison fails when the stages commit the verify's
-    batch positions instead of its rows (replay design: the positions' pending counters)."""
+@pytest.mark.parametrize("fault,design", [("positional_scratch", "replay"), ("skip_commit", "copy"),
+                                          ("stale_rows", "replay")])
+def test_stage_processes_catch_the_commit_bugs(processes_ref, fault, design, tmp_path):
+    """Over real processes the same comparison fails when the non-last stages skip their
+    commit, commit the verify's batch positions instead of its rows (replay design: the
+    positions' pending counters), or commit another micro-batch's rows."""
     path, prompts, ref, gaps = processes_ref
-    with Cluster(path, 3, "ngram", max_rows=16, fault="positional_scratch", commit_design="replay",
-                 log_dir=str(tmp_path)) as c:
+    with Cluster(path, 3, "ngram", max_rows=16, fault=fault, commit_design=design, log_dir=str(tmp_path)) as c:
         outs = complete(c.url, prompts, max_tokens=24)
     real, _ = divergences(outs, ref, gaps)
-    assert real, "committing batch positions went unnoticed"
+    assert real, f"fault {fault} went unnoticed"

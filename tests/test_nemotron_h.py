@@ -162,11 +162,16 @@ def _edit(src, dst, fn):
     ("granite_a", lambda c: c.update(time_step_limit=[0.5, 0.1]), "time_step_limit"),
     ("granite_a", lambda c: c.update(mamba_d_head=8), "mamba_d_head"),
     ("granite_a", lambda c: c.update(layer_types=["mamba", "cross_attention", "mamba", "mamba"]), "layer_types"),
+    ("granite_a", lambda c: c.update(position_embedding_type="alibi"), "position_embedding_type"),
+    ("granite_a", lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ("granite_a", lambda c: c.update(mamba_d_state=8), "mamba.in_proj.weight"),
+    ("bamba_a", lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     ("bamba_a", lambda c: c.update(hidden_act="gelu"), "hidden_act"),
     ("bamba_a", lambda c: c.update(attn_layer_indices=[1, 5]), "attn_layer_indices"),
     ("bamba_a", lambda c: c.update(mamba_n_groups=3), "mamba_n_groups"),
     ("bamba_a", lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
     ("bamba_a", lambda c: c.update(mamba_d_state=8), "mamba.in_proj.weight"),
+    ("falcon_h1_a", lambda c: c.update(hidden_act="gelu"), "hidden_act"),
     ("falcon_h1_a", lambda c: c.update(ssm_multipliers=[1.0, 2.0]), "ssm_multipliers"),
     ("falcon_h1_a", lambda c: c.update(mlp_multipliers="2"), "mlp_multipliers"),
     ("falcon_h1_a", lambda c: c.update(mamba_d_ssm=60), "mamba_d_ssm"),
@@ -235,21 +240,6 @@ def test_speculation_matches_pp1_without_speculation(spec_setup, spec, pp, lanes
     assert all(u == 0 for u in llm.rows_in_use())
 
 
-@pytest.mark.parametrize("design", ["copy", "replay"])
-def test_granite_speculation_matches_pp1_without_speculation(make_ckpt, design):
-    """Granite 4.0 hybrid (RoPE attention, MoE, multipliers, clamped dt) at PP3 with oracle
-    drafts: every accept length, tokens equal PP1 without speculation."""
-    path = make_ckpt("granite_a")
-    reqs = small_workload(seed=1)
-    ref = drive(LLM(path, max_rows=N_REQ), reqs)
-    llm = LLM(path, pp_size=3, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
-              num_speculative_steps=3, drafter=Oracle(ref, seed=4), commit_design=design)
-    rounds = record_rounds(llm)
-    assert drive(llm, reqs) == ref
-    assert {a for m, _, _, acc in rounds if m == "verify" for a in acc} == {1, 2, 3, 4}
-    assert all(u == 0 for u in llm.rows_in_use())
-
-
 @pytest.fixture(scope="module")
 def hybrid_refs(make_ckpt):
     """kind -> (checkpoint, workload, PP1 tokens without speculation), made once per kind."""
@@ -266,11 +256,12 @@ def hybrid_refs(make_ckpt):
 
 @pytest.mark.parametrize("design", ["copy", "replay"])
 @pytest.mark.parametrize("pp,lanes", [(1, 1), (2, 2), (3, 2), (4, 3)])
-@pytest.mark.parametrize("kind", ["bamba_a", "falcon_h1_a"])
-def test_bamba_and_falcon_speculation_match_pp1_without_speculation(hybrid_refs, kind, pp, lanes, design):
-    """Bamba (Mamba2 and attention layers in a pattern) and Falcon-H1 (both in every layer)
-    at PP 1 to 4 with oracle drafts: every accept length, requests joining and leaving,
-    tokens equal PP1 without speculation, every row free afterwards."""
+@pytest.mark.parametrize("kind", ["granite_a", "bamba_a", "falcon_h1_a"])
+def test_hybrid_speculation_matches_pp1_without_speculation(hybrid_refs, kind, pp, lanes, design):
+    """Granite 4.0 hybrid (RoPE attention, MoE, multipliers, clamped dt), Bamba (Mamba2 and
+    attention layers in a pattern) and Falcon-H1 (both in every layer) at PP 1 to 4 with
+    oracle drafts: every accept length, requests joining and leaving, tokens equal PP1
+    without speculation, every row free afterwards."""
     path, reqs, ref = hybrid_refs(kind)
     llm = LLM(path, pp_size=pp, num_micro_batches=lanes, max_rows=N_REQ, speculative_algorithm="ngram",
               num_speculative_steps=3, drafter=Oracle(ref, seed=pp), commit_design=design)
@@ -286,8 +277,8 @@ def test_bamba_and_falcon_speculation_match_pp1_without_speculation(hybrid_refs,
 
 @pytest.mark.parametrize("design", ["copy", "replay"])
 @pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("kind", ["bamba_a", "falcon_h1_a"])
-def test_bamba_and_falcon_catch_the_commit_bugs(hybrid_refs, kind, fault, design):
+@pytest.mark.parametrize("kind", ["granite_a", "bamba_a", "falcon_h1_a"])
+def test_hybrids_catch_the_commit_bugs(hybrid_refs, kind, fault, design):
     """The three commit faults on a non-last stage change the tokens (docs/DESIGN.md, "The failure")."""
     path, reqs, ref = hybrid_refs(kind)
     llm = LLM(path, pp_size=2, num_micro_batches=2, max_rows=N_REQ, speculative_algorithm="ngram",
@@ -311,35 +302,66 @@ def test_invariance_catches_the_commit_bugs(spec_setup, fault, design):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,pp,design", [("nemotron_h_a", 2, "copy"), ("nemotron_h_a", 3, "replay"),
                                             ("nemotron_h_a", 4, "copy"), ("falcon_h1_a", 2, "replay"),
-                                            ("falcon_h1_a", 3, "copy")])
+                                            ("falcon_h1_a", 3, "copy"), ("falcon_h1_a", 4, "replay"),
+                                            ("granite_a", 2, "replay"), ("granite_a", 3, "copy"),
+                                            ("granite_a", 4, "replay"), ("bamba_a", 2, "copy"),
+                                            ("bamba_a", 3, "replay"), ("bamba_a", 4, "copy")])
 def test_stage_processes_with_ngram_match_pp1_without_speculation(spec_setup, hybrid_refs, kind, pp, design,
                                                                   tmp_path):
     """PP 2 to 4 stage processes and a router (tests/cluster.py), n-gram drafts, the
-    requests sent at once and finishing at different lengths: every completion equals PP1
-    without speculation in one process, and every row is free afterwards (NemotronH; and
-    Falcon-H1, whose every layer holds both a Mamba2 state and KV)."""
+    requests sent at once to stages of half as many rows, so that the later ones join as
+    the first leave, finishing at different lengths: every completion equals PP1
+    without speculation in one process, and every row is free afterwards (NemotronH, Granite
+    4.0 hybrid with MoE, Bamba; and Falcon-H1, whose every layer holds both a Mamba2 state
+    and KV)."""
     import asyncio
 
-    import httpx
     from cluster import Cluster
 
     path, reqs, ref = spec_setup if kind == "nemotron_h_a" else hybrid_refs(kind)
-
-    async def complete(url):
-        async with httpx.AsyncClient(timeout=600) as client:
-            async def one(q):
-                r = await client.post(url + "/v1/completions", json=dict(
-                    prompt=q["prompt"], max_tokens=q["max_tokens"], temperature=0.0, ignore_eos=True,
-                    return_token_ids=True))
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["token_ids"]
-            return await asyncio.gather(*(one(q) for q in reqs))
-
-    with Cluster(path, pp, "ngram", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ) as c:
-        outs = asyncio.run(complete(c.url))
+    # half the rows: the later requests wait, then join the running batch on the rows that
+    # finished requests leave (a reused row's state and conv window start afresh)
+    with Cluster(path, pp, "ngram", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ // 2) as c:
+        outs = asyncio.run(_complete_all(c.url, reqs))
         infos = c.wait_rows_free()
     assert outs == ref
     assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)
+
+
+async def _complete_all(url, reqs):
+    """Every request of ``reqs`` sent at once (greedy, EOS ignored); their token ids."""
+    import asyncio
+
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(q):
+            r = await client.post(url + "/v1/completions", json=dict(
+                prompt=q["prompt"], max_tokens=q["max_tokens"], temperature=0.0, ignore_eos=True,
+                return_token_ids=True))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        return await asyncio.gather(*(one(q) for q in reqs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fault,design", [("nemotron_h_a", "skip_commit", "replay"),
+                                               ("granite_a", "positional_scratch", "copy"),
+                                               ("bamba_a", "stale_rows", "replay"),
+                                               ("falcon_h1_a", "skip_commit", "copy")])
+def test_stage_processes_catch_the_commit_bugs(spec_setup, hybrid_refs, kind, fault, design, tmp_path):
+    """Over real PP3 stage processes with n-gram drafts, as the GDN suite's
+    (tests/test_pipeline.py): a non-last stage's faulty commit changes the tokens of the
+    same requests that the test above finds equal to PP1 without speculation at PP3 under
+    the same commit design."""
+    import asyncio
+
+    from cluster import Cluster
+
+    path, reqs, ref = spec_setup if kind == "nemotron_h_a" else hybrid_refs(kind)
+    with Cluster(path, 3, "ngram", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ, fault=fault) as c:
+        outs = asyncio.run(_complete_all(c.url, reqs))
+    assert sum(o != r for o, r in zip(outs, ref)) > 0, f"fault {fault} went unnoticed"
 
 
 @pytest.mark.parametrize("design", ["copy", "replay"])
@@ -400,3 +422,46 @@ def test_gpu_bench_falcon_h1_checkpoint_and_step_bytes(tmp_path):
     assert kv == 3 * 16 * 2 * 2 * 16 * 2  # 3 layers x 16 tokens x K and V of 2 heads of 16, 2 bytes
     assert w == sum(p.numel() * 4 for name, p in r.model.named_parameters() if not name.startswith("embed_tokens."))
     assert st == 3 * 2 * 4 * 4 * 16 * 8  # 3 Mamba2 states, read and written, fp32 [4, 16, 8]
+
+
+def test_gpu_bench_granite_checkpoint_and_step_bytes(tmp_path):
+    """gpu_bench's random Granite 4.0 hybrid checkpoint (toy size) loads and runs a decode
+    and a verify round; a decode step's bytes count the attention layers' KV, the Mamba2
+    states [H, P, N] read and written, and of the stacked experts (``input_linear`` /
+    ``output_linear``) only the top-k the batch routes to."""
+    from ppspec.bench.gpu_bench import decode_and_verify, make_random_granite_checkpoint, step_bytes
+
+    path = str(tmp_path / "granite")
+    shape = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
+                 num_local_experts=8, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                 mamba_d_state=8, max_position_embeddings=512)
+    n = make_random_granite_checkpoint(torch, path, "cpu", **shape)
+    dec, ver, ratios, r = decode_and_verify(torch, path, 1, 16, repeats=2, n=1, device="cpu", dtype=torch.float32)
+    assert n > 0 and dec > 0 and ver > 0 and len(ratios) == 2
+    w, kv, st = step_bytes(r, 1, 16)
+    assert kv == 1 * 16 * 2 * 2 * 16 * 2  # one attention layer x 16 tokens x K and V of 2 heads of 16, 2 bytes
+    params = dict(r.model.named_parameters())
+    routed = sum(p.numel() * 4 for k, p in params.items() if "_linear.weight" in k and ".block_sparse_moe." in k)
+    others = sum(p.numel() * 4 for k, p in params.items() if not k.startswith("embed_tokens."))
+    assert routed == 3 * (8 * 64 * 64 + 8 * 64 * 32) * 4  # 8 experts of 32 (gate | up, down) in each layer
+    assert w == others - routed + routed * 2 // 8  # batch 1: 2 of 8 experts
+    assert st == 2 * 2 * 4 * 4 * 32 * 8  # 2 Mamba2 layers, read and written, fp32 [4, 32, 8]
+
+
+def test_gpu_bench_bamba_checkpoint_and_step_bytes(tmp_path):
+    """gpu_bench's random Bamba checkpoint (toy size) loads and runs a decode and a verify
+    round; a decode step's bytes count the attention layers' KV and the Mamba2 states."""
+    from ppspec.bench.gpu_bench import decode_and_verify, make_random_bamba_checkpoint, step_bytes
+
+    path = str(tmp_path / "bamba")
+    shape = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[2],
+                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_n_heads=4,
+                 mamba_d_head=32, mamba_n_groups=2, mamba_d_state=8, max_position_embeddings=512)
+    n = make_random_bamba_checkpoint(torch, path, "cpu", **shape)
+    dec, ver, ratios, r = decode_and_verify(torch, path, 1, 16, repeats=2, n=1, device="cpu", dtype=torch.float32)
+    assert n > 0 and dec > 0 and ver > 0 and len(ratios) == 2
+    w, kv, st = step_bytes(r, 1, 16)
+    assert kv == 1 * 16 * 2 * 2 * 16 * 2  # one attention layer x 16 tokens x K and V of 2 heads of 16, 2 bytes
+    assert w == sum(p.numel() * 4 for k, p in r.model.named_parameters() if not k.startswith("embed_tokens."))
+    assert st == 3 * 2 * 4 * 4 * 32 * 8  # 3 Mamba2 layers, read and written, fp32 [4, 32, 8]

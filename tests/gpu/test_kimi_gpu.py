@@ -125,6 +125,56 @@ def test_kda_decode_verify_replay_triton(dev, B, D, K, V, dtype):
     assert torch.equal(rp_gpu[others].cpu(), pool[others])
 
 
+@pytest.mark.parametrize("B,D,pad,K,V", [(1, 2, 0, 16, 16), (64, 4, 3, 32, 32), (256, 8, 7, 16, 16),
+                                         (256, 2, 1, 64, 32)])
+def test_kda_rounds_with_padding_rows_replay_equals_copy(dev, B, D, pad, K, V):
+    """Rounds of verify -> commit (accept lengths 1..D) at batches up to 256 whose last
+    ``pad`` entries are the padding row (a padded batch repeats it): the copy design's
+    Triton verify against the reference (outputs and per-step scratch of the real rows),
+    the replay design's Triton verify, decode and flush equal the copy design's committed
+    state; padding entries and rows nobody names change no real row."""
+    from ppspec.kernels.commit.naive import commit_accept_ref
+    from ppspec.kernels.gdn.naive_replay import alloc_replay_buffers, commit_accept_replay_ref
+    from ppspec.kernels.kda.naive import recurrent_kda_ref
+    from ppspec.kernels.kda.triton_kda import (kda_recurrent_replay_triton, kda_recurrent_triton,
+                                               kda_replay_flush_triton)
+
+    H, R = 2, B + 5  # R - 1 is the padding row
+    gen = torch.Generator().manual_seed(B * 10 + D)
+    real = torch.randperm(R - 1, generator=gen)[: B - pad]
+    idx = torch.cat([real, torch.full((pad,), R - 1)]).long()
+    n = B - pad
+    pool = torch.randn(R, H, K, V, generator=gen) * 0.3
+    copy_ref, copy_gpu, rep_gpu = pool.clone(), pool.clone().to(dev), pool.clone().to(dev)
+    scr_ref, scr_gpu = torch.zeros(R, D, H, K, V), torch.zeros(R, D, H, K, V, device=dev)
+    bufs = alloc_replay_buffers(R, D, H, H, K, V, device=dev, per_channel_gate=True)
+    on = lambda t: t.to(dev)  # noqa: E731
+    tol = dict(atol=1e-4, rtol=1e-4)
+    for rnd in range(3):
+        x = _kda_inputs(B, D, H, K, V, F32, seed=100 * rnd + B)
+        o_ref = recurrent_kda_ref(*x, copy_ref, idx, scr_ref)
+        o_copy = kda_recurrent_triton(*map(on, x), copy_gpu, on(idx), scr_gpu)
+        o_rep = kda_recurrent_replay_triton(*map(on, x), rep_gpu, on(idx), bufs)
+        torch.testing.assert_close(o_copy[:n].cpu(), o_ref[:n], **tol)
+        torch.testing.assert_close(o_rep[:n].cpu(), o_ref[:n], **tol)
+        torch.testing.assert_close(scr_gpu[real].cpu(), scr_ref[real], **tol)
+        acc = torch.randint(1, D + 1, (n,), generator=gen)
+        commit_accept_ref(copy_ref[None], scr_ref[None], real, acc)
+        commit_accept_ref(copy_gpu[None], scr_gpu[None], on(real), on(acc))
+        commit_accept_replay_ref(bufs.pending, bufs.slot, on(real), on(acc))
+    torch.testing.assert_close(copy_gpu[real].cpu(), copy_ref[real], **tol)  # committed from the Triton scratch
+    # a decode (D = 1) applies the pending steps first; then the flush of the real rows
+    y = _kda_inputs(B, 1, H, K, V, F32, seed=7)
+    d_ref = recurrent_kda_ref(*y, copy_ref, idx)
+    d_rep = kda_recurrent_replay_triton(*map(on, y), rep_gpu, on(idx), bufs, verify=False)
+    torch.testing.assert_close(d_rep[:n].cpu(), d_ref[:n], **tol)
+    kda_replay_flush_triton(rep_gpu, bufs, on(real))
+    torch.testing.assert_close(rep_gpu[real].cpu(), copy_ref[real], **tol)
+    others = [r for r in range(R - 1) if r not in real.tolist()]
+    assert torch.equal(rep_gpu[others].cpu(), pool[others]) and torch.equal(copy_gpu[others].cpu(), pool[others])
+    assert int(bufs.pending[real].abs().sum()) == 0
+
+
 # ((heads, kv_lora_rank, qk_rope_head_dim), page size): Kimi Linear's 512 + 64 at 16 heads
 # (both page sizes) and 32, a rank that is not a power of two (masked columns), no rope part
 MLA_CASES = [((16, 512, 64), 16), ((16, 512, 64), 64), ((32, 512, 64), 16), ((4, 24, 8), 64), ((4, 32, 0), 16)]

@@ -66,6 +66,11 @@ def load_granite_config(path: str, raw: dict) -> GraniteHybridConfig:
                               f"{', '.join(_KINDS)}")
     n_heads = f.int("num_attention_heads", 32, lo=1)
     pos = raw.get("position_embedding_type")
+    # transformers: RoPE for "rope", no positional encoding otherwise; its documented values
+    # are null and "rope", and Granite 4.0-H checkpoints write "nope"
+    if pos not in (None, "rope", "nope"):
+        raise CheckpointError(f"{path}: position_embedding_type {pos!r} is not supported; supported: 'rope', "
+                              "'nope', null")
     rope = rope_fields(f, default_partial=1.0, default_max_pos=2048)
     n_experts = f.int("num_local_experts", 8, lo=0)
     cfg = GraniteHybridConfig(

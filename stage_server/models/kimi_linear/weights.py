@@ -40,10 +40,10 @@ def read_param(reader, cfg: KimiLinearConfig, name: str) -> torch.Tensor:
             experts = key.rsplit(".", 1)[0].replace(".mlp.", p, 1)
             if f"{experts}.0.w1.weight" not in reader:
                 continue
-            e = range(cfg.num_experts)
+            e, i, h = range(cfg.num_experts), cfg.moe_intermediate_size, cfg.hidden_size
             if key.endswith("gate_up_proj"):
-                return torch.stack([torch.cat([reader.get(f"{experts}.{i}.w1.weight"),
-                                               reader.get(f"{experts}.{i}.w3.weight")]) for i in e])
-            return torch.stack([reader.get(f"{experts}.{i}.w2.weight") for i in e])
+                return reader.stack_experts([[f"{experts}.{n}.w1.weight", f"{experts}.{n}.w3.weight"] for n in e],
+                                            [(i, h), (i, h)])
+            return reader.stack_experts([[f"{experts}.{n}.w2.weight"] for n in e], [(h, i)])
     raise CheckpointError(f"{reader.model_dir}: tensor {key!r} missing from the checkpoint (also looked under "
                           f"block_sparse_moe. and for per-expert w1 / w2 / w3)")

@@ -42,7 +42,9 @@ def read_param(reader, cfg: NemotronHConfig, name: str, cache: dict) -> torch.Te
             if first not in reader:
                 raise CheckpointError(f"{reader.model_dir}: tensor {key!r} missing (neither stacked nor "
                                       f"per-expert weights found)")
-            return torch.stack([reader.get(f"{experts}.{e}.{leaf}.weight") for e in range(cfg.n_routed_experts)])
+            i, d = cfg.moe_intermediate_size, cfg.moe_latent_size or cfg.hidden_size
+            return reader.stack_experts([[f"{experts}.{e}.{leaf}.weight"] for e in range(cfg.n_routed_experts)],
+                                        [(i, d) if leaf == "up_proj" else (d, i)])
     return reader.get(key)  # raises, naming the tensor
 
 

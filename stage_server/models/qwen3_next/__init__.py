@@ -12,6 +12,7 @@ from .model import StageModel
 class Qwen3NextFamily(ModelFamily):
     name = "qwen3_next"
     model_types = MODEL_TYPES
+    serves_mtp = True
 
     def parse_config(self, path: str, raw: dict) -> HybridConfig:
         return parse_config(path, raw)

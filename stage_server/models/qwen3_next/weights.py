@@ -52,8 +52,12 @@ def read_param(reader, cfg: HybridConfig, name: str, cache: dict) -> torch.Tenso
         # base = "...linear_attn.in_proj_qkv" etc; leaf = "weight"
         attn = base.rsplit(".", 1)[0]
         if attn not in cache:
+            hk, dk, dv, h = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                             cfg.hidden_size)
+            grp = cfg.linear_num_value_heads // hk
             cache[attn] = _split_qwen3_next_gdn(
-                cfg, reader.get(attn + ".in_proj_qkvz.weight"), reader.get(attn + ".in_proj_ba.weight")
+                cfg, reader.get(attn + ".in_proj_qkvz.weight", (hk * (2 * dk + 2 * grp * dv), h)),
+                reader.get(attn + ".in_proj_ba.weight", (hk * 2 * grp, h))
             )
         return cache[attn][base.rsplit(".", 1)[1]]
     if key.endswith(".experts.gate_up_proj") or key.endswith(".experts.down_proj"):
@@ -63,15 +67,11 @@ def read_param(reader, cfg: HybridConfig, name: str, cache: dict) -> torch.Tenso
             raise CheckpointError(
                 f"{reader.model_dir}: tensor {key!r} missing (neither stacked nor per-expert weights found)"
             )
-        n = cfg.num_experts
+        n, i, h = range(cfg.num_experts), cfg.moe_intermediate_size, cfg.hidden_size
         if key.endswith("gate_up_proj"):
-            return torch.stack(
-                [
-                    torch.cat([reader.get(f"{experts}.{e}.gate_proj.weight"), reader.get(f"{experts}.{e}.up_proj.weight")])
-                    for e in range(n)
-                ]
-            )
-        return torch.stack([reader.get(f"{experts}.{e}.down_proj.weight") for e in range(n)])
+            return reader.stack_experts(
+                [[f"{experts}.{e}.gate_proj.weight", f"{experts}.{e}.up_proj.weight"] for e in n], [(i, h), (i, h)])
+        return reader.stack_experts([[f"{experts}.{e}.down_proj.weight"] for e in n], [(h, i)])
     return reader.get(key)  # raises, naming the tensor
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import Counter
+from typing import Callable
 
 Holder = tuple[str, int]
 
@@ -103,12 +104,14 @@ class Letting:
                                                                                 itertools.repeat(0)))
         return list(left).count(1) * self.ledger.page_size
 
-    def gain_with(self, h: Holder, others) -> int:
-        """Tokens of ``h``'s pages that ``h`` letting go together with ``others`` would free
-        beyond :attr:`freed` (two snapshots holding the same pages free them only together)."""
+    def together(self, group) -> "Callable[[Holder], int]":
+        """``gain(h)`` for each ``h`` of ``group``: the tokens of ``h``'s pages that the whole
+        ``group`` letting go together would free beyond :attr:`freed` (two snapshots holding
+        the same pages free them only together). The group's pages are counted once, so
+        asking it of every member costs the group's pages, not their square."""
         refs, count, pages = self.ledger.refs, self.count, self.ledger.pages
-        extra = Counter(p for o in set(others) | {h} for p in pages.get(o, ()))
-        return sum(1 for p in pages.get(h, ()) if count[p] + extra[p] == refs[p]) * self.ledger.page_size
+        extra = Counter(p for o in set(group) for p in pages.get(o, ()))
+        return lambda h: sum(1 for p in pages.get(h, ()) if count[p] + extra[p] == refs[p]) * self.ledger.page_size
 
     def add(self, h: Holder) -> None:
         refs, count = self.ledger.refs, self.count

@@ -82,8 +82,8 @@ class _Charges:
     def gain(self, slot: int) -> int:
         return self.cache.charge(slot)
 
-    def gain_with(self, slot: int, others: list[int]) -> int:
-        return self.cache.charge(slot)
+    def together(self, slots: list[int]):
+        return self.cache.charge
 
     def add(self, slot: int) -> None:
         pass
@@ -235,7 +235,7 @@ class PrefixCache:
         gives back ``tokens`` of KV (or none is left), passing over those whose drop would
         give back nothing more (their pages are held by a running row, or by a snapshot
         kept). ``plan``: ``gain(slot)``, the KV tokens dropping ``slot`` too would give back,
-        ``gain_with(slot, others)``, the same dropped together with ``others``, and
+        ``together(slots)``, a ``gain`` of each of ``slots`` were they all dropped together, and
         ``add(slot)`` (``router.kv_ledger.Letting`` over slots; default: each slot's
         :meth:`charge`). When no one drop gives anything back but some together do
         (snapshots holding the same pages: a prompt's end and its short reply's end in one
@@ -257,7 +257,8 @@ class PrefixCache:
                     passed.append(slot)
             left = passed
             if not progress and got < tokens:
-                slot = next((s for s in left if plan.gain_with(s, left) > 0), -1)
+                gain = plan.together(left)  # once a pass: every candidate's gain with all of them
+                slot = next((s for s in left if gain(s) > 0), -1)
                 if slot >= 0:
                     plan.add(slot)
                     evicted.append(slot)

@@ -1051,8 +1051,9 @@ class _SlotDrops:
     def gain(self, slot: int) -> int:
         return self.letting.gain(("slot", slot))
 
-    def gain_with(self, slot: int, others: list[int]) -> int:
-        return self.letting.gain_with(("slot", slot), [("slot", s) for s in others])
+    def together(self, slots: list[int]):
+        gain = self.letting.together([("slot", s) for s in slots])
+        return lambda slot: gain(("slot", slot))
 
     def add(self, slot: int) -> None:
         self.letting.add(("slot", slot))

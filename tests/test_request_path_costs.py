@@ -107,6 +107,12 @@ def test_gain_counts_the_pages_only_the_holder_keeps():
             want = sum(1 for p in ledger.pages.get(h, ()) if letting.count[p] + 1 == ledger.refs[p]) * 16
             assert letting.gain(h) == want
         assert letting.gain(("slot", 99)) == 0  # holds nothing
+        group = rnd.sample(holders, rnd.randrange(1, 8))
+        gain = letting.together(group)
+        for h in group:  # a page frees when every holder not let go yet is in the group
+            want = sum(1 for p in ledger.pages.get(h, ())
+                       if letting.count[p] + sum(p in ledger.pages.get(o, ()) for o in group) == ledger.refs[p]) * 16
+            assert gain(h) == want
 
 
 # ------------------------------------------------------------------ the completions request

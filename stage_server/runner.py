@@ -244,10 +244,17 @@ class StageRunner:
         self._kv_slot = {layer: i for i, layer in enumerate(att)}
         # Verify writes up to D - 1 tokens past the committed length: reserve them.
         ctx = self.max_context + d
+        # a long prefill bucket's padding sequence runs on the padding row through its page
+        # table: every row's table covers the longest bucket, also where the context is
+        # shorter (an 8192-token context left an 8000-token chunk without its 8256-token
+        # graph, run eagerly: docs/PERFORMANCE.md, "The served path's own cost of a long prompt")
+        self.prefill_kv_len = max(ctx, max(PrefillGraphs._long_tokens(self.device.type == "cuda", 1 << 40),
+                                           default=0) - 1)
         pool_bytes = None
         if memory_budget is not None:
             pool_bytes = self._check_budget(memory_budget, layout, len(lin), len(att), kv_tokens, page_size, d)
-        self.kv = KVPool(len(att), max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim, ctx, dtype, device,
+        self.kv = KVPool(len(att), max_rows, kv_tokens, page_size, c.num_key_value_heads, c.head_dim,
+                         self.prefill_kv_len, dtype, device,
                          shared_kv=self.model.shared_kv) if att else None
         self.state = RowStatePool(layout, len(lin), max_rows, d, dtype, device,
                                   commit_design=commit_design) if lin else None
@@ -360,7 +367,7 @@ class StageRunner:
             self.prefill_graphs = PrefillGraphs(
                 lambda meta, ids, hidden: layers((meta,), ids, hidden, None), pad_row=self.max_rows, kv=self.kv,
                 takes_hidden=not self.is_first, hidden_size=self.cfg.hidden_size, dtype=self.dtype,
-                device=self.device, max_kv_len=self.max_context + self.num_steps + 1, capture=capture, pool=pool)
+                device=self.device, max_kv_len=self.prefill_kv_len, capture=capture, pool=pool)
             pool = self.prefill_graphs.pool
             # a mixed micro-batch (decodes / verifies and one request's chunk) in one replay
             for mode, g in self.graphs.items():

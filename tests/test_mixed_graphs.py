@@ -181,3 +181,25 @@ def test_a_lone_chunk_in_a_long_bucket_equals_eager(make_ckpt, seq, T):
     assert graphed[0].prefill_graphs.bucket(1, T)[:2] == ((2, 192) if T < 192 else (2, 320))
     torch.testing.assert_close(h_g, h_e, atol=1e-5, rtol=1e-5)
     assert out_g.output_ids == out_e.output_ids
+
+
+def test_a_chunk_near_a_short_context_takes_the_long_bucket_past_it(make_ckpt):
+    """A context shorter than the longest bucket (the 1.46B benchmark checkpoint's 8192
+    tokens against the 8256-token bucket): the padding row's page table covers the bucket,
+    so a 250-token chunk of a 260-token context replays the 320-token bucket (it ran
+    eagerly when the bucket was left out) and equals the eager stage (PP2, fp32)."""
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    layers = split_layers(7, 2)
+
+    def stages(bs):
+        return [StageRunner(path, k, 2, layer_range=layers[k], cuda_graph_max_bs=bs, max_rows=12, max_context=260)
+                for k in range(2)]
+    graphed, eager = stages(8), stages(0)
+    prompt = torch.randint(0, 256, (250,), generator=torch.Generator().manual_seed(3)).tolist()
+    inp = StepInput(0, 0, "prefill", [5], [0], [250], prompt, sample=[True], next_token_ids=[-1])
+    assert graphed[0].prefill_graphs.bucket(1, 250)[:2] == (2, 320)
+    assert graphed[0].kv.max_pages_per_row * graphed[0].kv.page_size >= 319
+    h_g, out_g = _step_all(graphed, inp)
+    h_e, out_e = _step_all(eager, inp)
+    torch.testing.assert_close(h_g, h_e, atol=1e-5, rtol=1e-5)
+    assert out_g.output_ids == out_e.output_ids

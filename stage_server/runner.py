@@ -245,11 +245,12 @@ class StageRunner:
         # Verify writes up to D - 1 tokens past the committed length: reserve them.
         ctx = self.max_context + d
         # a long prefill bucket's padding sequence runs on the padding row through its page
-        # table: every row's table covers the longest bucket, also where the context is
-        # shorter (an 8192-token context left an 8000-token chunk without its 8256-token
-        # graph, run eagerly: docs/PERFORMANCE.md, "The served path's own cost of a long prompt")
-        self.prefill_kv_len = max(ctx, max(PrefillGraphs._long_tokens(self.device.type == "cuda", 1 << 40),
-                                           default=0) - 1)
+        # table: every row's table covers the bucket that holds a chunk of the whole context,
+        # also where it is longer than the context (an 8192-token context left an 8000-token
+        # chunk without its 8256-token graph, run eagerly: docs/PERFORMANCE.md, "The served
+        # path's own cost of a long prompt"); longer buckets would never be used
+        longer = [t for t in PrefillGraphs._long_tokens(self.device.type == "cuda", 1 << 40) if t - 1 >= ctx]
+        self.prefill_kv_len = max(ctx, min(longer, default=0) - 1)
         pool_bytes = None
         if memory_budget is not None:
             pool_bytes = self._check_budget(memory_budget, layout, len(lin), len(att), kv_tokens, page_size, d)

@@ -199,6 +199,8 @@ def test_a_chunk_near_a_short_context_takes_the_long_bucket_past_it(make_ckpt):
     inp = StepInput(0, 0, "prefill", [5], [0], [250], prompt, sample=[True], next_token_ids=[-1])
     assert graphed[0].prefill_graphs.bucket(1, 250)[:2] == (2, 320)
     assert graphed[0].kv.max_pages_per_row * graphed[0].kv.page_size >= 319
+    small = StageRunner(path, 0, 2, layer_range=layers[0], cuda_graph_max_bs=8, max_rows=12, max_context=100)
+    assert small.prefill_kv_len == 191  # to the bucket of a whole context's chunk, not the 320 never used
     h_g, out_g = _step_all(graphed, inp)
     h_e, out_e = _step_all(eager, inp)
     torch.testing.assert_close(h_g, h_e, atol=1e-5, rtol=1e-5)

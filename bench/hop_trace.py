@@ -38,21 +38,27 @@ ns = time.perf_counter_ns
 
 
 def _wrap_calls(events: list) -> None:
-    """Stamp ``call0`` / ``call1`` around every step this process sends to a stage: on a
-    Steps stream, or (a checkout before it) a unary Forward."""
+    """Stamp ``call0`` / ``call1`` around every step this process sends to a stage: on its
+    step channel (the stage's socket or the Steps stream), or (checkouts before them) a Steps
+    stream or a unary Forward."""
     try:
-        from ppspec.proto import stream
+        from ppspec.proto import local as sender
+        sends = sender.StepChannel
     except ImportError:
-        stream = None
-    if stream is not None:
-        send = stream.StepStream.step
+        try:
+            from ppspec.proto import stream as sender
+            sends = sender.StepStream
+        except ImportError:
+            sends = None
+    if sends is not None:
+        send = sends.step
 
         async def step(self, req, timeout):
             events.append((req.round, "call0", ns()))
             res = await send(self, req, timeout)
             events.append((req.round, "call1", ns()))
             return res
-        stream.StepStream.step = step
+        sends.step = step
     from ppspec.proto.stubs import pb_grpc
     init = pb_grpc.StageStub.__init__
 

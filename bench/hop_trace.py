@@ -100,6 +100,17 @@ def stage_main(out: str, argv: list[str]) -> int:
     runner.StageRunner.step = stamped(runner.StageRunner.step, "step0", "step1", lambda self, inp: inp.round)
     server.StageServicer._run = stamped(server.StageServicer._run, "thread0", "thread1",
                                         lambda self, inp, *a: inp.round)
+    try:  # the step read off the socket or the stream, parsed (checkouts before StepServer: none)
+        from ppspec.proto import stream
+
+        submit = stream.StepServer.submit
+
+        def read(self, request):
+            events.append((request.round, "read", ns()))
+            return submit(self, request)
+        stream.StepServer.submit = read
+    except (ImportError, AttributeError):
+        pass
     compute, step_once = server.StageServicer._compute, server.StageServicer._step_once
 
     async def _compute(self, fn, *args):
@@ -161,7 +172,9 @@ def segments(pp: int, by_round: dict[int, dict[str, int]]) -> dict[str, list[flo
     ``k.`` stage k's."""
     spans = [("router: a round (GrpcPipeline.step)", "R.step0", "R.step1"),
              ("router: encode (step_to_pb)", "R.step0", "R.call0"),
-             ("hop router -> stage 0 (send to handler)", "R.call0", "0.enter")]
+             ("hop router -> stage 0 (send to handler)", "R.call0", "0.enter"),
+             ("  router -> stage 0: send to the stage's read, message parsed", "R.call0", "0.read"),
+             ("  router -> stage 0: read to handler (the step's task started)", "0.read", "0.enter")]
     for k in range(pp):
         s, last = f"{k}.", k == pp - 1
         spans += [(f"stage {k}: decode (step_from_pb)", s + "decode0", s + "decode1"),
@@ -178,6 +191,10 @@ def segments(pp: int, by_round: dict[int, dict[str, int]]) -> dict[str, list[flo
         else:
             spans += [(f"stage {k}: to the relay", s + "back", s + "call0"),
                       (f"hop stage {k} -> stage {k + 1} (send to handler)", s + "call0", f"{k + 1}.enter"),
+                      (f"  stage {k} -> stage {k + 1}: send to the stage's read, message parsed", s + "call0",
+                       f"{k + 1}.read"),
+                      (f"  stage {k} -> stage {k + 1}: read to handler (the step's task started)", f"{k + 1}.read",
+                       f"{k + 1}.enter"),
                       (f"stage {k}: answer to handler exit", s + "call1", s + "exit")]
             if k == 0:
                 spans.append(("hop stage 0 -> router (handler exit to answer)", "0.exit", "R.call1"))

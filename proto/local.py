@@ -25,7 +25,8 @@ the event loop's own callback (``asyncio.Protocol``: no task per read, no thread
   caller sends ``cancel``. The next step opens the socket again; a socket that cannot be
   opened (the stage gone, another network namespace) sends the steps on the gRPC stream
   from then on, with the reason (:attr:`StepChannel.detail`), until the caller is given a
-  socket again (a restarted stage has a new one).
+  socket again (a restarted stage has a new one) or, every ``RETRY_S``, the same socket
+  opens after all.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import logging
 import os
 import socket
 import struct
+import time
 
 import grpc
 
@@ -48,6 +50,7 @@ log = logging.getLogger("ppspec.control")
 FRAME = struct.Struct("<I")  # the length of the message that follows
 HELLO_MAX = 4096  # the opening frame (the key) is at most this long
 OPEN_TIMEOUT_S = 2.0  # connect and the stage's answer to the opening frame
+RETRY_S = 30.0  # a socket that could not be opened is tried again after this long (a stage that was busy)
 
 
 def host_id() -> str:
@@ -251,6 +254,7 @@ class StepChannel:
         self._client: _Client | None = None
         self._opening: asyncio.Future | None = None
         self._ids = itertools.count(1)
+        self._retry: tuple[str, float] | None = None  # (a socket that failed to open, when to try it again)
 
     @property
     def transport(self) -> str:
@@ -265,7 +269,7 @@ class StepChannel:
                 log.info("%s: steps on the stage's socket %s", self.who or "steps", name)
             elif detail:
                 log.info("%s: steps on gRPC (%s)", self.who or "steps", detail)
-        self.name, self.detail = name, detail
+        self.name, self.detail, self._retry = name, detail, None
 
     async def step(self, request: pb.StepRequest, timeout: float) -> pb.StepResult:
         """Send ``request`` and return its answer, on the socket or the gRPC stream.
@@ -273,6 +277,8 @@ class StepChannel:
         Raises:
             grpc.aio.AioRpcError: as :meth:`StepStream.step` would.
         """
+        if not self.name and self._retry is not None and time.monotonic() > self._retry[1]:
+            self.name = self._retry[0]  # try the socket that failed again (the detail stays until it opens)
         if self.name:
             client = self._client
             if client is None or client.error is not None:
@@ -298,14 +304,16 @@ class StepChannel:
             client = await _open(name, self.key)
         except OSError as e:
             if self.name == name:  # not replaced meanwhile
-                self.name, self.detail = "", f"the stage's socket {name} cannot be opened ({e}); steps on gRPC"
-                log.warning("%s: %s", self.who or "steps", self.detail)
+                detail = f"the stage's socket {name} cannot be opened ({e}); steps on gRPC"
+                if detail != self.detail:  # said once, not at every retry
+                    log.warning("%s: %s", self.who or "steps", detail)
+                self.name, self.detail, self._retry = "", detail, (name, time.monotonic() + RETRY_S)
             return None
         if self.name != name:  # a new socket was given meanwhile: this one is stale
             client.transport.close()
             return None
         self._close_client()
-        self._client = client
+        self._client, self.detail, self._retry = client, "", None
         return client
 
     async def _step(self, client: _Client, request: pb.StepRequest, timeout: float) -> pb.StepResult:

@@ -190,3 +190,25 @@ def test_a_stage_gone_fails_its_steps_then_grpc_until_a_new_socket_is_given(monk
         server2.close()
 
     asyncio.run(main())
+
+
+def test_a_socket_that_failed_to_open_is_tried_again(monkeypatch):
+    """A socket that did not open (a stage too busy to answer in time, say) is tried again
+    after ``RETRY_S``: the steps come back to it once it opens."""
+    monkeypatch.setattr(local, "RETRY_S", 0.0)
+
+    async def main():
+        stand, fallback = Stand(), GrpcStandIn()
+        stand.gate(2).set()
+        sock = name()
+        ch = StepChannel(fallback)
+        ch.use(sock)  # nothing listens yet
+        assert [t.ids for t in (await ch.step(step(1), 5.0)).output_ids] == [[-1]]
+        assert ch.transport == "grpc" and "cannot be opened" in ch.detail
+        server = await serve_socket(sock, stand.step)
+        assert [t.ids for t in (await ch.step(step(2), 5.0)).output_ids] == [[2]]
+        assert fallback.steps == [1] and ch.transport == "socket" and ch.detail == ""
+        ch.close()
+        server.close()
+
+    asyncio.run(main())

@@ -10,7 +10,9 @@ entered, request decoded, handed to the compute thread, hidden states read, the 
 step, hidden states onto the data plane, back on the event loop, relayed, answered, result
 encoded). Prints the median and 90th percentile microseconds of each segment over the
 rounds after the first 10: the hops are the segments from one process's send to the next
-one's handler, and back.
+one's handler, and back; a hop to a stage is split where that stage has read and parsed the
+step (``StepServer.submit``, on its socket or its gRPC stream, docs/DESIGN.md, "Control
+channel"). ``--stage-args "--control-channel grpc"`` times the same code on gRPC.
 
 The stages record through wrappers around ``StageServicer``'s methods (this file run with
 ``--stage-trace``), so the served code runs unchanged. To trace another checkout, run this

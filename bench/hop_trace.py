@@ -10,7 +10,9 @@ entered, request decoded, handed to the compute thread, hidden states read, the 
 step, hidden states onto the data plane, back on the event loop, relayed, answered, result
 encoded). Prints the median and 90th percentile microseconds of each segment over the
 rounds after the first 10: the hops are the segments from one process's send to the next
-one's handler, and back.
+one's handler, and back; a hop to a stage is split where that stage has read and parsed the
+step (``StepServer.submit``, on its socket or its gRPC stream, docs/DESIGN.md, "Control
+channel"). ``--stage-args "--control-channel grpc"`` times the same code on gRPC.
 
 The stages record through wrappers around ``StageServicer``'s methods (this file run with
 ``--stage-trace``), so the served code runs unchanged. To trace another checkout, run this
@@ -38,21 +40,27 @@ ns = time.perf_counter_ns
 
 
 def _wrap_calls(events: list) -> None:
-    """Stamp ``call0`` / ``call1`` around every step this process sends to a stage: on a
-    Steps stream, or (a checkout before it) a unary Forward."""
+    """Stamp ``call0`` / ``call1`` around every step this process sends to a stage: on its
+    step channel (the stage's socket or the Steps stream), or (checkouts before them) a Steps
+    stream or a unary Forward."""
     try:
-        from ppspec.proto import stream
+        from ppspec.proto import local as sender
+        sends = sender.StepChannel
     except ImportError:
-        stream = None
-    if stream is not None:
-        send = stream.StepStream.step
+        try:
+            from ppspec.proto import stream as sender
+            sends = sender.StepStream
+        except ImportError:
+            sends = None
+    if sends is not None:
+        send = sends.step
 
         async def step(self, req, timeout):
             events.append((req.round, "call0", ns()))
             res = await send(self, req, timeout)
             events.append((req.round, "call1", ns()))
             return res
-        stream.StepStream.step = step
+        sends.step = step
     from ppspec.proto.stubs import pb_grpc
     init = pb_grpc.StageStub.__init__
 
@@ -94,6 +102,17 @@ def stage_main(out: str, argv: list[str]) -> int:
     runner.StageRunner.step = stamped(runner.StageRunner.step, "step0", "step1", lambda self, inp: inp.round)
     server.StageServicer._run = stamped(server.StageServicer._run, "thread0", "thread1",
                                         lambda self, inp, *a: inp.round)
+    try:  # the step read off the socket or the stream, parsed (checkouts before StepServer: none)
+        from ppspec.proto import stream
+
+        submit = stream.StepServer.submit
+
+        def read(self, request):
+            events.append((request.round, "read", ns()))
+            return submit(self, request)
+        stream.StepServer.submit = read
+    except (ImportError, AttributeError):
+        pass
     compute, step_once = server.StageServicer._compute, server.StageServicer._step_once
 
     async def _compute(self, fn, *args):
@@ -155,7 +174,9 @@ def segments(pp: int, by_round: dict[int, dict[str, int]]) -> dict[str, list[flo
     ``k.`` stage k's."""
     spans = [("router: a round (GrpcPipeline.step)", "R.step0", "R.step1"),
              ("router: encode (step_to_pb)", "R.step0", "R.call0"),
-             ("hop router -> stage 0 (send to handler)", "R.call0", "0.enter")]
+             ("hop router -> stage 0 (send to handler)", "R.call0", "0.enter"),
+             ("  router -> stage 0: send to the stage's read, message parsed", "R.call0", "0.read"),
+             ("  router -> stage 0: read to handler (the step's task started)", "0.read", "0.enter")]
     for k in range(pp):
         s, last = f"{k}.", k == pp - 1
         spans += [(f"stage {k}: decode (step_from_pb)", s + "decode0", s + "decode1"),
@@ -172,6 +193,10 @@ def segments(pp: int, by_round: dict[int, dict[str, int]]) -> dict[str, list[flo
         else:
             spans += [(f"stage {k}: to the relay", s + "back", s + "call0"),
                       (f"hop stage {k} -> stage {k + 1} (send to handler)", s + "call0", f"{k + 1}.enter"),
+                      (f"  stage {k} -> stage {k + 1}: send to the stage's read, message parsed", s + "call0",
+                       f"{k + 1}.read"),
+                      (f"  stage {k} -> stage {k + 1}: read to handler (the step's task started)", f"{k + 1}.read",
+                       f"{k + 1}.enter"),
                       (f"stage {k}: answer to handler exit", s + "call1", s + "exit")]
             if k == 0:
                 spans.append(("hop stage 0 -> router (handler exit to answer)", "0.exit", "R.call1"))

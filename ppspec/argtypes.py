@@ -145,6 +145,17 @@ def add_data_plane_arg(ap) -> None:
                          "/health say so)")
 
 
+CONTROL_CHANNELS = ("auto", "grpc")
+
+
+def add_control_channel_arg(ap) -> None:
+    """``--control-channel`` of ``ppspec stage`` and ``ppspec serve`` (proto/local.py)."""
+    ap.add_argument("--control-channel", default="auto", choices=CONTROL_CHANNELS,
+                    help="how steps' control messages reach this stage from a caller on its host (the router, the "
+                         "previous stage): auto (a Unix-domain socket, gRPC where it cannot be opened) or grpc "
+                         "(the gRPC Steps stream only); other calls always go on gRPC")
+
+
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """``--help`` shows every option's default: ``(default: X)`` is appended to a help text
     that does not already say its default (an option whose default is None says it in

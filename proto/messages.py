@@ -439,5 +439,9 @@ class StageInfo(TypedDict, total=False):
     replaced: bool              # another router's claim took the stage from the asking one
     transport: str              # data plane to the next stage: "shm", "cuda_ipc", "dist", "bytes" ("" on the last)
     transport_detail: str       # why "bytes" where the stage asked for another
+    control_socket: str         # its step socket for callers on its host ("" none; proto/local.py)
+    host_id: str                # hostname/boot id (proto/local.host_id)
+    control: str                # what its relay's steps go on: "socket", "grpc" ("" on the last stage)
+    control_detail: str         # why "grpc" where a socket was not used
     snapshot_slots: int         # prefix-cache snapshot slots of the stage
     snapshots_in_use: int

@@ -167,28 +167,40 @@ class _StepContext:
         raise StepAbort(code, details)
 
 
-async def serve_steps(requests, context, run_step, hold=None) -> None:
-    """The stage's side of a Steps call: each step runs as its own task, as a unary call
-    would, through ``run_step(request, context)`` (the unary handler's body; its
+class StepServer:
+    """The stage's side of one caller's steps, whatever carries them (the gRPC stream,
+    :func:`serve_steps`; a Unix socket, ``local.py``): each step runs as its own task, as a
+    unary call would, through ``run_step(request, context)`` (the unary handler's body; its
     ``context.abort`` refuses that step only); its answer or refusal goes back with its
-    ``call_id``. A ``cancel`` message cancels its step; the caller going away cancels all.
+    ``call_id`` through ``write``. A ``cancel`` message cancels its step.
 
     Args:
-        requests: the call's request iterator.
-        context: the call's context (``write``).
         run_step: ``async (pb.StepRequest, context) -> pb.StepResult``.
+        write: ``async (pb.StepResult) -> None``, one answer to the caller.
         hold: test aid, ``async () -> None`` awaited before each step (injected delays).
     """
-    tasks: dict[int, asyncio.Task] = {}
-    lock = asyncio.Lock()
 
-    async def one(request: pb.StepRequest) -> None:
+    def __init__(self, run_step, write, hold=None):
+        self.run_step, self.write, self.hold = run_step, write, hold
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.lock = asyncio.Lock()
+
+    def submit(self, request: pb.StepRequest) -> None:
+        """A message from the caller: a step to run, or the cancel of one."""
+        if request.cancel:
+            t = self.tasks.pop(request.call_id, None)
+            if t is not None:
+                t.cancel()
+        else:
+            self.tasks[request.call_id] = asyncio.ensure_future(self._one(request))
+
+    async def _one(self, request: pb.StepRequest) -> None:
         cid = request.call_id  # before a relay reuses the message with its own id
         try:
-            if hold is not None:
-                await hold()
+            if self.hold is not None:
+                await self.hold()
             try:
-                res = await run_step(request, _StepContext())
+                res = await self.run_step(request, _StepContext())
                 res.call_id = cid
             except StepAbort as e:
                 res = pb.StepResult(call_id=cid, error_code=e.code.value[0], error=e.details)
@@ -197,23 +209,38 @@ async def serve_steps(requests, context, run_step, hold=None) -> None:
                 res = pb.StepResult(call_id=cid, error_code=grpc.StatusCode.UNKNOWN.value[0],
                                     error=f"Unexpected {type(e).__name__}: {e}")
             try:
-                async with lock:
-                    await context.write(res)
+                async with self.lock:
+                    await self.write(res)
             except Exception as e:  # noqa: BLE001 - the caller went away: no one to answer
                 log.debug("step of micro-batch %d not answered: %s", request.micro_batch_id, e)
         finally:
-            tasks.pop(cid, None)
+            self.tasks.pop(cid, None)
 
+    async def drain(self) -> None:
+        """Wait for every step sent so far (the caller half-closed: answer what it sent)."""
+        if self.tasks:
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    def cancel_all(self) -> None:
+        """The caller went away: its steps go too."""
+        for t in list(self.tasks.values()):
+            t.cancel()
+
+
+async def serve_steps(requests, context, run_step, hold=None) -> None:
+    """The stage's side of a Steps call (:class:`StepServer` over the call): the caller
+    going away cancels every step.
+
+    Args:
+        requests: the call's request iterator.
+        context: the call's context (``write``).
+        run_step: ``async (pb.StepRequest, context) -> pb.StepResult``.
+        hold: test aid, ``async () -> None`` awaited before each step (injected delays).
+    """
+    steps = StepServer(run_step, context.write, hold)
     try:
         async for request in requests:
-            if request.cancel:
-                t = tasks.pop(request.call_id, None)
-                if t is not None:
-                    t.cancel()
-            else:
-                tasks[request.call_id] = asyncio.ensure_future(one(request))
-        if tasks:  # the caller half-closed: answer what it sent
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            steps.submit(request)
+        await steps.drain()
     finally:
-        for t in list(tasks.values()):
-            t.cancel()
+        steps.cancel_all()

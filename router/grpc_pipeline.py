@@ -16,6 +16,7 @@ from ppspec.auth import client_interceptors, key_metadata
 from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, SpecMemo, commit_to_pb, info_from_pb, release_to_pb, result_from_pb, step_to_pb,
 )
+from ppspec.proto.local import StepChannel, host_id, same_host
 from ppspec.proto.messages import Commit, Release, StageInfo, StepInput, StepOutput
 from ppspec.proto.stream import StepStream
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
@@ -54,7 +55,8 @@ class GrpcPipeline(Pipeline):
                                                    interceptors=client_interceptors(key)) for a in self.addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self.health_stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
-        self.steps = StepStream(self.stubs[0], key_metadata(key))  # every step goes to stage 0 on it
+        # every step goes to stage 0 on it: its socket when on this host (proto/local.py), else gRPC
+        self.steps = StepChannel(StepStream(self.stubs[0], key_metadata(key)), key, who="router -> stage 0")
         self.specs = SpecMemo()  # each row's last sampling spec, encoded once (codec.SpecMemo)
         self.down: dict[int, str] = {}
         self._monitor: asyncio.Task | None = None
@@ -155,7 +157,19 @@ class GrpcPipeline(Pipeline):
         self.claimed = self.claimed or claim
         if self.instances is None:
             self.instances = [i["instance_id"] for i in out]
+        self._steps_channel(out[0])
         return out
+
+    def _steps_channel(self, first: StageInfo) -> None:
+        """Steps to stage 0 on its socket when it has one on this host, else on gRPC (at
+        start, and each time the engine reads Info again: a restarted stage 0 has a new
+        socket, and one that could not be opened is tried again)."""
+        name, why = first.get("control_socket", ""), ""
+        if not name:
+            why = "stage 0 offers no step socket (its --control-channel grpc)"
+        elif not same_host(first.get("host_id", ""), host_id()):
+            name, why = "", f"stage 0 is on another host ({first.get('host_id')})"
+        self.steps.use(name, why)
 
     commits_ride_steps = True
 
@@ -335,7 +349,7 @@ class GrpcPipeline(Pipeline):
         reclaim = [k for k, i in enumerate(infos) if i is not None and not i["owner_router_id"]] if self.claimed else []
         if any(i is None for i in infos):
             return reclaim
-        plane = data_plane(infos)
+        plane = "; ".join(p for p in (data_plane(infos), control_plane(infos, self.steps)) if p)
         if plane != self.data_plane:
             (log.warning if "fell back" in plane else log.info)("%s", plane)
             self.data_plane = plane
@@ -383,6 +397,18 @@ def data_plane(infos: list[StageInfo]) -> str:
         return f"data plane: {hops[0][1]}"
     return "data plane: " + "; ".join(
         f"stage {k} -> {k + 1} {t or 'not attached'}" + (f" (fell back: {d})" if d else "") for k, t, d in hops)
+
+
+def control_plane(infos: list[StageInfo], first: StepChannel) -> str:
+    """What the steps' control messages go on, hop by hop (``first``: the router's hop to
+    stage 0): "control: socket" when every hop is on a socket, else each hop's, with why
+    gRPC where it says."""
+    hops = [("router -> stage 0", first.transport, first.detail)]
+    hops += [(f"stage {k} -> {k + 1}", i.get("control", ""), i.get("control_detail", ""))
+             for k, i in enumerate(infos[:-1])]
+    if all(t == "socket" for _, t, _ in hops):
+        return "control: socket"
+    return "control: " + "; ".join(f"{h} {t or 'not attached'}" + (f" ({d})" if d else "") for h, t, d in hops)
 
 
 def chain_error(infos: list[StageInfo], addresses: list[str]) -> str:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import socket
 import struct
 import threading
 import uuid
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ppspec.proto.codec import tensor_to_pb
+from ppspec.proto.local import host_id  # noqa: F401 - dataplane.host_id: one host id for both channels
 from ppspec.proto.stubs import pb
 
 log = logging.getLogger("ppspec.dataplane")
@@ -64,20 +64,6 @@ class DataPlaneError(ValueError):
 
 class NotAttachedError(DataPlaneError):
     """A tensor reference from a sender that has not attached (FAILED_PRECONDITION)."""
-
-
-def host_id() -> str:
-    """``hostname/boot id``. Stages are on one host when their kernel boot ids agree (two
-    containers of one host have other hostnames but one kernel); whether they share
-    ``/dev/shm`` (or can open each other's CUDA IPC handles) the attach's probe finds out."""
-    if os.environ.get("PPSPEC_HOST_ID"):  # test aid: a stage that acts as if on another host
-        return os.environ["PPSPEC_HOST_ID"]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
 
 
 def choose(requested: str, device: str) -> str:

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ppspec.argtypes import add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
+from ppspec.argtypes import add_control_channel_arg, add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
 from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, commit_to_pb, info_to_pb, release_from_pb, result_from_pb,
@@ -45,6 +45,7 @@ from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import (
     PREFILL, VERIFY, Commit, StepInput, fill_following, note_round, with_left_out,
 )
+from ppspec.proto.local import StepChannel, host_id, same_host, serve_socket, socket_name
 from ppspec.proto.stream import StepAbort, StepStream, serve_steps
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
@@ -133,12 +134,16 @@ class StageServicer(pb_grpc.StageServicer):
         self.transport_detail = ""
         self.receiver = dataplane.Receiver(str(runner.device))
         self.hold = None  # test aid: awaited before each step of a Steps stream (DelayInterceptor.hold)
+        # the control channel (proto/local.py): this stage's step socket ("" none), its host
+        self.control_socket, self.host = "", host_id()
         self._next = self._relay = None
         if next_stage:
             self._channel = grpc.aio.insecure_channel(next_stage, options=GRPC_OPTIONS + RECONNECT_OPTIONS,
                                                       interceptors=client_interceptors(key))
             self._next = pb_grpc.StageStub(self._channel)
-            self._relay = StepStream(self._next, key_metadata(key))  # steps to the next stage
+            # steps to the next stage: on its socket once the attach gave one, else the gRPC stream
+            self._relay = StepChannel(StepStream(self._next, key_metadata(key)), key,
+                                      who=f"stage {runner.pp_rank} -> stage {runner.pp_rank + 1}")
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -475,6 +480,8 @@ class StageServicer(pb_grpc.StageServicer):
 
     async def AttachDataPlane(self, request: pb.AttachRequest, context):
         reply = await self._compute(self.receiver.attach, request, peer_host(context.peer()))
+        if same_host(request.host_id, self.host):  # steps from it may come on this stage's socket
+            reply.control_socket = self.control_socket
         level = logging.INFO if not reply.detail else logging.WARNING
         log.log(level, "stage %d: the previous stage (instance %s) offered %s: %s%s", self.runner.pp_rank,
                 request.sender_id, request.transport, reply.transport, f" ({reply.detail})" if reply.detail else "")
@@ -500,15 +507,19 @@ class StageServicer(pb_grpc.StageServicer):
             except Exception as e:  # noqa: BLE001 - no shared memory here, no IPC export: bytes, and why
                 link.close()
                 link, req.transport, detail = dataplane.BytesLink(), "bytes", f"this stage cannot export {offer}: {e}"
-        store_port = 0
+        store_port, control = 0, ""
         try:
             reply = await self._next.AttachDataPlane(req, timeout=10.0)
             transport, detail, store_port = reply.transport, detail or reply.detail, reply.store_port
+            control = reply.control_socket
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                 link.close()
                 raise
             detail = "the next stage has no data plane (an older ppspec)"
+        # the steps' control messages: on the next stage's socket when it offered one (this host)
+        self._relay.use(control, "" if control else "the next stage offers no step socket (another host, or its "
+                                                    "--control-channel grpc)")
         if probe is not None:
             link.done(probe, answered=True)
         if transport != link.transport:
@@ -556,9 +567,13 @@ class StageServicer(pb_grpc.StageServicer):
     async def Verify(self, request, context):
         return await self._step(request, context, verify=True)
 
+    def run_step(self, request: pb.StepRequest, context):
+        """One step of a Steps stream or of the step socket: a Forward or a Verify by its mode."""
+        return self._step(request, context, verify=request.mode == VERIFY)
+
     async def Steps(self, requests, context):
         # Forward and Verify on one long-lived call (proto/stream.py), told apart by mode
-        await serve_steps(requests, context, lambda r, c: self._step(r, c, verify=r.mode == VERIFY), self.hold)
+        await serve_steps(requests, context, self.run_step, self.hold)
 
     async def CommitAccept(self, request: pb.CommitRequest, context):
         await self._check_router(request.router_id, context, self._commit_what(request))
@@ -707,6 +722,9 @@ class StageServicer(pb_grpc.StageServicer):
             "not_serving": self.not_serving, "replaced": request.router_id in self.replaced,
             "owner_router_id": self.owner, "pending_commits": len(self.pending),
             "transport": "" if self._next is None else self.link.transport, "transport_detail": self.transport_detail,
+            "control_socket": self.control_socket, "host_id": self.host,
+            "control": "" if self._relay is None else self._relay.transport,
+            "control_detail": "" if self._relay is None else self._relay.detail,
         })
 
 
@@ -770,6 +788,14 @@ async def serve_stage(args) -> int:
     if swept:
         log.info("stage %d: removed %d shared-memory segments of dead processes", args.pp_rank, len(swept))
     pb_grpc.add_StageServicer_to_server(servicer, server)
+    sockets = None
+    if args.control_channel == "auto":  # steps from callers on this host on a Unix socket (proto/local.py)
+        name = socket_name(servicer.instance_id)
+        try:
+            sockets = await serve_socket(name, servicer.run_step, key, servicer.hold)
+            servicer.control_socket = name
+        except OSError as e:
+            log.warning("stage %d: no step socket (%s): steps come on gRPC only", args.pp_rank, e)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     addr = f"{args.host}:{args.port}"
@@ -836,7 +862,8 @@ async def serve_stage(args) -> int:
     mem = runner.memory_report()
     print(
         f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
-        f"listening on {args.host}:{bound}; commit design {runner.commit_design}; prefill attention "
+        f"listening on {args.host}:{bound}{f' and {servicer.control_socket}' if servicer.control_socket else ''}; "
+        f"commit design {runner.commit_design}; prefill attention "
         f"{runner.prefill_attention}; warm-up {runner.warmup_seconds:.2f} s; pools (bytes): {mem}",
         flush=True,
     )
@@ -847,6 +874,8 @@ async def serve_stage(args) -> int:
     if not last:
         checker.cancel()
     await health_servicer.enter_graceful_shutdown()
+    if sockets is not None:
+        sockets.close()
     await server.stop(grace=2)
     servicer.executor.shutdown(wait=False, cancel_futures=True)
     servicer.link.close()
@@ -928,6 +957,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GDN verify commit: copy (per-step state scratch) or replay (step inputs, replayed "
                          "by the next verify); default replay on CUDA, copy on CPU")
     add_data_plane_arg(ap)
+    add_control_channel_arg(ap)
     add_cuda_graph_args(ap)
     ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=None,
                     help="GiB for prefix-cache snapshots of the recurrent state (default: no prefix cache on this "

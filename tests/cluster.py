@@ -70,11 +70,12 @@ class Cluster:
 
     def __init__(self, model, pp, spec="none", steps=3, fault=None, delay_ms=0, max_rows=48,
                  kv_tokens=32768, router_args=(), log_dir=None, commit_design=None, data_plane=None, stage_env=None,
-                 stage_args=()):
+                 stage_args=(), control_channel=None):
         self.model, self.pp, self.spec, self.steps = model, pp, spec, steps
         # data_plane: one --data-plane for every stage, a list (one per stage), or None (the
         # default, auto); stage_env: {pp_rank: extra environment of that stage}
         self.commit_design, self.data_plane, self.stage_env = commit_design, data_plane, stage_env or {}
+        self.control_channel = control_channel  # --control-channel: as data_plane
         self.stage_args = list(stage_args)  # more options of every stage (--device cuda:0, ...)
         self.fault, self.delay_ms, self.max_rows, self.kv_tokens = fault, delay_ms, max_rows, kv_tokens
         self.router_args, self.stage_args = list(router_args), list(stage_args)
@@ -106,6 +107,10 @@ class Cluster:
         plane = self.data_plane[k] if isinstance(self.data_plane, (list, tuple)) else self.data_plane
         if plane:
             argv += ["--data-plane", plane]
+        channel = self.control_channel
+        channel = channel[k] if isinstance(channel, (list, tuple)) else channel
+        if channel:
+            argv += ["--control-channel", channel]
         self._spawn(f"stage{k}", argv, env)
 
     def start_router(self, name="router", port=None):

@@ -238,6 +238,44 @@ def test_router_recovers_when_a_dead_stage_comes_back(random_ref, tmp_path):
     assert not real, real
 
 
+def test_steps_go_on_the_stage_sockets_a_restart_reattaches_and_grpc_hops_still_serve(random_ref, tmp_path):
+    """PP2 with MTP: the router's steps to stage 0 and stage 0's relay to stage 1 go on the
+    stages' Unix sockets (proto/local.py), as Info, /health and the log say, with PP1's
+    greedy tokens. Stage 1 killed and started again: stage 0 relays on the new process's
+    socket. A stage 1 started with ``--control-channel grpc`` gets its steps on the gRPC
+    stream, the hop saying why, with the same tokens."""
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path)) as c:
+        outs = complete(c.url, prompts[:8], max_tokens=32)
+        infos = c.wait_rows_free()
+        assert [(i.control, i.control_detail) for i in infos] == [("socket", ""), ("", "")]
+        assert all(i.control_socket.startswith("@ppspec-steps-") for i in infos)
+        assert "data plane: shm; control: socket" in httpx.get(c.url + "/health", timeout=5).text
+        old = infos[1].control_socket
+        c.kill("stage1")
+        c.procs["stage1"].wait(10)
+        wait_health(c.url, 503, "is not serving", timeout=30)
+        c.start_stage(1)
+        wait_health(c.url, 200, "control: socket", timeout=90)
+        again = complete(c.url, prompts[:8], max_tokens=32)
+        infos = c.wait_rows_free()
+        assert infos[0].control == "socket" and infos[1].control_socket not in ("", old)
+        with open(tmp_path / "stage0.log") as f:
+            log = f.read()
+        assert log.count("stage 0 -> stage 1: steps on the stage's socket @ppspec-steps-") == 2, log
+    real, _ = divergences(outs + again, ref[:8] * 2, gaps[:8] * 2)
+    assert not real, real
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path), control_channel=[None, "grpc"]) as c:
+        outs = complete(c.url, prompts[:8], max_tokens=32)
+        infos = c.wait_rows_free()
+        assert infos[0].control == "grpc" and infos[0].control_detail.startswith("the next stage offers no step socket")
+        assert infos[1].control_socket == "" and infos[0].control_socket
+        health = httpx.get(c.url + "/health", timeout=5).text
+        assert "control: router -> stage 0 socket; stage 0 -> 1 grpc (the next stage offers no step socket" in health
+    real, _ = divergences(outs, ref[:8], gaps[:8])
+    assert not real, real
+
+
 def _segments(pids):
     """Data-plane segments in /dev/shm made by ``pids``."""
     return [n for n in os.listdir("/dev/shm") if n.startswith("ppspec-") and n.split("-")[1] in pids]

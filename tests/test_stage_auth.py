@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import Cluster, free_port
 from ppspec.auth import METADATA_KEY, KeyFileError, read_key_file
+from ppspec.proto import local
 from ppspec.proto.codec import GRPC_OPTIONS, result_from_pb, step_to_pb
 from ppspec.proto.messages import SamplingSpec, StepInput
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
@@ -291,4 +292,12 @@ def test_release_of_every_row_during_traffic_is_refused(keyed_cluster):
     got, refusals = asyncio.run(run(True))
     assert [code for code, _ in refusals] == [UNAUTH, UNAUTH, DENIED, UNAUTH] * c.pp, refusals
     assert got == ref
-    assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in c.wait_rows_free())
+    infos = c.wait_rows_free()
+    assert all(i.rows_in_use == 0 and i.pending_commits == 0 for i in infos)
+    # the keyed steps went on the stages' sockets (proto/local.py), which refuse a caller without the key
+    assert [i.control for i in infos] == ["socket", "socket", ""]
+    assert "control: socket" in httpx.get(c.url + "/health", timeout=10).text
+    for i in infos:
+        for key in (None, WRONG):
+            with pytest.raises(ConnectionRefusedError, match="a wrong or no pipeline key"):
+                asyncio.run(local._open(i.control_socket, key))

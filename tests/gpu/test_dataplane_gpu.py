@@ -63,7 +63,9 @@ def test_fp32_stages_sharing_a_gpu_over_cuda_ipc_identical_to_pp1(reference, pp,
         infos = c.wait_rows_free()
         want = "cuda_ipc" if plane == "auto" else "bytes"
         assert [(i.transport, i.transport_detail) for i in infos] == [(want, "")] * (pp - 1) + [("", "")]
-        assert f"data plane: {want}" in httpx.get(c.url + "/health", timeout=5).text
+        # the steps' control messages on the stages' sockets (proto/local.py), whatever the data plane
+        assert [i.control for i in infos] == ["socket"] * (pp - 1) + [""]
+        assert f"data plane: {want}; control: socket" in httpx.get(c.url + "/health", timeout=5).text
     finally:
         c.stop()
     for i, (o, r) in enumerate(zip(outs, ref)):

@@ -91,6 +91,15 @@ NEMOTRON_KINDS = {
                          mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4),
 }
 
+# NemotronH with the MTP head of Nemotron 3 checkpoints: name -> (the NEMOTRON_KINDS
+# checkpoint it extends, mtp_hybrid_override_pattern). "*E": attention then MoE, the
+# published head's; "E*-" on "b" (tied embeddings, grouped routing, scaled experts): a MoE
+# block carrying the input projections, then attention, then an MLP carrying the final norm
+NEMOTRON_MTP_KINDS = {
+    "nemotron_h_mtp": ("nemotron_h_a", "*E"),
+    "nemotron_h_b_mtp": ("nemotron_h_b", "E*-"),
+}
+
 
 # Granite 4.0 hybrid: "a": 4 layers (Mamba2, attention with RoPE, Mamba2, Mamba2), GQA 4:2,
 # 4 experts, dt clamped to [0.02, 10] in prefill; "b": 5 layers (PP 2 and 4 split them
@@ -217,6 +226,37 @@ def add_random_mtp(path: str, seed: int = 0) -> None:
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"), indent=2)
 
 
+def add_random_nemotron_mtp(path: str, pattern: str, seed: int = 0) -> None:
+    """Append a random NemotronH MTP head (``mtp.layers.{i}.*``, the names of NVIDIA's
+    Nemotron 3 checkpoints: block i as the decoder's blocks of its kind, the first with
+    ``enorm`` / ``hnorm`` / ``eh_proj``, the last with ``final_layernorm``, experts one tensor
+    each) and set ``num_nextn_predict_layers`` 1 and ``mtp_hybrid_override_pattern`` in
+    config.json, as those checkpoints do. Block i's tensors are those of the decoder's first
+    block of its kind plus noise: its kind must be in the decoder's pattern."""
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed + 1)
+    decoder = cfg["layers_block_type"]
+    kinds = {"*": "full_attention", "E": "moe", "-": "mlp", "M": "linear_attention"}
+    h = cfg["hidden_size"]
+    mtp = {}
+    for i, c in enumerate(pattern):
+        src = f"backbone.layers.{decoder.index(kinds[c])}."
+        for k, v in weights.items():
+            if k.startswith(src):
+                mtp[f"mtp.layers.{i}." + k[len(src):]] = v.clone() + 0.05 * torch.randn(v.shape, generator=g)
+    last = len(pattern) - 1
+    for name in ("mtp.layers.0.enorm", "mtp.layers.0.hnorm", f"mtp.layers.{last}.final_layernorm"):
+        mtp[name + ".weight"] = 1.0 + 0.2 * torch.randn(h, generator=g)
+    mtp["mtp.layers.0.eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    weights.update(mtp)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg.pop("mtp_layers_block_type", None)
+    cfg["num_nextn_predict_layers"] = 1
+    cfg["mtp_hybrid_override_pattern"] = pattern
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"), indent=2)
+
+
 def add_tokenizer(path: str) -> None:
     """A byte-level BPE tokenizer of VOCAB ids (bytes, a few merges, ChatML specials), with
     ``<|im_end|>`` as EOS in config.json: enough for the HTTP API to render and decode."""
@@ -247,6 +287,12 @@ def make_checkpoint(kind: str, root: str, seed: int = 0, mtp: bool = True) -> st
         return path
     if kind in {**NEMOTRON_KINDS, **GRANITE_KINDS, **BAMBA_KINDS, **FALCON_KINDS}:  # no MTP head in these
         _make_nemotron(kind, path, seed)
+        add_tokenizer(path)
+        return path
+    if kind in NEMOTRON_MTP_KINDS:
+        base, pattern = NEMOTRON_MTP_KINDS[kind]
+        _make_nemotron(base, path, seed)
+        add_random_nemotron_mtp(path, pattern, seed)
         add_tokenizer(path)
         return path
     model_type, over = KINDS[kind]

@@ -13,8 +13,13 @@ not in its one-token update, as in NVIDIA's modelling code (transformers up to 5
 it at ``(time_step_min, inf)`` instead). Fields transformers' modelling code does not read
 are not read here either: ``mamba_proj_bias`` (``use_bias`` gives the
 in/out projections their bias), ``attention_bias`` (the attention has none),
-``residual_in_fp32``. The ``mtp.*`` tensors of published checkpoints are ignored, as
-transformers ignores them (no MTP head: speculation is n-gram only).
+``residual_in_fp32``.
+
+The MTP head of NVIDIA's Nemotron 3 checkpoints (``num_nextn_predict_layers``, its blocks in
+``mtp_hybrid_override_pattern`` or ``mtp_layers_block_type``; transformers has none, vLLM's
+``nemotron_h_mtp`` and TensorRT-LLM's ``modeling_nemotron_h`` read it) is parsed here and
+checked only when it is loaded (``NemotronHConfig.mtp_error``): a checkpoint whose head is
+not served still serves without MTP.
 """
 from __future__ import annotations
 
@@ -25,6 +30,11 @@ from ...fields import CheckpointError, Fields, time_step_limit
 MODEL_TYPE = "nemotron_h"
 BLOCK_KINDS = ("linear_attention", "full_attention", "mlp", "moe")
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# the MTP head's blocks served: stateless ones (a Mamba2 block would need a recurrent state
+# of its own per row), at most one attention block (the head's KV pool has one layer)
+MTP_BLOCK_KINDS = ("full_attention", "moe", "mlp")
+MTP_DEFAULT = ("full_attention", "moe")  # transformers' default mtp_layers_block_type
+_LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # older block names
 
 
 @dataclass
@@ -61,6 +71,12 @@ class NemotronHConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
+    # MTP head: its depth (1 served) and the kinds of its blocks, in order (empty: no head)
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: list[str] = field(default_factory=list)
+    # why the head, where the checkpoint has one, is not served (names the file and the
+    # field): raised as a CheckpointError when the head is loaded; None: served
+    mtp_error: str | None = None
     weight_prefix: str = "backbone."
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -123,7 +139,9 @@ def load_nemotron_h_config(path: str, raw: dict) -> NemotronHConfig:
     if raw.get("quantization_config") is not None:
         raise CheckpointError(f"{path}: quantization_config is not supported (fp32 / bf16 weights only)")
     n_heads = f.int("num_attention_heads", 32, lo=1)
-    moe = "moe" in kinds
+    depth, mtp_kinds, mtp_error = _mtp_fields(path, f, raw)
+    # the MoE sizes: for the decoder's MoE blocks or the MTP head's
+    moe = "moe" in kinds or (depth > 0 and "moe" in mtp_kinds)
     cfg = NemotronHConfig(
         model_type=MODEL_TYPE,
         vocab_size=f.int("vocab_size", 131072, lo=1),
@@ -155,6 +173,9 @@ def load_nemotron_h_config(path: str, raw: dict) -> NemotronHConfig:
         norm_topk_prob=f.bool("norm_topk_prob", True),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
         eos_token_ids=f.ints("eos_token_id", lo=0),
+        num_nextn_predict_layers=depth,
+        mtp_layer_types=mtp_kinds,
+        mtp_error=mtp_error,
     )
     if cfg.mamba_num_heads % cfg.n_groups:
         raise CheckpointError(f"{path}: mamba_num_heads ({cfg.mamba_num_heads}) must be a multiple of n_groups "
@@ -169,3 +190,39 @@ def load_nemotron_h_config(path: str, raw: dict) -> NemotronHConfig:
             raise CheckpointError(f"{path}: n_group ({cfg.n_group}) must divide n_routed_experts and be at least "
                                   f"topk_group ({cfg.topk_group})")
     return cfg
+
+
+def _mtp_fields(path: str, f: Fields, raw: dict) -> tuple[int, list[str], str | None]:
+    """``(num_nextn_predict_layers, the head's block kinds, why not served or None)``."""
+    depth = f.int("num_nextn_predict_layers", 0, lo=0) or 0
+    # as transformers reads them: the list, unless it is absent or its default and the
+    # older pattern string is given; neither: the default list (attention, then MoE)
+    kinds, field_name = raw.get("mtp_layers_block_type"), "mtp_layers_block_type"
+    pattern = raw.get("mtp_hybrid_override_pattern")
+    if pattern is not None and kinds in (None, list(MTP_DEFAULT)):
+        field_name = "mtp_hybrid_override_pattern"
+        if not isinstance(pattern, str) or set(pattern) - set(_PATTERN):
+            return depth, [], (f"{path}: {field_name} {pattern!r} is not served; its block symbols must be "
+                               f"among {''.join(_PATTERN)}")
+        kinds = [_PATTERN[c] for c in pattern]
+    elif kinds is None:
+        kinds = list(MTP_DEFAULT)
+    elif isinstance(kinds, list):
+        kinds = [_LEGACY.get(k, k) for k in kinds]
+    if not isinstance(kinds, list):
+        return depth, [], f"{path}: {field_name} must be a list, got {kinds!r}"
+    if depth == 0:
+        return 0, list(kinds), None
+    if depth != 1:
+        return depth, list(kinds), (f"{path}: num_nextn_predict_layers {depth} is not served for the MTP head; "
+                                    f"served: 1 (one head, chained for every draft)")
+    if not kinds:
+        return depth, [], f"{path}: {field_name} is empty: the MTP head has no block"
+    bad = sorted({repr(k) for k in kinds if k not in MTP_BLOCK_KINDS})
+    if bad:
+        return depth, list(kinds), (f"{path}: {field_name} has MTP block kinds {bad} that are not served; "
+                                    f"served: {', '.join(MTP_BLOCK_KINDS)} (symbols *, E, -)")
+    if kinds.count("full_attention") > 1:
+        return depth, list(kinds), (f"{path}: {field_name} has {kinds.count('full_attention')} attention blocks "
+                                    f"in the MTP head; served: at most 1")
+    return depth, list(kinds), None

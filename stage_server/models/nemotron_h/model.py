@@ -140,10 +140,44 @@ class Block(nn.Module):
         return self.mixer(h), residual
 
 
+class MTPHead(nn.Module):
+    """The multi-token-prediction head of Nemotron 3 checkpoints (``mtp.layers.{i}.*``; the
+    layout vLLM's ``nemotron_h_mtp`` and TensorRT-LLM read): the decoder's own blocks in
+    ``cfg.mtp_layer_types`` order (e.g. attention then MoE), the first also holding
+    ``enorm`` / ``hnorm`` / ``eh_proj``, the last ``final_layernorm``.
+
+    At position p: ``u = eh_proj(cat(enorm(embed(x[p+1])), hnorm(h_p)))`` runs through the
+    blocks (one residual stream, as the decoder's); ``final_layernorm`` of the stream, through
+    the shared ``lm_head``, predicts ``x[p+2]``. ``h_p`` is the target's last block output
+    before ``norm_f``; a chain's next step takes the head's normed output, as vLLM chains it.
+    The attention block (at most one) keeps its KV in the head's pool (``mtp_kv``).
+    """
+
+    def __init__(self, cfg: NemotronHConfig):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layers = nn.ModuleList([Block(cfg, kind) for kind in cfg.mtp_layer_types])
+        first, last = self.layers[0], self.layers[-1]
+        first.enorm, first.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        first.eh_proj = nn.Linear(2 * h, h, bias=False)
+        last.final_layernorm = RMSNorm(h, eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, meta, kv) -> torch.Tensor:
+        """embeds, hidden ``[T, hidden]``; kv: the head's ``(k_cache, v_cache)``. Returns the
+        head's normed output ``[T, hidden]``."""
+        first = self.layers[0]
+        x = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(hidden)], dim=-1))
+        residual = None
+        for block in self.layers:
+            x, residual = block(x, meta, kv if block.kind == "full_attention" else None, residual)
+        return self.layers[-1].final_layernorm(x, residual=residual)[0]
+
+
 class NemotronHStageModel(nn.Module):
-    """Blocks ``[start, end)`` plus the embedding (first stage) and the final norm and
-    ``lm_head`` (last stage); the stage model of ``stage_server.family.ModelFamily`` (no MTP
-    head). Parameter names equal the checkpoint's without its prefix (``backbone.``)."""
+    """Blocks ``[start, end)`` plus the embedding (first stage) and the final norm,
+    ``lm_head`` and, with ``with_mtp``, the MTP head (last stage); the stage model of
+    ``stage_server.family.ModelFamily``. Parameter names equal the checkpoint's without its
+    prefix (``backbone.``); the head's are the checkpoint's ``mtp.*``."""
 
     def __init__(self, cfg: NemotronHConfig, start: int, end: int, with_mtp: bool = False):
         super().__init__()
@@ -155,6 +189,12 @@ class NemotronHStageModel(nn.Module):
         if self.is_last:
             self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if with_mtp:
+                self.mtp = MTPHead(cfg)
+                if not self.is_first:
+                    # the head embeds the token it conditions on: a stage past the first
+                    # keeps its own copy of the (shared) embedding for it
+                    self.mtp_embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -197,7 +237,7 @@ class NemotronHStageModel(nn.Module):
         self.fuse_projections()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        return (self.embed_tokens if self.is_first else self.mtp_embed_tokens)(input_ids)
 
     def forward(self, meta, hidden: torch.Tensor, layer_states: dict) -> torch.Tensor:
         """Run this stage's blocks. layer_states: global layer index -> ``LayerState``
@@ -211,4 +251,10 @@ class NemotronHStageModel(nn.Module):
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """``lm_head(norm_f(hidden))``; ``upcast`` as ``StageModel.logits``."""
         logits = self.lm_head(self.norm_f(hidden))
+        return logits.float() if upcast else logits
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """The MTP head's logits from its (normed) output ``[N, hidden]``: ``lm_head`` alone;
+        ``upcast`` as in :meth:`logits`."""
+        logits = self.lm_head(mtp_hidden)
         return logits.float() if upcast else logits

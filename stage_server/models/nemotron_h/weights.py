@@ -25,8 +25,23 @@ def resolve_prefix(cfg: NemotronHConfig, reader) -> None:
 
 
 def checkpoint_key(cfg: NemotronHConfig, name: str) -> str:
-    """Checkpoint key of a ``NemotronHStageModel`` parameter name (before stacking experts)."""
-    return name if name == "lm_head.weight" else cfg.weight_prefix + name
+    """Checkpoint key of a ``NemotronHStageModel`` parameter name (before stacking experts):
+    the MTP head's ``mtp.*`` and ``lm_head`` as they are, the head's copy of the embedding
+    (``mtp_embed_tokens``, a stage past the first) the decoder's ``embeddings``."""
+    if name == "lm_head.weight" or name.startswith("mtp."):
+        return name
+    if name.startswith("mtp_embed_tokens."):
+        return cfg.weight_prefix + "embeddings." + name[len("mtp_embed_tokens."):]
+    return cfg.weight_prefix + name
+
+
+MTP_MARKER = "mtp.layers.0.eh_proj.weight"  # the head's first tensor: present iff it is
+
+
+def has_mtp(cfg: NemotronHConfig, reader) -> bool:
+    """Whether the checkpoint has an MTP head: ``num_nextn_predict_layers`` at least 1 and the
+    head's tensors (``mtp.layers.0.eh_proj``) present."""
+    return cfg.num_nextn_predict_layers > 0 and MTP_MARKER in reader
 
 
 def read_param(reader, cfg: NemotronHConfig, name: str, cache: dict) -> torch.Tensor:

@@ -162,11 +162,10 @@ def test_a_tensor_of_the_wrong_shape_is_one_error_naming_its_file_and_name(make_
     assert msg.endswith(" from config.json") and f"expected {good}" in msg, msg
 
 
-@pytest.mark.parametrize("kind", ["kimi_moe_5l", "nemotron_h_a", "granite_a", "bamba_a", "falcon_h1_a"])
+@pytest.mark.parametrize("kind", ["kimi_moe_5l", "granite_a", "bamba_a", "falcon_h1_a"])
 def test_mtp_speculation_on_a_family_without_an_mtp_head_is_refused_by_name(make_ckpt, tmp_path, kind):
     """A family that loads no MTP head refuses speculative_algorithm mtp naming its model_type,
-    also where the checkpoint holds ``mtp.*`` tensors (NemotronH checkpoints may: they are
-    not loaded, as transformers does not load them)."""
+    also where the checkpoint holds ``mtp.*`` tensors."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -181,3 +180,32 @@ def test_mtp_speculation_on_a_family_without_an_mtp_head_is_refused_by_name(make
     model_type = json.loads((path / "config.json").read_text())["model_type"]
     with pytest.raises(ValueError, match=f"speculative algorithm mtp is not served for model_type '{model_type}'"):
         LLM(str(path), max_rows=2, speculative_algorithm="mtp")
+
+
+def test_nemotron_h_mtp_is_served_where_the_checkpoint_has_a_head(make_ckpt, tmp_path):
+    """NemotronH loads the head of a checkpoint that has one (``num_nextn_predict_layers`` and
+    the ``mtp.*`` tensors) and drafts with it; a checkpoint without one is refused: no head
+    at all, the tensors without ``num_nextn_predict_layers``, or the field without the tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ppspec.router.llm import LLM
+    from ppspec.router.types import SamplingParams
+
+    with_head = make_ckpt("nemotron_h_mtp")
+    llm = LLM(with_head, max_rows=2, speculative_algorithm="mtp", num_speculative_steps=2)
+    assert len(llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6))[0].token_ids) == 6
+    no_field = tmp_path / "no_field"
+    shutil.copytree(with_head, no_field)
+    cfg = json.loads((no_field / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 0
+    (no_field / "config.json").write_text(json.dumps(cfg))
+    no_tensors = tmp_path / "no_tensors"
+    shutil.copytree(with_head, no_tensors)
+    weights = load_file(no_tensors / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, no_tensors / "model.safetensors",
+              metadata={"format": "pt"})
+    for path in (make_ckpt("nemotron_h_a"), no_field, no_tensors):
+        with pytest.raises(ValueError, match="speculative algorithm mtp needs an mtp.* head in the checkpoint"):
+            LLM(str(path), max_rows=2, speculative_algorithm="mtp")

@@ -220,7 +220,7 @@ def _mtp_fields(path: str, f: Fields, raw: dict) -> tuple[int, list[str], str | 
         return depth, [], f"{path}: {field_name} is empty: the MTP head has no block"
     bad = sorted({repr(k) for k in kinds if k not in MTP_BLOCK_KINDS})
     if bad:
-        return depth, list(kinds), (f"{path}: {field_name} has MTP block kinds {bad} that are not served; "
+        return depth, list(kinds), (f"{path}: {field_name} has MTP block kinds [{', '.join(bad)}] that are not served; "
                                     f"served: {', '.join(MTP_BLOCK_KINDS)} (symbols *, E, -)")
     if kinds.count("full_attention") > 1:
         return depth, list(kinds), (f"{path}: {field_name} has {kinds.count('full_attention')} attention blocks "

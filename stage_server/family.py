@@ -172,7 +172,8 @@ class ModelFamily:
 
     - ``start``, ``end``, ``is_first``, ``is_last``, ``cfg``; ``embed_tokens`` (first
       stage), ``embed(ids)`` (first stage, or the MTP head's copy), ``logits(h, upcast)``
-      (last stage), and with an MTP head ``mtp`` / ``mtp_logits`` (``models/qwen3_next``).
+      (last stage), and with an MTP head ``mtp`` / ``mtp_logits`` (``models/qwen3_next``,
+      ``models/nemotron_h``).
     - ``layer_family``: its :class:`LayerFamily` (one per model), or None.
     - ``state_layers``: global indices of its layers with recurrent state, in pool order;
       ``kv_layers``: those with paged KV (a layer may be in both: attention and a mixer in

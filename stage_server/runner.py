@@ -217,7 +217,7 @@ class StageRunner:
         self.is_first, self.is_last = self.model.is_first, self.model.is_last
         if use_mtp and self.is_last and not hasattr(self.model, "mtp"):
             family = family_of(cfg)
-            if not family.serves_mtp:  # e.g. a NemotronH checkpoint's mtp.* tensors: not loaded
+            if not family.serves_mtp:  # e.g. Granite, Bamba, Falcon-H1, Kimi Linear: no head loaded
                 raise ValueError(f"{model_dir}: speculative algorithm mtp is not served for model_type "
                                  f"{cfg.model_type!r} (family {family.name} loads no MTP head, whatever the "
                                  "checkpoint holds); use ngram")

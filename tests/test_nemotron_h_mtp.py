@@ -221,3 +221,24 @@ def test_an_mtp_setting_not_served_is_refused_naming_file_and_field(make_ckpt, t
     _, model = load_stage_model(str(path), with_mtp=False)
     assert not hasattr(model, "mtp")
     assert LLM(str(path), max_rows=2).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))[0].token_ids
+
+
+# ---------------------------------------------------------------- real processes
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,design", [("nemotron_h_mtp", "replay"), ("nemotron_h_b_mtp", "copy")])
+def test_stage_processes_with_mtp_match_pp1_without_speculation(mtp_refs, kind, design, tmp_path):
+    """PP2 stage processes and a router (tests/cluster.py) drafting with the MTP head, the
+    requests sent at once to stages of half as many rows (the later ones join on the rows the
+    first leave): every completion equals PP1 without speculation in one process, and every
+    row and decoder KV page is free afterwards."""
+    import asyncio
+
+    from cluster import Cluster
+    from test_nemotron_h import _complete_all
+
+    path, reqs, ref = mtp_refs(kind)
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path), commit_design=design, max_rows=N_REQ // 2) as c:
+        outs = asyncio.run(_complete_all(c.url, reqs))
+        infos = c.wait_rows_free()
+    assert outs == ref
+    assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)

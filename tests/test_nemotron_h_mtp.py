@@ -242,3 +242,40 @@ def test_stage_processes_with_mtp_match_pp1_without_speculation(mtp_refs, kind, 
         infos = c.wait_rows_free()
     assert outs == ref
     assert all(i.rows_in_use == 0 for i in infos) and all(i.kv_pages_used == 0 for i in infos)
+
+
+def _spy_drafts(llm):
+    """request id -> the MTP drafts the last stage returned for it, round by round."""
+    seen = {}
+    orig = llm.scheduler.process
+
+    def process(batch, output_ids, drafts, *a, **kw):
+        for r, d in zip(batch.requests, drafts or []):
+            if d:
+                seen.setdefault(r.request_id, []).append(list(d))
+        return orig(batch, output_ids, drafts, *a, **kw)
+
+    llm.scheduler.process = process
+    return seen
+
+
+def test_a_prefix_cache_hit_changes_no_draft(make_ckpt):
+    """The prefix cache at PP2 with MTP drafts (snapshots hold the head's KV pages beside the
+    Mamba2 state and the decoder's KV): multi-turn replies equal PP1 without speculation or
+    cache, prompts hit the cache, every request's drafts of every round are those of the
+    same run without the cache, and nothing is held afterwards."""
+    from test_prefix_cache import CHUNK, assert_all_free, conversations, multi_turn
+
+    path = make_ckpt("nemotron_h_mtp")
+    ref = multi_turn(LLM(path, chunk_size=CHUNK), conversations())[0]
+    runs = {}
+    for cache in (False, True):
+        llm = LLM(path, pp_size=2, speculative_algorithm="mtp", chunk_size=CHUNK, enable_prefix_caching=cache)
+        drafts = _spy_drafts(llm)
+        replies, cached = multi_turn(llm, conversations())
+        assert replies == ref
+        runs[cache] = drafts, cached, llm
+    drafts, cached, llm = runs[True]
+    assert all(c > 0 for c in cached[1]) and all(c > 0 for c in cached[2])
+    assert drafts == runs[False][0] and sum(len(d) for d in drafts.values()) > 20
+    assert_all_free(llm)

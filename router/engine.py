@@ -34,6 +34,7 @@ from typing import AsyncIterator, Callable
 
 from ppspec.proto.messages import Commit, Release, StageInfo
 
+from .first_tokens import FirstTokens
 from .metrics import RouterMetrics
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
@@ -158,6 +159,7 @@ class Engine:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self.max_model_len = 0
         self.stage_infos: list[StageInfo] = []
+        self.first_tokens = FirstTokens()  # each request's path to its first token (router/first_tokens.py)
 
     async def start(self) -> None:
         infos = await self.pipeline.info()
@@ -262,6 +264,10 @@ class Engine:
         dropped = await self._drop_evicted()
         self._record_cache()
         return dropped
+
+    async def first_token_rows(self) -> dict:
+        """The requests' paths to their first token (``FirstTokens.rows``)."""
+        return self.first_tokens.rows()
 
     async def _drop_evicted(self) -> int:
         """Drop the prefix-cache slots evicted since the last call on every stage, then
@@ -416,7 +422,10 @@ class Engine:
                 if batch is not None:
                     inp = batch.step_input(self.eos)
                     step = self.pipeline.step(inp, commit) if rides else self.pipeline.step(inp)
-                    flights.append((batch, asyncio.ensure_future(step), time.monotonic()))
+                    sent = time.monotonic()
+                    flights.append((batch, asyncio.ensure_future(step), sent))
+                    for r in batch.first:
+                        r.sent_at = sent
                     self._set_in_flight(lane)
                     continue  # the next one at once, if one can form before this one's result
                 if not flights:
@@ -468,7 +477,13 @@ class Engine:
             log.exception("micro-batch of lane %d failed", lane)
             self._fail(f"{type(e).__name__}: {e}")
             return
+        back = time.monotonic()
         up = self.scheduler.process(batch, res.output_ids, res.drafts, res.logprobs, res.prompt_logprobs)
+        for b in range(batch.first_chunk, len(batch.requests)):
+            r = batch.requests[b]
+            # the chunk that ends its prompt samples its first token (not a recomputed one's)
+            if batch.sample[b] and r.output_ids and r.prefill_batches:
+                self.first_tokens.record(r, back)
         if up.commit is not None and not up.release_rows and self.pipeline.commits_ride_steps:
             self._riding[lane] = up.commit  # the lane's next step carries it (_lane_loop)
         elif up.commit is not None or up.release_rows:

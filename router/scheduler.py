@@ -47,7 +47,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=lambda: time.monotonic())
     row: int = -1
     lane: int = -1
     status: str = WAITING
@@ -82,6 +82,12 @@ class Request:
     branch_at: int = 0       # a prefill chunk ends here: the snapshot there serves the next request that shares it
     branch_key: int = 0      # hash of its tokens up to branch_at (+1: the filing key), while branch_at is set
     prompt_lps: list | None = None  # prompt_logprobs collected so far (None once sent)
+    # its path to the first token (router/first_tokens.py): admitted into a lane, its first
+    # micro-batch formed and sent (time.monotonic()), micro-batches it was in until then
+    admitted_at: float = 0.0
+    formed_at: float = 0.0
+    sent_at: float = 0.0
+    prefill_batches: int = 0
     _spec: SamplingSpec | None = field(default=None, repr=False, compare=False)  # spec()
 
     def __post_init__(self):
@@ -158,8 +164,10 @@ class ScheduledBatch:
         self.first = [r for r in self.requests if not r.scheduled]
         if not self.output_lens:
             self.output_lens = [len(r.output_ids) for r in self.requests]
-        for r in self.first:
-            r.scheduled = True
+        if self.first:
+            now = time.monotonic()
+            for r in self.first:
+                r.scheduled, r.formed_at = True, now
 
     @property
     def req_pool_indices(self) -> list[int]:
@@ -462,6 +470,7 @@ class Scheduler:
             req.reserved_tokens = need
             req.lane = min(range(self.num_lanes), key=lambda i: len(self.lanes[i]))
             req.status = RUNNING
+            req.admitted_at = time.monotonic()
             self.lanes[req.lane].append(req)
         self.waiting.extendleft(reversed(later))
 
@@ -617,6 +626,7 @@ class Scheduler:
             budget -= n
             end = r.num_computed + n
             r.in_flight += 1
+            r.prefill_batches += 1
             chosen.append(r)
             out_lens.append(len(r.output_ids))
             chunks += 1

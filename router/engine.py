@@ -73,6 +73,18 @@ def default_lanes(units: int, spec: str, async_scheduling: bool) -> int:
     return units if async_scheduling and spec == "none" else units + 1
 
 
+def default_in_flight(units: int, lanes: int) -> int:
+    """Micro-batches of every lane in flight at most, for ``lanes`` lanes over ``units``
+    stages that compute at once: two per lane (async scheduling) where there is a lane per
+    unit; where there are more lanes than units (speculation's extra lane) the lanes keep
+    every unit busy with one each, so one per lane. A lane then sends its next round beside
+    the one in flight only while others are idle (concurrency 1): a micro-batch more in
+    flight is a round more that a request admitted now waits behind (a hit of a shared
+    system prompt: its first micro-batch waited behind 1.85 others on average, against 1.0
+    so; docs/PERFORMANCE.md)."""
+    return lanes if lanes > units else 2 * lanes
+
+
 def _all_slots(infos: list[StageInfo]) -> dict:
     """Release's fields that drop every prefix-cache snapshot slot of any stage."""
     n = max((i.get("snapshot_slots", 0) for i in infos), default=0)
@@ -113,6 +125,9 @@ class Engine:
             (``Scheduler``'s ``async_scheduling``); False: each round after the last's result.
         drafter: ``f(request, k) -> drafts`` replacing the n-gram lookup (``Scheduler``).
         on_round: called after each micro-batch's outputs went to their streams (``LLM.step``).
+        max_in_flight: micro-batches of every lane in flight at most (default
+            :func:`default_in_flight`): a lane sends its next round beside its one in flight
+            only below it.
     """
 
     def __init__(self, pipeline: Pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
@@ -122,8 +137,10 @@ class Engine:
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
                  metrics: RouterMetrics | None = None, enable_prefix_caching: bool | None = None,
                  async_scheduling: bool = True, drafter=None, on_round: Callable[[], None] | None = None,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, max_in_flight: int | None = None):
         self.pipeline = pipeline
+        self.max_in_flight_arg = max_in_flight
+        self.max_in_flight = 2
         self.max_logprobs = max_logprobs
         self.async_scheduling = async_scheduling
         self.drafter, self.on_round = drafter, on_round
@@ -179,7 +196,9 @@ class Engine:
             raise ValueError(f"stage layer ranges {ranges} do not chain over {infos[0]['num_layers']} layers")
         self.spec = spec
         self.max_model_len = min(i["max_context"] for i in infos)
-        lanes = self.num_micro_batches or default_lanes(compute_units(infos), spec, self.async_scheduling)
+        units = compute_units(infos)
+        lanes = self.num_micro_batches or default_lanes(units, spec, self.async_scheduling)
+        self.max_in_flight = self.max_in_flight_arg or default_in_flight(units, lanes)
         kv_tokens, page_size = kv_budget(infos)
         budget, mixed = default_token_budget(infos, self.max_batch_size, steps if spec != "none" else 0)
         self.scheduler = Scheduler(
@@ -410,7 +429,8 @@ class Engine:
                 if self.failure is not None and not flights:
                     await self._recover()
                     continue
-                batch = self._schedule(lane) if len(flights) < 2 and self.failure is None else None
+                batch = self._schedule(lane) if (len(flights) < 2 and self.failure is None
+                                                 and (not flights or self._may_send_follower())) else None
                 commit = self._riding.pop(lane, None)
                 # a step carries the commit only for rows all in it: refused, it fails them all
                 # and their release abandons the commit on every stage (none is left pending);
@@ -423,9 +443,11 @@ class Engine:
                     inp = batch.step_input(self.eos)
                     step = self.pipeline.step(inp, commit) if rides else self.pipeline.step(inp)
                     sent = time.monotonic()
+                    if batch.first:
+                        ahead = sum(map(len, self._flights.values()))
+                        for r in batch.first:
+                            r.sent_at, r.sent_behind = sent, ahead
                     flights.append((batch, asyncio.ensure_future(step), sent))
-                    for r in batch.first:
-                        r.sent_at = sent
                     self._set_in_flight(lane)
                     continue  # the next one at once, if one can form before this one's result
                 if not flights:
@@ -443,6 +465,12 @@ class Engine:
                 task.cancel()
             flights.clear()
             self._set_in_flight(lane)
+
+    def _may_send_follower(self) -> bool:
+        """Whether a lane with a micro-batch in flight may send its next round beside it
+        (async scheduling): while fewer than ``max_in_flight`` micro-batches of every lane
+        are in flight."""
+        return sum(map(len, self._flights.values())) < self.max_in_flight
 
     def _schedule(self, lane: int):
         """The lane's next micro-batch (None: nothing to run now), after sending the releases

@@ -49,7 +49,7 @@ def test_first_tokens_rows_and_summary():
 
     class R:
         prompt_ids = [1] * 20
-        lane = 1
+        lane, sent_behind = 1, 2
 
     stamps = [(0.0, 0.010, 0.030, 0.031, 0.131, 1, 16), (1.0, 1.002, 1.004, 1.005, 1.045, 2, 0),
               (2.0, 2.030, 2.050, 2.050, 2.100, 1, 16), (3.0, 3.001, 3.002, 3.003, 3.023, 1, 16)]
@@ -62,13 +62,13 @@ def test_first_tokens_rows_and_summary():
     assert got["total"] == 4 and [x[0] for x in got["rows"]] == [1, 2, 3]  # the first dropped: maxlen 3
     assert [x[0] for x in ft.rows(since=3)["rows"]] == [3]
     rows = got["rows"]
-    assert rows[0] == [1, 1.0, 1.002, 1.004, 1.005, 1.045, 2, 0, 20, 1] and got["fields"] == list(FIELDS)
+    assert rows[0] == [1, 1.0, 1.002, 1.004, 1.005, 1.045, 2, 0, 20, 1, 2] and got["fields"] == list(FIELDS)
     s = summarize(rows)
     ms = lambda a, b: [1e3 * (x[b] - x[a]) for x in rows]  # noqa: E731
     for seg, (a, b) in zip(("queued", "admitted", "formed", "sent", "ttft"), ((1, 2), (2, 3), (3, 4), (4, 5), (1, 5))):
         assert s[seg] == pytest.approx((statistics.fmean(ms(a, b)), statistics.median(ms(a, b))))
     assert s["queued"] == pytest.approx((11.0, 2.0)) and s["ttft"] == pytest.approx((56.0, 45.0))
-    assert s["n"] == 3 and s["batches"] == pytest.approx((4 / 3, 1))
+    assert s["n"] == 3 and s["batches"] == pytest.approx((4 / 3, 1)) and s["ahead"] == (2, 2)
     assert "3 requests" in format_summary(s, "x") and summarize([]) == {"n": 0}
 
 
@@ -106,3 +106,4 @@ def test_the_engine_records_each_request_once(make_ckpt, monkeypatch):
     for x in got["rows"]:
         t = [x[ix[k]] for k in ("arrival", "admitted", "formed", "sent", "back")]
         assert t == sorted(t) and t[0] > 0 and x[ix["cached_tokens"]] == 0
+        assert x[ix["ahead"]] in (0, 1)  # one lane (PP1 without speculation), at most its one other micro-batch

@@ -80,8 +80,8 @@ def default_in_flight(units: int, lanes: int) -> int:
     every unit busy with one each, so one per lane. A lane then sends its next round beside
     the one in flight only while others are idle (concurrency 1): a micro-batch more in
     flight is a round more that a request admitted now waits behind (a hit of a shared
-    system prompt: its first micro-batch waited behind 1.85 others on average, against 1.0
-    so; docs/PERFORMANCE.md)."""
+    system prompt on the CPU, PP1 with MTP: its first micro-batch found 1.75-1.92 others
+    ahead, against 1.00 so; docs/PERFORMANCE.md)."""
     return lanes if lanes > units else 2 * lanes
 
 

@@ -415,7 +415,8 @@ class Engine:
             q.put_nowait(out)
 
     async def _lane_loop(self, lane: int) -> None:
-        """Drive lane ``lane``: keep up to two of its micro-batches in flight, the next formed
+        """Drive lane ``lane``: keep up to two of its micro-batches in flight (the second while
+        fewer than ``max_in_flight`` of every lane are), the next formed
         and sent as soon as the last one is (async scheduling, docs/DESIGN.md): its
         continuing requests' input ids come from the round in flight, which the first stage
         fills in, so a stage never waits a router round trip between two rounds of a lane.

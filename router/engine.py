@@ -73,16 +73,14 @@ def default_lanes(units: int, spec: str, async_scheduling: bool) -> int:
     return units if async_scheduling and spec == "none" else units + 1
 
 
-def default_in_flight(units: int, lanes: int) -> int:
-    """Micro-batches of every lane in flight at most, for ``lanes`` lanes over ``units``
-    stages that compute at once: two per lane (async scheduling) where there is a lane per
-    unit; where there are more lanes than units (speculation's extra lane) the lanes keep
-    every unit busy with one each, so one per lane. A lane then sends its next round beside
-    the one in flight only while others are idle (concurrency 1): a micro-batch more in
-    flight is a round more that a request admitted now waits behind (a hit of a shared
-    system prompt on the CPU, PP1 with MTP: its first micro-batch found 1.75-1.92 others
-    ahead, against 1.00 so; docs/PERFORMANCE.md)."""
-    return lanes if lanes > units else 2 * lanes
+def default_in_flight(lanes: int) -> int:
+    """Micro-batches of every lane in flight at most by default: two per lane (async
+    scheduling: a lane's next round beside its last). Fewer (``--max-in-flight``) makes a
+    lane send its next round beside the one in flight only while other lanes are idle: on
+    the CPU, two lanes over one stage with MTP, one per lane cut the micro-batches ahead of
+    a hitting request's first from 1.55-1.66 to 1.00 but not its TTFT, the stage waiting
+    for each lane's turn round the router instead (docs/PERFORMANCE.md)."""
+    return 2 * lanes
 
 
 def _all_slots(infos: list[StageInfo]) -> dict:
@@ -198,7 +196,7 @@ class Engine:
         self.max_model_len = min(i["max_context"] for i in infos)
         units = compute_units(infos)
         lanes = self.num_micro_batches or default_lanes(units, spec, self.async_scheduling)
-        self.max_in_flight = self.max_in_flight_arg or default_in_flight(units, lanes)
+        self.max_in_flight = self.max_in_flight_arg or default_in_flight(lanes)
         kv_tokens, page_size = kv_budget(infos)
         budget, mixed = default_token_budget(infos, self.max_batch_size, steps if spec != "none" else 0)
         self.scheduler = Scheduler(

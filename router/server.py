@@ -47,8 +47,7 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
                  "scheduling; one more otherwise)"),
         add("--max-in-flight", type=positive_int, default=None,
             help="micro-batches of every lane in flight at most: a lane sends its next round beside the one in "
-                 "flight only below it (default: one per lane where there are more lanes than stages that compute "
-                 "at once, two per lane otherwise)"),
+                 "flight only below it (default: two per lane)"),
         add("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch"),
         add("--max-num-batched-tokens", type=positive_int, default=None,
             help="tokens per micro-batch: decodes and verifies first, prefill chunks in the rest of one "

@@ -208,9 +208,9 @@ def test_served_engine_at_concurrency_32_with_few_slots_and_a_short_pool(ckpt, p
     nothing held. Whether a turn finds its conversation's snapshot while 32 others finish
     beside it depends on the interleaving at two slots (the 32 conversations' rows evict
     each other's: the lane a request joins, when a lane sends its next round, decide it);
-    so at two slots a conversation that runs once the others ended has its second turn hit
-    the first's finished row, prompt and reply, whatever the stress left in the cache (a
-    slot or a pin leaked there, it would miss)."""
+    so after them a flush frees every slot (one pinned or leaked by the stress would stay)
+    and a conversation run alone has its second turn hit the first's finished row, prompt
+    and reply."""
     import asyncio
 
     from ppspec.router.engine import Engine
@@ -233,6 +233,9 @@ def test_served_engine_at_concurrency_32_with_few_slots_and_a_short_pool(ckpt, p
             while not engine.settled() or s.releasing_rows():
                 await asyncio.sleep(0.01)
             hit_together = s.cache.hit_tokens if cache else 0
+            if cache:  # every slot back (none pinned nor leaked by the stress): a flush frees them all
+                await engine.flush_cache()
+                assert s.cache.num_used == 0 and not s.cache.pins
             # one conversation alone, after the others: its second turn (the first's prompt,
             # reply and a new message) hits the first turn's finished row
             prompt, cached = [(13 * i + 5) % 240 + 3 for i in range(50)], []

@@ -10,7 +10,10 @@ and runs the ``ppspec bench`` client (``bench.runner``, ``bench.multiturn``) aga
   ``--shared-len`` tokens (``--shared-prefix-len``), at concurrency
   ``--shared-concurrency``, after one request with that system prompt (a deployed system
   prompt is cached before the measured traffic arrives; the uncached server gets the same
-  request): mean TTFT;
+  request): mean TTFT, and where a hitting request's TTFT went by the router's own
+  timestamps (``GET /v1/trace/first_tokens``, router/first_tokens.py: queued, admitted
+  into a lane, its first micro-batch formed, sent, the result with its first token back;
+  mean and median ms, micro-batches until the first token);
 - ``mt1`` / ``mt32``: ShareGPT conversations replayed turn by turn (``--multi-turn``:
   each turn's prompt the chat so far), at concurrency 1 and ``--mt-concurrency``: mean
   TTFT of turns 2 and later, the hit rate of later turns, output tok/s.
@@ -74,6 +77,24 @@ def cache_counters(url: str) -> tuple[int, int]:
     return int(got["ppspec:prefix_cache_queries"]), int(got["ppspec:prefix_cache_hits"])
 
 
+def first_token_rows(url: str, since: int = 0) -> dict:
+    """The server's first-token paths recorded from number ``since`` on
+    (``GET /v1/trace/first_tokens``; router/first_tokens.py)."""
+    r = httpx.get(url + "/v1/trace/first_tokens", params={"since": since}, timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
+def first_token_path(got: dict) -> dict:
+    """:func:`~ppspec.router.first_tokens.summarize` of the rows of ``got`` (a
+    :func:`first_token_rows` answer), for the requests that hit the cache and the others."""
+    from ppspec.router.first_tokens import summarize
+
+    cached = got["fields"].index("cached_tokens")
+    return {"hit": summarize([x for x in got["rows"] if x[cached] > 0], got["fields"]),
+            "miss": summarize([x for x in got["rows"] if x[cached] == 0], got["fields"])}
+
+
 def flush(url: str, cache: bool) -> None:
     if cache:
         r = httpx.post(url + "/v1/cache/flush", timeout=60)
@@ -134,7 +155,9 @@ def run_workload(a, name: str, url: str, cache: bool, records: list[dict], count
         cfg = RunConfig(endpoint="chat", max_concurrency=a.shared_concurrency, **base)
         asyncio.run(run_benchmark(cfg, samples[:1], counter.count, counter.source))  # the system prompt cached
         q0, h0 = cache_counters(url)
+        mark = first_token_rows(url, 1 << 62)["total"]
         r = asyncio.run(run_benchmark(cfg, samples[1:], counter.count, counter.source))
+        path = first_token_path(first_token_rows(url, mark))
     else:
         q0, h0 = cache_counters(url)
         if name == "first":
@@ -165,6 +188,14 @@ def run_workload(a, name: str, url: str, cache: bool, records: list[dict], count
         "errors": r.get("errors", []),
     }
     fig["hits_agree"] = fig["server_hit"] == usage_cached
+    if name == "shared":
+        # the client's TTFT of the same hitting requests: what the router's stamps leave out
+        # is the HTTP side (chat template, the engine process's hop, detokenization, SSE)
+        import statistics
+
+        client = [x["ttft_ms"] for x in rows if x["success"] and (x.get("cached_tokens") or 0) > 0]
+        path["hit"]["client_ttft"] = (statistics.fmean(client), statistics.median(client)) if client else None
+        fig["first_token_path"] = path
     if name.startswith("mt"):  # each turn's [conversation, turn, prompt, cached, output tokens]
         fig["turns"] = [[x["conversation"], x["turn"], x["prompt_tokens"], x["cached_tokens"], x["output_tokens"]]
                         for x in sorted(rows, key=lambda x: (x["conversation"], x["turn"]))]
@@ -175,6 +206,14 @@ def run_workload(a, name: str, url: str, cache: bool, records: list[dict], count
           f"{f' ({no_text} of them replies that decode to no text)' if no_text else ''}", flush=True)
     for e in fig["errors"]:
         print(f"      error: {e}", flush=True)
+    if name == "shared":
+        from ppspec.router.first_tokens import format_summary
+
+        print(format_summary(path["hit"], "where a hitting request's TTFT went (the router's timestamps)"))
+        if path["hit"].get("client_ttft"):
+            print(f"      {'the client TTFT of the same requests':52s} {path['hit']['client_ttft'][0]:8.1f} / "
+                  f"{path['hit']['client_ttft'][1]:8.1f} ms")
+        print(format_summary(path["miss"], "the requests that hit nothing"), flush=True)
     return fig
 
 

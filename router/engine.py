@@ -34,6 +34,7 @@ from typing import AsyncIterator, Callable
 
 from ppspec.proto.messages import Commit, Release, StageInfo
 
+from .first_tokens import FirstTokens
 from .metrics import RouterMetrics
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
@@ -70,6 +71,16 @@ def default_lanes(units: int, spec: str, async_scheduling: bool) -> int:
     Rounds that wait for their last result (n-gram verifies, MTP lanes with a request near
     its end, no async scheduling): one more lane than units keeps one busy meanwhile."""
     return units if async_scheduling and spec == "none" else units + 1
+
+
+def default_in_flight(lanes: int) -> int:
+    """Micro-batches of every lane in flight at most by default: two per lane (async
+    scheduling: a lane's next round beside its last). Fewer (``--max-in-flight``) makes a
+    lane send its next round beside the one in flight only while other lanes are idle: on
+    the CPU, two lanes over one stage with MTP, one per lane cut the micro-batches ahead of
+    a hitting request's first from 1.55-1.66 to 1.00 but not its TTFT, the stage waiting
+    for each lane's turn round the router instead (docs/PERFORMANCE.md)."""
+    return 2 * lanes
 
 
 def _all_slots(infos: list[StageInfo]) -> dict:
@@ -112,6 +123,9 @@ class Engine:
             (``Scheduler``'s ``async_scheduling``); False: each round after the last's result.
         drafter: ``f(request, k) -> drafts`` replacing the n-gram lookup (``Scheduler``).
         on_round: called after each micro-batch's outputs went to their streams (``LLM.step``).
+        max_in_flight: micro-batches of every lane in flight at most (default
+            :func:`default_in_flight`): a lane sends its next round beside its one in flight
+            only below it.
     """
 
     def __init__(self, pipeline: Pipeline, *, model_name: str, tokenizer, speculative_algorithm: str | None = None,
@@ -121,8 +135,10 @@ class Engine:
                  max_waiting: int = 4096, wedge_timeout: float = 60.0, stall_timeout: float = 10.0,
                  metrics: RouterMetrics | None = None, enable_prefix_caching: bool | None = None,
                  async_scheduling: bool = True, drafter=None, on_round: Callable[[], None] | None = None,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, max_in_flight: int | None = None):
         self.pipeline = pipeline
+        self.max_in_flight_arg = max_in_flight
+        self.max_in_flight = 2
         self.max_logprobs = max_logprobs
         self.async_scheduling = async_scheduling
         self.drafter, self.on_round = drafter, on_round
@@ -158,6 +174,7 @@ class Engine:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self.max_model_len = 0
         self.stage_infos: list[StageInfo] = []
+        self.first_tokens = FirstTokens()  # each request's path to its first token (router/first_tokens.py)
 
     async def start(self) -> None:
         infos = await self.pipeline.info()
@@ -177,7 +194,9 @@ class Engine:
             raise ValueError(f"stage layer ranges {ranges} do not chain over {infos[0]['num_layers']} layers")
         self.spec = spec
         self.max_model_len = min(i["max_context"] for i in infos)
-        lanes = self.num_micro_batches or default_lanes(compute_units(infos), spec, self.async_scheduling)
+        units = compute_units(infos)
+        lanes = self.num_micro_batches or default_lanes(units, spec, self.async_scheduling)
+        self.max_in_flight = self.max_in_flight_arg or default_in_flight(lanes)
         kv_tokens, page_size = kv_budget(infos)
         budget, mixed = default_token_budget(infos, self.max_batch_size, steps if spec != "none" else 0)
         self.scheduler = Scheduler(
@@ -262,6 +281,10 @@ class Engine:
         dropped = await self._drop_evicted()
         self._record_cache()
         return dropped
+
+    async def first_token_rows(self) -> dict:
+        """The requests' paths to their first token (``FirstTokens.rows``)."""
+        return self.first_tokens.rows()
 
     async def _drop_evicted(self) -> int:
         """Drop the prefix-cache slots evicted since the last call on every stage, then
@@ -390,7 +413,8 @@ class Engine:
             q.put_nowait(out)
 
     async def _lane_loop(self, lane: int) -> None:
-        """Drive lane ``lane``: keep up to two of its micro-batches in flight, the next formed
+        """Drive lane ``lane``: keep up to two of its micro-batches in flight (the second while
+        fewer than ``max_in_flight`` of every lane are), the next formed
         and sent as soon as the last one is (async scheduling, docs/DESIGN.md): its
         continuing requests' input ids come from the round in flight, which the first stage
         fills in, so a stage never waits a router round trip between two rounds of a lane.
@@ -404,7 +428,8 @@ class Engine:
                 if self.failure is not None and not flights:
                     await self._recover()
                     continue
-                batch = self._schedule(lane) if len(flights) < 2 and self.failure is None else None
+                batch = self._schedule(lane) if (len(flights) < 2 and self.failure is None
+                                                 and (not flights or self._may_send_follower())) else None
                 commit = self._riding.pop(lane, None)
                 # a step carries the commit only for rows all in it: refused, it fails them all
                 # and their release abandons the commit on every stage (none is left pending);
@@ -416,7 +441,12 @@ class Engine:
                 if batch is not None:
                     inp = batch.step_input(self.eos)
                     step = self.pipeline.step(inp, commit) if rides else self.pipeline.step(inp)
-                    flights.append((batch, asyncio.ensure_future(step), time.monotonic()))
+                    sent = time.monotonic()
+                    if batch.first:
+                        ahead = sum(map(len, self._flights.values()))
+                        for r in batch.first:
+                            r.sent_at, r.sent_behind = sent, ahead
+                    flights.append((batch, asyncio.ensure_future(step), sent))
                     self._set_in_flight(lane)
                     continue  # the next one at once, if one can form before this one's result
                 if not flights:
@@ -434,6 +464,12 @@ class Engine:
                 task.cancel()
             flights.clear()
             self._set_in_flight(lane)
+
+    def _may_send_follower(self) -> bool:
+        """Whether a lane with a micro-batch in flight may send its next round beside it
+        (async scheduling): while fewer than ``max_in_flight`` micro-batches of every lane
+        are in flight."""
+        return sum(map(len, self._flights.values())) < self.max_in_flight
 
     def _schedule(self, lane: int):
         """The lane's next micro-batch (None: nothing to run now), after sending the releases
@@ -468,7 +504,13 @@ class Engine:
             log.exception("micro-batch of lane %d failed", lane)
             self._fail(f"{type(e).__name__}: {e}")
             return
+        back = time.monotonic()
         up = self.scheduler.process(batch, res.output_ids, res.drafts, res.logprobs, res.prompt_logprobs)
+        for b in range(batch.first_chunk, len(batch.requests)):
+            r = batch.requests[b]
+            # the chunk that ends its prompt samples its first token (not a recomputed one's)
+            if batch.sample[b] and r.output_ids and r.prefill_batches:
+                self.first_tokens.record(r, back)
         if up.commit is not None and not up.release_rows and self.pipeline.commits_ride_steps:
             self._riding[lane] = up.commit  # the lane's next step carries it (_lane_loop)
         elif up.commit is not None or up.release_rows:

@@ -15,7 +15,7 @@ Messages (tuples; the first item names them):
 
 client -> engine: ``("add", request_id, prompt_token_ids, params)``,
 ``("abort", request_id, finish_reason)``, ``("call", call_id, name)`` (``flush_cache``,
-``metrics``), ``("shutdown", reason)``, ``("close",)``.
+``first_token_rows``, ``metrics``), ``("shutdown", reason)``, ``("close",)``.
 
 engine -> client: ``("ready", facts)`` or ``("failed", message)`` once at start,
 ``("out", [(request_id, RequestOutput or error), ...])``, ``("health", ok, detail)`` when
@@ -153,6 +153,8 @@ class EngineServer:
         try:
             if name == "flush_cache":
                 value = await self.engine.flush_cache()
+            elif name == "first_token_rows":
+                value = await self.engine.first_token_rows()
             elif name == "metrics":
                 from prometheus_client import generate_latest
 
@@ -402,6 +404,9 @@ class EngineClient:
 
     async def flush_cache(self) -> int:
         return await self._call("flush_cache")
+
+    async def first_token_rows(self) -> dict:
+        return await self._call("first_token_rows")
 
     async def refresh_metrics(self) -> None:
         """Fetch the engine process's metrics (before a scrape)."""

@@ -47,7 +47,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=lambda: time.monotonic())
     row: int = -1
     lane: int = -1
     status: str = WAITING
@@ -82,6 +82,13 @@ class Request:
     branch_at: int = 0       # a prefill chunk ends here: the snapshot there serves the next request that shares it
     branch_key: int = 0      # hash of its tokens up to branch_at (+1: the filing key), while branch_at is set
     prompt_lps: list | None = None  # prompt_logprobs collected so far (None once sent)
+    # its path to the first token (router/first_tokens.py): admitted into a lane, its first
+    # micro-batch formed and sent (time.monotonic()), micro-batches it was in until then
+    admitted_at: float = 0.0
+    formed_at: float = 0.0
+    sent_at: float = 0.0
+    sent_behind: int = 0  # micro-batches of every lane in flight when its first was sent
+    prefill_batches: int = 0
     _spec: SamplingSpec | None = field(default=None, repr=False, compare=False)  # spec()
 
     def __post_init__(self):
@@ -158,8 +165,10 @@ class ScheduledBatch:
         self.first = [r for r in self.requests if not r.scheduled]
         if not self.output_lens:
             self.output_lens = [len(r.output_ids) for r in self.requests]
-        for r in self.first:
-            r.scheduled = True
+        if self.first:
+            now = time.monotonic()
+            for r in self.first:
+                r.scheduled, r.formed_at = True, now
 
     @property
     def req_pool_indices(self) -> list[int]:
@@ -403,13 +412,15 @@ class Scheduler:
         n = min(r.num_computed + extend, len(r.prompt_ids) + r.params.max_tokens) + self.D + self.num_steps
         return -(-n // self.page_size) * self.page_size
 
-    def _admit(self) -> None:
+    def _admit(self, lane: int | None = None) -> None:
+        # ``lane``: the lane forming its micro-batch now (schedule's)
         # Not while a running request waits for KV (it would lose the pages it waits for);
         # each running one keeps room for its next verify round, so that an admission does
         # not preempt at once the request it just admitted.
         headroom = -(-self.D // self.page_size) * self.page_size
         later: list[Request] = []  # waiting for a snapshot under way: the ones behind them go first
         pending = self._pending_branches() if self.cache is not None and self.waiting else {}
+        here = lane is not None and self.num_lanes > 1 and self.waiting and self._forms_now(lane)
         while self.waiting and self.free_rows and not self._short:
             req = self.waiting[0]
             if req.aborted:
@@ -460,10 +471,30 @@ class Scheduler:
                 self.kv.share(("row", req.row), ("slot", slot), req.num_computed)
             self.kv.grow(("row", req.row), need)
             req.reserved_tokens = need
+            # the lane with the fewest requests; a request that hits the cache (a short prefill
+            # left) joins the lane forming its micro-batch now instead, while that one holds at
+            # most one request more and the emptiest has a micro-batch in flight: it rides in
+            # the micro-batch formed now, not in the other lane's next one once its result is
+            # back (a round later). An idle lane starts at once, so a burst stays spread;
+            # a long prompt, which leaves the forming lane's micro-batch its chunks' weight,
+            # goes to the emptiest.
             req.lane = min(range(self.num_lanes), key=lambda i: len(self.lanes[i]))
+            if here and slot >= 0 and req.lane != lane and len(self.lanes[lane]) <= len(self.lanes[req.lane]) + 1 \
+                    and any(r.in_flight for r in self.lanes[req.lane]):
+                req.lane = lane
             req.status = RUNNING
+            req.admitted_at = time.monotonic()
             self.lanes[req.lane].append(req)
         self.waiting.extendleft(reversed(later))
+
+    def _forms_now(self, lane: int) -> bool:
+        """Whether :meth:`schedule` of ``lane`` forms a micro-batch now (none of its requests
+        in flight, or every one of them continues: ``cont`` there), so that a request admitted
+        into it runs in it."""
+        live = [r for r in self.lanes[lane] if r.status == RUNNING and not r.aborted]
+        flying = [r for r in live if r.in_flight]
+        cont = [r for r in flying if r.in_flight == 1 and r.follows_round]
+        return not flying or (bool(cont) and not (self.num_steps and len(cont) < len(flying)))
 
     def _grow(self, r: Request, extend: int) -> bool:
         """Make ``r`` hold :meth:`_kv_need` for its next micro-batch, preempting younger
@@ -541,7 +572,7 @@ class Scheduler:
         A long prompt so never waits for the decodes nor stalls them. None when nothing
         can run now. Growing a request's KV may preempt younger ones not in this
         micro-batch: their rows are in :meth:`take_preempted`."""
-        self._admit()
+        self._admit(lane)
         live = [r for r in self.lanes[lane] if r.status == RUNNING and not r.aborted]
         # async scheduling: requests whose micro-batch in flight leaves them decoding
         # continue now, at the position it leaves (Request.follows_round)
@@ -617,6 +648,7 @@ class Scheduler:
             budget -= n
             end = r.num_computed + n
             r.in_flight += 1
+            r.prefill_batches += 1
             chosen.append(r)
             out_lens.append(len(r.output_ids))
             chunks += 1

@@ -45,6 +45,9 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
         add("--num-micro-batches", type=positive_int, default=None,
             help="micro-batches in flight (default: the number of stages without speculation, with async "
                  "scheduling; one more otherwise)"),
+        add("--max-in-flight", type=positive_int, default=None,
+            help="micro-batches of every lane in flight at most: a lane sends its next round beside the one in "
+                 "flight only below it (default: two per lane)"),
         add("--max-batch-size", type=positive_int, default=64, help="requests per micro-batch"),
         add("--max-num-batched-tokens", type=positive_int, default=None,
             help="tokens per micro-batch: decodes and verifies first, prefill chunks in the rest of one "
@@ -187,7 +190,8 @@ async def start_engine(args, tokenizer=None):
                     mixed_prefill_tokens=args.mixed_prefill_tokens, chunk_size=args.chunk_size,
                     max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
                     stall_timeout=args.stall_timeout, enable_prefix_caching=args.enable_prefix_caching,
-                    async_scheduling=args.async_scheduling, metrics=metrics, max_logprobs=args.max_logprobs)
+                    async_scheduling=args.async_scheduling, metrics=metrics, max_logprobs=args.max_logprobs,
+                    max_in_flight=args.max_in_flight)
     try:
         await engine.start()
     except (ValueError, StageDownError) as e:

@@ -158,6 +158,48 @@ def test_round_r_plus_1_is_sent_before_round_r_returns():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("cap", [2, None])
+def test_max_in_flight_bounds_the_rounds_a_lane_sends_beside_its_last(cap):
+    """Two lanes over one stage, a request in each: with ``max_in_flight=2`` each lane
+    keeps one micro-batch in flight, its next round sent once its last is back (a request
+    admitted now waits behind one micro-batch, not three); by default (``default_in_flight``:
+    two per lane) each sends its next round at once. A lane alone sends it beside the one
+    in flight either way (concurrency 1). The tokens are the same."""
+
+    async def run():
+        pipe = HeldPipeline(next_token=lambda t: (t + 1) % VOCAB)
+        engine = Engine(pipe, model_name="m", tokenizer=None, num_micro_batches=2, max_in_flight=cap)
+        await engine.start()
+        try:
+            assert engine.max_in_flight == (cap or 4)
+            alone = asyncio.ensure_future(_consume(engine, "alone", 3))
+            await pipe.wait_steps(2)  # a lane alone: its next round beside the one in flight
+            assert pipe.log == [("step", 0, 1), ("step", 0, 2)] and pipe.held[1][0].follows_round == 1
+            for k in range(3):
+                pipe.held[k][1].set()
+                await pipe.settle()
+            assert await asyncio.wait_for(alone, 10.0) == ([4, 5, 6], "length")
+            del pipe.log[:], pipe.held[:]
+            tasks = [asyncio.ensure_future(_consume(engine, "r0", 6))]
+            await pipe.wait_steps(2)  # r0 alone again: a round beside the one in flight
+            tasks.append(asyncio.ensure_future(_consume(engine, "r1", 6)))
+            await pipe.wait_steps(3)  # r1's first micro-batch, in the other lane
+            await pipe.settle()
+            counts = []  # micro-batches in flight, after each result
+            while not all(t.done() for t in tasks):
+                outstanding = [go for _, go in pipe.held if not go.is_set()]
+                counts.append(len(outstanding))
+                outstanding[0].set()
+                await pipe.settle()
+            # r0's two and r1's first; then one per lane (by default: two per lane)
+            assert counts == ([3] + [2] * 9 + [1, 1] if cap == 2 else [4] * 9 + [3, 2, 1])
+            assert [o for o, _ in await asyncio.gather(*tasks)] == [[4, 5, 6, 7, 8, 9]] * 2
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("end", ["eos", "abort"])
 def test_a_request_ending_with_a_round_in_flight_emits_nothing_more(end):
     """A request that ends (EOS in its result, or an abort such as a stop string the HTTP

@@ -70,3 +70,33 @@ async def _tokens(engine, rid, prompt, params):
     async for out in engine.generate(rid, prompt, params):
         ids += out.new_token_ids
     return ids
+
+
+def test_a_hit_rides_in_the_micro_batch_its_lane_forms_now():
+    """Two lanes, lane 1's micro-batch in flight: a request that hits the prefix cache,
+    arriving when lane 0 forms its next micro-batch, rides in it beside lane 0's decodes with
+    its restore (lane 0 then holds one request more than lane 1), not in lane 1 a round
+    later; one that hits nothing goes to the lane with the fewest requests, as before."""
+    from ppspec.router.prefix_cache import PrefixCache
+    from ppspec.router.scheduler import Scheduler
+
+    s = Scheduler(max_rows=8, kv_tokens=1 << 14, max_context=1024, num_lanes=2, max_num_batched_tokens=256,
+                  prefix_cache=PrefixCache(8))
+    p = SamplingParams(temperature=0.0, max_tokens=50)
+    system = [(7 * i + 3) % 200 for i in range(40)]
+    for rid, prompt in (("a", system), ("b", [1, 2, 3]), ("c", [4, 5, 6])):
+        s.add(rid, prompt, p)
+    b0, b1 = s.schedule(0), s.schedule(1)
+    assert [r.request_id for r in b0.requests] == ["a", "c"] and [r.request_id for r in b1.requests] == ["b"]
+    assert b0.snapshot_slots[0] >= 0  # the end of a's prompt, filed with the token sampled there
+    s.process(b0, [[5], [5]])  # lane 0's result is back, lane 1's is not
+    s.add("d", system + [5, 8, 9, 10, 11], p)  # hits a's prompt (filed with the token 5 after it)
+    s.add("e", [12, 13, 14, 15], p)  # hits nothing
+    b0 = s.schedule(0)
+    assert [r.request_id for r in b0.requests] == ["a", "c", "d"] and (b0.mode, b0.num_prefill) == ("decode", 1)
+    assert b0.extend_lens == [1, 1, 5] and b0.seq_lens[2] == 40 and s.requests["d"].cached_tokens == 40
+    assert b0.restore_slots[:2] == [-1, -1] and b0.restore_slots[2] >= 0
+    assert s.requests["e"].lane == 1 and not s.requests["e"].in_flight
+    s.process(b1, [[5]])
+    s.process(b0, [[6], [6], [9]])
+    assert [s.requests[r].output_ids for r in "abcd"] == [[5, 6], [5], [5, 6], [9]]

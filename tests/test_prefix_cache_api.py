@@ -64,6 +64,17 @@ def test_multi_turn_served_with_cache(served):
         cached_sum += sum(cached for _, cached in results)
         convs = [p + ids + [210, 211, 212] for p, (ids, _) in zip(convs, results)]
 
+    # each request's path to its first token, from the engine process (behind the API key)
+    assert httpx.get(c.url + "/v1/trace/first_tokens", timeout=30).status_code == 401
+    got = httpx.get(c.url + "/v1/trace/first_tokens", headers=AUTH, timeout=30).json()
+    ix = {f: i for i, f in enumerate(got["fields"])}
+    assert got["total"] == len(got["rows"]) == 6 and sum(x[ix["cached_tokens"]] for x in got["rows"]) == cached_sum
+    for x in got["rows"]:
+        stamps = [x[ix[k]] for k in ("arrival", "admitted", "formed", "sent", "back")]
+        assert stamps == sorted(stamps) and x[ix["batches"]] >= 1
+    later = httpx.get(c.url + "/v1/trace/first_tokens", params={"since": 4}, headers=AUTH, timeout=30).json()
+    assert [x[0] for x in later["rows"]] == [4, 5]
+
     # a flush while a request runs: refused without the key, and the request's tokens stay
     long_prompt = convs[0]
     out = {}

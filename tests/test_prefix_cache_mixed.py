@@ -39,9 +39,14 @@ def record_steps(llm) -> list:
 def test_hits_and_snapshots_ride_in_mixed_micro_batches(ckpt, spec):
     """The first conversation decodes while the others' prompts prefill beside it: their
     restores from its chunk snapshots, and their own chunk snapshots, go in decode / verify
-    micro-batches; the next turns restore the finished turns' snapshots there too."""
+    micro-batches; the next turns restore the finished turns' snapshots there too. One lane
+    over the two stages, so that every request shares the decoding conversation's lane
+    (with two, a request that hits joins the lane forming its micro-batch, which may hold
+    only other prompts' chunks: ``Scheduler._admit``; that case rides in a decode
+    micro-batch in tests/test_lanes.py)."""
     ref = multi_turn(LLM(ckpt, chunk_size=CHUNK), conversations())[0]
-    llm = LLM(ckpt, pp_size=2, speculative_algorithm=spec, chunk_size=CHUNK, enable_prefix_caching=True)
+    llm = LLM(ckpt, pp_size=2, speculative_algorithm=spec, chunk_size=CHUNK, enable_prefix_caching=True,
+              num_micro_batches=1)
     steps = record_steps(llm)
     replies, cached = multi_turn(llm, conversations())
     assert replies == ref

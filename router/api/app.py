@@ -136,6 +136,17 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
                                       "(ppspec serve does that unless --no-enable-prefix-caching)")
         return JSONResponse({"flushed_snapshots": await engine.flush_cache()})
 
+    @app.get("/v1/trace/first_tokens")
+    async def first_tokens(since: int = 0) -> JSONResponse:
+        """Where each recent request's time to its first token went, from the router's
+        timestamps (router/first_tokens.py): the rows recorded from number ``since`` on."""
+        rows = getattr(engine, "first_token_rows", None)
+        if rows is None:
+            raise InvalidRequestError("this engine records no first-token paths")
+        got = await rows()
+        got["rows"] = [x for x in got["rows"] if x[0] >= since]
+        return JSONResponse(got)
+
     @app.get("/version")
     async def version() -> JSONResponse:
         from ppspec import __version__

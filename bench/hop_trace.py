@@ -115,11 +115,11 @@ def stage_main(out: str, argv: list[str]) -> int:
         pass
     compute, step_once = server.StageServicer._compute, server.StageServicer._step_once
 
-    async def _compute(self, fn, *args):
+    async def _compute(self, fn, *args, **kw):
         if getattr(fn, "__name__", "") != "_run":
-            return await compute(self, fn, *args)
+            return await compute(self, fn, *args, **kw)
         events.append((args[0].round, "submit", ns()))
-        res = await compute(self, fn, *args)
+        res = await compute(self, fn, *args, **kw)
         events.append((args[0].round, "back", ns()))
         return res
 

@@ -87,10 +87,10 @@ if _d and "stage" in _argv and "--pp-rank" in _argv and _argv[_argv.index("--pp-
     R.SampledRounds.wait = wait
     orig_compute = S.StageServicer._compute
 
-    async def compute(self, fn, *a):
+    async def compute(self, fn, *a, **kw):
         rec("handoff", -1)
         try:
-            return await orig_compute(self, fn, *a)
+            return await orig_compute(self, fn, *a, **kw)
         finally:
             rec("back", -1)
     S.StageServicer._compute = compute

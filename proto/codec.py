@@ -246,7 +246,7 @@ _INFO_SCALARS = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers",
                  "vocab_size", "busy_seconds", "pending_commits", "commit_design", "prefill_attention",
                  "instance_id", "next_instance_id", "owner_router_id", "not_serving", "replaced", "warmup_seconds",
                  "transport", "transport_detail", "snapshot_slots", "snapshots_in_use", "device_type",
-                 "device_uuid", "control_socket", "host_id", "control", "control_detail")
+                 "device_uuid", "control_socket", "host_id", "control", "control_detail", "inline_jobs")
 
 
 def info_to_pb(i: StageInfo) -> "pb.InfoReply":

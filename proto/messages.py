@@ -443,5 +443,6 @@ class StageInfo(TypedDict, total=False):
     host_id: str                # hostname/boot id (proto/local.host_id)
     control: str                # what its relay's steps go on: "socket", "grpc" ("" on the last stage)
     control_detail: str         # why "grpc" where a socket was not used
+    inline_jobs: int            # steps and commits run on the event loop, no thread hand-off (--inline-steps)
     snapshot_slots: int         # prefix-cache snapshot slots of the stage
     snapshots_in_use: int

@@ -30,12 +30,11 @@ import signal
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ppspec.argtypes import add_control_channel_arg, add_cuda_graph_args, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
+from ppspec.argtypes import add_control_channel_arg, add_cuda_graph_args, add_inline_steps_arg, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
 from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, commit_to_pb, info_to_pb, release_from_pb, result_from_pb,
@@ -50,6 +49,7 @@ from ppspec.proto.stream import StepAbort, StepStream, serve_steps
 from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from . import dataplane
+from .compute import ComputeQueue, inline_steps
 from .dataplane_dist import DistLink, backend_for, peer_host
 from .config import CheckpointError
 from .pools import PoolExhaustedError
@@ -104,12 +104,13 @@ class StageServicer(pb_grpc.StageServicer):
                   grpc.StatusCode.UNKNOWN)
 
     def __init__(self, runner, next_stage: str | None, relay_timeout: float = 600.0, order_timeout: float = 600.0,
-                 data_plane: str = "auto", key: bytes | None = None):
+                 data_plane: str = "auto", key: bytes | None = None, inline: str = "auto"):
         self.runner = runner
         self.keyed = key is not None  # with a pipeline key, every mutating call names its router
         self.next_stage = next_stage
         self.relay_timeout, self.order_timeout = relay_timeout, order_timeout
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{runner.pp_rank}")
+        # the compute thread, and short steps inline when it is idle (compute.py)
+        self.compute = ComputeQueue(f"stage{runner.pp_rank}", inline_steps(inline, str(runner.device)))
         self.pending: dict[int, tuple[int, int]] = {}
         self.committing: set[int] = set()  # rows whose commit is being applied
         self._settling: set[asyncio.Task] = set()  # admitted commits not yet accounted for (_settle_commit)
@@ -145,8 +146,23 @@ class StageServicer(pb_grpc.StageServicer):
             self._relay = StepChannel(StepStream(self._next, key_metadata(key)), key,
                                       who=f"stage {runner.pp_rank} -> stage {runner.pp_rank + 1}")
 
-    async def _compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    @property
+    def executor(self):
+        return self.compute.executor
+
+    @executor.setter
+    def executor(self, executor) -> None:  # test aid: a spy around the worker
+        self.compute.executor = executor
+
+    async def _compute(self, fn, *args, inline: bool = False):
+        """``fn(*args)`` on the compute queue, after every job admitted before it; with
+        ``inline`` (a short step) on this thread when nothing is queued (compute.py)."""
+        return await self.compute.run(fn, *args, inline=inline)
+
+    @staticmethod
+    def _short(inp: StepInput) -> bool:
+        """A step that may run inline: decode or verify rows only (no prefill chunk)."""
+        return inp.mode != PREFILL and not inp.num_prefill
 
     @staticmethod
     def _code(e: BaseException) -> grpc.StatusCode:
@@ -341,7 +357,7 @@ class StageServicer(pb_grpc.StageServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         link = self.link  # the link this step's tensor goes on (a re-attach may replace it meanwhile)
         try:
-            out, sent = await self._compute(self._run, inp, link, ref)
+            out, sent = await self._compute(self._run, inp, link, ref, inline=self._short(inp))
         except Exception as e:
             await self._unmark(inp.verify_rows, verify)
             await self._fail(context, e, f"{inp.mode} of micro-batch {inp.micro_batch_id}")
@@ -412,7 +428,7 @@ class StageServicer(pb_grpc.StageServicer):
             await settle(True)
             return None, None, result
 
-        ran = asyncio.get_running_loop().run_in_executor(self.executor, job)  # queued now, in admission order
+        ran = self.compute.submit(job, inline=self._short(inp))  # queued now, in admission order
         finished = asyncio.ensure_future(finish())
         self._settling.add(finished)  # referenced until done: the call may not wait for it
         finished.add_done_callback(self._settling.discard)
@@ -630,7 +646,7 @@ class StageServicer(pb_grpc.StageServicer):
             return time.perf_counter() - t0
 
         # queued now, in the order the stage admitted it (before any later step or release)
-        ran = asyncio.get_running_loop().run_in_executor(self.executor, timed_commit)
+        ran = self.compute.submit(timed_commit, inline=True)
         settle = asyncio.ensure_future(self._settle_commit(ran, key, rows))
         self._settling.add(settle)  # referenced until done: the call may not wait for it
         settle.add_done_callback(self._settling.discard)
@@ -725,6 +741,7 @@ class StageServicer(pb_grpc.StageServicer):
             "control_socket": self.control_socket, "host_id": self.host,
             "control": "" if self._relay is None else self._relay.transport,
             "control_detail": "" if self._relay is None else self._relay.detail,
+            "inline_jobs": self.compute.inline_runs,
         })
 
 
@@ -782,7 +799,8 @@ async def serve_stage(args) -> int:
     # no SO_REUSEPORT (gRPC's default on Linux): a second stage on a served port must fail,
     # not share the port and take over the first one's traffic unnoticed
     server = grpc.aio.server(options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)], interceptors=interceptors)
-    servicer = StageServicer(runner, None if last else args.next_stage, data_plane=args.data_plane, key=key)
+    servicer = StageServicer(runner, None if last else args.next_stage, data_plane=args.data_plane, key=key,
+                             inline=args.inline_steps)
     servicer.hold = delayer and delayer.hold
     swept = dataplane.sweep_dead_segments()
     if swept:
@@ -877,7 +895,7 @@ async def serve_stage(args) -> int:
     if sockets is not None:
         sockets.close()
     await server.stop(grace=2)
-    servicer.executor.shutdown(wait=False, cancel_futures=True)
+    servicer.compute.shutdown(wait=False, cancel_futures=True)
     servicer.link.close()
     if servicer._relay is not None:
         servicer._relay.close()
@@ -958,6 +976,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "by the next verify); default replay on CUDA, copy on CPU")
     add_data_plane_arg(ap)
     add_control_channel_arg(ap)
+    add_inline_steps_arg(ap)
     add_cuda_graph_args(ap)
     ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=None,
                     help="GiB for prefix-cache snapshots of the recurrent state (default: no prefix cache on this "

@@ -276,6 +276,23 @@ def test_steps_go_on_the_stage_sockets_a_restart_reattaches_and_grpc_hops_still_
     assert not real, real
 
 
+def test_inline_steps_under_delays_give_pp1s_tokens_concurrent_and_alone(random_ref, tmp_path):
+    """PP3 with MTP, every stage running short steps inline on its event loop when its
+    compute queue is idle (``--inline-steps on``, the CUDA default; stage_server/compute.py),
+    under random injected delays (commits and verifies arriving in either order): requests
+    at once and then one at a time give PP1's greedy tokens, every stage ran jobs inline,
+    and no row is left held."""
+    path, prompts, ref, gaps = random_ref
+    with Cluster(path, 3, "mtp", delay_ms=3, log_dir=str(tmp_path), stage_args=["--inline-steps", "on"]) as c:
+        outs = complete(c.url, prompts[:8], max_tokens=32)
+        alone = [complete(c.url, [p], max_tokens=32)[0] for p in prompts[8:11]]
+        infos = c.wait_rows_free()
+        assert all(i.inline_jobs > 0 for i in infos), [i.inline_jobs for i in infos]
+        assert [(i.rows_in_use, i.pending_commits) for i in infos] == [(0, 0)] * 3
+    real, _ = divergences(outs + alone, ref[:11], gaps[:11])
+    assert not real, real
+
+
 def _segments(pids):
     """Data-plane segments in /dev/shm made by ``pids``."""
     return [n for n in os.listdir("/dev/shm") if n.startswith("ppspec-") and n.split("-")[1] in pids]

@@ -18,7 +18,7 @@ import urllib.request
 
 from ppspec.argtypes import (
     DEMO_MODEL, DTYPES, DefaultsHelpFormatter, add_control_channel_arg, add_cuda_graph_args, add_data_plane_arg,
-    cuda_graph_argv, device_list, free_port, listen_error, nonneg_int, port, port_list, positive_finite_float,
+    add_inline_steps_arg, cuda_graph_argv, device_list, free_port, listen_error, nonneg_int, port, port_list, positive_finite_float,
     positive_float, positive_int, stage_devices,
 )
 from ppspec.auth import KeyFileError, read_key_file, write_temp_key
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GDN verify commit of every stage (default: replay on CUDA, copy on CPU)")
     add_data_plane_arg(ap)
     add_control_channel_arg(ap)
+    add_inline_steps_arg(ap)
     add_cuda_graph_args(ap)
     add_router_args(ap)
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -140,7 +141,7 @@ def stage_argv(a: argparse.Namespace, k: int, ports: list[int], device: str, thr
         "--speculative-algorithm", a.speculative_algorithm,
         "--speculative-num-steps", str(a.speculative_num_steps), "--dtype", a.dtype,
         "--device", device, "--num-threads", str(threads), "--data-plane", a.data_plane,
-        "--control-channel", a.control_channel,
+        "--control-channel", a.control_channel, "--inline-steps", a.inline_steps,
     ]
     if k + 1 < n:
         argv += ["--next-stage", f"{a.host}:{ports[k + 1]}"]

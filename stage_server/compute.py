@@ -11,7 +11,10 @@ checkpoint is ~1.8 ms. A decode or verify step that finds the queue empty theref
 submits every job, and none is queued or running), so the one-at-a-time order holds. While
 steps overlap (async scheduling, several lanes) each finds the one before it queued or
 running and goes to the worker, as before, so the worker picks the next step up the moment
-the last one ends. Inline is only for short steps on a CUDA stage (a graph launch, and on
+the last one ends. Both ways hold once taken: a step that arrives while an inline one runs
+is read only when it ends, and then finds the queue idle and runs inline too, its read and
+checks (~100 us) between the two on the device where the worker would have overlapped them
+(``--inline-steps off`` keeps every step on the worker). Inline is only for short steps on a CUDA stage (a graph launch, and on
 the last stage the wait for its sampled tokens): a prefill, or a CPU stage's forward, would
 hold the event loop (health, commits, the next step's read) for its whole compute
 (docs/DESIGN.md, "Control channel").

@@ -63,6 +63,8 @@ import sys
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ppspec.bench.serving import first_token_rows
+
 WORKLOADS = ("first", "shared", "mt32", "mt1")
 
 
@@ -75,14 +77,6 @@ def cache_counters(url: str) -> tuple[int, int]:
         if fam.name in got:
             got[fam.name] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
     return int(got["ppspec:prefix_cache_queries"]), int(got["ppspec:prefix_cache_hits"])
-
-
-def first_token_rows(url: str, since: int = 0) -> dict:
-    """The server's first-token paths recorded from number ``since`` on
-    (``GET /v1/trace/first_tokens``; router/first_tokens.py)."""
-    r = httpx.get(url + "/v1/trace/first_tokens", params={"since": since}, timeout=60)
-    r.raise_for_status()
-    return r.json()
 
 
 def first_token_path(got: dict) -> dict:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import statistics
@@ -51,7 +52,7 @@ import httpx
 
 from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
 from ppspec.bench.runner import RunConfig, run_benchmark
-from ppspec.bench.serving import serving
+from ppspec.bench.serving import first_token_rows, serving
 
 # compute negligible: what a round costs is the system's own work
 TINY_SHAPE = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -80,6 +81,14 @@ def long_prompt(n: int, k: int = 0) -> list[int]:
     if ids:
         ids[0] = 8100 + k
     return ids
+
+
+def long_path(got: dict) -> dict:
+    """:func:`~ppspec.router.first_tokens.summarize` of the timed TTFT prompts' rows (the
+    last three) of a ``first_token_rows`` answer: where the router saw their time go."""
+    from ppspec.router.first_tokens import summarize
+
+    return summarize(got["rows"][-3:], got["fields"])
 
 
 def ttft_figures(time_one, n: int) -> float:
@@ -146,10 +155,12 @@ def engine_figures(a, prompts: list[list[int]]) -> dict:
         llm.generate([ids], one)
         return time.perf_counter() - t0
 
+    mark = llm.engine.first_tokens.total
     long_ttft = ttft_figures(time_one, a.long_prompt)
+    path = long_path(llm.engine.first_tokens.rows(mark))
     del llm
     return {"tok_s": batch_tok_s, "solo_tok_s": statistics.median(solo), "round_s": statistics.median(rounds),
-            "long_ttft_s": long_ttft,
+            "long_ttft_s": long_ttft, "long_path": path,
             # output tokens per micro-batch alone, the prefill's included (as the served figure counts them)
             "solo_tokens_per_round": solo_tokens / max(1, solo_steps),
             "cpu_round_s": cpu / max(1, rounds_done[0]), "cpu_token_s": cpu / max(1, tokens),
@@ -297,10 +308,12 @@ class CpuMeter:
             figures[f"{part}_round_s"], figures[f"{part}_token_s"] = per(seconds, self.rounds), per(seconds, tokens)
         return figures
 
-def _timed_request(url: str, prompt, max_tokens: int) -> float:
-    """Seconds of one non-streamed greedy completion."""
+def _timed_request(client: httpx.Client, prompt, max_tokens: int) -> float:
+    """Seconds of one non-streamed greedy completion on ``client``'s kept-alive connection
+    (a new ``httpx.Client`` per request costs ~20 ms of its own, its SSL context, which
+    every served TTFT here carried before 2026-12-04)."""
     t0 = time.perf_counter()
-    r = httpx.post(url + "/v1/completions", timeout=600, json={
+    r = client.post("/v1/completions", timeout=600, json={
         "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -319,10 +332,13 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
-    with serving(cmd, a.startup_timeout, f"pp{pp}", env=env, cwd=pythonpath or None) as (url, proc):
+    with contextlib.ExitStack() as stack:
+        url, proc = stack.enter_context(serving(cmd, a.startup_timeout, f"pp{pp}", env=env, cwd=pythonpath or None))
         first_prompt = samples[0].prompt
-        first = _timed_request(url, first_prompt, 32)  # the first request after /health turned 200
-        steady = statistics.median(_timed_request(url, first_prompt, 32) for _ in range(5))
+        timed = stack.enter_context(httpx.Client(base_url=url))
+        timed.get("/health", timeout=10)  # the connection open, as a client's that sent anything before
+        first = _timed_request(timed, first_prompt, 32)  # the first request after /health turned 200
+        steady = statistics.median(_timed_request(timed, first_prompt, 32) for _ in range(5))
         cfg = dict(base_url=url, progress=False, test_request=False, ignore_eos=True)
         count = lambda s: len(s.split())  # noqa: E731  (the served usage counts the tokens)
         pids = serve_children(proc.pid)
@@ -336,14 +352,53 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
         if a.long_prompt >= context:
             print(f"--long-prompt {a.long_prompt} is over the context of {context} tokens: {context - 1} used")
             a.long_prompt = context - 1
-        ttft = ttft_figures(lambda ids: _timed_request(url, ids, 1), a.long_prompt)
+        try:  # a checkout before the router's first-token stamps has no such endpoint
+            mark = first_token_rows(url, 1 << 62)["total"]
+        except httpx.HTTPError:
+            mark = None
+        with CpuMeter(url, pids) as cpu_long:
+            ttft = ttft_figures(lambda ids: _timed_request(timed, ids, 1), a.long_prompt)
+        path = long_path(first_token_rows(url, mark)) if mark is not None else {"n": 0}
     return {"tok_s": full["output_throughput"], "solo_tok_s": solo["output_throughput"],
-            "tpot_s": solo["tpot_ms"]["mean"] / 1e3, "long_ttft_s": ttft, "first_s": first, "steady_s": steady,
+            "tpot_s": solo["tpot_ms"]["mean"] / 1e3, "long_ttft_s": ttft, "long_path": path,
+            "long_cpu": cpu_long.figures(4), "first_s": first, "steady_s": steady,
             "failed": full["failed"] + solo["failed"],
             "cpu": cpu_full.figures(full["total_output_tokens"]), "solo_cpu": cpu_solo.figures(solo["total_output_tokens"])}
 
 
 # ------------------------------------------------------------------ report
+def long_path_lines(a, eng: dict, served: dict[str, dict[int, dict]], names: list[str], pps: list[int], fmt) -> list[str]:
+    """Where the long prompt's TTFT goes, by the router's stamps (router/first_tokens.py;
+    medians of the three timed prompts), the engine in one process beside each server: the
+    client's time less the router's is the HTTP edge and the hop to the engine process, and
+    the stage forwards during them say whether the chunk replayed a graph."""
+    from ppspec.router.first_tokens import SEGMENTS
+
+    cols = [("engine", eng)] + [(f"{n} PP{pp}", served[n][pp]) for n in names for pp in pps]
+    lines = ["", f"TTFT of the {a.long_prompt}-token prompt by the router's stamps (median ms of 3)", "",
+             "| | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
+
+    def row(label, fn, f="{:.1f}"):
+        vals = []
+        for _, fig in cols:
+            try:
+                vals.append(fmt(fn(fig), f))
+            except (KeyError, TypeError):
+                vals.append("-")
+        lines.append(f"| {label} | " + " | ".join(vals) + " |")
+
+    row("the client's TTFT", lambda g: g["long_ttft_s"] * 1e3)
+    for name, text in SEGMENTS:
+        row(text, lambda g, name=name: g["long_path"][name][1])
+    row("queued until its first token back (router)", lambda g: g["long_path"]["ttft"][1])
+    row("the client's less the router's (HTTP, the hop to the engine process)",
+        lambda g: g["long_ttft_s"] * 1e3 - g["long_path"]["ttft"][1])
+    row("micro-batches until its first token", lambda g: g["long_path"]["batches"][1], "{:.0f}")
+    row("stage forwards of the 4 prompts: graph replays", lambda g: g["long_cpu"]["graph"], "{:.0f}")
+    row("stage forwards of the 4 prompts: eager", lambda g: g["long_cpu"]["eager"], "{:.0f}")
+    return lines
+
+
 def _round_s(figures: dict) -> float:
     """Seconds of a served round at concurrency 1: TPOT times the output tokens of a
     micro-batch (1 without speculation; the accept length with it, which a TPOT divides)."""
@@ -402,6 +457,7 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
         # the system's own cost of a round at batch 1: a served round less the engine's
         lines.append(f"| PP{pp} overhead per round c1 (ms) | " + " | ".join(
             fmt((_round_s(served[n][pp]) - eng["round_s"]) * 1e3) for n in names) + " |")
+    lines += long_path_lines(a, eng, served, names, pps, fmt)
     lines += ["", f"host CPU (user + system, /proc) per micro-batch and per output token; engine in one process: "
               f"{eng['cpu_round_s'] * 1e3:.2f} ms per micro-batch, {eng['cpu_token_s'] * 1e3:.3f} ms per token "
               f"(all prompts at once)", "", "| CPU | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]

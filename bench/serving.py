@@ -21,6 +21,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def first_token_rows(url: str, since: int = 0) -> dict:
+    """The server's first-token paths recorded from number ``since`` on
+    (``GET /v1/trace/first_tokens``; router/first_tokens.py)."""
+    r = httpx.get(url + "/v1/trace/first_tokens", params={"since": since}, timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
 def healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200

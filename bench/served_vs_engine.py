@@ -34,7 +34,9 @@ GPU (the H200 of docs/PERFORMANCE.md)::
 negligible and the figures are the system's own overhead per round: served against in
 process, at PP 1, 2 and 4. ``--baseline-pythonpath DIR`` serves a second time with another
 checkout's packages first on ``PYTHONPATH`` (a folder holding a ``ppspec`` package that
-maps that checkout, see ``--help``), in the same run, for an A/B of a change.
+maps that checkout, see ``--help``), in the same run, for an A/B of a change;
+``--variant NAME=ARGS`` (repeatable) serves this checkout again with more ``ppspec serve``
+arguments, for an A/B of a setting (``--variant "one-lane=--num-micro-batches 1"``).
 """
 from __future__ import annotations
 
@@ -320,7 +322,7 @@ def _timed_request(client: httpx.Client, prompt, max_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
+def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "") -> dict:
     model = os.path.abspath(a.model) if os.path.exists(a.model) else a.model
     cmd = ["--model", model, "--pp-size", str(pp),
            "--speculative-algorithm", a.spec, "--device", a.device, "--dtype", a.dtype,
@@ -328,7 +330,7 @@ def served_figures(a, pp: int, samples, pythonpath: str | None) -> dict:
            "--served-model-name", "m"]
     if a.device == "cpu":
         cmd += ["--num-threads", str(a.num_threads)]
-    cmd += a.serve_args.split()
+    cmd += a.serve_args.split() + extra.split()
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
@@ -501,8 +503,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-args", default="", help="more arguments for ppspec serve")
     ap.add_argument("--baseline-pythonpath", default=None,
                     help="also serve with this folder first on PYTHONPATH (another checkout's ppspec), named 'baseline'")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="also serve this checkout with these more ppspec serve arguments, named NAME (repeatable)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     a = ap.parse_args(argv)
+    variants = []
+    for v in a.variant:
+        name, sep, args = v.partition("=")
+        if not sep or not name or name in ("served", "baseline"):
+            ap.error(f"--variant {v!r}: NAME=ARGS, NAME not 'served' or 'baseline'")
+        variants.append((name, None, args))
     if a.tiny:
         a.model = a.model or make_tiny(os.path.join(tempfile.mkdtemp(), "tiny"))
     if a.model is None:
@@ -520,11 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine in one process ({a.model}) ...", file=sys.stderr, flush=True)
     eng = engine_figures(a, prompts)
     served: dict[str, dict[int, dict]] = {}
-    runs = [("served", None)] + ([("baseline", a.baseline_pythonpath)] if a.baseline_pythonpath else [])
+    runs = [("served", None, "")] + ([("baseline", a.baseline_pythonpath, "")] if a.baseline_pythonpath else [])
+    runs += variants
     for pp in (int(x) for x in a.pp.split(",")):
-        for name, path in runs:  # interleaved: the A/B sees the same machine load
+        for name, path, extra in runs:  # interleaved: the A/B sees the same machine load
             print(f"{name} PP{pp} ...", file=sys.stderr, flush=True)
-            served.setdefault(name, {})[pp] = served_figures(a, pp, samples, path)
+            served.setdefault(name, {})[pp] = served_figures(a, pp, samples, path, extra)
     print(report(a, eng, served))
     return 0
 

@@ -59,18 +59,18 @@ def compute_units(infos: list[StageInfo]) -> int:
     return len({u for u in uuids if u}) + sum(1 for u in uuids if not u)
 
 
-def default_lanes(units: int, spec: str, async_scheduling: bool) -> int:
-    """Micro-batches in flight by default, for ``units`` stages that compute at once
-    (:func:`compute_units`). Without speculation and with async scheduling, one per unit:
-    a lane's next round is queued at the first stage while its last one runs, so no stage
-    waits for the router, and a decode forward costs about the same at 32 rows as at 64
-    (it reads every weight once), so splitting the running requests over more lanes than
-    units costs throughput (H200, 1.46B, PP1 at concurrency 64: 7658 tok/s with one lane
-    against 6199 with two; PP2 with both stages on one GPU, two lanes of ~32 rows: 0.66x
-    PP1, each round of all requests reading every weight twice; docs/PERFORMANCE.md).
-    Rounds that wait for their last result (n-gram verifies, MTP lanes with a request near
-    its end, no async scheduling): one more lane than units keeps one busy meanwhile."""
-    return units if async_scheduling and spec == "none" else units + 1
+def default_lanes(units: int) -> int:
+    """Micro-batches in flight by default: one per unit of ``units`` stages that compute at
+    once (:func:`compute_units`), with or without speculation. A forward costs about the
+    same at 32 rows as at 64 where it reads every weight once (a GPU) or where its fixed cost
+    outweighs its rows' (a small model), so splitting the running requests over more lanes
+    than units costs throughput, more than a stage idle while a synchronous round (a verify,
+    or no async scheduling) goes round the router costs it. H200, 1.46B, PP1 at concurrency
+    64 without speculation: 7658 tok/s with one lane against 6199 with two. CPU, MTP,
+    concurrency 16, one lane against two (`served_vs_engine --variant`): the demo 419 against
+    358 tok/s, the tiny checkpoint 843 against 650 (PP2: 718 with one, 668 with two, 541
+    with three); docs/PERFORMANCE.md, "One lane per unit, with speculation too"."""
+    return units
 
 
 def default_in_flight(lanes: int) -> int:
@@ -195,7 +195,7 @@ class Engine:
         self.spec = spec
         self.max_model_len = min(i["max_context"] for i in infos)
         units = compute_units(infos)
-        lanes = self.num_micro_batches or default_lanes(units, spec, self.async_scheduling)
+        lanes = self.num_micro_batches or default_lanes(units)
         self.max_in_flight = self.max_in_flight_arg or default_in_flight(lanes)
         kv_tokens, page_size = kv_budget(infos)
         budget, mixed = default_token_budget(infos, self.max_batch_size, steps if spec != "none" else 0)

@@ -43,8 +43,7 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
     add = ap.add_argument
     return [
         add("--num-micro-batches", type=positive_int, default=None,
-            help="micro-batches in flight (default: the number of stages without speculation, with async "
-                 "scheduling; one more otherwise)"),
+            help="micro-batches in flight (default: the number of stages, stages sharing one GPU counted once)"),
         add("--max-in-flight", type=positive_int, default=None,
             help="micro-batches of every lane in flight at most: a lane sends its next round beside the one in "
                  "flight only below it (default: two per lane)"),

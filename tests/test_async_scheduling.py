@@ -104,7 +104,7 @@ def test_next_micro_batch_is_sent_before_the_previous_result():
 
     async def run():
         pipe = HeldPipeline()
-        engine = Engine(pipe, model_name="m", tokenizer=None, async_scheduling=False)
+        engine = Engine(pipe, model_name="m", tokenizer=None, async_scheduling=False, num_micro_batches=2)
         await engine.start()
         try:
             tasks = [asyncio.ensure_future(_consume(engine, f"r{i}", 3)) for i in range(2)]

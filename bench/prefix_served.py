@@ -63,7 +63,7 @@ import sys
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ppspec.bench.serving import first_token_rows
+from ppspec.bench.serving import first_token_mark, first_token_rows
 
 WORKLOADS = ("first", "shared", "mt32", "mt1")
 
@@ -149,7 +149,7 @@ def run_workload(a, name: str, url: str, cache: bool, records: list[dict], count
         cfg = RunConfig(endpoint="chat", max_concurrency=a.shared_concurrency, **base)
         asyncio.run(run_benchmark(cfg, samples[:1], counter.count, counter.source))  # the system prompt cached
         q0, h0 = cache_counters(url)
-        mark = first_token_rows(url, 1 << 62)["total"]
+        mark = first_token_mark(url)
         r = asyncio.run(run_benchmark(cfg, samples[1:], counter.count, counter.source))
         path = first_token_path(first_token_rows(url, mark))
     else:

@@ -54,7 +54,7 @@ import httpx
 
 from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
 from ppspec.bench.runner import RunConfig, run_benchmark
-from ppspec.bench.serving import first_token_rows, serving
+from ppspec.bench.serving import first_token_mark, first_token_rows, serving
 
 # compute negligible: what a round costs is the system's own work
 TINY_SHAPE = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -355,7 +355,7 @@ def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "")
             print(f"--long-prompt {a.long_prompt} is over the context of {context} tokens: {context - 1} used")
             a.long_prompt = context - 1
         try:  # a checkout before the router's first-token stamps has no such endpoint
-            mark = first_token_rows(url, 1 << 62)["total"]
+            mark = first_token_mark(url)
         except httpx.HTTPError:
             mark = None
         with CpuMeter(url, pids) as cpu_long:

@@ -29,6 +29,12 @@ def first_token_rows(url: str, since: int = 0) -> dict:
     return r.json()
 
 
+def first_token_mark(url: str) -> int:
+    """How many first-token paths the server has recorded: the ``since`` of
+    :func:`first_token_rows` for the requests sent after this call."""
+    return first_token_rows(url, 1 << 62)["total"]
+
+
 def healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200

@@ -156,9 +156,12 @@ def add_control_channel_arg(ap) -> None:
                          "(the gRPC Steps stream only); other calls always go on gRPC")
 
 
+INLINE_STEPS = ("auto", "on", "off")
+
+
 def add_inline_steps_arg(ap) -> None:
     """``--inline-steps`` of ``ppspec stage`` and ``ppspec serve`` (stage_server/compute.py)."""
-    ap.add_argument("--inline-steps", default="auto", choices=("auto", "on", "off"),
+    ap.add_argument("--inline-steps", default="auto", choices=INLINE_STEPS,
                     help="run a decode or verify step on the stage's event loop, without the two thread "
                          "hand-offs of its compute thread, when no other job is queued: auto (on CUDA stages), "
                          "on, off")

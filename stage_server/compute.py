@@ -14,24 +14,24 @@ running and goes to the worker, as before, so the worker picks the next step up 
 the last one ends. Both ways hold once taken: a step that arrives while an inline one runs
 is read only when it ends, and then finds the queue idle and runs inline too, its read and
 checks (~100 us) between the two on the device where the worker would have overlapped them
-(``--inline-steps off`` keeps every step on the worker). Inline is only for short steps on a CUDA stage (a graph launch, and on
-the last stage the wait for its sampled tokens): a prefill, or a CPU stage's forward, would
-hold the event loop (health, commits, the next step's read) for its whole compute
-(docs/DESIGN.md, "Control channel").
+(``--inline-steps off`` keeps every step on the worker). Inline is only for short steps on
+a CUDA stage (a graph launch, and on the last stage the wait for its sampled tokens): a
+prefill, or a CPU stage's forward, would hold the event loop (health, commits, the next
+step's read) for its whole compute (docs/DESIGN.md, "Control channel").
 """
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-INLINE_CHOICES = ("auto", "on", "off")
+from ppspec.argtypes import INLINE_STEPS
 
 
 def inline_steps(choice: str, device: str) -> bool:
     """Whether short steps may run inline for ``--inline-steps choice`` on ``device``
     (``auto``: on a CUDA stage)."""
-    if choice not in INLINE_CHOICES:
-        raise ValueError(f"--inline-steps {choice!r}: one of {', '.join(INLINE_CHOICES)}")
+    if choice not in INLINE_STEPS:
+        raise ValueError(f"--inline-steps {choice!r}: one of {', '.join(INLINE_STEPS)}")
     return choice == "on" or (choice == "auto" and str(device).startswith("cuda"))
 
 

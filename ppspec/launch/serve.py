@@ -18,8 +18,8 @@ import urllib.request
 
 from ppspec.argtypes import (
     DEMO_MODEL, DTYPES, DefaultsHelpFormatter, add_control_channel_arg, add_cuda_graph_args, add_data_plane_arg,
-    add_inline_steps_arg, cuda_graph_argv, device_list, free_port, listen_error, nonneg_int, port, port_list, positive_finite_float,
-    positive_float, positive_int, stage_devices,
+    add_inline_steps_arg, cuda_graph_argv, device_list, free_port, listen_error, nonneg_int, port, port_list,
+    positive_finite_float, positive_float, positive_int, stage_devices,
 )
 from ppspec.auth import KeyFileError, read_key_file, write_temp_key
 from ppspec.lifetime import die_with

@@ -329,6 +329,15 @@ class CommitGraphs:
 # token buckets: each within the one-launch GDN prefill's reach
 PREFILL_GRAPH_TOKENS = tuple(t for t in (16, 32, 64) if t <= SHORT_PREFILL_TOKENS)
 PREFILL_GRAPH_SEQS = (2, 4, 8)  # sequence buckets: requests + at least one padding sequence
+# batched buckets: several prompts' chunks together (a burst of new requests beside the
+# decodes, or a prefill round of them), each sequence (padding included) at most
+# BATCHED_PREFILL_SEQ_TOKENS long, so the GDN layers take the recurrent prefill kernel,
+# whose cost is the longest sequence's, and no host chunk plan (docs/PERFORMANCE.md,
+# "Prompts in bursts"). Without them such a micro-batch ran eagerly: ~50 ms of host
+# time on the H200 for a few ms of kernels.
+BATCHED_PREFILL_TOKENS = (128, 256, 512, 1024, 2048, 4096)
+BATCHED_PREFILL_SEQS = (8, 16, 32, 64, 128)
+BATCHED_PREFILL_SEQ_TOKENS = 256
 # long buckets: one request's chunk of up to 2^k tokens and one padding sequence of at
 # least one token, whose GDN layers take fla's chunked kernels. fla sizes its grids by the
 # number of 64-token chunks, ceil(T / 64) + ceil((t - T) / 64): t / 64, or one more where T
@@ -366,6 +375,25 @@ def _fla_chunks(n: int) -> int:
     return -(-n // _FLA_CHUNK)
 
 
+def _batched_buckets(max_kv_len: int) -> list[tuple[int, int]]:
+    """The batched prefill buckets ``(n, t)``: at least 4 tokens a sequence, and enough
+    sequences that ``t`` tokens fit at :data:`BATCHED_PREFILL_SEQ_TOKENS` each; none where
+    a row's KV holds less than one such sequence (its padding would not fit the padding row)."""
+    if BATCHED_PREFILL_SEQ_TOKENS - 1 > max_kv_len:
+        return []
+    return [(n, t) for t in BATCHED_PREFILL_TOKENS for n in BATCHED_PREFILL_SEQS
+            if 4 * n <= t <= n * BATCHED_PREFILL_SEQ_TOKENS]
+
+
+def _batched(bucket: tuple) -> bool:
+    return len(bucket) == 2 and bucket[1] > SHORT_PREFILL_TOKENS
+
+
+def _longest_in(bucket: tuple) -> int:
+    """The longest sequence (tokens) bucket ``bucket`` ever holds, padding included."""
+    return BATCHED_PREFILL_SEQ_TOKENS if _batched(bucket) else bucket[1]
+
+
 def _chunks(bucket: tuple) -> int:
     """A long bucket's fla chunk count, 0 for a short bucket."""
     return bucket[2] if len(bucket) == 3 else 0
@@ -385,6 +413,13 @@ class PrefillGraphs:
     sequences start from zero state (``seq_lens`` 0) and write their KV to the padding
     page, so they touch only what no request owns. Every sequence of a bucket is at most
     ``t <= 64`` tokens long, so the GDN layers take the one-launch recurrent prefill.
+
+    Batched buckets ``(n, t)`` of :data:`BATCHED_PREFILL_SEQS` x :data:`BATCHED_PREFILL_TOKENS`
+    hold several requests' chunks, every sequence at most :data:`BATCHED_PREFILL_SEQ_TOKENS`
+    long: the padding tokens are spread over the padding sequences (the recurrent kernel
+    costs its longest sequence), the bucket states that its GDN layers take the recurrent
+    kernel (the fact ``gdn_recurrent``), and its positions and KV slots are derived on the
+    device (:meth:`_device_layout`).
 
     Long buckets (:data:`PREFILL_GRAPH_LONG_TOKENS`, CUDA only, up to
     :func:`long_prefill_graph_tokens`) take one request's chunk beside one padding sequence,
@@ -415,9 +450,10 @@ class PrefillGraphs:
         # (a short max_context) would read past it
         self.buckets = sorted(((n, t) for n in PREFILL_GRAPH_SEQS for t in PREFILL_GRAPH_TOKENS if t - 1 <= max_kv_len),
                               key=lambda b: (b[1], b[0]))
+        self.buckets += _batched_buckets(max_kv_len)
         self.long_tokens = self._long_tokens(capture, max_kv_len)
         self.buckets += [(2, t, _fla_chunks(t) + extra) for t in self.long_tokens for extra in (0, 1)]
-        n_max = max(PREFILL_GRAPH_SEQS)
+        n_max = max(b[0] for b in self.buckets) if self.buckets else max(PREFILL_GRAPH_SEQS)
         t_max = max([b[1] for b in self.buckets], default=max(PREFILL_GRAPH_TOKENS))
         # keys: (n, t) short buckets, (2, t, chunks) long ones
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -469,10 +505,13 @@ class PrefillGraphs:
     def _meta(self, b: tuple, max_kv_len: int) -> BatchMeta:
         (n, t), nt, v = b[:2], _chunks(b), self.views[b]
         # bounds that hold for every chunk the bucket takes (the kernels' checks read them
-        # while capturing, and every sequence is at most t tokens long)
+        # while capturing, and every sequence is at most t tokens long, or a batched
+        # bucket's sequence length)
         known(v["rows"], min=0, max=self.pad_row)
         plan = {"fla_chunks": self.plans[b][:2]} if nt else {}
-        known(v["cu"], total=t, max_len=t, queries_fit=True, **plan)
+        if _batched(b):
+            plan = {"gdn_recurrent": True}
+        known(v["cu"], total=t, max_len=_longest_in(b), queries_fit=True, **plan)
         known(v["kv_lens"], min=1, max=max_kv_len)
         if self.kv is not None:
             known(v["slots"], min=0, max=self.kv.k.shape[1] * self.kv.page_size - 1)
@@ -487,8 +526,9 @@ class PrefillGraphs:
         ``metas[b]``: each graph that records it keeps its own ``has_init``."""
         meta = dataclasses.replace(self.metas[b])
         meta.has_init = meta.seq_lens > 0  # inside the graph: recomputed by every replay
-        if _chunks(b):
+        if b[1] > SHORT_PREFILL_TOKENS:
             self._device_layout(b)
+        if _chunks(b):
             ci, co, slots = self.plans[b]
             new_ci, new_co = device_chunk_plan(self.views[b]["cu"], _chunks(b), slots)
             ci.copy_(new_ci)
@@ -496,47 +536,61 @@ class PrefillGraphs:
         return meta
 
     def _device_layout(self, b: tuple) -> None:
-        """A long bucket's token positions and KV slots from its rows, ``seq_lens`` and
-        ``cu_seqlens`` (one request's chunk of ``T = cu[1]`` tokens, then the padding
-        sequence on the padding row from position 0): on the device, where the host would
-        write two lists of ``t`` ints (8256 at the largest bucket). The padding row's page
-        table points at the padding page, so its tokens' slots fall there."""
+        """A long or batched bucket's token positions and KV slots from its rows,
+        ``seq_lens`` and ``cu_seqlens`` (each token's sequence found by a search of
+        ``cu_seqlens``; the padding sequences on the padding row from position 0): on the
+        device, where the host would write two lists of ``t`` ints (8256 at the largest
+        bucket). The padding row's page table points at the padding page, so its tokens'
+        slots fall there."""
         v, t = self.views[b], b[1]
         j = self.iota[:t]
-        T = v["cu"][1]
-        mine = j < T
-        pos = torch.where(mine, v["seq_lens"][0] + j, j - T)
+        cu = v["cu"]
+        seq = torch.searchsorted(cu[1:], j, right=True)  # the sequence of each token
+        pos = v["seq_lens"][seq] + j - cu[seq]
         v["positions"].copy_(pos)
         if self.kv is not None:
             ps = self.kv.page_size
-            row = torch.where(mine, v["rows"][0], v["rows"][1])
-            v["slots"].copy_(self.kv.page_table[row, pos // ps] * ps + pos % ps)
+            v["slots"].copy_(self.kv.page_table[v["rows"][seq], pos // ps] * ps + pos % ps)
 
     def _forward(self, b: tuple) -> torch.Tensor:
         meta = self.prepared[b] = self._prepare(b)
         hidden = None if self.hidden is None else self.hidden[: b[1]]
         return self.forward(meta, self.views[b]["ids"], hidden)
 
-    def bucket(self, batch_size: int, tokens: int) -> tuple | None:
-        """The bucket a chunk of ``batch_size`` requests and ``tokens`` tokens runs in, or
-        None when no bucket holds it (it runs eagerly)."""
+    def bucket(self, batch_size: int, tokens: int, longest: int | None = None) -> tuple | None:
+        """The bucket a chunk of ``batch_size`` requests and ``tokens`` tokens (its longest
+        sequence ``longest`` tokens, at most ``tokens``) runs in, or None when no bucket
+        holds it (it runs eagerly): a short bucket, else one request's chunk in a long
+        bucket, else several requests' in a batched one."""
+        longest = tokens if longest is None else longest
         short = next(((n, t) for n, t, *long in self.buckets
-                      if not long and n > batch_size and t >= tokens + n - batch_size), None)
-        if short is not None or batch_size != 1:
+                      if not long and t <= SHORT_PREFILL_TOKENS and n > batch_size and t >= tokens + n - batch_size),
+                     None)
+        if short is not None:
             return short
-        t = next((t for t in self.long_tokens if t > tokens), None)
-        return None if t is None else (2, t, _fla_chunks(tokens) + _fla_chunks(t - tokens))
+        if batch_size == 1:
+            t = next((t for t in self.long_tokens if t > tokens), None)
+            return None if t is None else (2, t, _fla_chunks(tokens) + _fla_chunks(t - tokens))
+        if longest > BATCHED_PREFILL_SEQ_TOKENS:
+            return None
+        return next(((n, t) for n, t, *long in self.buckets
+                     if not long and t > SHORT_PREFILL_TOKENS and n > batch_size and t >= tokens + n - batch_size
+                     and -(-(t - tokens) // (n - batch_size)) <= BATCHED_PREFILL_SEQ_TOKENS), None)
 
     def _fill(self, b, rows, seq_lens, extend_lens, ids) -> None:
         (n, t), nt, B, T = b[:2], _chunks(b), len(rows), sum(extend_lens)
         pad = n - B
-        ext = list(extend_lens) + [t - T - (pad - 1)] + [1] * (pad - 1)
+        if _batched(b):  # the padding spread evenly: no sequence longer than the bucket's
+            q, r = divmod(t - T, pad)
+            ext = list(extend_lens) + [q + 1] * r + [q] * (pad - r)
+        else:
+            ext = list(extend_lens) + [t - T - (pad - 1)] + [1] * (pad - 1)
         if not B and nt == _fla_chunks(t):  # a capture's all-padding fill, in as many chunks as the graph's
             ext = [t - _FLA_CHUNK, _FLA_CHUNK]
         rows, seq = list(rows) + [self.pad_row] * pad, list(seq_lens) + [0] * pad
         cu = [0, *itertools.accumulate(ext)]
         head = rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + list(ids) + [0] * (t - T)
-        if nt:  # a long bucket: positions and slots on the device (_device_layout), not t host ints each
+        if t > SHORT_PREFILL_TOKENS:  # long and batched: positions and slots on the device (_device_layout)
             load_host(self.ints, host_int64(head))
             return
         positions = [s + j for s, e in zip(seq, ext) for j in range(e)]
@@ -566,7 +620,7 @@ class PrefillGraphs:
         """Fill bucket ``b`` (default: the smallest that holds this chunk) with the chunk, its
         ids and hidden rows too: its key."""
         T = sum(extend_lens)
-        b = b or self.bucket(len(rows), T)
+        b = b or self.bucket(len(rows), T, max(extend_lens, default=0))
         self._fill(b, rows, seq_lens, extend_lens, ids)
         if self.hidden is not None:
             self.hidden[:T].copy_(hidden, non_blocking=True)

@@ -623,7 +623,7 @@ class StageRunner:
             self.rows.touched = True
             self._replay_before_prefill(chunks.req_pool_indices, chunks.seq_lens)
             if (not inp.num_prefill and self.prefill_graphs is not None
-                    and self.prefill_graphs.bucket(len(rows), len(inp.input_ids)) is not None):
+                    and self.prefill_graphs.bucket(len(rows), len(inp.input_ids), max(inp.extend_lens)) is not None):
                 self.forwards["graph"] += 1
                 return self.prefill_graphs.run(rows, inp.seq_lens, inp.extend_lens, inp.input_ids, inp.hidden_states)
         metas = [self._meta(p.mode, p.req_pool_indices, p.seq_lens, p.extend_lens, self.kv) for p in parts]
@@ -659,9 +659,10 @@ class StageRunner:
     def _graph_runs(self, head: StepInput, chunks: StepInput) -> list[StepInput] | None:
         """The steps a mixed micro-batch that no mixed graph holds (:class:`MixedGraphs`: one
         request's chunk of the beside-decode length) runs as graph replays: its decode / verify part in
-        the decode or verify graphs, then its prefill chunks in one prefill bucket, or one
-        bucket per request where together they fit none (two new prompts of 100 tokens fit
-        no short bucket, and the long ones hold one request). None: it runs eagerly.
+        the decode or verify graphs, then its prefill chunks in one prefill bucket (short,
+        batched or long), or one bucket per request where together they fit none (two
+        prompts of 300 tokens fit no batched bucket, and a long one holds one request).
+        None: it runs eagerly.
 
         At most :data:`MAX_CHUNK_REPLAYS` chunks one by one: each replay costs its own host
         fill and its padded tokens on the device, where an eager forward shares every GEMM
@@ -669,7 +670,7 @@ class StageRunner:
         g, pg = self.graphs.get(head.mode), self.prefill_graphs
         if g is None or g.bucket(len(head.req_pool_indices)) is None or pg is None:
             return None
-        if pg.bucket(len(chunks.req_pool_indices), len(chunks.input_ids)) is not None:
+        if pg.bucket(len(chunks.req_pool_indices), len(chunks.input_ids), max(chunks.extend_lens)) is not None:
             return [head, chunks]
         if len(chunks.req_pool_indices) > MAX_CHUNK_REPLAYS:
             return None

@@ -60,7 +60,8 @@ def test_prefill_graph_padding_within_a_short_context(make_ckpt):
 def test_prefill_graph_bucket_edges_and_reused_rows(make_ckpt, design):
     """Prefill chunks at the buckets' edges, through the graphs' padded path with MTP: 7
     requests of 57 tokens (the 8 x 64 bucket, one padding sequence), one prompt of 63
-    tokens (2 x 64), 65 tokens in two requests (no bucket: eager), 62 in two (4 x 64) and
+    tokens (2 x 64), 65 tokens in two requests (the batched 8 x 128 bucket: 63 padding
+    tokens over six sequences), 62 in two (4 x 64) and
     1-token prompts; 7 rows, so every later request takes a row released just before, whose
     previous request committed verify rounds (on the replay design: steps still pending). Tokens equal PP1 without speculation."""
     torch.set_num_threads(1)
@@ -82,9 +83,84 @@ def test_prefill_graph_bucket_edges_and_reused_rows(make_ckpt, design):
         got = llm.generate(prompts, params)
         assert [c.token_ids for c in got] == want
         verified += sum(len(c.accept_lengths) for c in got)
-    assert seen == [(8, 64), (2, 64), (4, 64)]  # [64 tokens, 1 token]: no bucket, eager
+    assert seen == [(8, 64), (2, 64), (8, 128), (4, 64)]
     assert verified  # rows were released after verify rounds (replay: with pending steps)
     assert llm.rows_in_use() == [0]
+
+
+def test_batched_prefill_buckets_pick_and_pad(make_ckpt):
+    """The batched buckets: the smallest that holds a chunk of several requests with no
+    sequence, padding included, over ``BATCHED_PREFILL_SEQ_TOKENS``; none for one request
+    (a long bucket's) or for a sequence over that length; the padding spread evenly."""
+    from ppspec.stage_server.graphs import BATCHED_PREFILL_SEQ_TOKENS as S
+
+    r = StageRunner(make_ckpt("qwen3_5_ratio2_7l"), max_rows=8, cuda_graph_max_bs=8)
+    pg = r.prefill_graphs
+    assert pg.bucket(13, 311, 40) == (16, 512)
+    assert pg.bucket(16, 512, 100) == (32, 1024)  # 512 + 16 padding sequences fit no 512
+    assert pg.bucket(15, 200, 30) == (16, 256)
+    assert pg.bucket(63, 600, 20) == (128, 1024)  # (64, 1024): 424 padding tokens in one sequence
+    assert pg.bucket(2, 300, 150) == (8, 512) and pg.bucket(2, 300, S + 1) is None
+    assert pg.bucket(3, 60, 30) == (4, 64)  # a short bucket first
+    assert pg.bucket(130, 4000, 40) is None  # more requests than any bucket's sequences
+    with torch.inference_mode():  # as the stage fills it
+        pg._fill((32, 512), list(range(15)), [0] * 15, [13] * 14 + [18], list(range(200)))
+    ext = pg.views[(32, 512)]["ext"].tolist()
+    assert ext[:15] == [13] * 14 + [18] and sum(ext) == 512 and max(ext[15:]) - min(ext[15:]) <= 1
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_many_prompts_prefill_in_one_batched_graph(make_ckpt, spec):
+    """Several prompts of up to 256 tokens prefill in one batched bucket, alone and beside
+    decodes (a mixed micro-batch: the decode graph, then the bucket), through the graphs'
+    padded path (positions and KV slots derived on the device, the padding spread over
+    padding sequences); a prompt over 256 tokens beside another takes none. Greedy tokens
+    equal PP1 without speculation or graphs; every row is free after."""
+    torch.set_num_threads(1)
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    first = [rand(n) for n in (200, 150, 90, 30, 256, 5, 70)]
+    later = [rand(n) for n in (120, 40, 66)]
+    long = [rand(300), rand(20)]
+    kw = dict(max_rows=8, max_num_batched_tokens=2048, mixed_prefill_tokens=512)
+    ref = LLM(path, **kw)
+    spec_kw = dict(speculative_algorithm="mtp", num_speculative_steps=2) if spec == "mtp" else {}
+    llm = LLM(path, cuda_graph_max_bs=8, **spec_kw, **kw)
+    seen = []
+    pg = llm.pipeline.runners[0].prefill_graphs
+    orig = pg.run
+    pg.run = lambda rows, seq, ext, *a: seen.append(pg.bucket(len(rows), sum(ext), max(ext))) or orig(rows, seq, ext, *a)
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(first))]
+    want = [c.token_ids for c in ref.generate(first, params)]
+    assert [c.token_ids for c in llm.generate(first, params)] == want
+    assert seen[0] == (8, 1024)  # 801 tokens of 7 prompts, the longest 256
+    # decodes running while three more prompts arrive: one mixed micro-batch holds their chunks
+    seen.clear()
+    reqs = [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for p in first[:3]]
+    reqs += [(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in later]
+    want = [c.token_ids for c in ref.generate([p for p, _ in reqs], [s for _, s in reqs])]
+    got = _staggered(llm, reqs, after=3)
+    assert got == want
+    assert (8, 256) in seen  # 226 tokens of the three later prompts
+    seen.clear()
+    p2 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert [c.token_ids for c in llm.generate(long, p2)] == [c.token_ids for c in ref.generate(long, p2)]
+    assert all(b is None or b[1] <= 64 or len(b) == 3 for b in seen)  # no batched bucket for 300 tokens
+    assert llm.rows_in_use() == [0]
+
+
+def _staggered(llm, reqs, after: int) -> list[list[int]]:
+    """Greedy tokens of ``reqs`` through ``llm``'s engine: the first three submitted, the
+    rest once those have decoded ``after`` rounds (so their prefill shares a micro-batch
+    with the decodes)."""
+    ids = [llm.add_request(p, s) for p, s in reqs[:3]]
+    for _ in range(after):
+        llm.step()
+    ids += [llm.add_request(p, s) for p, s in reqs[3:]]
+    while llm.has_unfinished():
+        llm.step()
+    return [llm.completions[i].token_ids for i in ids]
 
 
 class _FakeCapture:
@@ -172,14 +248,17 @@ def test_dropped_llm_frees_its_stages_without_the_collector(make_ckpt, spec):
 
 
 @pytest.mark.parametrize("spec", ["none", "mtp"])
-def test_mixed_micro_batch_runs_its_chunks_one_graph_each(make_ckpt, spec):
+def test_mixed_micro_batch_runs_its_chunks_one_graph_each(make_ckpt, spec, monkeypatch):
     """A mixed micro-batch whose prefill chunks together fit no prefill bucket (40 + 40 +
-    30 tokens > 64) but each fit one replays the decode / verify graph and then one
+    30 tokens > 64, the batched buckets left out: as chunks over their sequence length
+    fit none) but each fit one replays the decode / verify graph and then one
     prefill graph per chunk. PP2: stage 0's hidden states equal the eager stage's (fp32,
     1e-5), stage 1's sampled tokens and MTP drafts equal the eager stage's. With more
     chunks than ``MAX_CHUNK_REPLAYS`` the micro-batch runs eagerly."""
-    from ppspec.stage_server import runner as runner_mod
+    from ppspec.stage_server import graphs as graphs_mod, runner as runner_mod
     from ppspec.stage_server.runner import split_layers
+
+    monkeypatch.setattr(graphs_mod, "BATCHED_PREFILL_TOKENS", ())
 
     torch.set_num_threads(1)
     path = make_ckpt("qwen3_5_ratio2_7l")

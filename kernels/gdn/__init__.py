@@ -27,11 +27,18 @@ def _longest(cu_seqlens) -> int:
     return fact(cu_seqlens, "max_len", lambda: int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
 
 
+def _recurrent(cu_seqlens) -> bool:
+    """Whether a CUDA prefill of these sequences takes the recurrent kernel: its sequences
+    are short, or the caller states ``gdn_recurrent`` (a CUDA graph of many prompts' chunks,
+    ``stage_server.graphs.PrefillGraphs``, which cannot read fla's chunk plan on the host)."""
+    return fact(cu_seqlens, "gdn_recurrent", lambda: _longest(cu_seqlens) <= SHORT_PREFILL_TOKENS)
+
+
 def gdn_prefill(q, k, v, g, beta, cu_seqlens, initial_state, scale=None):
     """GDN prefill of packed sequences; shapes as :func:`naive.chunk_gated_delta_rule_ref`.
     On CUDA, chunks of short sequences take the one-launch recurrent kernel
     (``triton_prefill``), longer ones fla's chunked kernels."""
-    if q.is_cuda and _longest(cu_seqlens) <= SHORT_PREFILL_TOKENS:
+    if q.is_cuda and _recurrent(cu_seqlens):
         fn = pick(True, "gdn.triton_prefill", "gdn_prefill_recurrent_triton", chunk_gated_delta_rule_ref)
     else:
         fn = pick(q.is_cuda, "gdn.fla_prefill", "chunk_gated_delta_rule_fla", chunk_gated_delta_rule_ref)
@@ -56,7 +63,7 @@ def gdn_prefill_rows(q, k, v, g, beta, cu_seqlens, state, req_pool_indices, has_
         ValueError: shapes that disagree.
     """
     _check_rows(req_pool_indices, state.shape[0])
-    if q.is_cuda and _longest(cu_seqlens) <= SHORT_PREFILL_TOKENS:
+    if q.is_cuda and _recurrent(cu_seqlens):
         fn = pick(True, "gdn.triton_prefill", "gdn_prefill_rows_triton", _prefill_rows_gathered)
     else:
         fn = pick(q.is_cuda, "gdn.fla_prefill", "gdn_prefill_rows_fla", _prefill_rows_gathered)

@@ -47,7 +47,8 @@ def test_long_prefill_graphs_equal_eager(make_ckpt, monkeypatch, kind, dtype, to
     assert graphed.prefill_graphs.long_tokens == [192, 320, 576, 1088] and not eager.prefill_graphs.long_tokens
     assert graphed.prefill_graphs.bucket(1, 512) == (2, 576, 9)  # 8 + 1 chunks
     assert graphed.prefill_graphs.bucket(1, 130) == (2, 192, 4)  # 3 + 1 chunks
-    assert graphed.prefill_graphs.bucket(2, 130) is None  # two long sequences: eager
+    assert graphed.prefill_graphs.bucket(2, 130) == (8, 256)  # two prompts: a batched bucket
+    assert graphed.prefill_graphs.bucket(2, 580, 300) is None  # a sequence over 256: none
 
     replays = []
     run = graphs.PrefillGraphs.run
@@ -67,19 +68,62 @@ def test_long_prefill_graphs_equal_eager(make_ckpt, monkeypatch, kind, dtype, to
     mixed = StepInput(0, 2, "decode", [3, 5, 0], [701, 301, 0], [1, 1, 200], [11, 13] + new, num_prefill=1)
     _close(_logits(graphed, mixed), _logits(eager, mixed), tol)
     assert replays[-1] == 200  # the mixed step's chunk took its long graph
-    # two new prompts beside the decodes (130 + 90 tokens): no bucket holds both, so each
-    # chunk replays its own long graph (StageRunner._graph_runs), none of it eager
-    a, b = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (130, 90))
-    mixed2 = StepInput(0, 3, "decode", [3, 5, 0, 6, 7], [702, 302, 200, 0, 0], [1, 1, 1, 130, 90],
+    # two new prompts beside the decodes (300 + 280 tokens): no bucket holds both (each is
+    # over a batched bucket's sequences), so each chunk replays its own long graph
+    # (StageRunner._graph_runs), none of it eager
+    a, b = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 280))
+    mixed2 = StepInput(0, 3, "decode", [3, 5, 0, 6, 7], [702, 302, 200, 0, 0], [1, 1, 1, 300, 280],
                        [15, 17, 19] + a + b, num_prefill=2)
     eager_before = graphed.forwards["eager"]
     _close(_logits(graphed, mixed2), _logits(eager, mixed2), tol)
-    assert replays[-2:] == [130, 90] and graphed.forwards["eager"] == eager_before
+    assert replays[-2:] == [300, 280] and graphed.forwards["eager"] == eager_before
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_ratio1", "qwen3_5_ratio2_7l"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 8e-2)])
+def test_batched_prefill_graphs_equal_eager(make_ckpt, monkeypatch, kind, dtype, tol):
+    """Several prompts' chunks in one batched bucket (``PrefillGraphs``: each sequence at
+    most 256 tokens, padding spread over padding sequences, the GDN layers in the recurrent
+    kernel, positions and KV slots derived in the graph): a prefill of seven prompts from
+    zero state, their next chunks from the rows' states, and decodes beside three new
+    prompts (the decode graph, then the bucket) give the eager stage's logits, none of it
+    eager. The eager stage takes the same recurrent GDN kernel for these lengths (its
+    dispatch threshold raised): fla's chunked kernels compute in TF32 and differ from it by
+    up to ~0.05 in these fp32 logits, which would hide an error of the graphs' layout."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+    from ppspec.kernels import gdn
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server.runner import StageRunner
+
+    path = make_ckpt(kind)
+    g = torch.Generator().manual_seed(2)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    common = dict(max_rows=16, kv_tokens=8192, num_speculative_steps=0, dtype=dtype, device="cuda")
+    graphed = StageRunner(path, cuda_graph_max_bs=16, **common)
+    eager = StageRunner(path, cuda_graph_max_bs=0, **common)
+    monkeypatch.setattr(gdn, "SHORT_PREFILL_TOKENS", 4096)
+    lens = [200, 150, 90, 30, 256, 5, 70]
+    rows = [1, 2, 3, 4, 5, 6, 7]
+    first = StepInput(0, 0, "prefill", rows, [0] * 7, lens, rand(sum(lens)))
+    assert graphed.prefill_graphs.bucket(7, sum(lens), 256) == (8, 1024)
+    _close(_logits(graphed, first), _logits(eager, first), tol)
+    more = [40, 256, 3, 100, 60, 1, 17]
+    nxt = StepInput(0, 1, "prefill", rows, lens, more, rand(sum(more)))
+    _close(_logits(graphed, nxt), _logits(eager, nxt), tol)
+    seq = [a + b for a, b in zip(lens, more)]
+    new = [120, 40, 66]
+    mixed = StepInput(0, 2, "decode", rows + [9, 10, 11], seq + [0, 0, 0], [1] * 7 + new, rand(7 + sum(new)),
+                      num_prefill=3)
+    _close(_logits(graphed, mixed), _logits(eager, mixed), tol)
+    dec = StepInput(0, 3, "decode", rows + [9, 10, 11], [s + 1 for s in seq] + new, [1] * 10, rand(10))
+    _close(_logits(graphed, dec), _logits(eager, dec), tol)
+    assert graphed.forwards.get("eager", 0) == 0
 
 
 def test_mixed_verify_with_chunks_one_graph_each_and_mtp_equals_eager(make_ckpt, monkeypatch):
     """On the last stage with MTP (fp32): a verify beside two new prompts of 130 and 90
-    tokens replays the verify graph and one long prefill graph per chunk; the sampled
+    tokens replays the verify graph and one batched prefill graph; the sampled
     tokens and the MTP drafts equal the eager stage's, and no forward runs eagerly."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need CUDA")

@@ -494,7 +494,24 @@ class Scheduler:
         live = [r for r in self.lanes[lane] if r.status == RUNNING and not r.aborted]
         flying = [r for r in live if r.in_flight]
         cont = [r for r in flying if r.in_flight == 1 and r.follows_round]
-        return not flying or (bool(cont) and not (self.num_steps and len(cont) < len(flying)))
+        return not flying or self._may_follow_now(len(cont), len(flying))
+
+    def _may_follow_now(self, continuing: int, flying: int) -> bool:
+        """Whether a lane with ``flying`` requests in a micro-batch in flight sends its next
+        one now, with the ``continuing`` of them that may follow (and requests not in
+        flight). A second micro-batch beside the one in flight only to continue its
+        requests: one of the other requests alone would run them in a forward of their own,
+        and the lane's requests would stay split in two groups taking turns (two forwards
+        of 32 rows where one of 64 costs about as much: decode reads every weight once).
+        With MTP, when at least half of them continue: the others (within three verify
+        rounds of their end) join the micro-batch after, formed once the one in flight is
+        back, so they run every other round for those rounds while the rest go on at the
+        pipeline's pace. Waiting for every request to continue left a lane of 64 mostly
+        synchronous (some request is always near its end), a router round trip per round
+        (docs/PERFORMANCE.md, "Following verifies near the end")."""
+        if not continuing:
+            return False
+        return not self.num_steps or 2 * continuing >= flying
 
     def _grow(self, r: Request, extend: int) -> bool:
         """Make ``r`` hold :meth:`_kv_need` for its next micro-batch, preempting younger
@@ -578,14 +595,7 @@ class Scheduler:
         # continue now, at the position it leaves (Request.follows_round)
         cont = {r.request_id for r in live if r.in_flight == 1 and r.follows_round}
         flying = [r for r in live if r.in_flight]
-        if flying and (not cont or (self.num_steps and len(cont) < len(flying))):
-            # A second micro-batch of this lane beside the one in flight only to continue
-            # its requests: one of the other requests alone would run them in a forward of
-            # their own, and the lane's requests would stay split in two groups taking turns
-            # (two forwards of 32 rows where one of 64 costs about as much: decode reads
-            # every weight once). They join the next one once that comes back. With MTP
-            # only when all of them continue: one that may not (within three verify rounds
-            # of its end) would otherwise run every other round only, for those rounds
+        if flying and not self._may_follow_now(len(cont), len(flying)):
             return None
         reqs = [r for r in live if not r.in_flight or r.request_id in cont]
         reqs.sort(key=lambda r: r.order)  # growing the oldest first: they preempt the youngest

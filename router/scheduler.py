@@ -259,10 +259,12 @@ class Scheduler:
             decode and verify rows first, then prefill chunks in the rest, in one forward
             (chunked prefill mixed with decode). At least one verify micro-batch
             (``max_batch_size * D``) and one KV page, else ValueError.
-        mixed_prefill_tokens: prefill tokens of a micro-batch that also decodes or verifies
-            (default: the budget). A lone prompt takes the whole budget, whose large chunks
-            keep the GEMMs at the matrix units' rate; with decodes sharing the forward its
-            chunks stay small enough that their inter-token latency stays near a decode's.
+        mixed_prefill_tokens: prompt-chunk tokens of a micro-batch that also decodes or
+            verifies (default: the budget). A lone prompt takes the whole budget, whose large
+            chunks keep the GEMMs at the matrix units' rate; with decodes sharing the forward
+            its chunks stay small enough that their inter-token latency stays near a
+            decode's. A whole prompt of at most this many tokens joins beside decodes in the
+            rest of the budget, past this cap.
         chunk_size: prompt tokens of one request per micro-batch at most (default: the
             whole budget, so that a lone long prompt runs in chunks as large as it).
         speculative_algorithm: ``none``, ``ngram`` or ``mtp``; num_steps drafts per round.
@@ -644,18 +646,26 @@ class Scheduler:
             nd.append(len(dr))
         sample, nxt = [True] * len(chosen), [-1] * len(chosen)
         budget -= d * len(chosen)  # >= D: see __init__
-        if chosen:
-            budget = min(budget, self.mixed_prefill_tokens)
+        # beside decodes, prompt chunks take at most mixed_prefill_tokens (a long prompt
+        # then stalls no decoder for long), but a whole prompt of at most that many tokens
+        # joins in the rest of the budget: a burst of short prompts starts in one round
+        # instead of one cap's worth a round, each a request left out of the decodes
+        # meanwhile (docs/PERFORMANCE.md, "Short prompts in one round")
+        cap = min(budget, self.mixed_prefill_tokens) if chosen else budget
+        beside = bool(chosen)
         chunks = 0
         for r in prefill:
             if budget <= 0 or len(chosen) == self.max_batch_size:
                 break
-            n = min(budget, self.chunk_size, r.prefill_len - r.num_computed)
-            if r.num_computed < r.branch_at:
-                n = min(n, r.branch_at - r.num_computed)
-            if r.status != RUNNING or not self._grow(r, n):  # preempted by an older one, or short
+            left = r.prefill_len - r.num_computed
+            upto = min(left, r.branch_at - r.num_computed) if r.num_computed < r.branch_at else left
+            whole = beside and upto == left <= min(self.mixed_prefill_tokens, self.chunk_size, budget)
+            n = left if whole else min(cap, budget, self.chunk_size, upto)
+            if n <= 0 or r.status != RUNNING or not self._grow(r, n):  # no cap left, preempted, or short
                 continue
             budget -= n
+            if not whole:
+                cap -= n
             end = r.num_computed + n
             r.in_flight += 1
             r.prefill_batches += 1

@@ -52,7 +52,8 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
             help="tokens per micro-batch: decodes and verifies first, prefill chunks in the rest of one "
                  "forward (default: 8192 on CUDA stages, 512 on CPU ones); at least --max-batch-size x D"),
         add("--mixed-prefill-tokens", type=positive_int, default=None,
-            help="prefill tokens of a micro-batch that also decodes (default: 512 on CUDA, 128 on CPU)"),
+            help="prompt-chunk tokens of a micro-batch that also decodes; a whole prompt of at most this "
+                 "many tokens joins in the rest of the budget (default: 512 on CUDA, 128 on CPU)"),
         add("--chunk-size", type=positive_int, default=None,
             help="prompt tokens of one request per micro-batch at most (default: the token budget)"),
         add("--max-waiting", type=positive_int, default=4096, help="queued requests before 429"),

@@ -335,7 +335,7 @@ PREFILL_GRAPH_SEQS = (2, 4, 8)  # sequence buckets: requests + at least one padd
 # whose cost is the longest sequence's, and no host chunk plan (docs/PERFORMANCE.md,
 # "Prompts in bursts"). Without them such a micro-batch ran eagerly: ~50 ms of host
 # time on the H200 for a few ms of kernels.
-BATCHED_PREFILL_TOKENS = (128, 256, 512, 1024, 2048, 4096)
+BATCHED_PREFILL_TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192)
 BATCHED_PREFILL_SEQS = (8, 16, 32, 64, 128)
 BATCHED_PREFILL_SEQ_TOKENS = 256
 # long buckets: one request's chunk of up to 2^k tokens and one padding sequence of at

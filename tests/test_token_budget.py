@@ -154,6 +154,37 @@ def test_beside_decodes_a_prompt_takes_at_most_the_mixed_prefill_tokens():
     assert shapes == [(8, 300), (8, 300), (0, 1024), (0, 1024), (0, 352)]
 
 
+def test_beside_decodes_short_prompts_join_whole_in_the_rest_of_the_budget():
+    """Ten prompts of 60 tokens arriving beside 8 decodes with ``mixed_prefill_tokens`` 128:
+    all start whole in the next micro-batch (600 tokens, within the budget less the decodes),
+    not two a round; an older 3000-token prompt beside them still takes chunks of 128, and
+    the short ones fill the rest. A short prompt over what the budget leaves waits."""
+    def sched():
+        s = Scheduler(max_rows=32, kv_tokens=1 << 16, max_context=8192, page_size=16, max_batch_size=32,
+                      max_num_batched_tokens=1024, mixed_prefill_tokens=128)
+        for i in range(8):
+            s.add(f"d{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50))
+        _drive_one_round(s)
+        return s
+
+    s = sched()
+    for i in range(10):
+        s.add(f"s{i}", [5] * 60, SamplingParams(temperature=0.0, max_tokens=5))
+    b = _drive_one_round(s)
+    assert b.mode == "decode" and b.num_prefill == 10 and b.extend_lens == [1] * 8 + [60] * 10
+    assert all(s.requests[f"s{i}"].output_ids for i in range(10))  # each sampled its first token
+
+    s = sched()
+    s.add("long", list(range(3000)), SamplingParams(temperature=0.0, max_tokens=1))
+    for i in range(16):
+        s.add(f"s{i}", [5] * 60, SamplingParams(temperature=0.0, max_tokens=5))
+    b = _drive_one_round(s)
+    # 1016 tokens after the decodes: 128 of the long prompt, then 14 whole prompts (840)
+    assert b.extend_lens == [1] * 8 + [128] + [60] * 14
+    b = _drive_one_round(s)
+    assert b.extend_lens[-3:] == [128, 60, 60] and sum(b.extend_lens) <= 1024
+
+
 def test_a_lone_prompt_runs_in_chunks_of_the_budget():
     s = Scheduler(max_rows=4, kv_tokens=1 << 16, max_context=1 << 14, page_size=16, max_num_batched_tokens=4096)
     s.add("r", list(range(10000)), SamplingParams(max_tokens=4))

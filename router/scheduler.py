@@ -505,10 +505,12 @@ class Scheduler:
         requests: one of the other requests alone would run them in a forward of their own,
         and the lane's requests would stay split in two groups taking turns (two forwards
         of 32 rows where one of 64 costs about as much: decode reads every weight once).
-        With MTP, when at least half of them continue: the others (within three verify
-        rounds of their end) join the micro-batch after, formed once the one in flight is
-        back, so they run every other round for those rounds while the rest go on at the
-        pipeline's pace. Waiting for every request to continue left a lane of 64 mostly
+        With MTP, when at least half of them continue: the others join the micro-batch
+        after, formed once the one in flight is back, so they run every other round while
+        the rest go on at the pipeline's pace: one near its end (within two rounds' tokens
+        of ``max_tokens``, counting every draft accepted: up to 2 D rounds at one token a
+        round) for those rounds, one that never follows (penalties, a grammar, a bad word
+        of several tokens) for its whole life, where before the whole lane waited for it. Waiting for every request to continue left a lane of 64 mostly
         synchronous (some request is always near its end), a router round trip per round
         (docs/PERFORMANCE.md, "Following verifies near the end")."""
         if not continuing:
@@ -647,20 +649,20 @@ class Scheduler:
         sample, nxt = [True] * len(chosen), [-1] * len(chosen)
         budget -= d * len(chosen)  # >= D: see __init__
         # beside decodes, prompt chunks take at most mixed_prefill_tokens (a long prompt
-        # then stalls no decoder for long), but a whole prompt of at most that many tokens
-        # joins in the rest of the budget: a burst of short prompts starts in one round
-        # instead of one cap's worth a round, each a request left out of the decodes
-        # meanwhile (docs/PERFORMANCE.md, "Short prompts in one round")
+        # then stalls no decoder for long), but a short prompt (the rest of it, or up to its
+        # branch point) joins whole in the rest of the budget: a burst of short prompts
+        # starts in one round instead of one cap's worth a round, each a request left out of
+        # the decodes meanwhile (docs/PERFORMANCE.md, "Short prompts in one round")
         cap = min(budget, self.mixed_prefill_tokens) if chosen else budget
-        beside = bool(chosen)
+        short = min(WHOLE_PROMPT_TOKENS, self.mixed_prefill_tokens, self.chunk_size) if chosen else 0
         chunks = 0
         for r in prefill:
             if budget <= 0 or len(chosen) == self.max_batch_size:
                 break
             left = r.prefill_len - r.num_computed
             upto = min(left, r.branch_at - r.num_computed) if r.num_computed < r.branch_at else left
-            whole = beside and upto == left <= min(self.mixed_prefill_tokens, self.chunk_size, budget)
-            n = left if whole else min(cap, budget, self.chunk_size, upto)
+            whole = upto <= min(short, budget)
+            n = upto if whole else min(cap, budget, self.chunk_size, upto)
             if n <= 0 or r.status != RUNNING or not self._grow(r, n):  # no cap left, preempted, or short
                 continue
             budget -= n
@@ -1110,6 +1112,12 @@ class _SlotDrops:
     def add(self, slot: int) -> None:
         self.letting.add(("slot", slot))
 
+
+# The longest prompt (tokens) that joins a micro-batch of decodes whole past
+# ``--mixed-prefill-tokens``: the longest sequence of the stages' batched prefill graphs
+# (``stage_server.graphs.BATCHED_PREFILL_SEQ_TOKENS``), so that a burst of such prompts
+# replays one graph beside the decodes instead of running eagerly.
+WHOLE_PROMPT_TOKENS = 256
 
 # Defaults of the token budget per forward (``--max-num-batched-tokens``) and of the
 # prefill share of a micro-batch that also decodes (``--mixed-prefill-tokens``), by the

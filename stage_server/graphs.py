@@ -335,7 +335,7 @@ PREFILL_GRAPH_SEQS = (2, 4, 8)  # sequence buckets: requests + at least one padd
 # whose cost is the longest sequence's, and no host chunk plan (docs/PERFORMANCE.md,
 # "Prompts in bursts"). Without them such a micro-batch ran eagerly: ~50 ms of host
 # time on the H200 for a few ms of kernels.
-BATCHED_PREFILL_TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192)
+BATCHED_PREFILL_TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192)  # each bucket holds n more (padding)
 BATCHED_PREFILL_SEQS = (8, 16, 32, 64, 128)
 BATCHED_PREFILL_SEQ_TOKENS = 256
 # long buckets: one request's chunk of up to 2^k tokens and one padding sequence of at
@@ -376,13 +376,16 @@ def _fla_chunks(n: int) -> int:
 
 
 def _batched_buckets(max_kv_len: int) -> list[tuple[int, int]]:
-    """The batched prefill buckets ``(n, t)``: at least 4 tokens a sequence, and enough
-    sequences that ``t`` tokens fit at :data:`BATCHED_PREFILL_SEQ_TOKENS` each; none where
-    a row's KV holds less than one such sequence (its padding would not fit the padding row)."""
-    if BATCHED_PREFILL_SEQ_TOKENS - 1 > max_kv_len:
+    """The batched prefill buckets ``(n, t + n)`` for ``t`` of :data:`BATCHED_PREFILL_TOKENS`:
+    ``B`` requests of ``T <= t + B`` tokens fit with one token for each padding sequence (a
+    full power-of-two token budget too); at least 4 tokens a sequence, and enough sequences
+    that the tokens fit at :data:`BATCHED_PREFILL_SEQ_TOKENS` each; none where a row's KV
+    holds less than one such sequence (a padding sequence's KV goes through the padding
+    row's page table)."""
+    if BATCHED_PREFILL_SEQ_TOKENS > max_kv_len:
         return []
-    return [(n, t) for t in BATCHED_PREFILL_TOKENS for n in BATCHED_PREFILL_SEQS
-            if 4 * n <= t <= n * BATCHED_PREFILL_SEQ_TOKENS]
+    return [(n, t + n) for t in BATCHED_PREFILL_TOKENS for n in BATCHED_PREFILL_SEQS
+            if 4 * n <= t and t + n <= n * BATCHED_PREFILL_SEQ_TOKENS]
 
 
 def _batched(bucket: tuple) -> bool:
@@ -455,7 +458,7 @@ class PrefillGraphs:
         self.buckets += [(2, t, _fla_chunks(t) + extra) for t in self.long_tokens for extra in (0, 1)]
         n_max = max(b[0] for b in self.buckets) if self.buckets else max(PREFILL_GRAPH_SEQS)
         t_max = max([b[1] for b in self.buckets], default=max(PREFILL_GRAPH_TOKENS))
-        # keys: (n, t) short buckets, (2, t, chunks) long ones
+        # keys: (n, t) short and batched buckets, (2, t, chunks) long ones
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}

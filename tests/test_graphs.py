@@ -60,7 +60,7 @@ def test_prefill_graph_padding_within_a_short_context(make_ckpt):
 def test_prefill_graph_bucket_edges_and_reused_rows(make_ckpt, design):
     """Prefill chunks at the buckets' edges, through the graphs' padded path with MTP: 7
     requests of 57 tokens (the 8 x 64 bucket, one padding sequence), one prompt of 63
-    tokens (2 x 64), 65 tokens in two requests (the batched 8 x 128 bucket: 63 padding
+    tokens (2 x 64), 65 tokens in two requests (the batched 8 x 136 bucket: 71 padding
     tokens over six sequences), 62 in two (4 x 64) and
     1-token prompts; 7 rows, so every later request takes a row released just before, whose
     previous request committed verify rounds (on the replay design: steps still pending). Tokens equal PP1 without speculation."""
@@ -83,7 +83,7 @@ def test_prefill_graph_bucket_edges_and_reused_rows(make_ckpt, design):
         got = llm.generate(prompts, params)
         assert [c.token_ids for c in got] == want
         verified += sum(len(c.accept_lengths) for c in got)
-    assert seen == [(8, 64), (2, 64), (8, 128), (4, 64)]
+    assert seen == [(8, 64), (2, 64), (8, 136), (4, 64)]
     assert verified  # rows were released after verify rounds (replay: with pending steps)
     assert llm.rows_in_use() == [0]
 
@@ -96,17 +96,18 @@ def test_batched_prefill_buckets_pick_and_pad(make_ckpt):
 
     r = StageRunner(make_ckpt("qwen3_5_ratio2_7l"), max_rows=8, cuda_graph_max_bs=8)
     pg = r.prefill_graphs
-    assert pg.bucket(13, 311, 40) == (16, 512)
-    assert pg.bucket(16, 512, 100) == (32, 1024)  # 512 + 16 padding sequences fit no 512
-    assert pg.bucket(15, 200, 30) == (16, 256)
-    assert pg.bucket(63, 600, 20) == (128, 1024)  # (64, 1024): 424 padding tokens in one sequence
-    assert pg.bucket(2, 300, 150) == (8, 512) and pg.bucket(2, 300, S + 1) is None
+    assert pg.bucket(13, 311, 40) == (16, 528)
+    assert pg.bucket(64, 8192, 128) == (128, 8320)  # a full budget of prompts fits
+    assert pg.bucket(16, 512, 100) == (32, 544)  # (16, 528) has no padding sequence left
+    assert pg.bucket(15, 200, 30) == (16, 272)
+    assert pg.bucket(63, 600, 20) == (128, 1152)  # (64, 1088): 488 padding tokens in one sequence
+    assert pg.bucket(2, 300, 150) == (8, 520) and pg.bucket(2, 300, S + 1) is None
     assert pg.bucket(3, 60, 30) == (4, 64)  # a short bucket first
     assert pg.bucket(130, 4000, 40) is None  # more requests than any bucket's sequences
     with torch.inference_mode():  # as the stage fills it
-        pg._fill((32, 512), list(range(15)), [0] * 15, [13] * 14 + [18], list(range(200)))
-    ext = pg.views[(32, 512)]["ext"].tolist()
-    assert ext[:15] == [13] * 14 + [18] and sum(ext) == 512 and max(ext[15:]) - min(ext[15:]) <= 1
+        pg._fill((32, 544), list(range(15)), [0] * 15, [13] * 14 + [18], list(range(200)))
+    ext = pg.views[(32, 544)]["ext"].tolist()
+    assert ext[:15] == [13] * 14 + [18] and sum(ext) == 544 and max(ext[15:]) - min(ext[15:]) <= 1
 
 
 @pytest.mark.parametrize("spec", ["none", "mtp"])
@@ -134,7 +135,7 @@ def test_many_prompts_prefill_in_one_batched_graph(make_ckpt, spec):
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(first))]
     want = [c.token_ids for c in ref.generate(first, params)]
     assert [c.token_ids for c in llm.generate(first, params)] == want
-    assert seen[0] == (8, 1024)  # 801 tokens of 7 prompts, the longest 256
+    assert seen[0] == (8, 1032)  # 801 tokens of 7 prompts, the longest 256
     # decodes running while three more prompts arrive: one mixed micro-batch holds their chunks
     seen.clear()
     reqs = [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for p in first[:3]]
@@ -142,7 +143,7 @@ def test_many_prompts_prefill_in_one_batched_graph(make_ckpt, spec):
     want = [c.token_ids for c in ref.generate([p for p, _ in reqs], [s for _, s in reqs])]
     got = _staggered(llm, reqs, after=3)
     assert got == want
-    assert (8, 256) in seen  # 226 tokens of the three later prompts
+    assert (8, 264) in seen  # 226 tokens of the three later prompts
     seen.clear()
     p2 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert [c.token_ids for c in llm.generate(long, p2)] == [c.token_ids for c in ref.generate(long, p2)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ppspec.proto.messages import StepInput
-from ppspec.router.scheduler import Scheduler
+from ppspec.router.scheduler import WHOLE_PROMPT_TOKENS, Scheduler
 from ppspec.router.types import SamplingParams
 from ppspec.stage_server.runner import StageRunner, split_layers
 
@@ -183,6 +183,18 @@ def test_beside_decodes_short_prompts_join_whole_in_the_rest_of_the_budget():
     assert b.extend_lens == [1] * 8 + [128] + [60] * 14
     b = _drive_one_round(s)
     assert b.extend_lens[-3:] == [128, 60, 60] and sum(b.extend_lens) <= 1024
+
+    # with a cap of 512, prompts over WHOLE_PROMPT_TOKENS (the batched prefill graphs'
+    # longest sequence) take chunks of the cap: 300 + 212, then the 200-token one whole
+    s = Scheduler(max_rows=32, kv_tokens=1 << 16, max_context=8192, page_size=16, max_batch_size=32,
+                  max_num_batched_tokens=2048, mixed_prefill_tokens=512)
+    for i in range(8):
+        s.add(f"d{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50))
+    _drive_one_round(s)
+    for i, n in enumerate([300, 300, 200]):
+        s.add(f"p{i}", [5] * n, SamplingParams(temperature=0.0, max_tokens=5))
+    assert WHOLE_PROMPT_TOKENS == 256
+    assert _drive_one_round(s).extend_lens == [1] * 8 + [300, 212, 200]
 
 
 def test_a_lone_prompt_runs_in_chunks_of_the_budget():

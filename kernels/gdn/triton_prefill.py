@@ -1,6 +1,8 @@
 """Triton GDN prefill of short packed sequences, token by token: the GPU path of
 ``naive.chunk_gated_delta_rule_ref`` (same shapes and semantics) for chunks whose longest
-sequence is at most ``kernels.gdn.SHORT_PREFILL_TOKENS`` tokens.
+sequence is at most ``kernels.gdn.SHORT_PREFILL_TOKENS`` tokens, and for the batched prefill
+graphs' chunks (sequences of at most ``stage_server.graphs.BATCHED_PREFILL_SEQ_TOKENS``,
+the fact ``gdn_recurrent``).
 
 fla's chunked kernels win on long prompts, but a short prompt pays their fixed cost: about
 fourteen launches per layer, each with its host-side Python (autotune lookup, argument

@@ -456,6 +456,19 @@ class LLM:
         if loop is None or loop.is_closed() or loop.is_running() or sys.is_finalizing():
             return
         try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._close_on(loop)
+            return
+        # dropped while another event loop runs on this thread (a collection inside it):
+        # ours cannot run here, and closed with its tasks pending they would be destroyed
+        # mid-await; it runs them to their end on a thread of its own
+        t = threading.Thread(target=self._close_on, args=(loop,), name="llm-close")
+        t.start()
+        t.join()
+
+    def _close_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
             with self._lock:
                 closing = self.engine.close()
                 try:

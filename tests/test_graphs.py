@@ -220,6 +220,26 @@ def test_record_keeps_the_garbage_collector_out_of_the_capture(monkeypatch, fail
     assert gc.isenabled()
 
 
+def test_an_llm_closed_inside_another_event_loop_ends_its_tasks(make_ckpt):
+    """An ``LLM`` closed (or collected) while another event loop runs on the thread, as a
+    collection inside a served engine's loop does: its own loop cannot run there, so it
+    closes on a thread of its own; its tasks end (closing the loop with them pending
+    destroyed them mid-await: 'Exception ignored in Engine._output_loop') and every row is
+    free on both stages."""
+    import asyncio
+
+    llm = LLM(make_ckpt("qwen3_5_ratio2_7l"), pp_size=2, max_rows=4, speculative_algorithm="mtp")
+    llm.generate([[3, 1, 4, 1, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    loop, runners = llm._loop, llm.pipeline.runners
+
+    async def elsewhere():
+        llm.close()
+
+    asyncio.run(elsewhere())
+    assert loop.is_closed() and not [t for t in asyncio.all_tasks(loop) if not t.done()]
+    assert [r.rows_in_use for r in runners] == [set(), set()]
+
+
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_dropped_llm_frees_its_stages_without_the_collector(make_ckpt, spec):
     """The graphs' forwards must not close over their runner: runner -> graphs -> closure ->

@@ -510,9 +510,9 @@ class Scheduler:
         the rest go on at the pipeline's pace: one near its end (within two rounds' tokens
         of ``max_tokens``, counting every draft accepted: up to 2 D rounds at one token a
         round) for those rounds, one that never follows (penalties, a grammar, a bad word
-        of several tokens) for its whole life, where before the whole lane waited for it. Waiting for every request to continue left a lane of 64 mostly
-        synchronous (some request is always near its end), a router round trip per round
-        (docs/PERFORMANCE.md, "Following verifies near the end")."""
+        of several tokens) for its whole life. Waiting for every request to continue left
+        a lane of 64 mostly synchronous (some request is always near its end), a router
+        round trip per round (docs/PERFORMANCE.md, "Following verifies near the end")."""
         if not continuing:
             return False
         return not self.num_steps or 2 * continuing >= flying

@@ -392,6 +392,11 @@ def _batched(bucket: tuple) -> bool:
     return len(bucket) == 2 and bucket[1] > SHORT_PREFILL_TOKENS
 
 
+def _laid_on_device(bucket: tuple) -> bool:
+    """A long or batched bucket: its positions and KV slots are derived on the device."""
+    return bucket[1] > SHORT_PREFILL_TOKENS
+
+
 def _longest_in(bucket: tuple) -> int:
     """The longest sequence (tokens) bucket ``bucket`` ever holds, padding included."""
     return BATCHED_PREFILL_SEQ_TOKENS if _batched(bucket) else bucket[1]
@@ -456,6 +461,9 @@ class PrefillGraphs:
         self.buckets += _batched_buckets(max_kv_len)
         self.long_tokens = self._long_tokens(capture, max_kv_len)
         self.buckets += [(2, t, _fla_chunks(t) + extra) for t in self.long_tokens for extra in (0, 1)]
+        # bucket()'s candidates, smallest first
+        self.short_buckets = [b for b in self.buckets if len(b) == 2 and not _batched(b)]
+        self.batched_buckets = [b for b in self.buckets if _batched(b)]
         n_max = max(b[0] for b in self.buckets) if self.buckets else max(PREFILL_GRAPH_SEQS)
         t_max = max([b[1] for b in self.buckets], default=max(PREFILL_GRAPH_TOKENS))
         # keys: (n, t) short and batched buckets, (2, t, chunks) long ones
@@ -511,9 +519,7 @@ class PrefillGraphs:
         # while capturing, and every sequence is at most t tokens long, or a batched
         # bucket's sequence length)
         known(v["rows"], min=0, max=self.pad_row)
-        plan = {"fla_chunks": self.plans[b][:2]} if nt else {}
-        if _batched(b):
-            plan = {"gdn_recurrent": True}
+        plan = {"fla_chunks": self.plans[b][:2]} if nt else {"gdn_recurrent": True} if _batched(b) else {}
         known(v["cu"], total=t, max_len=_longest_in(b), queries_fit=True, **plan)
         known(v["kv_lens"], min=1, max=max_kv_len)
         if self.kv is not None:
@@ -529,7 +535,7 @@ class PrefillGraphs:
         ``metas[b]``: each graph that records it keeps its own ``has_init``."""
         meta = dataclasses.replace(self.metas[b])
         meta.has_init = meta.seq_lens > 0  # inside the graph: recomputed by every replay
-        if b[1] > SHORT_PREFILL_TOKENS:
+        if _laid_on_device(b):
             self._device_layout(b)
         if _chunks(b):
             ci, co, slots = self.plans[b]
@@ -566,9 +572,7 @@ class PrefillGraphs:
         holds it (it runs eagerly): a short bucket, else one request's chunk in a long
         bucket, else several requests' in a batched one."""
         longest = tokens if longest is None else longest
-        short = next(((n, t) for n, t, *long in self.buckets
-                      if not long and t <= SHORT_PREFILL_TOKENS and n > batch_size and t >= tokens + n - batch_size),
-                     None)
+        short = next(((n, t) for n, t in self.short_buckets if n > batch_size and t >= tokens + n - batch_size), None)
         if short is not None:
             return short
         if batch_size == 1:
@@ -576,8 +580,7 @@ class PrefillGraphs:
             return None if t is None else (2, t, _fla_chunks(tokens) + _fla_chunks(t - tokens))
         if longest > BATCHED_PREFILL_SEQ_TOKENS:
             return None
-        return next(((n, t) for n, t, *long in self.buckets
-                     if not long and t > SHORT_PREFILL_TOKENS and n > batch_size and t >= tokens + n - batch_size
+        return next(((n, t) for n, t in self.batched_buckets if n > batch_size and t >= tokens + n - batch_size
                      and -(-(t - tokens) // (n - batch_size)) <= BATCHED_PREFILL_SEQ_TOKENS), None)
 
     def _fill(self, b, rows, seq_lens, extend_lens, ids) -> None:
@@ -593,7 +596,7 @@ class PrefillGraphs:
         rows, seq = list(rows) + [self.pad_row] * pad, list(seq_lens) + [0] * pad
         cu = [0, *itertools.accumulate(ext)]
         head = rows + seq + ext + [s + e for s, e in zip(seq, ext)] + cu + list(ids) + [0] * (t - T)
-        if t > SHORT_PREFILL_TOKENS:  # long and batched: positions and slots on the device (_device_layout)
+        if _laid_on_device(b):  # positions and slots on the device (_device_layout), not t host ints each
             load_host(self.ints, host_int64(head))
             return
         positions = [s + j for s, e in zip(seq, ext) for j in range(e)]

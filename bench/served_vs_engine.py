@@ -5,7 +5,10 @@ The same prompts (ShareGPT first turns, every request ``--max-tokens`` long, gre
 running) and through ``ppspec serve`` at each ``--pp`` with the ``ppspec bench`` client
 (``bench.runner``); it prints the ratios of issue 25's table:
 
-- served / engine output tok/s at concurrency ``--concurrency`` (64) and at 1;
+- served / engine output tok/s at concurrency ``--concurrency`` (64) and at 1, and with every
+  prompt sent at once (the server's own queue admits each prompt the round a row frees, as
+  ``LLM.generate`` does: what a closed loop of clients adds is its turnaround between a
+  finished request and the next, which the client's CPU busy fraction helps place);
 - a served round at concurrency 1 (TPOT times the output tokens per micro-batch: the
   accept length with speculation) against the engine's time per round (a decode step, or
   a verify round with speculation) at batch 1;
@@ -345,7 +348,13 @@ def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "")
         count = lambda s: len(s.split())  # noqa: E731  (the served usage counts the tokens)
         pids = serve_children(proc.pid)
         with CpuMeter(url, pids) as cpu_full:
+            client0 = (time.process_time(), time.perf_counter())
             full = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
+            client_busy = (time.process_time() - client0[0]) / (time.perf_counter() - client0[1])
+        # every prompt sent at once: the server's own queue (at most --max-rows running)
+        # admits the next prompt the round a row frees, as LLM.generate does; no client's
+        # turnaround between a finished request and the next one
+        queued = asyncio.run(run_benchmark(RunConfig(max_concurrency=None, **cfg), samples, count, "words"))
         with CpuMeter(url, pids) as cpu_solo:
             solo = asyncio.run(run_benchmark(RunConfig(max_concurrency=1, **cfg), samples[: a.solo_prompts], count,
                                              "words"))
@@ -364,7 +373,8 @@ def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "")
     return {"tok_s": full["output_throughput"], "solo_tok_s": solo["output_throughput"],
             "tpot_s": solo["tpot_ms"]["mean"] / 1e3, "long_ttft_s": ttft, "long_path": path,
             "long_cpu": cpu_long.figures(4), "first_s": first, "steady_s": steady,
-            "failed": full["failed"] + solo["failed"],
+            "failed": full["failed"] + solo["failed"] + queued["failed"], "client_busy": client_busy,
+            "queued_tok_s": queued["output_throughput"],
             "cpu": cpu_full.figures(full["total_output_tokens"]), "solo_cpu": cpu_solo.figures(solo["total_output_tokens"])}
 
 
@@ -439,6 +449,8 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
     row(f"served round / engine round, PP{base}, concurrency 1", "<= 1.15", lambda s: _round_s(s[base]) / eng["round_s"])
     row(f"served / engine in a closed loop tok/s, PP{base}, concurrency {a.concurrency} (the same arrivals)", "-",
         lambda s: s[base]["tok_s"] / eng["closed_tok_s"])
+    row(f"served / engine tok/s, PP{base}, every prompt sent at once (the server's queue: no client turnaround)", "-",
+        lambda s: s[base]["queued_tok_s"] / eng["tok_s"])
     row(f"served / engine TTFT, {a.long_prompt}-token prompt, PP{base}", "-",
         lambda s: s[base]["long_ttft_s"] / eng["long_ttft_s"])
     for pp in pps[1:]:
@@ -476,6 +488,9 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
             lines.append(f"| PP{pp} stage forwards c{conc}: graph replays / eager | " + " | ".join(
                 fmt(served[n][pp][key]["graph"], "{:.0f}") + " / " + fmt(served[n][pp][key]["eager"], "{:.0f}")
                 for n in names) + " |")
+        # near 1: the client, not the server, paces the closed loop
+        lines.append(f"| PP{pp} the benchmark client's CPU busy fraction c{a.concurrency} | " + " | ".join(
+            fmt(served[n][pp].get("client_busy")) for n in names) + " |")
     return "\n".join(lines)
 
 

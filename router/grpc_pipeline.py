@@ -241,6 +241,7 @@ class GrpcPipeline(Pipeline):
         router known to them (also while another stage is down), tells a restarted stage (new
         instance_id) or another router's claim, and checks the relay chain."""
         while True:
+            serving = []
             for k, stub in enumerate(self.health_stubs):
                 try:
                     r = await stub.Check(health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=max(1.0, period))
@@ -249,7 +250,7 @@ class GrpcPipeline(Pipeline):
                 except grpc.aio.AioRpcError as e:
                     ok, detail = False, f"stage {k} ({self.addresses[k]}) is down: {e.code().name}"
                 if ok:
-                    self.down.pop(k, None)
+                    serving.append(k)
                 else:
                     self.down[k] = detail
             if _DISPLACED not in self.down:  # a displaced router stays silent
@@ -262,6 +263,13 @@ class GrpcPipeline(Pipeline):
                                                  timeout=max(1.0, period))
                     except grpc.aio.AioRpcError:
                         pass  # the next period tries again
+                # a stage that was down counts as up once its Info has answered: had it
+                # restarted, the engine has been told above (on_restart) before the
+                # pipeline's health turns 200, so no request is admitted into the window
+                # between the two and then failed as "restarted"
+                serving = [k for k in serving if k not in self.down or isinstance(infos[k], dict)]
+            for k in serving:
+                self.down.pop(k, None)
             await asyncio.sleep(period)
 
     async def _not_serving(self, k: int, period: float) -> str:

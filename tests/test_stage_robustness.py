@@ -741,3 +741,51 @@ def test_a_stage_whose_data_plane_link_was_pushed_out_attaches_again(st):
         time.sleep(0.5)
     assert st.s0.Info(pb.InfoRequest(), timeout=TIMEOUT).transport == "shm"
     st.release([0])
+
+
+def test_a_restarted_stage_is_reported_before_the_pipeline_turns_healthy_again():
+    """The router's monitor: a stage that was down answers SERVING again as a new process.
+    The engine must hear of the restart (``on_restart``, which fails and recovers it) while
+    the pipeline still reports that stage down; were the stage counted up first, /health
+    would answer 200 for a moment and a request admitted then would be failed as
+    "restarted" (seen in test_pipeline's rejoin test on a loaded machine)."""
+    import asyncio
+
+    from ppspec.router.grpc_pipeline import GrpcPipeline
+
+    class Health:
+        async def Check(self, req, timeout=None):
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    class Stage:
+        def __init__(self, rank, instance):
+            self.rank, self.instance = rank, instance
+
+        async def Info(self, req, timeout=None):
+            return pb.InfoReply(pp_rank=self.rank, pp_size=2, instance_id=self.instance)
+
+    async def scenario():
+        p = GrpcPipeline(["127.0.0.1:1", "127.0.0.1:2"])
+        try:
+            p.health_stubs = [Health(), Health()]
+            p.stubs = [Stage(0, "s0"), Stage(1, "s1-new")]
+            p.instances = ["s0", "s1-old"]
+            p.down = {1: "stage 1 (127.0.0.1:2) is down: UNAVAILABLE"}
+            told = []
+            p.on_restart = lambda k, detail: told.append((k, detail, p.health()[0]))
+            watch = asyncio.ensure_future(p._watch(0.01))
+            for _ in range(500):
+                if told and p.health()[0]:
+                    break
+                await asyncio.sleep(0.01)
+            watch.cancel()
+            return told, p.health()
+        finally:
+            await p.close()
+
+    told, health = asyncio.run(scenario())
+    assert len(told) == 1, told
+    stage, detail, healthy_then = told[0]
+    assert stage == 1 and "restarted (instance s1-new)" in detail
+    assert healthy_then is False  # still down when the engine is told
+    assert health[0] is True and health[1].startswith("2 stages serving")  # and up after it

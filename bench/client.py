@@ -130,6 +130,7 @@ async def stream_request(
     r.start = st = clock()
     last = st
     seen_event = False
+    done = False  # [DONE] seen
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             ctype = resp.headers.get("content-type", "")
@@ -145,7 +146,7 @@ async def stream_request(
                 return r
             async for line in resp.aiter_lines():
                 line = line.strip()
-                if not line:
+                if not line or done:
                     continue
                 if not line.startswith(_SSE_FIELDS):
                     r.error = (
@@ -158,7 +159,12 @@ async def stream_request(
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    # read on to the body's end: a response closed before it cannot give its
+                    # connection back, and the next request would open a new one (~50 ms on a
+                    # busy client at concurrency 64, docs/PERFORMANCE.md "A closed loop's
+                    # turnaround"; the OpenAI SDK reads a stream to its end too)
+                    done = True
+                    continue
                 try:
                     chunk = json.loads(data)
                 except ValueError:

@@ -9,6 +9,7 @@ Duration runs from the first send to the last completion.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import math
 import random
@@ -151,6 +152,34 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class ClientSlots:
+    """``n`` HTTP clients of one kept-alive connection each, one lent to each request (or
+    conversation) in flight: at most ``n`` at once, each slot's requests on its own
+    connection. Not one shared pool: httpx's pool can hand one idle connection to several
+    requests queued in the same pass (a burst of finishes in a closed loop), and all but one
+    then wait out a whole stream before they are sent (seen as TTFTs of a request's length)."""
+
+    def __init__(self, n: int, timeout: httpx.Timeout):
+        self._free: asyncio.Queue = asyncio.Queue()
+        tls = httpx.create_ssl_context()  # one for all: making one takes ~20 ms
+        self._all = [httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1), verify=tls)
+                     for _ in range(n)]
+        for c in self._all:
+            self._free.put_nowait(c)
+
+    @contextlib.asynccontextmanager
+    async def lend(self):
+        client = await self._free.get()
+        try:
+            yield client
+        finally:
+            self._free.put_nowait(client)
+
+    async def aclose(self) -> None:
+        for c in self._all:
+            await c.aclose()
+
+
 async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_tokens, counter_source: str) -> dict:
     """Run the benchmark; returns the result dict (without the run's own settings)."""
     root = normalize_base_url(cfg.base_url)
@@ -178,7 +207,7 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
 
         before, metrics_error = await scrape_spec_counters(client, root, headers, cfg.metrics_prefix)
 
-        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        slots = ClientSlots(min(cfg.max_concurrency, len(samples)), timeout) if cfg.max_concurrency else None
         offsets = arrival_offsets(len(samples), cfg.request_rate, cfg.seed)
         pbar = tqdm(total=len(samples), disable=not cfg.progress, unit="req", desc="ppspec bench", file=sys.stderr)
 
@@ -187,20 +216,22 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
             if delay > 0:
                 await asyncio.sleep(delay)
             payload = build_payload(cfg.endpoint, model, sample, sample.output_len, cfg)
-            if sem is None:
+            if slots is None:
                 res = await stream_request(client, url, payload, chat, headers)
             else:
-                async with sem:
-                    res = await stream_request(client, url, payload, chat, headers)
+                async with slots.lend() as slot:
+                    res = await stream_request(slot, url, payload, chat, headers)
             pbar.update(1)
             return res
 
         start = client_mod.clock()
         try:
             results = await asyncio.gather(*(one(s, t) for s, t in zip(samples, offsets)))
+            duration = client_mod.clock() - start
         finally:
             pbar.close()
-        duration = client_mod.clock() - start
+            if slots is not None:
+                await slots.aclose()
 
         after, err_after = (None, None)
         if before is not None:

@@ -64,6 +64,7 @@ class Stub:
         # per prompt: perf_counter at its POST and at the sends of its text chunks
         self.times: dict[str, tuple[float, list[float]]] = {}
         self.open = self.max_open = 0  # streams open now / at most at once
+        self.clients: list[tuple] = []  # (host, port) of each POST's connection
         self.done = 0
         self.lock = threading.Lock()
 
@@ -137,6 +138,7 @@ class Stub:
             with self.lock:
                 self.requests.append(req)
                 self.arrivals.append(time.perf_counter())
+                self.clients.append(tuple(scope.get("client") or ()))
                 self.open += 1
                 self.max_open = max(self.max_open, self.open)
             try:
@@ -460,6 +462,9 @@ def test_one_token_chunks_concurrency(dataset, tmp_path):
     # lasts at least two requests back to back, and the mean concurrency is at most 2
     assert_after_stub(r, stub)
     assert 1 <= stub.max_open <= 2
+    # each concurrent slot keeps one connection and a stream read to its end gives it back:
+    # the n requests ride on at most two connections (not one new connection each)
+    assert len(set(stub.clients[1:])) <= 2 < n
     e2e = sorted(q["e2el_ms"] for q in r["requests"])
     assert r["duration_s"] * 1e3 >= e2e[0] + e2e[1]
     assert r["mean_concurrency"] <= 2.0 + 1e-9

@@ -22,6 +22,7 @@ the runner, so a test can inject its own.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -122,6 +123,24 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
     return t if isinstance(t, str) else ""
 
 
+DRAIN_S = 1.0
+"""Seconds the client waits after ``[DONE]`` for the response body's end."""
+
+
+async def _drain(lines) -> None:
+    """Read what follows ``[DONE]`` to the body's end (at most ``DRAIN_S`` seconds): a
+    response closed before its end cannot give its connection back, and the next request
+    would open a new one (~50 ms on a busy client at concurrency 64, docs/PERFORMANCE.md
+    "A closed loop's turnaround"; the OpenAI SDK reads a stream to its end too). A server
+    that keeps the stream open past ``[DONE]`` costs its connection, not a hung request."""
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
+    except TimeoutError:
+        pass
+
+
 async def stream_request(
     client: httpx.AsyncClient, url: str, payload: dict, chat: bool, headers: dict | None = None
 ) -> RequestResult:
@@ -130,7 +149,6 @@ async def stream_request(
     r.start = st = clock()
     last = st
     seen_event = False
-    done = False  # [DONE] seen
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             ctype = resp.headers.get("content-type", "")
@@ -144,9 +162,10 @@ async def stream_request(
                 r.error = f"not an OpenAI-compatible response (content-type {ctype}): {_snippet(body)}"
                 r.non_openai = True
                 return r
-            async for line in resp.aiter_lines():
+            lines = resp.aiter_lines()
+            async for line in lines:
                 line = line.strip()
-                if not line or done:
+                if not line:
                     continue
                 if not line.startswith(_SSE_FIELDS):
                     r.error = (
@@ -159,12 +178,8 @@ async def stream_request(
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    # read on to the body's end: a response closed before it cannot give its
-                    # connection back, and the next request would open a new one (~50 ms on a
-                    # busy client at concurrency 64, docs/PERFORMANCE.md "A closed loop's
-                    # turnaround"; the OpenAI SDK reads a stream to its end too)
-                    done = True
-                    continue
+                    await _drain(lines)
+                    break
                 try:
                     chunk = json.loads(data)
                 except ValueError:

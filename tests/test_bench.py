@@ -24,6 +24,7 @@ import pytest
 import uvicorn
 
 from ppspec.bench import BenchError
+from ppspec.bench import client as client_mod
 from ppspec.bench.cli import main as bench_main
 from ppspec.bench.dataset import (
     TokenCounter,
@@ -58,7 +59,10 @@ class Stub:
         self.k = tokens_per_chunk
         self.usage = usage
         self.metrics = metrics  # "spec" | "plain" | "404"
-        self.mode = mode  # "openai" | "html" | "html-completions" | "unknown-model"
+        # "openai" | "html" | "html-completions" | "unknown-model" | "open-after-done" (the
+        # stream's body does not end after [DONE]: the stub waits up to 60 s for the client to go)
+        self.mode = mode
+        self.gone_after_done = 0  # open-after-done: streams the client closed itself
         self.requests: list[dict] = []  # bodies of POSTs
         self.arrivals: list[float] = []  # perf_counter at each POST (same clock as the client)
         # per prompt: perf_counter at its POST and at the sends of its text chunks
@@ -142,13 +146,13 @@ class Stub:
                 self.open += 1
                 self.max_open = max(self.max_open, self.open)
             try:
-                return await self.stream(req, path.endswith("chat/completions"), send)
+                return await self.stream(req, path.endswith("chat/completions"), send, receive)
             finally:
                 with self.lock:
                     self.open -= 1
         return await reply(404, "application/json", b'{"detail": "Not Found"}')
 
-    async def stream(self, req, chat, send):
+    async def stream(self, req, chat, send, receive):
         t0 = time.perf_counter()
         m = int(req["max_tokens"])
         prompt = req["messages"][0]["content"] if chat else req["prompt"]
@@ -182,6 +186,13 @@ class Stub:
         with self.lock:
             self.done += 1
         await event("[DONE]")
+        if self.mode == "open-after-done":
+            try:
+                msg = await asyncio.wait_for(receive(), 60)
+                self.gone_after_done += msg["type"] == "http.disconnect"
+                return
+            except asyncio.TimeoutError:
+                pass
         await send({"type": "http.response.body", "body": b""})
 
 
@@ -505,6 +516,19 @@ def test_multi_token_chunks_chat_no_usage(dataset, tmp_path):
     sd = r["spec_decode"]
     assert sd["mean_accept_length"] is None and sd["acceptance_per_position"] is None
     assert sd["num_drafts"] is None and sd["metrics_error"] is None
+
+
+def test_a_stream_kept_open_past_done_costs_its_connection_not_a_hung_request(dataset, tmp_path, monkeypatch):
+    """The client reads on after [DONE] to the body's end (to keep the connection), but a
+    server that never ends the body gets it closed after ``DRAIN_S``: every request still
+    succeeds, each stream closed by the client (the stub would wait 60 s)."""
+    monkeypatch.setattr(client_mod, "DRAIN_S", 0.2)
+    stub = Stub(mode="open-after-done")
+    with Serve(stub) as srv:
+        r = run_bench(srv.url, dataset, tmp_path, "--num-prompts", "2", "--max-concurrency", "1",
+                      "--max-output-len", "4")
+    assert r["completed"] == 2 and r["failed"] == 0
+    assert stub.gone_after_done == 3  # the test request and the two
 
 
 def test_poisson_arrivals_follow_seed(dataset, tmp_path):

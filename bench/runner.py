@@ -191,7 +191,9 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
     url = root + ("/v1/chat/completions" if chat else "/v1/completions")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = httpx.Timeout(cfg.timeout, connect=cfg.connect_timeout)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # without --max-concurrency (slots) each request takes a connection of its own: none is
+    # kept, so a burst of arrivals never queues behind one idle connection (ClientSlots)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None if cfg.max_concurrency else 0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = await check_server(client, root, cfg.model, headers)
 

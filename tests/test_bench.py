@@ -549,6 +549,10 @@ def test_poisson_arrivals_follow_seed(dataset, tmp_path):
     assert r["duration_s"] >= expected[-1] + FIRST + 3 * GAP - 0.005
     assert r["spec_decode"]["mean_accept_length"] is None
     assert r["spec_decode"]["metrics_error"] == "GET /metrics: HTTP 404"
+    # without --max-concurrency no connection is kept: each request on one of its own (a
+    # kept idle connection could be handed to two arrivals at once, the second then waiting
+    # out the first's stream)
+    assert len(set(stub.clients[1:])) == n
 
 
 def test_plots(dataset, tmp_path):

@@ -348,9 +348,9 @@ def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "")
         count = lambda s: len(s.split())  # noqa: E731  (the served usage counts the tokens)
         pids = serve_children(proc.pid)
         with CpuMeter(url, pids) as cpu_full:
-            client0 = (time.process_time(), time.perf_counter())
+            cpu0, wall0 = time.process_time(), time.perf_counter()
             full = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
-            client_busy = (time.process_time() - client0[0]) / (time.perf_counter() - client0[1])
+            client_busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         # every prompt sent at once: the server's own queue (at most --max-rows running)
         # admits the next prompt the round a row frees, as LLM.generate does; no client's
         # turnaround between a finished request and the next one

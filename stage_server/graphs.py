@@ -388,13 +388,13 @@ def _batched_buckets(max_kv_len: int) -> list[tuple[int, int]]:
             if 4 * n <= t and t + n <= n * BATCHED_PREFILL_SEQ_TOKENS]
 
 
-def _batched(bucket: tuple) -> bool:
-    return len(bucket) == 2 and bucket[1] > SHORT_PREFILL_TOKENS
-
-
 def _laid_on_device(bucket: tuple) -> bool:
     """A long or batched bucket: its positions and KV slots are derived on the device."""
     return bucket[1] > SHORT_PREFILL_TOKENS
+
+
+def _batched(bucket: tuple) -> bool:
+    return len(bucket) == 2 and _laid_on_device(bucket)
 
 
 def _longest_in(bucket: tuple) -> int:
@@ -519,7 +519,11 @@ class PrefillGraphs:
         # while capturing, and every sequence is at most t tokens long, or a batched
         # bucket's sequence length)
         known(v["rows"], min=0, max=self.pad_row)
-        plan = {"fla_chunks": self.plans[b][:2]} if nt else {"gdn_recurrent": True} if _batched(b) else {}
+        plan = {}
+        if nt:
+            plan = {"fla_chunks": self.plans[b][:2]}
+        elif _batched(b):
+            plan = {"gdn_recurrent": True}
         known(v["cu"], total=t, max_len=_longest_in(b), queries_fit=True, **plan)
         known(v["kv_lens"], min=1, max=max_kv_len)
         if self.kv is not None:

@@ -1,11 +1,11 @@
-"""Where the first stage's time goes between two rounds at concurrency 1, served:
+"""Where the first stage's time goes between two rounds, served:
 ``python -m ppspec.bench.round_trace``.
 
 Starts ``ppspec serve`` (PP 1 by default, with ``--spec``; by default the tiny random
 checkpoint of ``served_vs_engine --tiny``) with a tracer loaded into each stage process (a
 ``sitecustomize`` on its ``PYTHONPATH`` that wraps ``StageServicer``'s and ``StageRunner``'s
-methods, so the served code runs unchanged), sends ``--requests`` greedy completions one
-at a time, and prints, from ``time.perf_counter_ns`` stamps of stage 0:
+methods, so the served code runs unchanged), sends ``--requests`` greedy completions,
+``--concurrency`` at a time (1: one after another), and prints, from ``time.perf_counter_ns`` stamps of stage 0:
 
 - the compute of a round (``StageRunner.step`` on the compute thread) and the gap from its
   end to the start of the next round's compute (the stage's own work between rounds: the
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import concurrent.futures
 import glob
 import json
 import os
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", default="mtp", choices=["none", "ngram", "mtp"])
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--serve-args", default="", help="more arguments for ppspec serve")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
@@ -189,10 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         args += ["--num-threads", "1"]
     prompts = [[(37 * i + 11 * k) % 200 + 20 for k in range(24)] for i in range(a.requests)]
     with serving(args, a.startup_timeout, "round-trace", env=env) as (url, _):
-        for p in prompts:
+        def complete(p: list[int]) -> None:
             r = httpx.post(url + "/v1/completions", timeout=600, json={
                 "model": "m", "prompt": p, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True})
             r.raise_for_status()
+
+        # a thread per request in flight: a closed loop of --concurrency clients
+        with concurrent.futures.ThreadPoolExecutor(max(1, a.concurrency)) as pool:
+            list(pool.map(complete, prompts))
     files = glob.glob(os.path.join(work, "stage0-*.json"))
     if not files:
         print(f"no trace written (the stage did not exit cleanly?); folder {work}", file=sys.stderr)

@@ -406,13 +406,46 @@ class Scheduler:
         if req is not None:
             self.waiting.append(req)
 
-    def _kv_need(self, r: Request, extend: int) -> int:
+    def _kv_need(self, r: Request, extend: int, start: int | None = None) -> int:
         """KV tokens, in whole pages, that ``r`` must hold on every stage for a micro-batch
-        adding ``extend`` tokens to its ``num_computed``: those, then verify's D - 1 tokens
-        past the committed length and the MTP chain's ``num_steps - 1`` (the stage's
-        ``RowTable.reserve_pages``), never more than its whole life needs."""
-        n = min(r.num_computed + extend, len(r.prompt_ids) + r.params.max_tokens) + self.D + self.num_steps
+        adding ``extend`` tokens to its ``num_computed`` (or to ``start``): those, then
+        verify's D - 1 tokens past the committed length and the MTP chain's ``num_steps - 1``
+        (the stage's ``RowTable.reserve_pages``), never more than its whole life needs."""
+        n = min((r.num_computed if start is None else start) + extend,
+                len(r.prompt_ids) + r.params.max_tokens) + self.D + self.num_steps
         return -(-n // self.page_size) * self.page_size
+
+    def _evict_ahead(self) -> None:
+        """Evict cached prefixes before the KV they hold is wanted: enough that the prompts
+        waiting at the head of the queue (as many as rows are free) and one round's growth of
+        every running request fit once the drops under way are done, sparing the snapshots
+        those prompts hit.
+
+        A dropped snapshot's pages are free only once every stage has dropped it (a Release,
+        then the next micro-batch), so evicting just what one request lacks when it lacks it
+        (``_admit``, ``_grow``) made each admission and each page a running request grows into
+        wait that long while the pool was full of cached prefixes: a burst of N prompts
+        waited N such turns one after the other (H200, demo with MTP, a closed loop of 64
+        ShareGPT clients: 97 of 578 requests waited 0.3-1.1 s to be admitted;
+        docs/PERFORMANCE.md, "Admission behind a full prefix cache")."""
+        if self.cache is None or not self.cache.nodes:
+            return
+        page, headroom = self.page_size, -(-self.D // self.page_size) * self.page_size
+        heads = [r for r in itertools.islice(self.waiting, len(self.free_rows)) if not r.aborted]
+        # the headroom _admit keeps for every running request, those admitted now included,
+        # and a page more for each running one (its next round may cross into a new page)
+        want = headroom * (self.num_running + len(heads)) + page * self.num_running
+        free = self.kv_tokens - self.kv_reserved + self._coming()
+        if free >= want + sum(self._kv_need(r, min(self.chunk_size, r.prefill_len), 0) for r in heads):
+            return  # enough even with no hit: no lookup
+        keep = set()
+        for r in heads:
+            slot, n = self.cache.lookup(r.all_ids[: r.prefill_len]) if r.prompt_lps is None else (-1, 0)
+            if slot >= 0:
+                keep.add(slot)
+            want += self._kv_need(r, min(self.chunk_size, r.prefill_len - n), n) - (n // page) * page
+        if free < want:
+            self.cache.evict(want - free, keep=keep, plan=self._drop_plan())
 
     def _admit(self, lane: int | None = None) -> None:
         # ``lane``: the lane forming its micro-batch now (schedule's)
@@ -423,6 +456,7 @@ class Scheduler:
         later: list[Request] = []  # waiting for a snapshot under way: the ones behind them go first
         pending = self._pending_branches() if self.cache is not None and self.waiting else {}
         here = lane is not None and self.num_lanes > 1 and self.waiting and self._forms_now(lane)
+        self._evict_ahead()
         while self.waiting and self.free_rows and not self._short:
             req = self.waiting[0]
             if req.aborted:

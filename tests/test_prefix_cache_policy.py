@@ -243,3 +243,23 @@ def test_eviction_order_superseded_snapshots_first_then_least_recently_used():
     assert c.reserve(4, "x", superseded=True) >= 0  # two free, one owed to a snapshot not superseded
     assert c.reserve(4, "y", superseded=True) == -1
     assert c.reserve(4, "z") >= 0 and c.owed == 0
+
+
+def test_a_burst_behind_a_full_cache_is_admitted_after_one_round_of_drops():
+    # finished requests' snapshots fill the pool but for one prompt's pages; then four prompts
+    # arrive at once. Evicting only what the head of the queue lacked when it lacked it, each
+    # waited for drops of its own (a Release on every stage, then a round) one after the
+    # other; the scheduler evicts for every prompt it has rows for at once
+    s = make(kv_tokens=320, page=4)
+    d = Driver(s)
+    for i in range(6):
+        s.add(f"old{i}", list(range(100 * (i + 1), 100 * (i + 1) + 40)), P)
+    d.run()
+    burst = [s.add(f"b{i}", list(range(5000 + 100 * i, 5040 + 100 * i)), P) for i in range(4)]
+    need = s._kv_need(burst[0], 40)
+    assert need <= s.kv_tokens - s.kv_reserved < 2 * need  # room for one of them, no more
+    assert d.round()  # the first prefills; the drops of what was evicted finish with the round
+    assert d.round()
+    assert all(r.row >= 0 for r in burst)
+    d.run()
+    assert [r.output_ids for r in burst] == [[7] * 4] * 4

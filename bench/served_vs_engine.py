@@ -18,7 +18,9 @@ running) and through ``ppspec serve`` at each ``--pp`` with the ``ppspec bench``
   ``LLM.generate`` of the same prompts in the same run, and the difference: what the served
   path adds to a long prompt's prefill. ``ppspec serve`` caches prefixes by default and
   ``LLM`` does not: ``--engine-prefix-caching`` gives the engine the cache too;
-- the first request after ``/health`` turned 200 against the same request in steady state;
+- the first request after ``/health`` turned 200 against the same request in steady state, and
+  the tok/s of a first, untimed pass of the prompts at ``--concurrency`` against the timed one
+  after it (what first-use costs the warm-up at start left, at that load);
 - tokens per micro-batch (output, and scheduled: ``ppspec:iteration_tokens``) and the
   stages' layer forwards by how they ran (``ppspec:stage_forwards``: graph replays or eager);
 - the host's CPU per round: CPU milliseconds (user + system, ``/proc/PID/stat``) of the
@@ -347,6 +349,10 @@ def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "")
         cfg = dict(base_url=url, progress=False, test_request=False, ignore_eos=True)
         count = lambda s: len(s.split())  # noqa: E731  (the served usage counts the tokens)
         pids = serve_children(proc.pid)
+        # a whole untimed pass first, as the engine's side has: the timed pass meets no
+        # first-use cost that the warm-up at start left (a shape's kernels, allocations);
+        # its tok/s against the timed pass's says how much of such cost there is
+        cold = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
         with CpuMeter(url, pids) as cpu_full:
             cpu0, wall0 = time.process_time(), time.perf_counter()
             full = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
@@ -374,7 +380,7 @@ def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "")
             "tpot_s": solo["tpot_ms"]["mean"] / 1e3, "long_ttft_s": ttft, "long_path": path,
             "long_cpu": cpu_long.figures(4), "first_s": first, "steady_s": steady,
             "failed": full["failed"] + solo["failed"] + queued["failed"], "client_busy": client_busy,
-            "queued_tok_s": queued["output_throughput"],
+            "queued_tok_s": queued["output_throughput"], "cold_tok_s": cold["output_throughput"],
             "cpu": cpu_full.figures(full["total_output_tokens"]), "solo_cpu": cpu_solo.figures(solo["total_output_tokens"])}
 
 
@@ -460,6 +466,9 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
             lambda s, pp=pp: s[pp]["long_ttft_s"] / s[base]["long_ttft_s"])
     for pp in pps:
         row(f"first request after /health / steady state, PP{pp}", "<= 2", lambda s, pp=pp: s[pp]["first_s"] / s[pp]["steady_s"])
+    for pp in pps:
+        row(f"the first pass at concurrency {a.concurrency} after start / the timed one, tok/s, PP{pp}", "-",
+            lambda s, pp=pp: s[pp]["cold_tok_s"] / s[pp]["tok_s"])
     lines += ["", "| absolute | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for pp in pps:
         for key, label, scale, f in (("tok_s", f"tok/s c{a.concurrency}", 1, "{:.1f}"), ("solo_tok_s", "tok/s c1", 1, "{:.1f}"),

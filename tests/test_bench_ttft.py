@@ -31,7 +31,8 @@ def fake_served(ttft_s):
     for part in ("router", "engine", "stages"):
         cpu[f"{part}_round_s"] = cpu[f"{part}_token_s"] = 0.001
     return {"tok_s": 100.0, "solo_tok_s": 50.0, "tpot_s": 0.002, "long_ttft_s": ttft_s, "first_s": 1.0,
-            "steady_s": 1.0, "failed": 0, "cpu": cpu, "solo_cpu": cpu, "queued_tok_s": 95.0, "client_busy": 0.25}
+            "steady_s": 1.0, "failed": 0, "cpu": cpu, "solo_cpu": cpu, "queued_tok_s": 95.0, "client_busy": 0.25,
+            "cold_tok_s": 80.0}
 
 
 def test_the_report_gives_the_served_ttft_against_the_engines():
@@ -51,6 +52,8 @@ def test_the_report_gives_the_served_ttft_against_the_engines():
     assert "| served / engine tok/s, PP1, every prompt sent at once (the server's queue: no client turnaround) | - | 0.95 |" \
         in lines
     assert "| PP1 the benchmark client's CPU busy fraction c4 | 0.25 |" in lines
+    # the untimed first pass at the closed loop's concurrency against the timed one (80 / 100)
+    assert "| the first pass at concurrency 4 after start / the timed one, tok/s, PP2 | - | 0.80 |" in lines
 
 
 def test_request_path_times_every_step_and_sums_them():

@@ -126,6 +126,13 @@ def format_summary(r: dict) -> str:
         row("Acceptance per position", " ".join(f"{x:.3f}" for x in sd["acceptance_per_position"]))
     if sd["metrics_error"]:
         row("Metrics", sd["metrics_error"])
+    rt = r.get("router_ttft")
+    if rt:  # a ppspec router's stamps: where the TTFT went before the HTTP edge's share
+        from ppspec.bench.metrics import ROUTER_SEGMENTS
+
+        lines.append(f"Router's TTFT path, {rt['n']} requests, ms (mean/p50/p90/p99):")
+        for key, _, text in ROUTER_SEGMENTS:
+            row(f"  {text}", " / ".join(_fmt(rt[key][k]) for k in ("mean", "p50", "p90", "p99")))
     lines.append("=" * 54)
     return "\n".join(lines)
 

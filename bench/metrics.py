@@ -202,3 +202,29 @@ def compute_results(results, samples, duration: float, counter_source: str, coun
         "e2el_ms": summarize_ms(e2els),
         "_per_request": per_request,
     }
+
+
+# the router's stamps of a request's path to its first token (router/first_tokens.py), each
+# segment from the stamp before it: (key, the stamps it spans, what it is)
+ROUTER_SEGMENTS = (
+    ("queued_ms", ("arrival", "admitted"), "queued until admitted"),  # into a lane: a row, its KV
+    ("admitted_ms", ("admitted", "sent"), "admitted until sent"),  # its first micro-batch
+    ("sent_ms", ("sent", "back"), "sent until first token back"),
+    ("router_ttft_ms", ("arrival", "back"), "queued until first token back"),
+)
+
+
+def router_ttft_summary(got: dict) -> dict | None:
+    """:func:`summarize_ms` of each of :data:`ROUTER_SEGMENTS` over the rows of a ppspec
+    router's ``GET /v1/trace/first_tokens`` answer ``got`` (``fields``, ``rows``; stamps in
+    seconds of the router's clock), and ``n``, the rows; None without rows. The client's TTFT
+    less ``router_ttft_ms`` is the HTTP edge's and the client's own share."""
+    fields, rows = got.get("fields") or [], got.get("rows") or []
+    if not rows:
+        return None
+    ix = {f: i for i, f in enumerate(fields)}
+    out: dict = {"n": len(rows)}
+    for key, (a, b), _ in ROUTER_SEGMENTS:
+        out[key] = summarize_ms([r[ix[b]] - r[ix[a]] for r in rows])
+    return out
+

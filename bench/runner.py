@@ -24,7 +24,7 @@ from ppspec.bench import BenchError
 from ppspec.bench import client as client_mod
 from ppspec.bench.client import RequestResult, _snippet, describe_http_error, error_message, stream_request
 from ppspec.bench.dataset import SampleRequest
-from ppspec.bench.metrics import DEFAULT_PREFIX, compute_results, parse_spec_counters, spec_decode_summary
+from ppspec.bench.metrics import DEFAULT_PREFIX, compute_results, parse_spec_counters, router_ttft_summary, spec_decode_summary
 
 SCHEMA_VERSION = 1
 MAX_ERRORS_KEPT = 10
@@ -113,6 +113,18 @@ async def scrape_spec_counters(client, root: str, headers: dict, prefix: str):
         return parse_spec_counters(resp.text, prefix), None
     except Exception as e:  # the parser raises assorted errors on non-Prometheus text
         return None, f"GET /metrics: not Prometheus text format ({type(e).__name__}: {e})"
+
+
+async def first_tokens(client, root: str, headers: dict, since: int = 1 << 62) -> dict | None:
+    """A ppspec router's first-token paths recorded from number ``since`` on (``GET
+    /v1/trace/first_tokens``: ``total``, ``fields``, ``rows``); the default ``since`` reads
+    just the count. None from a server without them (another engine, an older router)."""
+    try:
+        resp = await client.get(root + "/v1/trace/first_tokens", params={"since": since}, headers=headers)
+        got = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return got if isinstance(got, dict) and isinstance(got.get("total"), int) else None
 
 
 def build_payload(endpoint: str, model: str, sample: SampleRequest, max_tokens: int, cfg: RunConfig) -> dict:
@@ -208,6 +220,7 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
                 raise BenchError(f"the test request to {url} failed: {res.error}")
 
         before, metrics_error = await scrape_spec_counters(client, root, headers, cfg.metrics_prefix)
+        mark = await first_tokens(client, root, headers)
 
         slots = ClientSlots(min(cfg.max_concurrency, len(samples)), timeout) if cfg.max_concurrency else None
         offsets = arrival_offsets(len(samples), cfg.request_rate, cfg.seed)
@@ -238,6 +251,7 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
         after, err_after = (None, None)
         if before is not None:
             after, err_after = await scrape_spec_counters(client, root, headers, cfg.metrics_prefix)
+        traced = await first_tokens(client, root, headers, mark["total"]) if mark is not None else None
 
     figures = compute_results(results, samples, duration, counter_source, count_tokens, start)
     errors: list[str] = []
@@ -261,6 +275,8 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
         "ignore_eos": cfg.ignore_eos,
         **figures,
         "spec_decode": spec_decode_summary(before, after, metrics_error or err_after),
+        # where the requests' TTFT went by a ppspec router's own stamps (None elsewhere)
+        "router_ttft": router_ttft_summary(traced) if traced is not None else None,
         "errors": errors[:MAX_ERRORS_KEPT],
         "_per_request": per_request,
     }

@@ -13,10 +13,12 @@ import asyncio
 import json
 import math
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx
@@ -51,12 +53,17 @@ PER_REQ = {"drafts": 4.0, "draft_tokens": 12.0, "accepted": 6.0, "pos": [3.0, 2.
 
 # --------------------------------------------------------------------------- stub server
 
+TRACE_FIELDS = ("seq", "arrival", "admitted", "formed", "sent", "back", "batches", "cached_tokens", "prompt_tokens",
+                "lane", "ahead")  # router/first_tokens.py's FIELDS
+
 
 class Stub:
     """State and options of one stub server."""
 
-    def __init__(self, tokens_per_chunk=1, usage=True, metrics="spec", mode="openai"):
+    def __init__(self, tokens_per_chunk=1, usage=True, metrics="spec", mode="openai", trace=False):
         self.k = tokens_per_chunk
+        self.trace = trace  # serve GET /v1/trace/first_tokens as a ppspec router does
+        self.traced: list[list] = []  # its rows: one per POST, stamped as the router's fields
         self.usage = usage
         self.metrics = metrics  # "spec" | "plain" | "404"
         # "openai" | "html" | "html-completions" | "unknown-model" | "open-after-done" (the
@@ -127,6 +134,12 @@ class Stub:
         if method == "GET" and path == "/v1/models":
             models = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "stub"}]}
             return await reply(200, "application/json", json.dumps(models).encode())
+        if method == "GET" and path == "/v1/trace/first_tokens" and self.trace:
+            since = int(urllib.parse.parse_qs(scope["query_string"].decode()).get("since", ["0"])[0])
+            with self.lock:
+                got = {"total": len(self.traced), "fields": list(TRACE_FIELDS),
+                       "rows": [r for r in self.traced if r[0] >= since]}
+            return await reply(200, "application/json", json.dumps(got).encode())
         if method == "GET" and path == "/metrics":
             if self.metrics == "404":
                 return await reply(404, "text/plain", b"Not Found")
@@ -172,6 +185,11 @@ class Stub:
         while sent < m:
             await asyncio.sleep(max(0.0, t0 + FIRST + i * GAP - time.perf_counter()))
             sends.append(time.perf_counter())
+            if i == 0 and self.trace:
+                with self.lock:  # queued at t0, admitted 1 ms later per request before it, sent 2 ms on
+                    k0 = len(self.traced)
+                    adm = t0 + 0.001 * (k0 + 1)
+                    self.traced.append([k0, t0, adm, adm, adm + 0.002, sends[0], 1, 0, 1, 0, 0])
             k = min(self.k, m - sent)
             text = "tok " * k
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
@@ -476,6 +494,7 @@ def test_one_token_chunks_concurrency(dataset, tmp_path):
     # each concurrent slot keeps one connection and a stream read to its end gives it back:
     # the n requests ride on at most two connections (not one new connection each)
     assert len(set(stub.clients[1:])) <= 2 < n
+    assert r["router_ttft"] is None  # no router's stamps from a server without them
     e2e = sorted(q["e2el_ms"] for q in r["requests"])
     assert r["duration_s"] * 1e3 >= e2e[0] + e2e[1]
     assert r["mean_concurrency"] <= 2.0 + 1e-9
@@ -790,3 +809,25 @@ def test_a_stream_without_text_fails_and_says_whether_tokens_came():
     assert not r.success and r.error == NO_TEXT
     r = asyncio.run(run("text"))
     assert r.success and r.error is None and r.text == "hi" and r.completion_tokens == 3
+
+
+def test_a_routers_first_token_stamps_are_summarized(dataset, tmp_path, capsys):
+    stub = Stub(tokens_per_chunk=1, trace=True)
+    n = 4
+    with Serve(stub) as srv:
+        r = run_bench(srv.url, dataset, tmp_path, "--num-prompts", str(n), "--max-concurrency", "2",
+                      "--max-output-len", "5")
+    rows = stub.traced[1:]  # the run's requests (the test request's row came before the mark)
+    rt = r["router_ttft"]
+    assert rt["n"] == n == len(rows)
+    for key, (a, b) in (("queued_ms", (1, 2)), ("admitted_ms", (2, 4)), ("sent_ms", (4, 5)),
+                        ("router_ttft_ms", (1, 5))):
+        ms = sorted(1e3 * (x[b] - x[a]) for x in rows)
+        assert math.isclose(rt[key]["mean"], statistics.fmean(ms), rel_tol=1e-9), key
+        assert math.isclose(rt[key]["p50"], (ms[1] + ms[2]) / 2, rel_tol=1e-9), key
+    # the router's share cannot exceed what the client measured: it stamps inside the request
+    assert rt["router_ttft_ms"]["p99"] <= max(q["ttft_ms"] for q in r["requests"])
+    out = capsys.readouterr().out
+    assert f"Router's TTFT path, {n} requests, ms (mean/p50/p90/p99):" in out
+    assert "  queued until admitted" in out and "  queued until first token back" in out
+

@@ -416,10 +416,12 @@ class Scheduler:
         return -(-n // self.page_size) * self.page_size
 
     def _evict_ahead(self) -> None:
-        """Evict cached prefixes before the KV they hold is wanted: enough that the prompts
-        waiting at the head of the queue (as many as rows are free) and one round's growth of
-        every running request fit once the drops under way are done, sparing the snapshots
-        those prompts hit.
+        """Evict cached prefixes before the KV they hold is wanted: enough that one round's
+        growth of every running request, and the prompts at the head of the queue that would
+        be admitted were the cache empty (in queue order, as many as rows are free), fit once
+        the drops under way are done; the snapshots those prompts hit are spared. A prompt
+        that could not fit beside the running requests even then waits for them, and so do
+        those behind it: nothing is evicted for them.
 
         A dropped snapshot's pages are free only once every stage has dropped it (a Release,
         then the next micro-batch), so evicting just what one request lacks when it lacks it
@@ -432,20 +434,30 @@ class Scheduler:
             return
         page, headroom = self.page_size, -(-self.D // self.page_size) * self.page_size
         heads = [r for r in itertools.islice(self.waiting, len(self.free_rows)) if not r.aborted]
-        # the headroom _admit keeps for every running request, those admitted now included,
-        # and a page more for each running one (its next round may cross into a new page)
-        want = headroom * (self.num_running + len(heads)) + page * self.num_running
+        # the headroom _admit keeps for every running request and a page more (its next
+        # round may cross into a new page)
+        want = (headroom + page) * self.num_running
         free = self.kv_tokens - self.kv_reserved + self._coming()
-        if free >= want + sum(self._kv_need(r, min(self.chunk_size, r.prefill_len), 0) for r in heads):
+        if free >= want + sum(self._kv_need(r, min(self.chunk_size, r.prefill_len), 0) + headroom for r in heads):
             return  # enough even with no hit: no lookup
+        room = self._room_beside_running()
         keep = set()
         for r in heads:
             slot, n = self.cache.lookup(r.all_ids[: r.prefill_len]) if r.prompt_lps is None else (-1, 0)
+            need = self._kv_need(r, min(self.chunk_size, r.prefill_len - n), n) - (n // page) * page + headroom
+            if want + need > room:
+                break  # it waits for running requests to end, with or without the cache
             if slot >= 0:
                 keep.add(slot)
-            want += self._kv_need(r, min(self.chunk_size, r.prefill_len - n), n) - (n // page) * page
+            want += need
         if free < want:
             self.cache.evict(want - free, keep=keep, plan=self._drop_plan())
+
+    def _room_beside_running(self) -> int:
+        """KV tokens of the pool less the running requests' own reservations: what a new
+        request could have were no snapshot cached (a page two rows share counted twice:
+        a bound from below)."""
+        return self.kv_tokens - sum(r.reserved_tokens for lane in self.lanes for r in lane)
 
     def _admit(self, lane: int | None = None) -> None:
         # ``lane``: the lane forming its micro-batch now (schedule's)
@@ -478,9 +490,10 @@ class Scheduler:
             short = self.kv_reserved + need - from_slot + headroom * self.num_running - self.kv_tokens
             if short > 0:
                 req.num_computed = 0
-                if self.cache:
+                if self.cache and need - from_slot + headroom * (self.num_running + 1) <= self._room_beside_running():
                     # cached prefixes make room before a new request waits for running ones
-                    # (vLLM counts cached blocks no request uses as free)
+                    # (vLLM counts cached blocks no request uses as free); not for one that
+                    # must wait for running ones even with the cache empty
                     self.cache.evict(short - self._coming(), keep=slot, plan=self._drop_plan())
                 break
             self.waiting.popleft()

@@ -263,3 +263,24 @@ def test_a_burst_behind_a_full_cache_is_admitted_after_one_round_of_drops():
     assert all(r.row >= 0 for r in burst)
     d.run()
     assert [r.output_ids for r in burst] == [[7] * 4] * 4
+
+
+def test_no_snapshot_is_evicted_for_a_prompt_that_must_wait_for_running_requests_anyway():
+    # a: 200 tokens decoding in a pool of 320; b, as long, fits only once a ends, with the
+    # cache or without it: evicting for b would lose the cached prefix and admit nothing
+    s = make(kv_tokens=320, page=4, chunk=512)
+    d = Driver(s)
+    s.add("old", list(range(100, 120)), P)
+    d.run()
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a = s.add("a", list(range(1000, 1200)), long)
+    assert d.round()
+    cached = s.cache.num_cached  # old's prompt and reply, a's prompt
+    assert cached == 3
+    b = s.add("b", list(range(3000, 3200)), long)
+    for _ in range(3):
+        assert d.round()
+    assert a.row >= 0 and b.row < 0
+    assert s.cache.num_cached == cached and not s.cache.to_drop
+    d.run()
+    assert len(b.output_ids) == 40

@@ -437,9 +437,13 @@ class Scheduler:
         # the headroom _admit keeps for every running request and a page more (its next
         # round may cross into a new page)
         want = (headroom + page) * self.num_running
-        free = self.kv_tokens - self.kv_reserved + self._coming()
-        if free >= want + sum(self._kv_need(r, min(self.chunk_size, r.prefill_len), 0) + headroom for r in heads):
-            return  # enough even with no hit: no lookup
+        most = want + sum(self._kv_need(r, min(self.chunk_size, r.prefill_len), 0) + headroom for r in heads)
+        free = self.kv_tokens - self.kv_reserved
+        if free >= most:
+            return  # enough even with no hit, and no drop under way counted: the round's usual case
+        free += self._coming()
+        if free >= most:
+            return
         room = self._room_beside_running()
         keep = set()
         for r in heads:

@@ -104,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     model = make_tiny(os.path.join(work, "tiny"))
     with open(os.path.join(work, "sitecustomize.py"), "w") as f:
         f.write(STANDIN)
-    # prompts of 8-40 words (the tiny tokenizer's ids are whatever; the lengths vary)
-    samples = [SampleRequest(prompt=" ".join(["word"] * (8 + (7 * i) % 33)), prompt_len=8 + (7 * i) % 33,
-                             output_len=a.max_tokens, reference_len=a.max_tokens) for i in range(a.num_prompts)]
+    # prompts of 8-40 numbers, each its own from its first (no two share a cached prefix,
+    # as ShareGPT's first turns do not: the prefix cache fills with them as it would)
+    lens = [8 + (7 * i) % 33 for i in range(a.num_prompts)]
+    samples = [SampleRequest(prompt=" ".join(str(1000 + (31 * i + 7 * j) % 9000) for j in range(n)), prompt_len=n,
+                             output_len=a.max_tokens, reference_len=a.max_tokens) for i, n in enumerate(lens)]
     args = ["--model", model, "--pp-size", str(a.pp), "--speculative-algorithm", a.spec, "--served-model-name", "m",
             "--num-threads", "1", *a.serve_args.split()]
     runs = [("this checkout", None)] + ([("baseline", a.baseline_pythonpath)] if a.baseline_pythonpath else [])

@@ -455,7 +455,12 @@ class Scheduler:
                 keep.add(slot)
             want += need
         if free < want:
-            self.cache.evict(want - free, keep=keep, plan=self._drop_plan())
+            # and a sixteenth of the pool more: the running requests' growth then takes
+            # several rounds to use it up, so that this evicts once in those rounds, not in
+            # each (an eviction sorts every cached snapshot: with hundreds cached that was
+            # half the engine's CPU a round; docs/PERFORMANCE.md, "Admission behind a full
+            # prefix cache")
+            self.cache.evict(want - free + self.kv_tokens // 16, keep=keep, plan=self._drop_plan())
 
     def _room_beside_running(self) -> int:
         """KV tokens of the pool less the running requests' own reservations: what a new

@@ -582,7 +582,9 @@ class Scheduler:
         extra = need - r.reserved_tokens
         if extra <= 0:
             return True
-        coming = self._coming()  # freed by releases under way
+        # freed by releases and drops under way: counted only when the pool lacks it without
+        # them (it walks every page they hold; a grow is a page a few rounds per request)
+        coming = 0 if self.kv_tokens - self.kv_reserved >= extra else self._coming()
         while self.kv_tokens - self.kv_reserved + coming < extra:
             if self.cache and self.cache.evict(extra - (self.kv_tokens - self.kv_reserved + coming),
                                                plan=self._drop_plan()):

@@ -6,8 +6,8 @@ for the router's next step most of the rest (docs/PERFORMANCE.md, "The kept-aliv
 the H200"): the router's engine process and the HTTP server bound the served rounds. On the
 2-core CPU host the tiny checkpoint's eager forward (~10 ms a round) hides them. This serves
 the tiny random checkpoint of ``served_vs_engine --tiny`` with a stand-in for the stages'
-compute (a ``sitecustomize`` on the stages' ``PYTHONPATH`` that replaces ``StageRunner.step``
-past its checks and row bookkeeping: every sampled request emits token 7, a verify accepts
+compute (a ``sitecustomize`` on the stages' ``PYTHONPATH`` that replaces ``StageRunner._forward``,
+the step's compute past its checks and row bookkeeping: every sampled request emits token 7, a verify accepts
 all its drafts, an MTP stage drafts 7s; no layer runs), drives it with a closed loop of
 ``ppspec bench`` clients (synthetic prompts, greedy, ``ignore_eos``) and prints the served
 tok/s, the micro-batches a second and their tokens, and the CPU milliseconds per
@@ -18,7 +18,9 @@ micro-batch of the HTTP server, the engine process and the stages (``/proc``, as
 
 ``--baseline-pythonpath DIR`` serves a second time from another checkout (a folder whose
 ``ppspec`` package maps it, as ``served_vs_engine`` takes it) for an A/B in one run; the
-stand-in replaces the same method there. What the stand-in leaves out: the layers, the
+stand-in replaces the same method there, so that checkout must have it (since the commit
+after 1866ca5; the figures of docs/PERFORMANCE.md against e9039ac replaced the whole
+``StageRunner.step`` with the same stand-in). What the stand-in leaves out: the layers, the
 sampler, the MTP head, the graphs; what it keeps: the stage's step decode and result
 encode, ``check_input``, the rows' KV and length bookkeeping, the commit and snapshots.
 """
@@ -38,39 +40,29 @@ try:
 except OSError:
     _argv = []
 if os.environ.get("PPSPEC_STANDIN_COMPUTE") == "1" and "stage" in _argv and "--pp-rank" in _argv:
-    import time
     import torch
     from ppspec.stage_server import runner as _R, warmup as _W
 
-    _real_step, _real_warm_up = _R.StageRunner.step, _W.warm_up
+    if not hasattr(_R.StageRunner, "_forward"):  # a checkout before the step's compute was its own method
+        raise SystemExit("engine_cost: this checkout's StageRunner has no _forward to stand in for")
+    _real_forward, _real_warm_up = _R.StageRunner._forward, _W.warm_up
 
-    def _step(self, inp):
-        if not getattr(self, "_standin", False):  # the warm-up at start runs the real step
-            return _real_step(self, inp)
-        t0 = time.perf_counter()
-        self.check_input(inp)
-        out = _R.StepOutput(inp.micro_batch_id, inp.round)
-        parts = inp.parts()
-        with self.rows.applying(inp, parts):
-            for p in parts:  # a prefill chunk starts or continues its row (as _run_layers records)
-                if p.mode == _R.PREFILL:
-                    self.rows.rows_in_use.update(p.req_pool_indices)
-            B = len(inp.req_pool_indices)
-            if not self.is_last:
-                n = len(inp.input_ids) if inp.hidden_states is None else inp.hidden_states.shape[0]
-                out.hidden_states = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-            else:
-                sample = inp.sample or [True] * B
-                drafts = inp.num_drafts or [0] * B
-                out.output_ids = [[7] * (drafts[b] + 1) if sample[b] else [] for b in range(B)]
-                if self.use_mtp:
-                    out.drafts = [[7] * self.num_steps if sample[b] else [] for b in range(B)]
-        if inp.snapshot_slots:
-            self.snapshots.take(inp.req_pool_indices, inp.snapshot_slots,
-                                [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)], pending=False)
-        out.compute_seconds = time.perf_counter() - t0
-        self.busy_seconds += out.compute_seconds
-        return out
+    def _forward(self, inp, parts, out):
+        if not getattr(self, "_standin", False):  # the warm-up at start runs the real layers
+            return _real_forward(self, inp, parts, out)
+        for p in parts:  # a prefill chunk starts or continues its row (as _run_layers records)
+            if p.mode == _R.PREFILL:
+                self.rows.rows_in_use.update(p.req_pool_indices)
+        B = len(inp.req_pool_indices)
+        if not self.is_last:
+            n = len(inp.input_ids) if inp.hidden_states is None else inp.hidden_states.shape[0]
+            out.hidden_states = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            return
+        sample = inp.sample or [True] * B
+        drafts = inp.num_drafts or [0] * B
+        out.output_ids = [[7] * (drafts[b] + 1) if sample[b] else [] for b in range(B)]
+        if self.use_mtp:
+            out.drafts = [[7] * self.num_steps if sample[b] else [] for b in range(B)]
 
     def _warm_up(runner):
         try:
@@ -78,7 +70,7 @@ if os.environ.get("PPSPEC_STANDIN_COMPUTE") == "1" and "stage" in _argv and "--p
         finally:
             runner._standin = True
 
-    _R.StageRunner.step = _step
+    _R.StageRunner._forward = _forward
     _W.warm_up = _warm_up
 '''
 

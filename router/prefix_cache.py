@@ -231,8 +231,8 @@ class PrefixCache:
         node = self.nodes[slot]
         return (1 if node.hit or not node.children else 0), node.last_used
 
-    def evict(self, tokens: int, keep: int | Collection[int] = -1, plan=None) -> int:
-        """Evict unpinned snapshots (not ``keep``: a slot or several) in :meth:`_order` until dropping them
+    def evict(self, tokens: int, keep: Collection[int] = (), plan=None) -> int:
+        """Evict unpinned snapshots (not those in ``keep``) in :meth:`_order` until dropping them
         gives back ``tokens`` of KV (or none is left), passing over those whose drop would
         give back nothing more (their pages are held by a running row, or by a snapshot
         kept). ``plan``: ``gain(slot)``, the KV tokens dropping ``slot`` too would give back,
@@ -269,9 +269,8 @@ class PrefixCache:
             self._remove(slot)
         return got
 
-    def evictable(self, keep: int | Collection[int] = -1) -> list[int]:
-        """Cached slots no micro-batch restores from (and not ``keep``: a slot or several)."""
-        keep = {keep} if isinstance(keep, int) else keep
+    def evictable(self, keep: Collection[int] = ()) -> list[int]:
+        """Cached slots no micro-batch restores from (and not in ``keep``)."""
         return [s for s in self.nodes if s not in self.pins and s not in keep]
 
     def evict_one(self, superseded: bool = False) -> bool:

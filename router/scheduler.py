@@ -415,6 +415,17 @@ class Scheduler:
                 len(r.prompt_ids) + r.params.max_tokens) + self.D + self.num_steps
         return -(-n // self.page_size) * self.page_size
 
+    @property
+    def _headroom(self) -> int:
+        """KV tokens, in whole pages, that every running request keeps free for its next
+        round (a verify's D tokens)."""
+        return -(-self.D // self.page_size) * self.page_size
+
+    def _own_need(self, r: Request, hit: int) -> int:
+        """KV tokens a waiting request ``r`` takes of its own for its first chunk when it
+        starts after ``hit`` cached tokens (whose whole pages it shares)."""
+        return self._kv_need(r, min(self.chunk_size, r.prefill_len - hit), hit) - (hit // self.page_size) * self.page_size
+
     def _evict_ahead(self) -> None:
         """Evict cached prefixes before the KV they hold is wanted: enough that one round's
         growth of every running request, and the prompts at the head of the queue that would
@@ -432,12 +443,12 @@ class Scheduler:
         docs/PERFORMANCE.md, "Admission behind a full prefix cache")."""
         if self.cache is None or not self.cache.nodes:
             return
-        page, headroom = self.page_size, -(-self.D // self.page_size) * self.page_size
+        headroom = self._headroom
         heads = [r for r in itertools.islice(self.waiting, len(self.free_rows)) if not r.aborted]
         # the headroom _admit keeps for every running request and a page more (its next
         # round may cross into a new page)
-        want = (headroom + page) * self.num_running
-        most = want + sum(self._kv_need(r, min(self.chunk_size, r.prefill_len), 0) + headroom for r in heads)
+        want = (headroom + self.page_size) * self.num_running
+        most = want + sum(self._own_need(r, 0) + headroom for r in heads)
         free = self.kv_tokens - self.kv_reserved
         if free >= most:
             return  # enough even with no hit, and no drop under way counted: the round's usual case
@@ -448,7 +459,7 @@ class Scheduler:
         keep = set()
         for r in heads:
             slot, n = self.cache.lookup(r.all_ids[: r.prefill_len]) if r.prompt_lps is None else (-1, 0)
-            need = self._kv_need(r, min(self.chunk_size, r.prefill_len - n), n) - (n // page) * page + headroom
+            need = self._own_need(r, n) + headroom
             if want + need > room:
                 break  # it waits for running requests to end, with or without the cache
             if slot >= 0:
@@ -473,7 +484,7 @@ class Scheduler:
         # Not while a running request waits for KV (it would lose the pages it waits for);
         # each running one keeps room for its next verify round, so that an admission does
         # not preempt at once the request it just admitted.
-        headroom = -(-self.D // self.page_size) * self.page_size
+        headroom = self._headroom
         later: list[Request] = []  # waiting for a snapshot under way: the ones behind them go first
         pending = self._pending_branches() if self.cache is not None and self.waiting else {}
         here = lane is not None and self.num_lanes > 1 and self.waiting and self._forms_now(lane)
@@ -503,7 +514,7 @@ class Scheduler:
                     # cached prefixes make room before a new request waits for running ones
                     # (vLLM counts cached blocks no request uses as free); not for one that
                     # must wait for running ones even with the cache empty
-                    self.cache.evict(short - self._coming(), keep=slot, plan=self._drop_plan())
+                    self.cache.evict(short - self._coming(), keep=(slot,), plan=self._drop_plan())
                 break
             self.waiting.popleft()
             if self.cache:

@@ -548,21 +548,27 @@ class StageRunner:
         with self.rows.applying(inp, parts):
             if grammars:
                 self.grammars.install(grammars)
-            graphs = self._greedy_round_graphs(inp)
-            if graphs is not None:
-                self._run_greedy_round(graphs, inp, out)
-            else:
-                meta, hidden = self._run_layers(inp, parts)
-                if not self.is_last:
-                    out.hidden_states = hidden
-                else:
-                    self._last_stage(inp, meta, hidden, out, parts)
+            self._forward(inp, parts, out)
         if inp.snapshot_slots:  # a prefill writes the state in place: it is committed, nothing pending
             self.snapshots.take(inp.req_pool_indices, inp.snapshot_slots,
                                 [s + e for s, e in zip(inp.seq_lens, inp.extend_lens)], pending=False)
         out.compute_seconds = time.perf_counter() - t0
         self.busy_seconds += out.compute_seconds
         return out
+
+    def _forward(self, inp: StepInput, parts: list[StepInput], out: StepOutput) -> None:
+        """The step's compute, its rows checked and their pages taken: the layers, then on
+        the last stage the sampling (``out.output_ids``, ``out.drafts``), else the hidden
+        states for the next stage (``out.hidden_states``)."""
+        graphs = self._greedy_round_graphs(inp)
+        if graphs is not None:
+            self._run_greedy_round(graphs, inp, out)
+            return
+        meta, hidden = self._run_layers(inp, parts)
+        if not self.is_last:
+            out.hidden_states = hidden
+        else:
+            self._last_stage(inp, meta, hidden, out, parts)
 
     def prepare_grammar(self, text: str) -> concurrent.futures.Future:
         """Compile a request's grammar (xgrammar EBNF) ahead of its steps, off the step's

@@ -37,6 +37,7 @@ from ppspec.bench.dataset import (
 )
 from ppspec.bench.metrics import parse_spec_counters, percentile, spec_decode_summary, summarize_ms
 from ppspec.bench.runner import arrival_offsets, normalize_base_url
+from ppspec.router.first_tokens import FIELDS  # the rows the stub serves, as a ppspec router does
 
 FIRST = 0.050  # s to the first content chunk
 GAP = 0.020  # s between chunks
@@ -53,8 +54,6 @@ PER_REQ = {"drafts": 4.0, "draft_tokens": 12.0, "accepted": 6.0, "pos": [3.0, 2.
 
 # --------------------------------------------------------------------------- stub server
 
-TRACE_FIELDS = ("seq", "arrival", "admitted", "formed", "sent", "back", "batches", "cached_tokens", "prompt_tokens",
-                "lane", "ahead")  # router/first_tokens.py's FIELDS
 
 
 class Stub:
@@ -137,7 +136,7 @@ class Stub:
         if method == "GET" and path == "/v1/trace/first_tokens" and self.trace:
             since = int(urllib.parse.parse_qs(scope["query_string"].decode()).get("since", ["0"])[0])
             with self.lock:
-                got = {"total": len(self.traced), "fields": list(TRACE_FIELDS),
+                got = {"total": len(self.traced), "fields": list(FIELDS),
                        "rows": [r for r in self.traced if r[0] >= since]}
             return await reply(200, "application/json", json.dumps(got).encode())
         if method == "GET" and path == "/metrics":

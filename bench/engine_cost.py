@@ -16,7 +16,8 @@ micro-batch of the HTTP server, the engine process and the stages (``/proc``, as
 
     python -m ppspec.bench.engine_cost --spec mtp --concurrency 64
 
-``--baseline-pythonpath DIR`` serves a second time from another checkout (a folder whose
+``--variant NAME=ARGS`` (repeatable) serves this checkout again with more ``ppspec serve``
+arguments (``--variant "nocache=--no-enable-prefix-caching"``). ``--baseline-pythonpath DIR`` serves a second time from another checkout (a folder whose
 ``ppspec`` package maps it, as ``served_vs_engine`` takes it) for an A/B in one run; the
 stand-in replaces the same method there, so that checkout must have it (since the commit
 after 1866ca5; the figures of docs/PERFORMANCE.md against e9039ac replaced the whole
@@ -85,8 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--serve-args", default="", help="more arguments for ppspec serve")
     ap.add_argument("--baseline-pythonpath", default=None, help="serve a second time from this checkout")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="serve this checkout again with more ppspec serve arguments (repeatable)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     a = ap.parse_args(argv)
+    variants = []
+    for v in a.variant:
+        name, sep, extra = v.partition("=")
+        if not sep or not name:
+            ap.error(f"--variant {v!r}: NAME=ARGS")
+        variants.append((name, None, extra.split()))
     from ppspec.bench.dataset import SampleRequest
     from ppspec.bench.runner import RunConfig, run_benchmark
     from ppspec.bench.served_vs_engine import CpuMeter, make_tiny, serve_children
@@ -103,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
                              output_len=a.max_tokens, reference_len=a.max_tokens) for i, n in enumerate(lens)]
     args = ["--model", model, "--pp-size", str(a.pp), "--speculative-algorithm", a.spec, "--served-model-name", "m",
             "--num-threads", "1", *a.serve_args.split()]
-    runs = [("this checkout", None)] + ([("baseline", a.baseline_pythonpath)] if a.baseline_pythonpath else [])
+    runs = [("this checkout", None, [])] + ([("baseline", a.baseline_pythonpath, [])] if a.baseline_pythonpath else [])
     rows = []
-    for name, pythonpath in runs:
+    for name, pythonpath, extra in runs + variants:
         env = dict(os.environ, PPSPEC_STANDIN_COMPUTE="1", PYTHONPATH=os.pathsep.join(
             filter(None, [pythonpath, work, os.environ.get("PYTHONPATH")])))
         print(f"{name} ...", file=sys.stderr)
-        with serving(args, a.startup_timeout, f"engine-cost-{len(rows)}", env=env, cwd=pythonpath) as (url, proc):
+        with serving(args + extra, a.startup_timeout, f"engine-cost-{len(rows)}", env=env, cwd=pythonpath) as (url, proc):
             cfg = dict(base_url=url, progress=False, test_request=False, ignore_eos=True, model="m",
                        max_concurrency=a.concurrency)
             count = lambda s: len(s.split())  # noqa: E731  (the served usage counts the tokens)

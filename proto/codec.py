@@ -231,14 +231,17 @@ def commit_from_pb(m: "pb.CommitRequest") -> Commit:
 
 
 def release_to_pb(r: Release, router_id: str = "") -> "pb.ReleaseRequest":
-    return pb.ReleaseRequest(req_pool_indices=r.req_pool_indices, micro_batch_id=r.micro_batch_id, round=r.round,
-                             abandon=r.abandon, router_id=router_id, snapshot_slots=r.snapshot_slots,
-                             drop_slots=r.drop_slots)
+    m = pb.ReleaseRequest(req_pool_indices=r.req_pool_indices, micro_batch_id=r.micro_batch_id, round=r.round,
+                          abandon=r.abandon, router_id=router_id, snapshot_slots=r.snapshot_slots,
+                          drop_slots=r.drop_slots)
+    if r.commit is not None:
+        m.commit.CopyFrom(commit_to_pb(r.commit, router_id))
+    return m
 
 
 def release_from_pb(m: "pb.ReleaseRequest") -> Release:
     return Release(list(m.req_pool_indices), m.micro_batch_id, m.round, m.abandon, list(m.snapshot_slots),
-                   list(m.drop_slots))
+                   list(m.drop_slots), commit_from_pb(m.commit) if m.HasField("commit") else None)
 
 
 _INFO_SCALARS = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers", "max_rows", "rows_in_use",

@@ -392,7 +392,9 @@ class Release:
     their pending commit; ``micro_batch_id`` / ``round``: where they last ran.
     ``abandon``: no commit will come for their pending round (it failed, or the pipeline is
     being reset): drop it instead of waiting. ``snapshot_slots`` / ``drop_slots``: the
-    prefix cache's (``StageRunner.release``)."""
+    prefix cache's (``StageRunner.release``). ``commit``: the rows' pending commit (with
+    its micro-batch's other rows), applied first on each stage as ``CommitAccept`` applies
+    it: one call where two went one after the other."""
 
     req_pool_indices: list[int]
     micro_batch_id: int = 0
@@ -400,6 +402,7 @@ class Release:
     abandon: bool = False
     snapshot_slots: list[int] = field(default_factory=list)  # per row: its prefix-cache slot, or -1
     drop_slots: list[int] = field(default_factory=list)      # prefix-cache slots to drop after
+    commit: Commit | None = None
 
 
 class StageInfo(TypedDict, total=False):

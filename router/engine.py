@@ -541,36 +541,41 @@ class Engine:
                 log.exception("delivering micro-batch %d round %d failed", batch.micro_batch_id, batch.round)
 
     async def _commit_and_release(self, up: Update) -> None:
-        if up.commit is None or await self._commit(up.commit, up.release_rows):
-            await self._release_or_fail(up.release_rows, up.micro_batch_id, up.round)
+        """The commit of a micro-batch's verify and the release of its rows that ended: one
+        call to each stage when both (the release carries the commit, which each stage
+        applies first), else the one there is."""
+        if up.release_rows:
+            await self._release_or_fail(up.release_rows, up.micro_batch_id, up.round, commit=up.commit)
+        else:
+            await self._commit(up.commit)
 
-    async def _commit(self, c: Commit, release_rows: list[int] = ()) -> bool:
-        """CommitAccept ``c`` on every stage; False when it failed (``release_rows`` then
-        wait for the recovery)."""
+    async def _commit(self, c: Commit) -> None:
+        """CommitAccept ``c`` on every stage."""
         try:
-            secs = await self.pipeline.commit_accept(c)
-            if self.metrics and secs:
-                for k, s in enumerate(secs):
-                    self.metrics.on_stage_rpc(k, "commit", s)
+            self._record_commit(await self.pipeline.commit_accept(c))
         except (StageDownError, OSError, EngineError, ValueError) as e:
             # a stage died or refused the commit: the rows' state is unknown, the full
-            # recovery releases them (never released here)
-            self._stale_rows = self._stale_rows + list(release_rows)
+            # recovery releases them
             self._fail(str(e))
-            return False
-        return True
+
+    def _record_commit(self, secs: list[float] | None) -> None:
+        if self.metrics and secs:
+            for k, s in enumerate(secs):
+                self.metrics.on_stage_rpc(k, "commit", s)
 
     async def _release_or_fail(self, rows: list[int], micro_batch_id: int, round: int, what: str = "",
-                               abandon: bool = False) -> None:
-        """Release ``rows`` on every stage (``abandon``: without waiting for their commits),
-        then make them free. When a stage fails the release, the rows wait for the
+                               abandon: bool = False, commit: Commit | None = None) -> None:
+        """Release ``rows`` on every stage (``abandon``: without waiting for their commits;
+        ``commit``: their pending commit, which each stage applies first), then make them
+        free. When a stage fails the release (or refuses the commit), the rows wait for the
         recovery's release of every row (until then they are neither free nor held by a
         request: a row returned to the free list here could reach a stage that still holds it)."""
         if not rows:
             return
         try:
             snap = self.scheduler.release_snapshots(rows)
-            await self.pipeline.release(Release(rows, micro_batch_id, round, abandon, snapshot_slots=snap or []))
+            self._record_commit(await self.pipeline.release(
+                Release(rows, micro_batch_id, round, abandon, snapshot_slots=snap or [], commit=commit)))
         except (StageDownError, OSError, EngineError, ValueError) as e:
             self._stale_rows = self._stale_rows + rows
             self._fail(f"{what}: {e}" if what else str(e))

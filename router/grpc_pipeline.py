@@ -217,13 +217,14 @@ class GrpcPipeline(Pipeline):
                 raise r
         return [r.seconds for r in replies]
 
-    async def release(self, r: Release) -> None:
-        """Release rows on every stage. Each stage first waits for pending commits of those
-        rows, or with ``abandon`` (after a failure: no commit will come) drops them; then
-        snapshots the rows with a slot in ``snapshot_slots`` (the prefix cache), releases
-        them and drops the prefix-cache ``drop_slots``."""
-        if not r.req_pool_indices and not r.drop_slots:
-            return
+    async def release(self, r: Release) -> list[float] | None:
+        """Release rows on every stage. Each stage first applies ``r.commit`` if any, waits
+        for pending commits of those rows, or with ``abandon`` (after a failure: no commit
+        will come) drops them; then snapshots the rows with a slot in ``snapshot_slots``
+        (the prefix cache), releases them and drops the prefix-cache ``drop_slots``.
+        Returns each stage's seconds for ``r.commit`` (None without one)."""
+        if not r.req_pool_indices and not r.drop_slots and r.commit is None:
+            return None
         req = release_to_pb(r, self.router_id)
         replies = await asyncio.gather(
             *(s.Release(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
@@ -233,6 +234,7 @@ class GrpcPipeline(Pipeline):
                 raise self._error(k, r, "release")
             if isinstance(r, BaseException):
                 raise r
+        return [rep.commit_seconds for rep in replies] if req.HasField("commit") else None
 
     # ---- health
     async def _watch(self, period: float) -> None:

@@ -52,9 +52,11 @@ class Pipeline(abc.ABC):
         """``c`` applied on every stage, the last included; each stage's seconds, or None."""
 
     @abc.abstractmethod
-    async def release(self, r: Release) -> None:
+    async def release(self, r: Release) -> list[float] | None:
         """Free ``r``'s rows on every stage once their pending commits are applied; with
-        ``abandon`` (no commit will come: the round failed) without waiting for them."""
+        ``abandon`` (no commit will come: the round failed) without waiting for them.
+        ``r.commit`` is applied first on each stage, as :meth:`commit_accept` applies it;
+        returns its seconds per stage, or None."""
 
     async def prepare_grammar(self, grammar: str) -> None:
         """Compile a structured output's grammar (xgrammar EBNF) on the last stage before
@@ -252,12 +254,14 @@ class InProcessPipeline(Pipeline):
         finally:
             await self._done(c.req_pool_indices, (c.micro_batch_id, c.round))
 
-    async def release(self, r: Release) -> None:
+    async def release(self, r: Release) -> list[float] | None:
         rows = r.req_pool_indices
+        secs = await self.commit_accept(r.commit) if r.commit is not None else None
         if r.abandon:
             await self._done(rows, None)
         await self._wait_committed(rows, f"release of rows {rows[:8]}{' ...' if len(rows) > 8 else ''}")
         await self._run(self.release_sync, rows, r.snapshot_slots, r.drop_slots)
+        return secs
 
     async def _done(self, rows: list[int], key: tuple[int, int] | None) -> None:
         """Rows' pending commit settled (``key`` None: whatever round it was)."""

@@ -690,6 +690,13 @@ class StageServicer(pb_grpc.StageServicer):
         if bad:  # before anything, abandoned marks included, is dropped
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"stage {self.runner.pp_rank}: release: req_pool_indices {brief(bad)} outside [0, {n})")
+        seconds = 0.0
+        if rel.commit is not None:  # the rows' pending commit, applied first (as CommitAccept)
+            if rel.abandon:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"stage {self.runner.pp_rank}: release: abandon with a commit to apply")
+            await self._check_router(request.commit.router_id, context, self._commit_what(request.commit))
+            seconds = await self._apply_commit(rel.commit, context)
         if rel.abandon:
             async with self.cond:
                 dropped = {r: self.pending.pop(r) for r in rows if r in self.pending}
@@ -702,7 +709,7 @@ class StageServicer(pb_grpc.StageServicer):
             await self._compute(self.runner.release, rows, rel.snapshot_slots, rel.drop_slots)
         except Exception as e:
             await self._fail(context, e, "release")
-        return pb.ReleaseReply()
+        return pb.ReleaseReply(commit_seconds=seconds)
 
     async def PrepareGrammar(self, request: pb.GrammarRequest, context):
         """Compile a request's grammar on the grammar thread (``StageRunner.prepare_grammar``:

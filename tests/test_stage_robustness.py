@@ -367,6 +367,40 @@ def test_a_commit_sent_twice_at_once_applies_once(st):
     assert twice[1] == once[1]
 
 
+def test_a_commit_a_release_carries_applies_on_every_stage_before_the_release(st):
+    """When rows of a verify end, the router sends the verify's commit with their release
+    (``ReleaseRequest.commit``): each stage applies it first, as a CommitAccept, then
+    releases them. The verify's other row then decodes exactly as after a CommitAccept (a
+    commit applied late, twice or not at all changes that decode under the replay design).
+    A release whose commit names a round the rows are not pending on, or that abandons them,
+    is refused with nothing released or committed."""
+    prompt = list(range(60, 80))  # no other test verifies it
+
+    def verify_then_decode(carried: bool):
+        acc = setup_verify(st, rows=[0, 2], prompt=prompt)
+        commit = pb.CommitRequest(micro_batch_id=5, round=9, req_pool_indices=[0, 2], accept_lengths=acc)
+        if carried:
+            wrong = pb.CommitRequest(micro_batch_id=5, round=8, req_pool_indices=[0, 2], accept_lengths=acc)
+            for res in st.both("Release", pb.ReleaseRequest(req_pool_indices=[0], commit=wrong)):
+                expect(res, PRE, "commit of micro-batch 5 round 8 names rows not pending on it")
+            for res in st.both("Release", pb.ReleaseRequest(req_pool_indices=[0], abandon=True, commit=commit)):
+                expect(res, INV, "release: abandon with a commit to apply")
+            assert st.state() == [(2, 0, 2), (2, 4, 2)]  # nothing released, nothing committed
+            replies = [s.Release(pb.ReleaseRequest(req_pool_indices=[0], commit=commit), timeout=TIMEOUT)
+                       for s in (st.s0, st.s1)]
+            assert min(r.commit_seconds for r in replies) > 0  # each stage applied it
+        else:
+            assert [c for c, _ in st.commit(5, 9, [0, 2], acc)] == ["OK", "OK"]
+            assert [c for c, _ in st.release([0])] == ["OK", "OK"]
+        assert st.state() == [(1, 0, 0), (1, 2, 0)]  # row 0 released, row 2 committed
+        out = st.forward(StepInput(5, 10, "decode", [2], [20 + acc[1]], [1], [7],
+                                   sampling=[SamplingSpec(logprobs=3)]))
+        st.release([2])
+        return out.output_ids, out.drafts, out.logprobs
+
+    assert verify_then_decode(carried=True) == verify_then_decode(carried=False)
+
+
 def test_commit_cannot_accept_more_than_the_verified_drafts(st):
     setup_verify(st, rows=[2], drafts=1)  # one real draft: at most 2 tokens
     for res in st.commit(5, 9, [2], [3]):

@@ -43,6 +43,9 @@ Units: every time is in seconds; ``now`` arguments are readings of one monotonic
 """
 from __future__ import annotations
 
+import bisect
+import collections
+import itertools
 import math
 import threading
 import time
@@ -51,6 +54,9 @@ from typing import Hashable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "ppspec:"
 
@@ -92,6 +98,40 @@ def _fraction(value: float, what: str) -> float:
     if not (0.0 <= value <= 1.0):  # also rejects NaN
         raise ValueError(f"{what} must be a fraction in [0, 1], got {value!r}")
     return value
+
+
+class CountedHistogram(Collector):
+    """A Prometheus histogram whose ``observe(value, count)`` records ``count`` samples of
+    ``value`` at once: one bucket search and one lock, where prometheus_client's
+    ``Histogram`` takes a call, a lock and a bucket scan per sample. The engine records
+    inter-token latency ``n`` samples at a time, and every accept length of a verify round
+    (~90 samples a micro-batch at 64 requests with MTP: ~90 us of the engine process's
+    CPU a round, against ~5 here). Exposed exactly as a ``Histogram`` of the same name and
+    buckets (``_bucket{le}``, ``_count``, ``_sum``; no ``_created``)."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.bounds = sorted(float(b) for b in buckets)
+        if self.bounds[-1] != math.inf:
+            self.bounds.append(math.inf)
+        self.counts = [0] * len(self.bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """``count`` (>= 0) samples of ``value``."""
+        i = bisect.bisect_left(self.bounds, value)  # the first bound >= value, as Histogram's le
+        with self._lock:
+            self.counts[i] += count
+            self.sum += value * count
+
+    def collect(self):
+        with self._lock:
+            counts, total = list(self.counts), self.sum
+        fam = HistogramMetricFamily(self.name, self.documentation, sum_value=total, buckets=[
+            (floatToGoString(b), c) for b, c in zip(self.bounds, itertools.accumulate(counts))])
+        yield fam
 
 
 class RouterMetrics:
@@ -184,7 +224,7 @@ class RouterMetrics:
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds", "Seconds from arrival to the first output token.",
             buckets=TTFT_BUCKETS, registry=reg)
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = CountedHistogram(
             PREFIX + "inter_token_latency_seconds",
             "Seconds between output tokens; a step that yields n tokens after a gap of t counts n samples of t/n.",
             buckets=ITL_BUCKETS, registry=reg)
@@ -207,7 +247,7 @@ class RouterMetrics:
         self.spec_num_accepted_tokens_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = first draft token).", ["position"], registry=reg)
-        self.spec_accept_length = Histogram(
+        self.spec_accept_length = CountedHistogram(
             PREFIX + "spec_decode_accept_length",
             "Tokens emitted per request per verify round: 1 + accepted draft tokens.",
             buckets=tuple(float(i) for i in range(1, max_accept_length + 1)), registry=reg)
@@ -302,8 +342,8 @@ class RouterMetrics:
             gap, samples = 0.0, n - 1
         else:
             gap, samples = max(0.0, t - previous) / n, n
-        for _ in range(samples):
-            self.inter_token_latency.observe(gap)
+        if samples:
+            self.inter_token_latency.observe(gap, samples)
 
     def on_request_finished(self, request_id: Hashable, finish_reason: str, now: float | None = None) -> None:
         """The request ended: ``finish_reason`` is ``stop``, ``length`` or ``abort``.
@@ -383,8 +423,8 @@ class RouterMetrics:
         self.spec_num_accepted_tokens.inc(accepted)
         for pos, count in enumerate(accepted_per_position):
             self.spec_num_accepted_tokens_per_pos.labels(position=str(pos)).inc(count)
-        for a in accept_lengths:
-            self.spec_accept_length.observe(a)
+        for a, count in collections.Counter(accept_lengths).items():
+            self.spec_accept_length.observe(a, count)
 
     def on_verify_requests(self, draft_lengths: Sequence[int], accept_lengths: Sequence[int]) -> None:
         """Convenience for chain drafts: per request of the round, its draft length and its
@@ -475,7 +515,7 @@ class RouterMetrics:
             self.registry.unregister(metric)
 
     def _metrics(self) -> list:
-        return [v for v in vars(self).values() if isinstance(v, (Counter, Gauge, Histogram))]
+        return [v for v in vars(self).values() if isinstance(v, (Counter, Gauge, Histogram, CountedHistogram))]
 
     def exposition(self) -> tuple[bytes, str]:
         """The body and content type of a ``/metrics`` response (text format 0.0.4)."""

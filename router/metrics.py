@@ -126,6 +126,9 @@ class CountedHistogram(Collector):
             self.counts[i] += count
             self.sum += value * count
 
+    def describe(self):  # the names, so a registry refuses a second of them as for a Histogram
+        yield HistogramMetricFamily(self.name, self.documentation)
+
     def collect(self):
         with self._lock:
             counts, total = list(self.counts), self.sum

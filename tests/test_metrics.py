@@ -331,3 +331,34 @@ def test_failed_construction_leaves_the_registry_as_it_was():
     with pytest.raises(ValueError):
         RouterMetrics(reg)
     assert [m.name for m in reg.collect()] == ["ppspec:stage_pool_usage"]
+
+
+def test_a_counted_histogram_exports_what_prometheus_clients_histogram_does():
+    """``CountedHistogram.observe(v, n)`` against prometheus_client's ``Histogram`` observing
+    ``v`` n times (the reference): the same ``_bucket``, ``_count`` and ``_sum`` samples in
+    the text exposition, values on bucket bounds, between them, past the last and 0 included;
+    and a second histogram of the same name on the registry is refused, as for a Histogram."""
+    from prometheus_client import Histogram
+
+    from ppspec.router.metrics import CountedHistogram
+
+    buckets = (0.001, 0.01, 0.1, 1.0)
+    samples = [(0.0, 3), (0.001, 2), (0.005, 4), (0.01, 1), (0.5, 7), (1.0, 1), (3.0, 2), (0.02, 0)]
+    mine, ref = CollectorRegistry(), CollectorRegistry()
+    h = CountedHistogram("x_seconds", "doc", buckets, mine)
+    r = Histogram("x_seconds", "doc", buckets=buckets, registry=ref)
+    for v, n in samples:
+        h.observe(v, n)
+        for _ in range(n):
+            r.observe(v)
+
+    def exported(reg):
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples
+                if not s.name.endswith("_created")}
+
+    got, want = exported(mine), exported(ref)
+    assert got == pytest.approx(want) and len(want) == len(buckets) + 3
+    assert got[("x_seconds_count", frozenset())] == sum(n for _, n in samples)
+    with pytest.raises(ValueError, match="Duplicated"):
+        CountedHistogram("x_seconds", "doc", buckets, mine)

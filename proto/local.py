@@ -14,8 +14,9 @@ the event loop's own callback (``asyncio.Protocol``: no task per read, no thread
   ``--control-channel grpc``; its ``Info`` says the name and its host
   (``control_socket``, ``host_id``), and ``AttachDataPlane`` answers a previous stage on
   the same host with it. A caller on the same host (kernel boot id) uses it; any other
-  caller, and every other call (Info, CommitAccept, Release, health, AttachDataPlane),
-  stays on gRPC.
+  caller stays on gRPC. Besides steps the router sends its CommitAccept and Release calls
+  on it (``StepRequest.commit_call`` / ``release_call``); every other call (Info, health,
+  AttachDataPlane, PrepareGrammar) stays on gRPC.
 - **Opening.** The caller's first frame is the pipeline key (empty without one); the stage
   answers an empty frame, or the reason it refuses and closes (a wrong key, compared in
   constant time as ``ppspec.auth`` does). Steps are fenced by ``router_id`` as on gRPC.

@@ -55,8 +55,13 @@ class GrpcPipeline(Pipeline):
                                                    interceptors=client_interceptors(key)) for a in self.addresses]
         self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
         self.health_stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
-        # every step goes to stage 0 on it: its socket when on this host (proto/local.py), else gRPC
-        self.steps = StepChannel(StepStream(self.stubs[0], key_metadata(key)), key, who="router -> stage 0")
+        # each stage's step channel: its socket when on this host (proto/local.py), else its
+        # gRPC Steps stream. Every step goes to stage 0 on its channel; commits and releases
+        # go to every stage on its own (StepRequest.commit_call / release_call), not as
+        # unary calls, which cost both ends several times a frame on the socket
+        self.controls = [StepChannel(StepStream(stub, key_metadata(key)), key, who=f"router -> stage {k}")
+                         for k, stub in enumerate(self.stubs)]
+        self.steps = self.controls[0]
         self.specs = SpecMemo()  # each row's last sampling spec, encoded once (codec.SpecMemo)
         self.down: dict[int, str] = {}
         self._monitor: asyncio.Task | None = None
@@ -157,19 +162,20 @@ class GrpcPipeline(Pipeline):
         self.claimed = self.claimed or claim
         if self.instances is None:
             self.instances = [i["instance_id"] for i in out]
-        self._steps_channel(out[0])
+        for k, i in enumerate(out):
+            self._use_socket(k, i)
         return out
 
-    def _steps_channel(self, first: StageInfo) -> None:
-        """Steps to stage 0 on its socket when it has one on this host, else on gRPC (at
-        start, and each time the engine reads Info again: a restarted stage 0 has a new
+    def _use_socket(self, k: int, i: StageInfo) -> None:
+        """Stage ``k``'s channel on its socket when it has one on this host, else on gRPC (at
+        start, and each time the engine reads Info again: a restarted stage has a new
         socket, and one that could not be opened is tried again)."""
-        name, why = first.get("control_socket", ""), ""
+        name, why = i.get("control_socket", ""), ""
         if not name:
-            why = "stage 0 offers no step socket (its --control-channel grpc)"
-        elif not same_host(first.get("host_id", ""), host_id()):
-            name, why = "", f"stage 0 is on another host ({first.get('host_id')})"
-        self.steps.use(name, why)
+            why = f"stage {k} offers no step socket (its --control-channel grpc)"
+        elif not same_host(i.get("host_id", ""), host_id()):
+            name, why = "", f"stage {k} is on another host ({i.get('host_id')})"
+        self.controls[k].use(name, why)
 
     commits_ride_steps = True
 
@@ -206,16 +212,24 @@ class GrpcPipeline(Pipeline):
 
     async def commit_accept(self, c: Commit) -> list[float]:
         """CommitAccept to every stage, the last included; returns each stage's seconds."""
-        req = commit_to_pb(c, self.router_id)
+        return await self._call_every_stage("commit_call", commit_to_pb(c, self.router_id),
+                                            f"commit of micro-batch {c.micro_batch_id} round {c.round}")
+
+    async def _call_every_stage(self, field: str, call, what: str) -> list[float]:
+        """The call ``call`` (a ``pb.CommitRequest`` as ``field`` ``commit_call``, or a
+        ``pb.ReleaseRequest`` as ``release_call``) on every stage's step channel, at once;
+        each stage's ``commit_seconds`` (0.0 where none came). Raises StageDownError for the
+        first stage that failed it."""
+        # a message per channel: each sets its own call_id, and the gRPC stream serializes later
         replies = await asyncio.gather(
-            *(s.CommitAccept(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
-        )
+            *(ch.step(pb.StepRequest(router_id=self.router_id, **{field: call}), self.rpc_timeout)
+              for ch in self.controls), return_exceptions=True)
         for k, r in enumerate(replies):
             if isinstance(r, grpc.aio.AioRpcError):
-                raise self._error(k, r, f"commit of micro-batch {c.micro_batch_id} round {c.round}")
+                raise self._error(k, r, what)
             if isinstance(r, BaseException):
                 raise r
-        return [r.seconds for r in replies]
+        return [r.commit_seconds[0] if r.commit_seconds else 0.0 for r in replies]
 
     async def release(self, r: Release) -> list[float] | None:
         """Release rows on every stage. Each stage first applies ``r.commit`` if any, waits
@@ -225,16 +239,8 @@ class GrpcPipeline(Pipeline):
         Returns each stage's seconds for ``r.commit`` (None without one)."""
         if not r.req_pool_indices and not r.drop_slots and r.commit is None:
             return None
-        req = release_to_pb(r, self.router_id)
-        replies = await asyncio.gather(
-            *(s.Release(req, timeout=self.rpc_timeout) for s in self.stubs), return_exceptions=True
-        )
-        for k, r in enumerate(replies):
-            if isinstance(r, grpc.aio.AioRpcError):
-                raise self._error(k, r, "release")
-            if isinstance(r, BaseException):
-                raise r
-        return [rep.commit_seconds for rep in replies] if req.HasField("commit") else None
+        secs = await self._call_every_stage("release_call", release_to_pb(r, self.router_id), "release")
+        return secs if r.commit is not None else None
 
     # ---- health
     async def _watch(self, period: float) -> None:
@@ -392,7 +398,8 @@ class GrpcPipeline(Pipeline):
     async def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
-        self.steps.close()
+        for ch in self.controls:
+            ch.close()
         for c in self.channels:
             await c.close()
 

@@ -401,6 +401,38 @@ def test_a_commit_a_release_carries_applies_on_every_stage_before_the_release(st
     assert verify_then_decode(carried=True) == verify_then_decode(carried=False)
 
 
+def test_commits_and_releases_on_the_step_channel_answer_as_the_unary_calls(st):
+    """The router sends CommitAccept and Release as messages of each stage's step channel
+    (``StepRequest.commit_call`` / ``release_call``; here on the gRPC Steps stream, which
+    the socket serves through the same ``run_step``): a commit naming another round is
+    refused with the unary call's code and details, nothing changed; the right one applies
+    on each stage (its seconds in ``commit_seconds``); the release frees the rows (the
+    fixture then checks every stage clean and the reference request's tokens)."""
+    acc = setup_verify(st)
+
+    def on_channel(stub, **call):
+        (res,) = list(stub.Steps(iter([pb.StepRequest(call_id=1, **call)]), timeout=TIMEOUT))
+        assert res.call_id == 1
+        return res
+
+    wrong = pb.CommitRequest(micro_batch_id=5, round=8, req_pool_indices=[0, 2], accept_lengths=acc)
+    for s in (st.s0, st.s1):
+        res = on_channel(s, commit_call=wrong)
+        assert res.error_code == PRE.value[0], res
+        assert "commit of micro-batch 5 round 8 names rows not pending on it" in res.error
+    assert st.state() == [(2, 0, 2), (2, 4, 2)]  # nothing committed
+    right = pb.CommitRequest(micro_batch_id=5, round=9, req_pool_indices=[0, 2], accept_lengths=acc)
+    for s in (st.s0, st.s1):
+        res = on_channel(s, commit_call=right)
+        assert res.error_code == 0 and len(res.commit_seconds) == 1 and res.commit_seconds[0] > 0, res
+    assert st.state() == [(2, 0, 0), (2, 4, 0)]
+    for s in (st.s0, st.s1):
+        res = on_channel(s, release_call=pb.ReleaseRequest(req_pool_indices=[9]))
+        assert res.error_code == INV.value[0] and "outside [0, 4)" in res.error, res
+        res = on_channel(s, release_call=pb.ReleaseRequest(req_pool_indices=[0, 2]))
+        assert res.error_code == 0 and not res.commit_seconds, res
+
+
 def test_commit_cannot_accept_more_than_the_verified_drafts(st):
     setup_verify(st, rows=[2], drafts=1)  # one real draft: at most 2 tokens
     for res in st.commit(5, 9, [2], [3]):

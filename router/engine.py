@@ -591,8 +591,7 @@ class Engine:
         mode = "verify" if batch.mode == "verify" else "forward"
         for k, s in enumerate(res.stage_seconds):
             self.metrics.on_stage_rpc(k, mode, s)
-        for k, s in enumerate(res.commit_seconds):  # the commit the step carried
-            self.metrics.on_stage_rpc(k, "commit", s)
+        self._record_commit(res.commit_seconds)  # the commit the step carried
         if batch.mode == "verify":
             self.metrics.on_verify_requests(up.num_drafts, up.accept_lengths)
         self._record_cache()

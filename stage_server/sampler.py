@@ -116,6 +116,27 @@ def filter_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+_ALLOWED_MASKS: dict[int, tuple[list[int], torch.Tensor]] = {}
+_ALLOWED_MASKS_KEPT = 256
+
+
+def _allowed_mask(ids: list[int], V: int, dev: torch.device) -> torch.Tensor:
+    """``[V]`` fp32 on ``dev``: 0 at ``ids``, -inf elsewhere. Kept by the identity of the
+    ``ids`` list (a row's spec is the same read-only object from one step to the next:
+    ``proto.codec.SpecMemo``), the list itself held so that its id is not reused, at most
+    ``_ALLOWED_MASKS_KEPT`` of them: built once per request, not per step (a fill, a
+    host-to-device copy of the ids and a scatter per request and step)."""
+    hit = _ALLOWED_MASKS.get(id(ids))
+    if hit is not None and hit[0] is ids and hit[1].device == dev and hit[1].shape[0] == V:
+        return hit[1]
+    keep = torch.full((V,), float("-inf"), dtype=torch.float32, device=dev)
+    keep[device_int64(ids, dev)] = 0.0
+    if len(_ALLOWED_MASKS) >= _ALLOWED_MASKS_KEPT:
+        _ALLOWED_MASKS.clear()
+    _ALLOWED_MASKS[id(ids)] = (ids, keep)
+    return keep
+
+
 def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[SamplingSpec],
                   output_lens: list[int]) -> torch.Tensor:
     """The logits a request samples from, at each of its D verified positions, in vLLM's
@@ -159,9 +180,7 @@ def adjust_logits(logits: torch.Tensor, drafts: list[list[int]], specs: list[Sam
         spec = specs[b]
         rows = logits[b]  # [D, V], a view
         if spec.allowed_token_ids:
-            keep = torch.full((V,), float("-inf"), dtype=torch.float32, device=dev)
-            keep[device_int64(spec.allowed_token_ids, dev)] = 0.0
-            rows += keep
+            rows += _allowed_mask(spec.allowed_token_ids, V, dev)
         if spec.bad_word_lens:
             _ban_bad_words(rows, spec, drafts[b][: D - 1])
         if spec.logit_bias_ids:

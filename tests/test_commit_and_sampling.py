@@ -280,6 +280,52 @@ def test_the_fast_sampling_check_refuses_exactly_what_the_named_checks_refuse(ma
     assert not runner.rows_in_use  # refused before anything ran
 
 
+def test_a_spec_with_a_long_token_list_is_checked_once_and_masked_as_written(make_ckpt, monkeypatch):
+    """A spec listing thousands of ``allowed_token_ids`` passes the full check once per
+    object (a row's spec is the same read-only object every step), never a refused one, and
+    its sampling mask is kept by the list's identity: every step masks exactly the list the
+    spec holds, also when a new list takes a freed one's place."""
+    import gc
+
+    from ppspec.proto.messages import StepInput
+    from ppspec.stage_server import sampler
+    from ppspec.stage_server.runner import StageRunner
+
+    runner = StageRunner(make_ckpt("qwen3_5_ratio1"), max_rows=4)
+    V = runner.cfg.vocab_size
+    full = []
+    monkeypatch.setattr(runner.checker, "_check_sampling",
+                        lambda b, spec, f=runner.checker._check_sampling: (full.append(spec), f(b, spec)))
+    good = SamplingSpec(temperature=1.0, allowed_token_ids=list(range(0, V, 3)))
+    bad = SamplingSpec(temperature=1.0, allowed_token_ids=[1, V])
+
+    def step(spec):
+        return StepInput(0, 0, "prefill", [0], [0], [2], [1, 2], sampling=[spec])
+
+    for _ in range(3):
+        runner.check_input(step(good))
+    assert full == [good]  # once, whatever the steps
+    runner.check_input(step(SamplingSpec(temperature=1.0, allowed_token_ids=list(range(0, V, 3)))))
+    assert len(full) == 2  # an equal spec of another object: checked itself
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"sampling\[0\]: allowed_token_ids"):
+            runner.check_input(step(bad))
+    assert full[2:] == [bad, bad]  # refused every time, never remembered as checked
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 1, V)
+    for trial in range(4):
+        lists = [sorted(torch.randperm(V)[: 5 + trial].tolist()) for _ in range(2)]
+        specs = [SamplingSpec(temperature=0.0, allowed_token_ids=ids) for ids in lists]
+        got = sampler.adjust_logits(logits, [[], []], specs, [0, 0])
+        want = torch.full_like(logits, float("-inf"))
+        for b, ids in enumerate(lists):
+            want[b, :, ids] = logits[b, :, ids]
+        assert torch.equal(got, want), trial
+        del specs, lists
+        gc.collect()  # the next lists may take these lists' addresses
+
+
 def test_stage_start_errors_are_clear(make_ckpt):
     from ppspec.stage_server.runner import StageRunner
 

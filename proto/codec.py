@@ -4,6 +4,8 @@ Tensors travel as raw bytes with dtype and shape: no per-element protobuf encodi
 """
 from __future__ import annotations
 
+import itertools
+
 from .messages import Commit, Release, SamplingSpec, StageInfo, StepInput, StepOutput
 from .stubs import pb
 
@@ -188,14 +190,11 @@ def result_to_pb(o: StepOutput) -> "pb.StepResult":
     m = pb.StepResult(micro_batch_id=o.micro_batch_id, round=o.round,
                       stage_seconds=o.stage_seconds or [o.compute_seconds], has_logprobs=o.logprobs is not None,
                       commit_seconds=o.commit_seconds)
-    # each list added in place: half the time of a TokenList built and then copied in
-    add = m.output_ids.add
-    for t in o.output_ids:
-        add(ids=t)
+    m.output_flat.extend(itertools.chain.from_iterable(o.output_ids))
+    m.output_lens.extend(map(len, o.output_ids))
     if any(o.drafts):  # drafts all empty: none sent (an empty list means no drafts, StepOutput.drafts)
-        add = m.drafts.add
-        for t in o.drafts:
-            add(ids=t)
+        m.draft_flat.extend(itertools.chain.from_iterable(o.drafts))
+        m.draft_lens.extend(map(len, o.drafts))
     for lps, target in ((o.logprobs, m.logprobs), (o.prompt_logprobs, m.prompt_logprobs)):
         for lp in lps or []:
             item = pb.LogprobList(present=lp is not None)
@@ -211,10 +210,24 @@ def _logprob_lists(items) -> list:
              for x in lp.items] if lp.present else None for lp in items]
 
 
+def _split(flat, lens) -> list[list[int]]:
+    """``flat`` cut into consecutive lists of ``lens`` ids each."""
+    flat, out, i = list(flat), [], 0
+    for n in lens:
+        out.append(flat[i: i + n])
+        i += n
+    return out
+
+
+def result_tokens(m: "pb.StepResult") -> tuple[list[list[int]], list[list[int]]]:
+    """A result's per-request output ids and MTP drafts (``[]``: no request has drafts)."""
+    return _split(m.output_flat, m.output_lens), _split(m.draft_flat, m.draft_lens)
+
+
 def result_from_pb(m: "pb.StepResult") -> StepOutput:
+    output_ids, drafts = result_tokens(m)
     return StepOutput(
-        micro_batch_id=m.micro_batch_id, round=m.round,
-        output_ids=[list(t.ids) for t in m.output_ids], drafts=[list(t.ids) for t in m.drafts],
+        micro_batch_id=m.micro_batch_id, round=m.round, output_ids=output_ids, drafts=drafts,
         logprobs=_logprob_lists(m.logprobs) if m.has_logprobs else None,
         prompt_logprobs=_logprob_lists(m.prompt_logprobs) if m.prompt_logprobs else None,
         stage_seconds=list(m.stage_seconds), commit_seconds=list(m.commit_seconds),

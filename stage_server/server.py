@@ -38,7 +38,7 @@ from ppspec.argtypes import add_control_channel_arg, add_cuda_graph_args, add_in
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
 from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, commit_to_pb, info_to_pb, release_from_pb, result_from_pb,
-    result_to_pb, SpecMemo, step_from_pb, step_to_pb,
+    result_to_pb, result_tokens, SpecMemo, step_from_pb, step_to_pb,
 )
 from ppspec.argtypes import DTYPES, resolve_dtype
 from ppspec.proto.messages import (
@@ -245,7 +245,7 @@ class StageServicer(pb_grpc.StageServicer):
             ran = await self._step_once(request, context, verify, inp, commit) if runs else None
             # the step as it ran (``request`` itself is filled in only where it is relayed)
             step = inp if inp is not None else request
-            noted = note_round(step, [t.ids for t in ran.output_ids], [t.ids for t in ran.drafts]) if ran else {}
+            noted = note_round(step, *result_tokens(ran)) if ran else {}
             if left_out:
                 ran = result_to_pb(with_left_out(ran and result_from_pb(ran), n, left_out, request.micro_batch_id,
                                                  request.round))

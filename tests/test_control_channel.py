@@ -42,7 +42,7 @@ class Stand:
             raise
         if req.mode == "bad":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"micro-batch {mb} refused")
-        return pb.StepResult(micro_batch_id=mb, round=req.round, output_ids=[pb.TokenList(ids=[mb])])
+        return pb.StepResult(micro_batch_id=mb, round=req.round, output_flat=[mb], output_lens=[1])
 
 
 class GrpcStandIn:
@@ -54,7 +54,7 @@ class GrpcStandIn:
 
     async def step(self, req, timeout):
         self.steps.append(req.micro_batch_id)
-        return pb.StepResult(micro_batch_id=req.micro_batch_id, output_ids=[pb.TokenList(ids=[-1])])
+        return pb.StepResult(micro_batch_id=req.micro_batch_id, output_flat=[-1], output_lens=[1])
 
     def close(self):
         self.closed = True
@@ -87,7 +87,7 @@ def test_steps_answer_in_the_order_they_end_and_a_refusal_is_the_streams():
         calls = [asyncio.ensure_future(ch.step(step(mb), 10.0)) for mb in (1, 2, 3)]
         await until(lambda: len(stand.seen) == 3)
         stand.gate(3).set()
-        assert [t.ids for t in (await calls[2]).output_ids] == [[3]]
+        assert list((await calls[2]).output_flat) == [3]
         assert not calls[0].done() and not calls[1].done()
         stand.gate(1).set()
         stand.gate(2).set()
@@ -135,12 +135,12 @@ def test_a_wrong_key_sends_the_steps_to_grpc_with_why():
         server = await serve_socket(sock, stand.step, key=b"right")
         wrong = StepChannel(GrpcStandIn(), key=b"wrong")
         wrong.use(sock)
-        assert [t.ids for t in (await wrong.step(step(1), 5.0)).output_ids] == [[-1]]  # the gRPC stand-in's
+        assert list((await wrong.step(step(1), 5.0)).output_flat) == [-1]  # the gRPC stand-in's
         assert wrong.transport == "grpc" and "wrong or no pipeline key" in wrong.detail and stand.seen == []
         fallback = GrpcStandIn()
         right = StepChannel(fallback, key=b"right")
         right.use(sock)
-        assert [t.ids for t in (await right.step(step(1), 5.0)).output_ids] == [[1]]
+        assert list((await right.step(step(1), 5.0)).output_flat) == [1]
         assert fallback.steps == [] and stand.seen == [1]
         wrong.close()
         right.close()
@@ -178,13 +178,13 @@ def test_a_stage_gone_fails_its_steps_then_grpc_until_a_new_socket_is_given(monk
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         await until(lambda: stand.cancelled == [1])  # its step went with the caller's socket
         out = await ch.step(step(2), 5.0)
-        assert [t.ids for t in out.output_ids] == [[-1]] and fallback.steps == [2]
+        assert list(out.output_flat) == [-1] and fallback.steps == [2]
         assert ch.transport == "grpc" and "cannot be opened" in ch.detail
         again = name()
         server2 = await serve_socket(again, stand.step)
         ch.use(again)
         stand.gate(3).set()
-        assert [t.ids for t in (await ch.step(step(3), 5.0)).output_ids] == [[3]]
+        assert list((await ch.step(step(3), 5.0)).output_flat) == [3]
         assert fallback.steps == [2] and ch.transport == "socket" and ch.detail == ""
         ch.close()
         server2.close()
@@ -203,10 +203,10 @@ def test_a_socket_that_failed_to_open_is_tried_again(monkeypatch):
         sock = name()
         ch = StepChannel(fallback)
         ch.use(sock)  # nothing listens yet
-        assert [t.ids for t in (await ch.step(step(1), 5.0)).output_ids] == [[-1]]
+        assert list((await ch.step(step(1), 5.0)).output_flat) == [-1]
         assert ch.transport == "grpc" and "cannot be opened" in ch.detail
         server = await serve_socket(sock, stand.step)
-        assert [t.ids for t in (await ch.step(step(2), 5.0)).output_ids] == [[2]]
+        assert list((await ch.step(step(2), 5.0)).output_flat) == [2]
         assert fallback.steps == [1] and ch.transport == "socket" and ch.detail == ""
         ch.close()
         server.close()

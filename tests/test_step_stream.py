@@ -36,7 +36,7 @@ class Stand(pb_grpc.StageServicer):
             raise
         if req.mode == "bad":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"micro-batch {mb} refused")
-        return pb.StepResult(micro_batch_id=mb, round=req.round, output_ids=[pb.TokenList(ids=[mb])])
+        return pb.StepResult(micro_batch_id=mb, round=req.round, output_flat=[mb], output_lens=[1])
 
     async def Steps(self, requests, context):
         self.streams += 1
@@ -78,8 +78,8 @@ def test_steps_in_flight_refusals_timeouts_cancels_and_a_stage_that_came_back():
                 stand.gate(mb).set()
                 await asyncio.sleep(0.05)
             assert [c.done() for c in calls] == [True, True, True]
-            assert calls[2].result().micro_batch_id == 3 and list(calls[2].result().output_ids[0].ids) == [3]
-            assert calls[0].result().micro_batch_id == 1 and list(calls[0].result().output_ids[0].ids) == [1]
+            assert calls[2].result().micro_batch_id == 3 and list(calls[2].result().output_flat) == [3]
+            assert calls[0].result().micro_batch_id == 1 and list(calls[0].result().output_flat) == [1]
             e = calls[1].exception()
             assert isinstance(e, grpc.aio.AioRpcError)
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details() == "micro-batch 2 refused"

@@ -4,7 +4,9 @@ Tensors travel as raw bytes with dtype and shape: no per-element protobuf encodi
 """
 from __future__ import annotations
 
+import array
 import itertools
+import sys
 
 from .messages import Commit, Release, SamplingSpec, StageInfo, StepInput, StepOutput
 from .stubs import pb
@@ -65,6 +67,25 @@ def tensor_from_pb(m: "pb.Tensor"):
         raise ValueError(f"tensor of dtype {m.dtype!r} cannot be decoded ({e})") from None
 
 
+def _pack_ids(ids: list[int]) -> bytes:
+    """Token ids as little-endian int32 bytes (``SamplingSpec``'s ``*_le32`` fields)."""
+    a = array.array("i", ids)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack_ids(data: bytes, name: str) -> list[int]:
+    """:func:`_pack_ids`' inverse. Raises ValueError naming ``name`` when ``data`` is not whole ids."""
+    if len(data) % 4:
+        raise ValueError(f"sampling: {name} holds {len(data)} bytes, not a whole number of 4-byte ids")
+    a = array.array("i")
+    a.frombytes(data)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
+
+
 def _spec_to_pb(x: SamplingSpec) -> "pb.SamplingSpec":
     return pb.SamplingSpec(
         temperature=x.temperature, top_p=x.top_p, top_k=x.top_k, min_p=x.min_p, seed=x.seed,
@@ -73,11 +94,12 @@ def _spec_to_pb(x: SamplingSpec) -> "pb.SamplingSpec":
         frequency_penalty=x.frequency_penalty,
         **({} if x.repetition_penalty == 1.0 else {"repetition_penalty": x.repetition_penalty}),
         output_token_ids=x.output_token_ids, output_token_counts=x.output_token_counts,
-        prompt_token_ids=x.prompt_token_ids, logit_bias_ids=x.logit_bias_ids,
+        prompt_token_ids_le32=_pack_ids(x.prompt_token_ids), logit_bias_ids=x.logit_bias_ids,
         logit_bias_values=x.logit_bias_values, grammar=x.grammar,
         grammar_accepted_ids=x.grammar_accepted_ids,
         **({} if x.prompt_logprobs is None else {"prompt_logprobs": x.prompt_logprobs}),
-        allowed_token_ids=x.allowed_token_ids, bad_word_ids=x.bad_word_ids, bad_word_lens=x.bad_word_lens,
+        allowed_token_ids_le32=_pack_ids(x.allowed_token_ids), bad_word_ids=x.bad_word_ids,
+        bad_word_lens=x.bad_word_lens,
         recent_output_ids=x.recent_output_ids,
     )
 
@@ -90,10 +112,12 @@ def _spec_from_pb(x: "pb.SamplingSpec") -> SamplingSpec:
         x.logprobs if x.HasField("logprobs") and x.logprobs >= 0 else None,
         x.min_tokens, list(x.banned_until_min), x.presence_penalty, x.frequency_penalty,
         x.repetition_penalty if x.HasField("repetition_penalty") else 1.0,
-        list(x.output_token_ids), list(x.output_token_counts), list(x.prompt_token_ids),
+        list(x.output_token_ids), list(x.output_token_counts),
+        _unpack_ids(x.prompt_token_ids_le32, "prompt_token_ids"),
         list(x.logit_bias_ids), list(x.logit_bias_values), x.grammar, list(x.grammar_accepted_ids),
         x.prompt_logprobs if x.HasField("prompt_logprobs") else None,
-        list(x.allowed_token_ids), list(x.bad_word_ids), list(x.bad_word_lens), list(x.recent_output_ids),
+        _unpack_ids(x.allowed_token_ids_le32, "allowed_token_ids"), list(x.bad_word_ids), list(x.bad_word_lens),
+        list(x.recent_output_ids),
     )
 
 

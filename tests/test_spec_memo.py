@@ -48,3 +48,29 @@ def test_memo_stays_bounded_and_mismatched_lengths_decode_plainly():
     assert len(memo._encoded) <= 4
     msgs = memo.encode(list(range(3)), specs[:3])
     assert [x.seed for x in memo.decode([0], msgs)] == [0, 1, 2]  # rows and specs disagree: no memo
+
+
+def test_long_id_lists_travel_packed_and_whole_and_a_torn_list_is_refused_by_name():
+    """``allowed_token_ids`` and ``prompt_token_ids`` travel as packed little-endian int32
+    (4 bytes an id, a copy to parse, where thousands of varints per request and step took
+    milliseconds): every id comes back in order, the largest id a vocabulary can have too, and
+    a byte count that is not whole ids is a ValueError naming the field (a stage answers it
+    INVALID_ARGUMENT)."""
+    import pytest
+
+    from ppspec.proto.codec import _spec_to_pb
+
+    ids = list(range(0, 32000, 7)) + [2**31 - 1]
+    a = SamplingSpec(temperature=0.5, seed=1, allowed_token_ids=ids, prompt_token_ids=[3, 1, 2],
+                     repetition_penalty=1.25)
+    m = step_to_pb(_step([1], [a]))
+    assert len(m.sampling[0].allowed_token_ids_le32) == 4 * len(ids)
+    assert m.sampling[0].allowed_token_ids_le32[:8] == bytes([0, 0, 0, 0, 7, 0, 0, 0])  # little-endian on any host
+    assert step_from_pb(m).sampling == [a]
+    assert step_from_pb(m, SpecMemo()).sampling == [a]
+    for field, name in (("allowed_token_ids_le32", "allowed_token_ids"), ("prompt_token_ids_le32", "prompt_token_ids")):
+        torn = _spec_to_pb(a)
+        setattr(torn, field, getattr(torn, field)[:-1])
+        m.sampling[0].CopyFrom(torn)
+        with pytest.raises(ValueError, match=f"sampling: {name} holds .* not a whole number of 4-byte ids"):
+            step_from_pb(m)

@@ -1178,6 +1178,14 @@ class _SlotDrops:
         gain = self.letting.together([("slot", s) for s in slots])
         return lambda slot: gain(("slot", slot))
 
+    def covers(self, holder: int, slot: int) -> bool:
+        """Whether snapshot ``holder`` holds every KV page ``slot`` holds, its pages starting
+        with ``slot``'s (both taken from one row): ``slot`` alone then frees nothing while
+        ``holder`` stays (unless ``holder`` is let go in this plan: the caller's to know)."""
+        pages = self.letting.ledger.pages
+        mine, theirs = pages.get(("slot", slot)), pages.get(("slot", holder))
+        return bool(mine) and theirs is not None and theirs[: len(mine)] == mine
+
     def add(self, slot: int) -> None:
         self.letting.add(("slot", slot))
 

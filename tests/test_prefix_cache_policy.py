@@ -284,3 +284,78 @@ def test_no_snapshot_is_evicted_for_a_prompt_that_must_wait_for_running_requests
     assert s.cache.num_cached == cached and not s.cache.to_drop
     d.run()
     assert len(b.output_ids) == 40
+
+
+def test_a_snapshot_passed_over_as_covered_is_one_whose_drop_gives_nothing():
+    """:meth:`PrefixCache.evict` passes over a superseded snapshot without counting its pages
+    when a deeper snapshot below it holds every one of them (``_covered``): over finished
+    conversations of several turns, some sharing a prefix and some restored from, every
+    snapshot so passed over gives nothing back alone, and the superseded snapshots of a
+    finished row's prompt are passed over (the case it exists for). Eviction then frees as
+    much as it asked for and empties the pool."""
+    import random
+
+    rng = random.Random(0)
+    s = make(kv_tokens=8192, page=4, slots=64)
+    d = Driver(s)
+    system = list(range(900, 930))
+    for i in range(24):
+        # prompts that extend an earlier one by its sampled 7 and more, some arriving beside it
+        # (computed from their own pages: a snapshot with another row's below it) and some
+        # after it (restored from it)
+        base = system + [7] * (i % 4) if i % 3 else []
+        prompt = base + [rng.randrange(1000, 2000) for _ in range(rng.randrange(0 if base else 5, 12))]
+        s.add(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 4), ignore_eos=True))
+        if i % 5 == 4:
+            d.run()
+    d.run()
+    c, plan = s.cache, s._drop_plan()
+    covered = [x for x in c.nodes if c._covered(x, plan, [])]
+    assert covered  # prompt ends superseded by their rows' finished snapshots
+    for x in c.nodes:
+        if x in covered:
+            assert plan.gain(x) == 0, x
+    want = s.kv_reserved
+    assert c.evict(want, plan=plan) == want and not c.nodes
+
+
+
+def test_a_snapshot_below_from_another_row_does_not_cover_one():
+    """``_covered`` on pages made by hand: a prompt's end with a deeper snapshot of the same row
+    below it is covered (its pages are the deeper one's first), unless that one is evicted in
+    the same pass; one whose snapshot below is another row's (a request that computed the same
+    prefix beside it, not restored from it) holds pages of its own, is not covered, and its
+    drop gives them back."""
+    from ppspec.router.kv_ledger import Letting, PageLedger
+    from ppspec.router.scheduler import _SlotDrops
+
+    prefix = list(range(100, 110))
+
+    def pool():
+        c, kv = PrefixCache(8, 4), PageLedger(4)
+        kv.grow(("row", 0), 16)
+        kv.grow(("row", 1), 16)
+
+        def take(row, key):
+            slot = c.reserve(len(key) - 1, f"r{row}")
+            kv.take(("slot", slot), ("row", row), len(key) - 1)
+            c.commit(slot, key)
+            return slot
+
+        return c, kv, take
+
+    c, kv, take = pool()
+    end, deeper = take(0, prefix + [7]), take(0, prefix + [7, 8, 9, 10])  # one row's prompt end, then more
+    kv.release(("row", 0))
+    plan = _SlotDrops(Letting(kv))
+    assert c._covered(end, plan, []) and plan.gain(end) == 0
+    assert not c._covered(end, plan, [deeper])  # the one below goes in this pass
+    assert not c._covered(deeper, plan, [])  # a leaf
+
+    c, kv, take = pool()
+    end, theirs = take(0, prefix + [7]), take(1, prefix + [7, 8, 9, 10])  # row 1 computed it itself
+    kv.release(("row", 0))
+    kv.release(("row", 1))
+    plan = _SlotDrops(Letting(kv))
+    assert not c._covered(end, plan, []) and plan.gain(end) == 12  # its three pages, its own
+    assert c.evict(4, plan=plan) == 12 and c.take_drops() == [end]

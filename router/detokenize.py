@@ -121,6 +121,23 @@ class IncrementalDecoder:
             return text[len(prefix):]
         return ""
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """Add several tokens; return the text they complete, as :meth:`push` of each would
+        release it altogether, decoding the window once (with MTP a round brings a request
+        several tokens, and decoding per token was most of the streaming text's cost). Where
+        the last of them leaves a character incomplete, nothing is released until a later
+        token completes it (per token, the text before that character came out already)."""
+        if len(token_ids) == 1:
+            return self.push(token_ids[0])
+        self.ids.extend(token_ids)
+        prefix = self._prefix()
+        text = self._decode(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._prefix_text = None
+            return text[len(prefix):]
+        return ""
+
     def flush(self) -> str:
         """At the end: the text still held back (an incomplete character decodes as U+FFFD)."""
         if self.read_offset == len(self.ids):
@@ -162,6 +179,21 @@ class TextStream:
     def add(self, token_id: int) -> bool:
         self.num_tokens += 1
         return self._append(self.decoder.push(token_id))
+
+    def add_many(self, token_ids: list[int]) -> int:
+        """:meth:`add` of each of ``token_ids`` until one completes a stop string; returns how
+        many were added (that one included). Decoded together where no stop string is watched
+        for past ``min_tokens``; one token at a time where one is (which token completes it
+        matters then: the choice ends there)."""
+        if self.stops and self.num_tokens + len(token_ids) > self.min_tokens:
+            for n, t in enumerate(token_ids, 1):
+                if self.add(t):
+                    return n
+            return len(token_ids)
+        if token_ids:
+            self.num_tokens += len(token_ids)
+            self._append(self.decoder.push_many(token_ids))
+        return len(token_ids)
 
     def _append(self, delta: str) -> bool:
         if self.stopped or not delta:

@@ -513,6 +513,23 @@ def test_detokenizer_units(load):
         out.append(stream.take())
     out.append(stream.take())
     assert "".join(out) == full[:full.index(char)] and stream.stop_str == char
+    # a round's several tokens at once (MTP): the same text; a stop string ends the choice at
+    # the token that completes it, past min_tokens only
+    rng = random.Random(1)
+    for stops, min_tokens in (([], 0), ([char], 0), ([char], len(ids))):
+        stream, parts, i, taken = TextStream(tok, prompt, stops, min_tokens=min_tokens), [], 0, []
+        while i < len(ids) and not stream.stopped:
+            chunk = ids[i: i + rng.randrange(1, 6)]
+            taken.append(stream.add_many(chunk))
+            i += taken[-1]
+            parts.append(stream.take())
+        parts.append(stream.finish())
+        if stops and not min_tokens:
+            stop_at = next(k for k in range(1, len(ids) + 1) if char in decode(tok, ids[:k]))
+            assert i == stop_at and "".join(parts) == full[:full.index(char)]
+        else:
+            assert i == len(ids) and "".join(parts) == full and not stream.stopped
+        assert all("\ufffd" not in p for p in parts)
 
 
 @pytest.mark.parametrize("load", TOKENIZERS_UNDER_TEST)

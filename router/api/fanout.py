@@ -251,21 +251,25 @@ class Fanout:
                 sub.cached_tokens = max(sub.cached_tokens, getattr(out, "num_cached_tokens", 0))
                 if out.prompt_logprobs is not None:  # on the first output, before its event
                     self.prompt_logprobs[sub.index] = out.prompt_logprobs
-                ids: list[int] = []
+                ids = [int(t) for t in out.new_token_ids]
+                # the token that ends the choice stays out of its text
+                text_ids = ids[:-1] if (out.finish_reason == "stop" and ids and ids[-1] in stop_ids
+                                        and not self.include_stop) else ids
                 records: list[TokenRecord] = []
-                logprobs = out.logprobs or []
-                for j, tid in enumerate(out.new_token_ids):
-                    tid = int(tid)
-                    ids.append(tid)
-                    last_token = tid
-                    if self.want_logprobs:
+                if self.want_logprobs:  # each token's record notes where its text starts
+                    logprobs = out.logprobs or []
+                    for j, tid in enumerate(ids):
                         records.append(TokenRecord(tid, logprobs[j] if j < len(logprobs) else None,
                                                     len(stream.text)))
-                    if (out.finish_reason == "stop" and j == len(out.new_token_ids) - 1 and tid in stop_ids
-                            and not self.include_stop):
-                        break
-                    if stream.add(tid):
-                        break
+                        if j == len(text_ids) or stream.add(tid):
+                            break
+                    ids = ids[: len(records)]
+                else:  # a round's tokens decoded together (TextStream.add_many)
+                    taken = stream.add_many(text_ids)
+                    if taken < len(text_ids):
+                        ids = ids[:taken]  # a stop string ended the choice there
+                if ids:
+                    last_token = ids[-1]
                 if stream.stopped:
                     text = stream.take()
                     finished = True

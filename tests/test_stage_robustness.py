@@ -177,6 +177,13 @@ def expect(result, code, *fragments):
         assert f in msg, msg
 
 
+def torn_ids_req() -> pb.StepRequest:
+    """A prefill whose spec's packed allowed ids end inside an id (7 bytes)."""
+    m = step_to_pb(prefill([0]))
+    m.sampling[0].allowed_token_ids_le32 = b"\x01\x00\x00\x00\x02\x00\x00"
+    return m
+
+
 def hidden_req(data, dtype, shape):
     m = step_to_pb(prefill([0]))
     m.hidden_states.CopyFrom(pb.Tensor(data=data, dtype=dtype, shape=shape))
@@ -227,6 +234,8 @@ STEP_CASES = {
                       ["sampling[0]: logprobs"]),
     "banned id outside the vocabulary": ("s0", "Forward", prefill([0], sampling=[SamplingSpec(
         min_tokens=2, banned_until_min=[99999])]), INV, ["banned_until_min"]),
+    "allowed ids not whole 4-byte ids": ("s0", "Forward", torn_ids_req(), INV,
+                                         ["sampling: allowed_token_ids holds 7 bytes"]),
     "two sampling specs for one request": ("s0", "Forward", prefill([0], sampling=[SamplingSpec()] * 2), INV,
                                            ["sampling: 2 entries for 1 requests"]),
     "chunk without its next token": ("s0", "Forward", prefill([0], sample=[False], next_token_ids=[-1]), INV,

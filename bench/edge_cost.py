@@ -12,8 +12,9 @@ formatting, detokenization and stop strings, the request fan-out. The engine, gR
 stages are not in it (docs/PERFORMANCE.md, "CPU: the router's cost per streamed token").
 
 ``--baseline-pythonpath DIR`` serves a second time with DIR first on ``PYTHONPATH`` (a
-folder holding a ``ppspec`` package that maps another checkout; this file is run from
-here), alternating with this checkout ``--repeat`` times, for an A/B of a change.
+folder holding a ``ppspec`` package that maps another checkout, and that checkout's
+``models`` beside it: the stand-in loads the demo tokenizer from there; this file is run
+from here), alternating with this checkout ``--repeat`` times, for an A/B of a change.
 """
 from __future__ import annotations
 

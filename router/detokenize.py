@@ -112,23 +112,14 @@ class IncrementalDecoder:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is incomplete)."""
-        self.ids.append(token_id)
-        prefix = self._prefix()
-        text = self._decode(self.ids[self.prefix_offset:])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self._prefix_text = None
-            return text[len(prefix):]
-        return ""
+        return self.push_many((token_id,))
 
-    def push_many(self, token_ids: list[int]) -> str:
+    def push_many(self, token_ids) -> str:
         """Add several tokens; return the text they complete, as :meth:`push` of each would
         release it altogether, decoding the window once (with MTP a round brings a request
         several tokens, and decoding per token was most of the streaming text's cost). Where
         the last of them leaves a character incomplete, nothing is released until a later
         token completes it (per token, the text before that character came out already)."""
-        if len(token_ids) == 1:
-            return self.push(token_ids[0])
         self.ids.extend(token_ids)
         prefix = self._prefix()
         text = self._decode(self.ids[self.prefix_offset:])

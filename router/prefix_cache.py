@@ -74,6 +74,11 @@ class _Node:
         self.hit = False  # a micro-batch restored from its snapshot
 
 
+def _order_of(node: _Node) -> tuple[int, int]:
+    """:meth:`PrefixCache._order` of the snapshot at ``node``."""
+    return (1 if node.hit or not node.children else 0), node.last_used
+
+
 class _Charges:
     """The default eviction plan: a snapshot's drop gives back its whole charge."""
 
@@ -231,8 +236,7 @@ class PrefixCache:
         the requests that reach it reach that one as well, but for one that leaves the path
         in between), ``(1, ·)`` for the rest; then least recently used (filed or restored
         from)."""
-        node = self.nodes[slot]
-        return (1 if node.hit or not node.children else 0), node.last_used
+        return _order_of(self.nodes[slot])
 
     def evict(self, tokens: int, keep: Collection[int] = (), plan=None) -> int:
         """Evict unpinned snapshots (not those in ``keep``) in :meth:`_order` until dropping them
@@ -249,10 +253,10 @@ class PrefixCache:
             return 0  # (the caller's drops under way cover it: no sort of every cached slot)
         plan = plan or _Charges(self)
         evicted, got = [], 0
-        pins, nodes = self.pins, self.nodes
-        # _order's key, built inline: a method call per cached slot was most of a sort's cost
-        left = [s for _, _, s in sorted(((1 if n.hit or not n.children else 0), n.last_used, s)
-                                        for s, n in nodes.items() if s not in pins and s not in keep)]
+        pins = self.pins
+        # _order's key from the node at hand (not looked up again by slot for each)
+        left = [s for _, s in sorted((_order_of(n), s) for s, n in self.nodes.items()
+                                     if s not in pins and s not in keep)]
         progress = True
         while got < tokens and progress:  # again after a pass: a drop may free another's pages
             progress, passed = False, []
@@ -287,8 +291,8 @@ class PrefixCache:
         without counting its pages (:meth:`evict` met a few hundred of these at every
         eviction of a closed loop of first turns, each ``plan.gain`` a walk over its pages)."""
         node = self.nodes[slot]
-        if node.hit or not node.children:
-            return False
+        if _order_of(node)[0]:
+            return False  # not superseded
         below = node
         while True:  # the first snapshot down the first branch (every leaf holds one)
             below = next(iter(below.children.values()))

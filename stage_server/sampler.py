@@ -127,7 +127,7 @@ def _allowed_mask(ids: list[int], V: int, dev: torch.device) -> torch.Tensor:
     ``_ALLOWED_MASKS_KEPT`` of them: built once per request, not per step (a fill, a
     host-to-device copy of the ids and a scatter per request and step)."""
     hit = _ALLOWED_MASKS.get(id(ids))
-    if hit is not None and hit[0] is ids and hit[1].device == dev and hit[1].shape[0] == V:
+    if hit is not None and hit[1].device == dev and hit[1].shape[0] == V:  # (hit[0] is ids: held, so never reused)
         return hit[1]
     keep = torch.full((V,), float("-inf"), dtype=torch.float32, device=dev)
     keep[device_int64(ids, dev)] = 0.0

@@ -136,7 +136,7 @@ class StepChecker:
                 )
         checked = self._checked
         for b, spec in enumerate(inp.sampling):
-            if not self._sampling_ok(spec) and checked.get(id(spec)) is not spec:
+            if not self._sampling_ok(spec) and id(spec) not in checked:  # (held there: its id not reused)
                 self._check_sampling(b, spec)  # raises, naming the field
                 if len(checked) >= 4 * self.max_rows:
                     checked.clear()

@@ -1,6 +1,6 @@
 """``ppspec bench``: a serving benchmark for any OpenAI-compatible server.
 
-Light client only: httpx, tqdm, prometheus_client (and matplotlib for ``--plot``).
+Light client only: aiohttp (the timed requests), tqdm, prometheus_client (and matplotlib for ``--plot``).
 Nothing here may import torch.
 
 Modules: ``dataset`` (ShareGPT prompts), ``client`` (one streaming request and its

@@ -15,7 +15,6 @@ that is not OpenAI's, every request failed, unreadable files), 2 bad arguments.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -145,7 +144,7 @@ def _redact(argv: list[str], secret: str | None) -> list[str]:
 
 def run_from_args(args, argv: list[str]) -> dict:
     from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt, shared_prefix
-    from ppspec.bench.runner import RunConfig, normalize_base_url, run_benchmark
+    from ppspec.bench.runner import RunConfig, normalize_base_url, run_benchmark, run_client
 
     normalize_base_url(args.base_url)  # fail on a bad URL before loading the data set
     counter = TokenCounter(args.tokenizer)
@@ -166,7 +165,7 @@ def run_from_args(args, argv: list[str]) -> dict:
         timeout=args.timeout, metrics_prefix=args.metrics_prefix, progress=args.progress,
         test_request=args.test_request,
     )
-    result = asyncio.run(run_benchmark(cfg, samples, counter.count, counter.source))
+    result = run_client(run_benchmark(cfg, samples, counter.count, counter.source))
     per_request = result.pop("_per_request")
     result = {
         "label": args.label,
@@ -185,14 +184,14 @@ def run_from_args(args, argv: list[str]) -> dict:
 
 def _run_multi_turn(args, argv: list[str], records: list[dict], counter) -> dict:
     from ppspec.bench.multiturn import run_multi_turn, sample_conversations
-    from ppspec.bench.runner import RunConfig
+    from ppspec.bench.runner import RunConfig, run_client
 
     convs = sample_conversations(records, args.num_prompts, args.seed, counter, args.max_turns, args.max_output_len,
                                  args.max_input_len)
     cfg = RunConfig(base_url=args.base_url, model=args.model, endpoint="chat", max_concurrency=args.max_concurrency,
                     seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos, api_key=args.api_key,
                     timeout=args.timeout)
-    result = asyncio.run(run_multi_turn(cfg, convs))
+    result = run_client(run_multi_turn(cfg, convs))
     if not args.save_detailed:
         result.pop("turns")
     return {"label": args.label, "command": "ppspec bench " + shlex.join(_redact(argv, args.api_key)), **result}

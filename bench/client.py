@@ -28,9 +28,9 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
-_SSE_FIELDS = ("data:", "event:", "id:", "retry:", ":")
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
 
 clock = time.perf_counter  # seconds; module-level so that tests can replace it
 
@@ -77,22 +77,26 @@ def _causes(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
-def describe_http_error(e: httpx.HTTPError) -> str:
-    """One line for a transport-level failure (no traceback)."""
-    if isinstance(e, httpx.ConnectTimeout):
+def describe_http_error(e: BaseException) -> str:
+    """One line for a transport-level failure (no traceback): an ``aiohttp.ClientError`` or
+    a timeout."""
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
         return "connection timed out"
-    if isinstance(e, httpx.ConnectError):
-        for c in _causes(e):
-            if isinstance(c, ConnectionRefusedError):
-                return "connection refused (is the server running on that port?)"
-            if isinstance(c, socket.gaierror):
-                return f"cannot resolve the host name ({c.strerror or c})"
-        return f"cannot connect ({e})" if str(e) else "cannot connect"
-    if isinstance(e, httpx.TimeoutException):
+    if isinstance(e, aiohttp.ClientConnectorError):
+        if isinstance(e.os_error, ConnectionRefusedError):
+            return "connection refused (is the server running on that port?)"
+        if isinstance(e.os_error, socket.gaierror):
+            return f"cannot resolve the host name ({e.os_error.strerror or e.os_error})"
+        return f"cannot connect ({e.os_error or e})"
+    if isinstance(e, (TimeoutError, aiohttp.ServerTimeoutError)):
         return "timed out waiting for the server"
-    if isinstance(e, httpx.RemoteProtocolError):
-        return f"the server broke the HTTP protocol ({e}); is it an HTTP server?"
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if isinstance(e, aiohttp.ClientResponseError):  # never raised for a status here: a malformed answer
+        what = " ".join(str(e.message).split()[:3])  # aiohttp's parser message spans lines
+        return f"the server broke the HTTP protocol ({what}); is it an HTTP server?"
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection before it answered"
+    text = " ".join(str(e).split())  # one line
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def error_message(status: int, body: str) -> str:
@@ -127,6 +131,19 @@ DRAIN_S = 1.0
 """Seconds the client waits after ``[DONE]`` for the response body's end."""
 
 
+async def _lines(body: aiohttp.StreamReader):
+    """The body's lines (bytes, without the newline), however long: aiohttp's own line
+    iteration refuses a line over its read buffer, and a chunk with log-probabilities of a
+    long round can exceed it."""
+    rest = b""
+    async for data in body.iter_any():
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
+
+
 async def _drain(lines) -> None:
     """Read what follows ``[DONE]`` to the body's end (at most ``DRAIN_S`` seconds): a
     response closed before its end cannot give its connection back, and the next request
@@ -141,8 +158,32 @@ async def _drain(lines) -> None:
         pass
 
 
+def run(coro):
+    """Run the client's coroutine ``coro`` to its end on a new event loop: uvloop's where
+    it is installed (the client's own CPU per streamed token is what a benchmark must keep
+    below the server's), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def session(timeout: float = 600.0, connect_timeout: float = 10.0) -> aiohttp.ClientSession:
+    """The benchmark's HTTP client (call inside the event loop that uses it): connections
+    kept alive and opened as needed, never shared by two requests at once (a request finds
+    an idle one or opens its own: none waits for another's stream to end); ``timeout``
+    seconds without a byte from the server fail a request, ``connect_timeout`` a connect.
+    aiohttp, as vLLM's serving benchmark: at concurrency 64 it spent 7-8 us of the client's
+    CPU per streamed token where httpx spent 16-17 (docs/PERFORMANCE.md, "The benchmark
+    client")."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout),
+        connector=aiohttp.TCPConnector(limit=0))
+
+
 async def stream_request(
-    client: httpx.AsyncClient, url: str, payload: dict, chat: bool, headers: dict | None = None
+    client: aiohttp.ClientSession, url: str, payload: dict, chat: bool, headers: dict | None = None
 ) -> RequestResult:
     """POST ``payload`` with ``stream: true`` and time the server-sent events."""
     r = RequestResult()
@@ -150,19 +191,19 @@ async def stream_request(
     last = st
     seen_event = False
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+        async with client.post(url, json=payload, headers=headers) as resp:
             ctype = resp.headers.get("content-type", "")
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                r.error = error_message(resp.status_code, body)
+            if resp.status != 200:
+                body = (await resp.read()).decode("utf-8", "replace")
+                r.error = error_message(resp.status, body)
                 r.non_openai = "html" in ctype
                 return r
             if "html" in ctype:
-                body = (await resp.aread()).decode("utf-8", "replace")
+                body = (await resp.read()).decode("utf-8", "replace")
                 r.error = f"not an OpenAI-compatible response (content-type {ctype}): {_snippet(body)}"
                 r.non_openai = True
                 return r
-            lines = resp.aiter_lines()
+            lines = _lines(resp.content)
             async for line in lines:
                 line = line.strip()
                 if not line:
@@ -170,29 +211,29 @@ async def stream_request(
                 if not line.startswith(_SSE_FIELDS):
                     r.error = (
                         f"not a server-sent-event stream (content-type {ctype or 'none'}): "
-                        f"{_snippet(line)}"
+                        f"{_snippet(line.decode('utf-8', 'replace'))}"
                     )
                     r.non_openai = True
                     return r
-                if not line.startswith("data:"):
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     await _drain(lines)
                     break
                 try:
                     chunk = json.loads(data)
                 except ValueError:
-                    r.error = f"malformed JSON in the stream: {_snippet(data)}"
+                    r.error = f"malformed JSON in the stream: {_snippet(data.decode('utf-8', 'replace'))}"
                     r.non_openai = True
                     return r
                 if not isinstance(chunk, dict):
-                    r.error = f"unexpected stream event: {_snippet(data)}"
+                    r.error = f"unexpected stream event: {_snippet(data.decode('utf-8', 'replace'))}"
                     r.non_openai = True
                     return r
                 seen_event = True
                 if chunk.get("error"):
-                    r.error = error_message(200, data)
+                    r.error = error_message(200, data.decode("utf-8", "replace"))
                     return r
                 usage = chunk.get("usage")
                 if isinstance(usage, dict):
@@ -211,7 +252,7 @@ async def stream_request(
                     last = ts
                     r.num_chunks += 1
                     r.parts.append(text)
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, TimeoutError) as e:
         r.error = describe_http_error(e)
         return r
     if not seen_event:

@@ -107,7 +107,7 @@ def _free_port() -> int:
 
 def measure(a, samples: list, pythonpath: str | None) -> dict:
     """One server: its CPU ms per streamed token over the timed run, tok/s, tokens."""
-    from ppspec.bench.runner import RunConfig, run_benchmark
+    from ppspec.bench.runner import RunConfig, run_benchmark, run_client
 
     port = _free_port()
     env = dict(os.environ)
@@ -135,7 +135,7 @@ def measure(a, samples: list, pythonpath: str | None) -> dict:
         def run(some: list) -> dict:
             cfg = RunConfig(base_url=url, max_concurrency=a.concurrency, endpoint=a.endpoint, progress=False,
                             test_request=False)
-            return asyncio.run(run_benchmark(cfg, some, lambda s: len(s.split()), "words"))
+            return run_client(run_benchmark(cfg, some, lambda s: len(s.split()), "words"))
 
         run(samples[:8])  # warm: first requests, lazy imports
         cpu0 = httpx.get(url + CPU_PATH).json()["cpu_s"]

@@ -28,7 +28,6 @@ encode, ``check_input``, the rows' KV and length bookkeeping, the commit and sna
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--variant {v!r}: NAME=ARGS")
         variants.append((name, None, extra.split()))
     from ppspec.bench.dataset import SampleRequest
-    from ppspec.bench.runner import RunConfig, run_benchmark
+    from ppspec.bench.runner import RunConfig, run_benchmark, run_client
     from ppspec.bench.served_vs_engine import CpuMeter, make_tiny, serve_children
     from ppspec.bench.serving import serving
 
@@ -122,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dict(base_url=url, progress=False, test_request=False, ignore_eos=True, model="m",
                        max_concurrency=a.concurrency)
             count = lambda s: len(s.split())  # noqa: E731  (the served usage counts the tokens)
-            asyncio.run(run_benchmark(RunConfig(**cfg), samples, count, "words"))  # untimed
+            run_client(run_benchmark(RunConfig(**cfg), samples, count, "words"))  # untimed
             with CpuMeter(url, serve_children(proc.pid)) as cpu:
                 t0 = time.perf_counter()
-                res = asyncio.run(run_benchmark(RunConfig(**cfg), samples, count, "words"))
+                res = run_client(run_benchmark(RunConfig(**cfg), samples, count, "words"))
                 wall = time.perf_counter() - t0
             f = cpu.figures(res["total_output_tokens"])
             rows.append((name, res["output_throughput"], f["rounds"] / wall, f["tokens"] / max(1, f["rounds"]),

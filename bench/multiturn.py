@@ -16,14 +16,13 @@ import random
 import sys
 from dataclasses import dataclass
 
-import httpx
 
 from ppspec.bench import BenchError
 from ppspec.bench import client as client_mod
-from ppspec.bench.client import RequestResult, stream_request
+from ppspec.bench.client import RequestResult, session, stream_request
 from ppspec.bench.dataset import ASSISTANT_ROLES, HUMAN_ROLES, TokenCounter
 from ppspec.bench.metrics import summarize_ms
-from ppspec.bench.runner import ClientSlots, RunConfig, check_server, normalize_base_url
+from ppspec.bench.runner import RunConfig, check_server, normalize_base_url
 
 
 @dataclass
@@ -98,14 +97,13 @@ async def run_multi_turn(cfg: RunConfig, convs: list[Conversation]) -> dict:
     root = normalize_base_url(cfg.base_url)
     url = root + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    timeout = httpx.Timeout(cfg.timeout, connect=cfg.connect_timeout)
     rows: list[dict] = []
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with session(cfg.timeout, cfg.connect_timeout) as client:
         model = await check_server(client, root, cfg.model, headers)
-    slots = ClientSlots(min(cfg.max_concurrency or len(convs), len(convs)), timeout)
-    try:
+        slots = asyncio.Semaphore(cfg.max_concurrency or len(convs))
+
         async def one(k: int, conv: Conversation) -> None:
-            async with slots.lend() as client:
+            async with slots:
                 messages = []
                 for t, (text, n) in enumerate(zip(conv.user_turns, conv.output_lens)):
                     messages.append({"role": "user", "content": text})
@@ -126,8 +124,6 @@ async def run_multi_turn(cfg: RunConfig, convs: list[Conversation]) -> dict:
         start = client_mod.clock()
         await asyncio.gather(*(one(k, c) for k, c in enumerate(convs)))
         duration = client_mod.clock() - start
-    finally:
-        await slots.aclose()
     return summarize_turns(rows, duration, model, cfg)
 
 

@@ -55,7 +55,6 @@ GPU (one H200, the 1.46B checkpoint of docs/PERFORMANCE.md)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -104,13 +103,13 @@ def warm_up(a, url: str, cache: bool, records: list[dict], counter, extra: dict 
     cache is flushed after."""
     from ppspec.bench.dataset import sample_sharegpt, shared_prefix
     from ppspec.bench.multiturn import run_multi_turn, sample_conversations
-    from ppspec.bench.runner import RunConfig, run_benchmark
+    from ppspec.bench.runner import RunConfig, run_benchmark, run_client
 
     if not a.warmup_prompts:
         return
     base = dict(base_url=url, progress=False, test_request=False, ignore_eos=True, seed=a.seed, extra_body=extra)
     samples = sample_sharegpt(records, a.warmup_prompts, a.seed + 99, counter, a.max_output_len, a.max_input_len)
-    asyncio.run(run_benchmark(RunConfig(max_concurrency=a.first_concurrency, **base), samples, counter.count,
+    run_client(run_benchmark(RunConfig(max_concurrency=a.first_concurrency, **base), samples, counter.count,
                               counter.source))
     if "shared" in a.workloads:
         flush(url, cache)
@@ -119,14 +118,14 @@ def warm_up(a, url: str, cache: bool, records: list[dict], counter, extra: dict 
         for s in samples:
             s.system = system
         cfg = RunConfig(endpoint="chat", max_concurrency=a.shared_concurrency, **base)
-        asyncio.run(run_benchmark(cfg, samples[:1], counter.count, counter.source))
-        asyncio.run(run_benchmark(cfg, samples[1:], counter.count, counter.source))
+        run_client(run_benchmark(cfg, samples[:1], counter.count, counter.source))
+        run_client(run_benchmark(cfg, samples[1:], counter.count, counter.source))
     if "mt32" in a.workloads or "mt1" in a.workloads:
         flush(url, cache)
         conc = a.mt_concurrency if "mt32" in a.workloads else 1
         convs = sample_conversations(records, conc, a.seed + 97, counter, a.max_turns, a.max_output_len,
                                      a.max_input_len)
-        asyncio.run(run_multi_turn(RunConfig(endpoint="chat", max_concurrency=conc, **base), convs))
+        run_client(run_multi_turn(RunConfig(endpoint="chat", max_concurrency=conc, **base), convs))
     flush(url, cache)
 
 
@@ -137,7 +136,7 @@ def run_workload(a, name: str, url: str, cache: bool, records: list[dict], count
     from ppspec.bench.client import NO_TEXT_TOKENS
     from ppspec.bench.dataset import sample_sharegpt, shared_prefix
     from ppspec.bench.multiturn import run_multi_turn, sample_conversations
-    from ppspec.bench.runner import RunConfig, run_benchmark
+    from ppspec.bench.runner import RunConfig, run_benchmark, run_client
 
     base = dict(base_url=url, progress=False, test_request=False, ignore_eos=True, seed=a.seed, extra_body=extra)
     flush(url, cache)
@@ -147,22 +146,22 @@ def run_workload(a, name: str, url: str, cache: bool, records: list[dict], count
         for s in samples:
             s.system = system
         cfg = RunConfig(endpoint="chat", max_concurrency=a.shared_concurrency, **base)
-        asyncio.run(run_benchmark(cfg, samples[:1], counter.count, counter.source))  # the system prompt cached
+        run_client(run_benchmark(cfg, samples[:1], counter.count, counter.source))  # the system prompt cached
         q0, h0 = cache_counters(url)
         mark = first_token_mark(url)
-        r = asyncio.run(run_benchmark(cfg, samples[1:], counter.count, counter.source))
+        r = run_client(run_benchmark(cfg, samples[1:], counter.count, counter.source))
         path = first_token_path(first_token_rows(url, mark))
     else:
         q0, h0 = cache_counters(url)
         if name == "first":
             samples = sample_sharegpt(records, a.first_prompts, a.seed, counter, a.max_output_len, a.max_input_len)
-            r = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.first_concurrency, **base), samples,
+            r = run_client(run_benchmark(RunConfig(max_concurrency=a.first_concurrency, **base), samples,
                                           counter.count, counter.source))
         else:
             conc = 1 if name == "mt1" else a.mt_concurrency
             convs = sample_conversations(records, a.mt_conversations if conc > 1 else a.mt1_conversations,
                                          a.seed + 2, counter, a.max_turns, a.max_output_len, a.max_input_len)
-            r = asyncio.run(run_multi_turn(RunConfig(endpoint="chat", max_concurrency=conc, **base), convs))
+            r = run_client(run_multi_turn(RunConfig(endpoint="chat", max_concurrency=conc, **base), convs))
     q1, h1 = cache_counters(url)
     rows = r.pop("turns", None) or r.pop("_per_request")
     later = [x for x in rows if x.get("turn", 1) > 0 and x["success"]]

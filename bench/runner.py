@@ -11,18 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import math
 import random
 import sys
 import urllib.parse
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from ppspec.bench import BenchError
 from ppspec.bench import client as client_mod
-from ppspec.bench.client import RequestResult, _snippet, describe_http_error, error_message, stream_request
+from ppspec.bench.client import RequestResult, _snippet, describe_http_error, error_message, session, stream_request
+from ppspec.bench.client import run as run_client  # noqa: F401  (for the callers of run_benchmark)
 from ppspec.bench.dataset import SampleRequest
 from ppspec.bench.metrics import DEFAULT_PREFIX, compute_results, parse_spec_counters, router_ttft_summary, spec_decode_summary
 
@@ -66,22 +68,27 @@ def normalize_base_url(url: str) -> str:
     return urllib.parse.urlunsplit((u.scheme, u.netloc, path, "", ""))
 
 
-async def check_server(client: httpx.AsyncClient, root: str, model: str | None, headers: dict) -> str:
+async def _get(client: aiohttp.ClientSession, url: str, headers: dict, params: dict | None = None):
+    """GET ``url``: (status, content type, body text)."""
+    async with client.get(url, headers=headers, params=params) as resp:
+        body = (await resp.read()).decode("utf-8", "replace")
+        return resp.status, resp.headers.get("content-type", ""), body
+
+
+async def check_server(client: aiohttp.ClientSession, root: str, model: str | None, headers: dict) -> str:
     """GET /v1/models: the server must answer like an OpenAI API. Returns the model name."""
     url = root + "/v1/models"
     try:
-        resp = await client.get(url, headers=headers)
-    except httpx.HTTPError as e:
+        status, ctype, body = await _get(client, url, headers)
+    except (aiohttp.ClientError, TimeoutError) as e:
         raise BenchError(f"cannot reach {root}: {describe_http_error(e)}") from None
-    ctype = resp.headers.get("content-type", "")
-    body = resp.text
     not_openai = (
         f"{root} does not look like an OpenAI-compatible server: GET /v1/models answered "
-        f"HTTP {resp.status_code} ({ctype or 'no content-type'}) {_snippet(body)}"
+        f"HTTP {status} ({ctype or 'no content-type'}) {_snippet(body)}"
     )
-    if resp.status_code == 200:
+    if status == 200:
         try:
-            data = resp.json()
+            data = json.loads(body)
         except ValueError:
             raise BenchError(not_openai) from None
         if not (isinstance(data, dict) and isinstance(data.get("data"), list)):
@@ -92,25 +99,25 @@ async def check_server(client: httpx.AsyncClient, root: str, model: str | None, 
                 raise BenchError(f"{url} lists no models; pass --model")
             model = ids[0]
         return model
-    if resp.status_code in (401, 403):
-        raise BenchError(f"{url}: {error_message(resp.status_code, body)} (pass --api-key)")
+    if status in (401, 403):
+        raise BenchError(f"{url}: {error_message(status, body)} (pass --api-key)")
     if "html" in ctype:
         raise BenchError(not_openai)
     if model is None:
-        raise BenchError(f"{url}: {error_message(resp.status_code, body)}; pass --model NAME")
+        raise BenchError(f"{url}: {error_message(status, body)}; pass --model NAME")
     return model  # some servers lack /v1/models; the test request will tell
 
 
 async def scrape_spec_counters(client, root: str, headers: dict, prefix: str):
     """(counters, None) or (None, why /metrics could not be used)."""
     try:
-        resp = await client.get(root + "/metrics", headers=headers)
-    except httpx.HTTPError as e:
+        status, _, text = await _get(client, root + "/metrics", headers)
+    except (aiohttp.ClientError, TimeoutError) as e:
         return None, f"GET /metrics: {describe_http_error(e)}"
-    if resp.status_code != 200:
-        return None, f"GET /metrics: HTTP {resp.status_code}"
+    if status != 200:
+        return None, f"GET /metrics: HTTP {status}"
     try:
-        return parse_spec_counters(resp.text, prefix), None
+        return parse_spec_counters(text, prefix), None
     except Exception as e:  # the parser raises assorted errors on non-Prometheus text
         return None, f"GET /metrics: not Prometheus text format ({type(e).__name__}: {e})"
 
@@ -120,9 +127,9 @@ async def first_tokens(client, root: str, headers: dict, since: int = 1 << 62) -
     /v1/trace/first_tokens``: ``total``, ``fields``, ``rows``); the default ``since`` reads
     just the count. None from a server without them (another engine, an older router)."""
     try:
-        resp = await client.get(root + "/v1/trace/first_tokens", params={"since": since}, headers=headers)
-        got = resp.json() if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+        status, _, body = await _get(client, root + "/v1/trace/first_tokens", headers, {"since": str(since)})
+        got = json.loads(body) if status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
     return got if isinstance(got, dict) and isinstance(got.get("total"), int) else None
 
@@ -164,34 +171,6 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class ClientSlots:
-    """``n`` HTTP clients of one kept-alive connection each, one lent to each request (or
-    conversation) in flight: at most ``n`` at once, each slot's requests on its own
-    connection. Not one shared pool: httpx's pool can hand one idle connection to several
-    requests queued in the same pass (a burst of finishes in a closed loop), and all but one
-    then wait out a whole stream before they are sent (seen as TTFTs of a request's length)."""
-
-    def __init__(self, n: int, timeout: httpx.Timeout):
-        self._free: asyncio.Queue = asyncio.Queue()
-        tls = httpx.create_ssl_context()  # one for all: making one takes ~20 ms
-        self._all = [httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1), verify=tls)
-                     for _ in range(n)]
-        for c in self._all:
-            self._free.put_nowait(c)
-
-    @contextlib.asynccontextmanager
-    async def lend(self):
-        client = await self._free.get()
-        try:
-            yield client
-        finally:
-            self._free.put_nowait(client)
-
-    async def aclose(self) -> None:
-        for c in self._all:
-            await c.aclose()
-
-
 async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_tokens, counter_source: str) -> dict:
     """Run the benchmark; returns the result dict (without the run's own settings)."""
     root = normalize_base_url(cfg.base_url)
@@ -202,11 +181,7 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
     chat = cfg.endpoint == "chat"
     url = root + ("/v1/chat/completions" if chat else "/v1/completions")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    timeout = httpx.Timeout(cfg.timeout, connect=cfg.connect_timeout)
-    # without --max-concurrency (slots) each request takes a connection of its own: none is
-    # kept, so a burst of arrivals never queues behind one idle connection (ClientSlots)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None if cfg.max_concurrency else 0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with session(cfg.timeout, cfg.connect_timeout) as client:
         model = await check_server(client, root, cfg.model, headers)
 
         if cfg.test_request:
@@ -222,7 +197,7 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
         before, metrics_error = await scrape_spec_counters(client, root, headers, cfg.metrics_prefix)
         mark = await first_tokens(client, root, headers)
 
-        slots = ClientSlots(min(cfg.max_concurrency, len(samples)), timeout) if cfg.max_concurrency else None
+        slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
         offsets = arrival_offsets(len(samples), cfg.request_rate, cfg.seed)
         pbar = tqdm(total=len(samples), disable=not cfg.progress, unit="req", desc="ppspec bench", file=sys.stderr)
 
@@ -231,11 +206,8 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
             if delay > 0:
                 await asyncio.sleep(delay)
             payload = build_payload(cfg.endpoint, model, sample, sample.output_len, cfg)
-            if slots is None:
+            async with slots:
                 res = await stream_request(client, url, payload, chat, headers)
-            else:
-                async with slots.lend() as slot:
-                    res = await stream_request(slot, url, payload, chat, headers)
             pbar.update(1)
             return res
 
@@ -245,8 +217,6 @@ async def run_benchmark(cfg: RunConfig, samples: list[SampleRequest], count_toke
             duration = client_mod.clock() - start
         finally:
             pbar.close()
-            if slots is not None:
-                await slots.aclose()
 
         after, err_after = (None, None)
         if before is not None:

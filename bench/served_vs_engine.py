@@ -58,7 +58,7 @@ import time
 import httpx
 
 from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
-from ppspec.bench.runner import RunConfig, run_benchmark
+from ppspec.bench.runner import RunConfig, run_benchmark, run_client
 from ppspec.bench.serving import first_token_mark, first_token_rows, serving
 
 # compute negligible: what a round costs is the system's own work
@@ -352,17 +352,17 @@ def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "")
         # a whole untimed pass first, as the engine's side has: the timed pass meets no
         # first-use cost that the warm-up at start left (a shape's kernels, allocations);
         # its tok/s against the timed pass's says how much of such cost there is
-        cold = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
+        cold = run_client(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
         with CpuMeter(url, pids) as cpu_full:
             cpu0, wall0 = time.process_time(), time.perf_counter()
-            full = asyncio.run(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
+            full = run_client(run_benchmark(RunConfig(max_concurrency=a.concurrency, **cfg), samples, count, "words"))
             client_busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         # every prompt sent at once: the server's own queue (at most --max-rows running)
         # admits the next prompt the round a row frees, as LLM.generate does; no client's
         # turnaround between a finished request and the next one
-        queued = asyncio.run(run_benchmark(RunConfig(max_concurrency=None, **cfg), samples, count, "words"))
+        queued = run_client(run_benchmark(RunConfig(max_concurrency=None, **cfg), samples, count, "words"))
         with CpuMeter(url, pids) as cpu_solo:
-            solo = asyncio.run(run_benchmark(RunConfig(max_concurrency=1, **cfg), samples[: a.solo_prompts], count,
+            solo = run_client(run_benchmark(RunConfig(max_concurrency=1, **cfg), samples[: a.solo_prompts], count,
                                              "words"))
         # within the served context (the demo checkpoint's is 4096 tokens)
         context = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]

@@ -10,6 +10,7 @@ serves spec-decode counters that grow by known amounts per request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 import socket
@@ -75,6 +76,7 @@ class Stub:
         self.times: dict[str, tuple[float, list[float]]] = {}
         self.open = self.max_open = 0  # streams open now / at most at once
         self.clients: list[tuple] = []  # (host, port) of each POST's connection
+        self.spans: list[tuple] = []  # (host, port, opened, closed) of each POST's stream (perf_counter s)
         self.done = 0
         self.lock = threading.Lock()
 
@@ -154,14 +156,17 @@ class Stub:
             with self.lock:
                 self.requests.append(req)
                 self.arrivals.append(time.perf_counter())
-                self.clients.append(tuple(scope.get("client") or ()))
+                conn = tuple(scope.get("client") or ())
+                self.clients.append(conn)
                 self.open += 1
                 self.max_open = max(self.max_open, self.open)
+            opened = time.perf_counter()
             try:
                 return await self.stream(req, path.endswith("chat/completions"), send, receive)
             finally:
                 with self.lock:
                     self.open -= 1
+                    self.spans.append((*conn, opened, time.perf_counter()))
         return await reply(404, "application/json", b'{"detail": "Not Found"}')
 
     async def stream(self, req, chat, send, receive):
@@ -567,10 +572,15 @@ def test_poisson_arrivals_follow_seed(dataset, tmp_path):
     assert r["duration_s"] >= expected[-1] + FIRST + 3 * GAP - 0.005
     assert r["spec_decode"]["mean_accept_length"] is None
     assert r["spec_decode"]["metrics_error"] == "GET /metrics: HTTP 404"
-    # without --max-concurrency no connection is kept: each request on one of its own (a
-    # kept idle connection could be handed to two arrivals at once, the second then waiting
-    # out the first's stream)
-    assert len(set(stub.clients[1:])) == n
+    # no connection carries two streams at once (a request never waits out another's
+    # stream for its connection: it finds an idle one or opens its own)
+    by_conn = collections.defaultdict(list)
+    for host, port, opened, closed in stub.spans:
+        by_conn[(host, port)].append((opened, closed))
+    for spans in by_conn.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert len(stub.spans) == n + 1 and len(by_conn) <= n
 
 
 def test_plots(dataset, tmp_path):
@@ -786,7 +796,7 @@ def test_a_stream_without_text_fails_and_says_whether_tokens_came():
     counts it. When its usage says the server generated tokens, the error says they decode
     to nothing (ids past the tokenizer's vocabulary, special tokens: a random checkpoint's
     output, not a server error), so that a report tells the two apart."""
-    from ppspec.bench.client import NO_TEXT, NO_TEXT_TOKENS, stream_request
+    from ppspec.bench.client import NO_TEXT, NO_TEXT_TOKENS, session, stream_request
 
     def sse(*chunks):
         return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
@@ -797,10 +807,16 @@ def test_a_stream_without_text_fails_and_says_whether_tokens_came():
     bodies = {"tokens": sse(empty, empty, usage), "nothing": sse(empty), "text": sse(text, usage)}
 
     async def run(kind):
-        transport = httpx.MockTransport(lambda req: httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, text=bodies[kind]))
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await stream_request(client, "http://stub/v1/chat/completions", {}, True)
+        from aiohttp import web
+        from aiohttp.test_utils import TestServer
+
+        async def answer(request):
+            return web.Response(body=bodies[kind].encode(), content_type="text/event-stream")
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answer)
+        async with TestServer(app, host="127.0.0.1") as server, session() as client:
+            return await stream_request(client, str(server.make_url("/v1/chat/completions")), {}, True)
 
     r = asyncio.run(run("tokens"))
     assert not r.success and r.completion_tokens == 3 and r.error == NO_TEXT + NO_TEXT_TOKENS

@@ -11,14 +11,26 @@ import asyncio
 import copy
 import inspect
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 log = logging.getLogger("ppspec.router.api")
 
-TOKENIZE_WORKERS = 4
-"""Threads that tokenize prompts and render chats, each with its own tokenizer copy."""
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+TOKENIZE_WORKERS = max(4, min(8, _cores() // 2))
+"""Threads that tokenize prompts and render chats, each with its own tokenizer copy: 4, up
+to half the cores (at most 8) where there are more. The Rust encode runs without the GIL,
+so a burst of long prompts spreads over them: 64 chats that share a 2000-token system
+prompt are ~64 encodes of ~3 ms, whose last waited ~45 ms on four workers
+(docs/PERFORMANCE.md, "Prefix caching on the H200")."""
 
 SHORT_CHARS = 16384
 """Texts up to this many characters (a request's total) are short: longer ones run on all

@@ -238,12 +238,19 @@ def run_engine_process(args, fd: int) -> int:
             except ConnectionError:
                 pass  # the HTTP server is gone already (ppspec serve stopping)
             return 2
+        others = None
         if args.engine_listen_fd is not None:
             async def serve_other(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
                 await EngineServer(engine, r, w, metrics.registry, owner=False).serve()
 
-            await asyncio.start_unix_server(serve_other, sock=socket.socket(fileno=args.engine_listen_fd))
-        await EngineServer(engine, reader, writer, metrics.registry).serve()
+            # held for the process's life: an unreferenced server is closed when the garbage
+            # collector takes it, and the extra HTTP servers' connections then wait unaccepted
+            others = await asyncio.start_unix_server(serve_other, sock=socket.socket(fileno=args.engine_listen_fd))
+        try:
+            await EngineServer(engine, reader, writer, metrics.registry).serve()
+        finally:
+            if others is not None:
+                others.close()
         return 0
 
     return _run(main())

@@ -236,3 +236,25 @@ def test_several_http_servers_need_the_engine_process():
                         "--port", str(free_port()), "--api-server-count", "2", "--no-engine-process"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--api-server-count above 1 needs --engine-process" in p.stderr, p.stderr
+
+
+def test_ppspec_serve_with_two_http_servers_starts_and_serves(reference):
+    """``ppspec serve --api-server-count 2``: ``/health`` turns 200 (the extra HTTP server
+    reached the engine process, whose listening socket stayed open) and completions through
+    the shared port give PP1's greedy tokens. The engine process once left its server for
+    the extra HTTP servers unreferenced: garbage-collected, it closed the socket, and the
+    extra server's connection waited unaccepted, so ``/health`` never turned 200."""
+    import httpx
+
+    from ppspec.bench.serving import serving
+
+    args = ["--model", DEMO_MODEL, "--pp-size", "1", "--speculative-algorithm", "mtp", "--api-server-count", "2"]
+    with serving(args, 180, "api2") as (url, proc):
+        got = []
+        for i in range(2 * len(PROMPTS)):
+            r = httpx.post(url + "/v1/completions", timeout=120, json=dict(
+                prompt=PROMPTS[i % len(PROMPTS)], max_tokens=24, temperature=0, ignore_eos=True,
+                return_token_ids=True))
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["token_ids"])
+    assert got == reference + reference

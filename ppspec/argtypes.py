@@ -213,10 +213,18 @@ def cuda_graph_argv(args: argparse.Namespace) -> list[str]:
     return [] if n is None else ["--cuda-graph-max-bs", str(n)]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct ports free on ``host`` now: all bound at once, so that the kernel cannot
+    hand one out twice (ports asked for one after another, each closed before the next,
+    may repeat, and two stages would then share one)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def port_free(host: str, port: int) -> bool:

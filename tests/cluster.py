@@ -30,6 +30,12 @@ from ppspec.cli import main
 sys.exit(main(sys.argv[1:]))""", REPO]
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports :func:`free_port` gave this process: never given twice. A cluster asks for all its
+ports before any server binds one, and two draws of the same port (1 in ~2000 for a
+cluster of four) gave two stages one port: stage 1's next stage answered as stage 0."""
+
+
 def free_port() -> int:
     """A loopback port that is free now, taken below the kernel's ephemeral range.
 
@@ -45,11 +51,14 @@ def free_port() -> int:
     rng = random.Random()  # not the tests' seeded global generator: parallel runs must differ
     for _ in range(200):
         port = rng.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:  # free now, but a server of this process may be about to bind it
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import urllib.request
 
 from ppspec.argtypes import (
     DEMO_MODEL, DTYPES, DefaultsHelpFormatter, add_control_channel_arg, add_cuda_graph_args, add_data_plane_arg,
-    add_inline_steps_arg, cuda_graph_argv, device_list, free_port, listen_error, nonneg_int, port, port_list,
+    add_inline_steps_arg, cuda_graph_argv, device_list, free_ports, listen_error, nonneg_int, port, port_list,
     positive_finite_float, positive_float, positive_int, stage_devices,
 )
 from ppspec.auth import KeyFileError, read_key_file, write_temp_key
@@ -269,7 +269,7 @@ def main(argv: list[str]) -> int:
             print(f"ppspec serve: {e}", file=sys.stderr)
             return 2
     key_file = a.pipeline_key_file or write_temp_key()
-    ports = a.stage_ports or [free_port(a.host) for _ in range(n)]
+    ports = a.stage_ports or free_ports(a.host, n)
     threads = a.num_threads or max(1, (os.cpu_count() or 1) // n)
     py = [sys.executable, "-m", "ppspec.cli"]
     kids = Children()

@@ -97,19 +97,13 @@ def serve(port: int, round_ms: float, tokens_per_round: int, parser: str) -> Non
     uvloop.run(main())
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(a, samples: list, pythonpath: str | None) -> dict:
     """One server: its CPU ms per streamed token over the timed run, tok/s, tokens."""
     from ppspec.bench.runner import RunConfig, run_benchmark, run_client
 
-    port = _free_port()
+    from ppspec.argtypes import free_ports
+
+    (port,) = free_ports("127.0.0.1", 1)
     env = dict(os.environ)
     cwd = None
     if pythonpath:

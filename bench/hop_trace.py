@@ -133,10 +133,17 @@ def stage_main(out: str, argv: list[str]) -> int:
     return server.main(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports, all bound at once (as ``ppspec.argtypes.free_ports``,
+    which a traced older checkout may lack: this file runs against its ``ppspec``)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 async def drive(addresses: list[str], rounds: int, batch: int, events: list) -> None:
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         from ppspec.bench.served_vs_engine import make_tiny
 
         a.model = make_tiny(os.path.join(tmp, "tiny"))
-    ports = [_free_port() for _ in range(a.pp)]
+    ports = _free_ports(a.pp)
     procs = []
     for k in range(a.pp):
         cmd = [sys.executable, os.path.abspath(__file__), "--stage-trace", os.path.join(tmp, f"stage{k}.json"),

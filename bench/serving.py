@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,11 +13,7 @@ import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ppspec.argtypes import free_ports
 
 
 def first_token_rows(url: str, since: int = 0) -> dict:
@@ -61,8 +56,8 @@ def serving_all(servers: list[tuple[list[str], str]], startup_timeout: float, en
     side): yields their ``(url, process)`` in that order once every one is healthy."""
     procs, logs = [], []
     try:
-        for args, name in servers:
-            url = f"http://127.0.0.1:{free_port()}"
+        for (args, name), port in zip(servers, free_ports("127.0.0.1", len(servers))):
+            url = f"http://127.0.0.1:{port}"
             log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-{name}-", suffix=".log", delete=False)
             logs.append(log)
             procs.append((url, subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", *args, "--port",

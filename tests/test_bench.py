@@ -76,7 +76,7 @@ class Stub:
         self.times: dict[str, tuple[float, list[float]]] = {}
         self.open = self.max_open = 0  # streams open now / at most at once
         self.clients: list[tuple] = []  # (host, port) of each POST's connection
-        self.spans: list[tuple] = []  # (host, port, opened, closed) of each POST's stream (perf_counter s)
+        self.spans: list[tuple] = []  # (host, port, handler entered, last byte sending) of each stream (perf_counter s)
         self.done = 0
         self.lock = threading.Lock()
 
@@ -160,16 +160,15 @@ class Stub:
                 self.clients.append(conn)
                 self.open += 1
                 self.max_open = max(self.max_open, self.open)
-            opened = time.perf_counter()
             try:
-                return await self.stream(req, path.endswith("chat/completions"), send, receive)
+                return await self.stream(req, path.endswith("chat/completions"), send, receive,
+                                         span=(conn, time.perf_counter()))
             finally:
                 with self.lock:
                     self.open -= 1
-                    self.spans.append((*conn, opened, time.perf_counter()))
         return await reply(404, "application/json", b'{"detail": "Not Found"}')
 
-    async def stream(self, req, chat, send, receive):
+    async def stream(self, req, chat, send, receive, span=None):
         t0 = time.perf_counter()
         m = int(req["max_tokens"])
         prompt = req["messages"][0]["content"] if chat else req["prompt"]
@@ -215,6 +214,10 @@ class Stub:
                 return
             except asyncio.TimeoutError:
                 pass
+        if span is not None:  # just before the stream's last byte: the next request on its
+            # connection can only come after the client read it
+            with self.lock:
+                self.spans.append((*span[0], span[1], time.perf_counter()))
         await send({"type": "http.response.body", "body": b""})
 
 
@@ -572,8 +575,8 @@ def test_poisson_arrivals_follow_seed(dataset, tmp_path):
     assert r["duration_s"] >= expected[-1] + FIRST + 3 * GAP - 0.005
     assert r["spec_decode"]["mean_accept_length"] is None
     assert r["spec_decode"]["metrics_error"] == "GET /metrics: HTTP 404"
-    # no connection carries two streams at once (a request never waits out another's
-    # stream for its connection: it finds an idle one or opens its own)
+    # kept-alive connections carry one stream after another (no request pipelined behind
+    # a stream still being sent), and no more connections than requests
     by_conn = collections.defaultdict(list)
     for host, port, opened, closed in stub.spans:
         by_conn[(host, port)].append((opened, closed))

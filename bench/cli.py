@@ -144,7 +144,8 @@ def _redact(argv: list[str], secret: str | None) -> list[str]:
 
 def run_from_args(args, argv: list[str]) -> dict:
     from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt, shared_prefix
-    from ppspec.bench.runner import RunConfig, normalize_base_url, run_benchmark, run_client
+    from ppspec.bench.runner import RunConfig, normalize_base_url, run_benchmark
+    from ppspec.bench.client import run as run_client
 
     normalize_base_url(args.base_url)  # fail on a bad URL before loading the data set
     counter = TokenCounter(args.tokenizer)
@@ -184,7 +185,8 @@ def run_from_args(args, argv: list[str]) -> dict:
 
 def _run_multi_turn(args, argv: list[str], records: list[dict], counter) -> dict:
     from ppspec.bench.multiturn import run_multi_turn, sample_conversations
-    from ppspec.bench.runner import RunConfig, run_client
+    from ppspec.bench.runner import RunConfig
+    from ppspec.bench.client import run as run_client
 
     convs = sample_conversations(records, args.num_prompts, args.seed, counter, args.max_turns, args.max_output_len,
                                  args.max_input_len)

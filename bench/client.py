@@ -69,14 +69,6 @@ def _snippet(body: str, n: int = 120) -> str:
     return repr(s[:n] + ("..." if len(s) > n else ""))
 
 
-def _causes(e: BaseException):
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
 def describe_http_error(e: BaseException) -> str:
     """One line for a transport-level failure (no traceback): an ``aiohttp.ClientError`` or
     a timeout."""

@@ -99,7 +99,8 @@ def serve(port: int, round_ms: float, tokens_per_round: int, parser: str) -> Non
 
 def measure(a, samples: list, pythonpath: str | None) -> dict:
     """One server: its CPU ms per streamed token over the timed run, tok/s, tokens."""
-    from ppspec.bench.runner import RunConfig, run_benchmark, run_client
+    from ppspec.bench.runner import RunConfig, run_benchmark
+    from ppspec.bench.client import run as run_client
 
     from ppspec.argtypes import free_ports
 

@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--variant {v!r}: NAME=ARGS")
         variants.append((name, None, extra.split()))
     from ppspec.bench.dataset import SampleRequest
-    from ppspec.bench.runner import RunConfig, run_benchmark, run_client
+    from ppspec.bench.runner import RunConfig, run_benchmark
+    from ppspec.bench.client import run as run_client
     from ppspec.bench.served_vs_engine import CpuMeter, make_tiny, serve_children
     from ppspec.bench.serving import serving
 

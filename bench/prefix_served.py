@@ -103,7 +103,8 @@ def warm_up(a, url: str, cache: bool, records: list[dict], counter, extra: dict 
     cache is flushed after."""
     from ppspec.bench.dataset import sample_sharegpt, shared_prefix
     from ppspec.bench.multiturn import run_multi_turn, sample_conversations
-    from ppspec.bench.runner import RunConfig, run_benchmark, run_client
+    from ppspec.bench.runner import RunConfig, run_benchmark
+    from ppspec.bench.client import run as run_client
 
     if not a.warmup_prompts:
         return
@@ -136,7 +137,8 @@ def run_workload(a, name: str, url: str, cache: bool, records: list[dict], count
     from ppspec.bench.client import NO_TEXT_TOKENS
     from ppspec.bench.dataset import sample_sharegpt, shared_prefix
     from ppspec.bench.multiturn import run_multi_turn, sample_conversations
-    from ppspec.bench.runner import RunConfig, run_benchmark, run_client
+    from ppspec.bench.runner import RunConfig, run_benchmark
+    from ppspec.bench.client import run as run_client
 
     base = dict(base_url=url, progress=False, test_request=False, ignore_eos=True, seed=a.seed, extra_body=extra)
     flush(url, cache)

@@ -24,7 +24,6 @@ from tqdm import tqdm
 from ppspec.bench import BenchError
 from ppspec.bench import client as client_mod
 from ppspec.bench.client import RequestResult, _snippet, describe_http_error, error_message, session, stream_request
-from ppspec.bench.client import run as run_client  # noqa: F401  (for the callers of run_benchmark)
 from ppspec.bench.dataset import SampleRequest
 from ppspec.bench.metrics import DEFAULT_PREFIX, compute_results, parse_spec_counters, router_ttft_summary, spec_decode_summary
 

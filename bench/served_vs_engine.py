@@ -58,7 +58,8 @@ import time
 import httpx
 
 from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
-from ppspec.bench.runner import RunConfig, run_benchmark, run_client
+from ppspec.bench.runner import RunConfig, run_benchmark
+from ppspec.bench.client import run as run_client
 from ppspec.bench.serving import first_token_mark, first_token_rows, serving
 
 # compute negligible: what a round costs is the system's own work

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens of every reply")
+    ap.add_argument("--max-input-len", type=int, default=1024, help="ShareGPT first turns of at most this many tokens")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     ap.add_argument("--round-ms", type=float, default=4.0, help="milliseconds between the stand-in's rounds")
     ap.add_argument("--tokens-per-round", type=int, default=1, help="tokens a request gets per round (verify: up to D)")
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from ppspec.bench.dataset import TokenCounter, load_sharegpt, sample_sharegpt
 
     samples = sample_sharegpt(load_sharegpt(), a.num_prompts, a.seed, TokenCounter(None), max_output_len=a.max_tokens,
-                              max_input_len=1024)
+                              max_input_len=a.max_input_len)
     runs = [("this checkout", None)] + ([("baseline", a.baseline_pythonpath)] if a.baseline_pythonpath else [])
     got: dict[str, list[dict]] = {name: [] for name, _ in runs}
     for _ in range(a.repeat):

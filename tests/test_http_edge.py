@@ -246,3 +246,62 @@ def test_long_encodes_leave_a_worker_to_short_requests(tokenizer):
     assert len(long_spans) == TOKENIZE_WORKERS + 1
     most = max(sum(a <= t0 < b for a, b in long_spans) for t0, _ in long_spans)
     assert most <= TOKENIZE_WORKERS - 1, long_spans
+
+
+def test_short_texts_encode_on_the_event_loop_long_ones_on_workers(tokenizer):
+    """Texts up to ``INLINE_CHARS`` are encoded and rendered on the calling thread (the event
+    loop, with a tokenizer copy of its own); longer ones on a worker thread. Either way the
+    ids are the tokenizer's own, and a tokenizer that cannot be copied is never used on the
+    loop beside its one worker."""
+    from ppspec.router.api.tokenize import INLINE_CHARS, TokenizerPool
+
+    pool = TokenizerPool(tokenizer, workers=2)
+    seen: list[tuple[int, str]] = []
+    orig_encode, orig_render = pool._encode, pool._render_chat
+
+    def encode(texts, add):
+        seen.append((sum(map(len, texts)), threading.current_thread().name))
+        return orig_encode(texts, add)
+
+    def render(messages, tools, kwargs):
+        seen.append((sum(len(m["content"]) for m in messages), threading.current_thread().name))
+        return orig_render(messages, tools, kwargs)
+
+    pool._encode, pool._render_chat = encode, render
+    short, long_text = "hello world " * 10, "hello world " * (INLINE_CHARS // 6)
+    assert len(short) <= INLINE_CHARS < len(long_text)
+    messages = [{"role": "user", "content": short}]
+
+    async def run():
+        loop_thread = threading.current_thread().name
+        got = [await pool.encode([short]), await pool.encode([long_text]), await pool.encode([short], False),
+               await pool.render_chat(messages), await pool.render_chat([{"role": "user", "content": long_text}])]
+        return loop_thread, got
+
+    loop_thread, got = asyncio.run(run())
+    assert got[0] == [tokenizer.encode(short)] and got[1] == [tokenizer.encode(long_text)]
+    assert got[2] == [tokenizer.encode(short, add_special_tokens=False)]
+    assert got[3] == list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+    where = [name for _, name in seen]
+    assert where[0] == where[2] == where[3] == loop_thread
+    assert where[1] != loop_thread and where[4] != loop_thread and where[1].startswith("ppspec-tokenize")
+    pool.executor.shutdown()
+
+    class Uncopyable:  # the tokenizer's calls, but no deepcopy
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __deepcopy__(self, memo):
+            raise TypeError("no copies")
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    shared = TokenizerPool(Uncopyable(tokenizer), workers=4)
+    names: list[str] = []
+    orig = shared._encode
+    shared._encode = lambda texts, add: names.append(threading.current_thread().name) or orig(texts, add)
+    assert asyncio.run(shared.encode([short])) == [tokenizer.encode(short)]
+    assert names and names[0].startswith("ppspec-tokenize")  # its one worker, never the loop
+    shared.executor.shutdown()

@@ -1,9 +1,10 @@
-"""Prompt encoding and chat rendering on worker threads, each with its own tokenizer copy.
+"""Prompt encoding and chat rendering: short texts on the event loop, longer ones on worker
+threads, each thread with its own tokenizer copy.
 
 Encoding toggles settings of the Rust tokenizer (a mutable borrow), which must not race with
-another thread's use or with decodes of the shared tokenizer on the event loop. The Rust
-encode releases the GIL, so a long prompt holds one worker while shorter ones pass it on the
-others.
+another thread's use or with decodes of the shared tokenizer on the event loop: the event
+loop encodes with a copy of its own too. The Rust encode releases the GIL, so a long prompt
+holds one worker while shorter ones pass it on the others.
 """
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ encodes ahead of it, each at most the largest admissible text: the context times
 ``max_token_chars`` characters, or the body limit (``guard.DEFAULT_MAX_REQUEST_BYTES``)."""
 
 
+INLINE_CHARS = 1024
+"""Texts up to this many characters (a request's total) are encoded or rendered on the event
+loop itself. The hand-off to a worker and back (the executor's queue, the worker's wake-up,
+the loop's wake-up by the result) costs ~190 us of CPU on the 2-core host, more than
+encoding ~250 tokens (~70 us for 71 tokens of the demo tokenizer), and a burst of short
+requests would queue for the workers. Longer texts leave the loop free to stream meanwhile.
+Measured in docs/PERFORMANCE.md, "A request's own cost at the HTTP edge"."""
+
+
 class PromptTooLong(ValueError):
     """A text whose character count alone proves it cannot fit the context (no tokenizer work done)."""
 
@@ -62,12 +72,13 @@ class TokenizerPool:
         self.tokenizer = tokenizer
         self._local = threading.local()
         try:
-            copy.deepcopy(tokenizer)  # copyable? (each worker makes its own at start)
+            # the event loop's own copy for short texts; each worker makes its own at start
+            self._inline = copy.deepcopy(tokenizer)
         except Exception:  # noqa: BLE001 - an uncopyable tokenizer: one worker shares it
             log.warning("tokenizer could not be copied; encoding shares it with decoding on one worker")
-            workers = 1
+            workers, self._inline = 1, None
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ppspec-tokenize",
-                                           initializer=self._init_worker, initargs=(workers > 1,))
+                                           initializer=self._init_worker, initargs=(self._inline is not None,))
         # long texts take at most workers - 1 threads: one is always free for short ones
         self._long = asyncio.Semaphore(max(1, workers - 1))
         self._short_lane = workers > 1
@@ -83,10 +94,13 @@ class TokenizerPool:
 
     @property
     def _encoder(self) -> Any:
-        """This worker thread's tokenizer."""
-        return self._local.encoder
+        """This thread's tokenizer: a worker's, or the event loop's for short texts."""
+        mine = getattr(self._local, "encoder", None)
+        return self._inline if mine is None else mine
 
     async def _run(self, fn: Callable[..., Any], *args: Any, chars: int = 0) -> Any:
+        if chars <= INLINE_CHARS and self._inline is not None:
+            return fn(*args)
         loop = asyncio.get_running_loop()
         if chars <= SHORT_CHARS or not self._short_lane:
             return await loop.run_in_executor(self.executor, fn, *args)
@@ -118,10 +132,12 @@ class TokenizerPool:
         texts that cannot fit ``max_tokens`` raise :class:`PromptTooLong` before rendering."""
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         self.check_fits(chars, max_tokens)
-        return await self._run(self._render_chat, messages, tools, template_kwargs or {}, chars=chars)
+        # what the template renders besides the texts: tool calls' arguments, the tools' schemas
+        extra = sum(len(str(m["tool_calls"])) for m in messages if m.get("tool_calls")) + (len(str(tools)) if tools else 0)
+        return await self._run(self._render_chat, messages, tools, template_kwargs or {}, chars=chars + extra)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return await self._run(self._decode, ids, skip_special_tokens)
+        return await self._run(self._decode, ids, skip_special_tokens, chars=len(ids))
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [list(self._encoder.encode(t, add_special_tokens=add_special_tokens)) for t in texts]

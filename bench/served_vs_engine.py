@@ -382,7 +382,19 @@ def served_figures(a, pp: int, samples, pythonpath: str | None, extra: str = "")
             "long_cpu": cpu_long.figures(4), "first_s": first, "steady_s": steady,
             "failed": full["failed"] + solo["failed"] + queued["failed"], "client_busy": client_busy,
             "queued_tok_s": queued["output_throughput"], "cold_tok_s": cold["output_throughput"],
+            "ttft_split": ttft_split(full),
             "cpu": cpu_full.figures(full["total_output_tokens"]), "solo_cpu": cpu_solo.figures(solo["total_output_tokens"])}
+
+
+def ttft_split(res: dict) -> tuple[float, float | None, float | None]:
+    """The mean TTFT of a ``run_benchmark`` result ``res`` in ms: the client's, the router's
+    (queued until its first token back; None without the router's stamps) and of it the
+    wait until admitted into a lane. The client's less the router's is the HTTP edge's, the
+    hop to the engine process's and the client's own share: in a closed loop, time a request
+    spends outside the engine's micro-batches."""
+    router = res.get("router_ttft") or {}
+    mean = lambda key: router[key]["mean"] if key in router else None  # noqa: E731
+    return res["ttft_ms"]["mean"], mean("router_ttft_ms"), mean("queued_ms")
 
 
 # ------------------------------------------------------------------ report
@@ -478,6 +490,9 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
             lines.append(f"| PP{pp} {label} | " + " | ".join(fmt(served[n][pp][key] * scale, f) for n in names) + " |")
         lines.append(f"| PP{pp} TTFT {a.long_prompt} tokens less the engine's (ms) | " + " | ".join(
             fmt((served[n][pp]["long_ttft_s"] - eng["long_ttft_s"]) * 1e3, "{:.1f}") for n in names) + " |")
+        lines.append(f"| PP{pp} TTFT c{a.concurrency}, mean ms: the client's / the router's (queued until its first "
+                     f"token back) / of it queued until admitted | " + " | ".join(
+                         " / ".join(fmt(x, "{:.1f}") for x in served[n][pp]["ttft_split"]) for n in names) + " |")
         # the system's own cost of a round at batch 1: a served round less the engine's
         lines.append(f"| PP{pp} overhead per round c1 (ms) | " + " | ".join(
             fmt((_round_s(served[n][pp]) - eng["round_s"]) * 1e3) for n in names) + " |")

@@ -32,7 +32,7 @@ def fake_served(ttft_s):
         cpu[f"{part}_round_s"] = cpu[f"{part}_token_s"] = 0.001
     return {"tok_s": 100.0, "solo_tok_s": 50.0, "tpot_s": 0.002, "long_ttft_s": ttft_s, "first_s": 1.0,
             "steady_s": 1.0, "failed": 0, "cpu": cpu, "solo_cpu": cpu, "queued_tok_s": 95.0, "client_busy": 0.25,
-            "cold_tok_s": 80.0}
+            "cold_tok_s": 80.0, "ttft_split": (40.0, 12.5, None)}
 
 
 def test_the_report_gives_the_served_ttft_against_the_engines():
@@ -54,6 +54,18 @@ def test_the_report_gives_the_served_ttft_against_the_engines():
     assert "| PP1 the benchmark client's CPU busy fraction c4 | 0.25 |" in lines
     # the untimed first pass at the closed loop's concurrency against the timed one (80 / 100)
     assert "| the first pass at concurrency 4 after start / the timed one, tok/s, PP2 | - | 0.80 |" in lines
+    # the closed loop's TTFT: the client's, the router's, its wait for admission (no stamps: -)
+    assert "| PP1 TTFT c4, mean ms: the client's / the router's (queued until its first token back) / of it queued " \
+           "until admitted | 40.0 / 12.5 / - |" in lines
+
+
+def test_the_ttft_split_reads_the_clients_and_the_routers_means():
+    from ppspec.bench.served_vs_engine import ttft_split
+
+    res = {"ttft_ms": {"mean": 30.0}, "router_ttft": {"n": 2, "router_ttft_ms": {"mean": 8.0, "median": 7.0},
+                                                       "queued_ms": {"mean": 1.5}}}
+    assert ttft_split(res) == (30.0, 8.0, 1.5)
+    assert ttft_split({"ttft_ms": {"mean": 30.0}, "router_ttft": None}) == (30.0, None, None)
 
 
 def test_request_path_times_every_step_and_sums_them():

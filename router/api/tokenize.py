@@ -17,6 +17,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from .pieces import PieceCache
+
 log = logging.getLogger("ppspec.router.api")
 
 def _cores() -> int:
@@ -83,6 +85,7 @@ class TokenizerPool:
         self._long = asyncio.Semaphore(max(1, workers - 1))
         self._short_lane = workers > 1
         self.max_token_chars = max_token_chars(tokenizer)
+        self.pieces = PieceCache(tokenizer)  # long pieces of rendered chats, encoded once
         try:
             sig = inspect.signature(tokenizer.apply_chat_template)
             self._sanitize_kw = "sanitize_control_tokens" in sig.parameters
@@ -146,10 +149,16 @@ class TokenizerPool:
         return self._encoder.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any]) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True, **template_kwargs, "tokenize": True,
-                                  "return_dict": False}
+        kwargs: dict[str, Any] = {"add_generation_prompt": True, **template_kwargs}
         if tools:
             kwargs["tools"] = tools
+        # rendered, then encoded with the long pieces cached; not where an added token's text
+        # typed by a user must stay text (the template's sanitizing marks it while encoding)
+        if self.pieces.enabled and not (self._sanitize_kw and self.pieces.contains_added(
+                [messages, tools, template_kwargs])):
+            text = self._encoder.apply_chat_template(messages, tokenize=False, **kwargs)
+            return self.pieces.encode(self._encoder, text)
+        kwargs.update(tokenize=True, return_dict=False)
         if self._sanitize_kw:
             kwargs["sanitize_control_tokens"] = True  # control tokens typed by users stay text
         ids = self._encoder.apply_chat_template(messages, **kwargs)

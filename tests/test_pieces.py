@@ -82,6 +82,32 @@ def test_piecewise_encode_is_the_whole_encode(kind, demo):
         assert cache.hits > 20 and cache.misses > 0
 
 
+def test_a_conversations_next_turn_encodes_only_its_new_messages(demo):
+    """Turn by turn, the earlier messages are hits and only the newest long ones are
+    encoded (and kept); the ids are always the template's."""
+    cache = PieceCache(demo, min_chars=40)
+    rng = random.Random(4)
+    msgs = [{"role": "system", "content": random_text(rng, 30, False)}]
+    encoded: list[str] = []
+    orig = demo.encode
+
+    class Counting:  # the tokenizer, recording the texts it encodes
+        def encode(self, text, add_special_tokens=True):
+            encoded.append(text)
+            return orig(text, add_special_tokens=add_special_tokens)
+
+    for turn in range(4):
+        msgs.append({"role": "user", "content": random_text(rng, 30, False)})
+        text = demo.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        encoded.clear()
+        assert cache.encode(Counting(), text) == demo.encode(text, add_special_tokens=False)
+        if turn:  # the system prompt and earlier turns came from the cache
+            assert all(m["content"] not in t for m in msgs[:-2] for t in encoded)
+            assert any(msgs[-1]["content"] in t for t in encoded)
+        msgs.append({"role": "assistant", "content": random_text(rng, 30, False)})
+    assert cache.hits == 3 and cache.misses == 1
+
+
 def test_a_difference_found_by_the_check_turns_the_cache_off(demo):
     cache = PieceCache(demo, min_chars=40, check_every=1)
     text = "<|im_start|>system\n" + "You are a careful assistant. " * 4 + "<|im_end|>\n<|im_start|>user\nHi"

@@ -5,7 +5,8 @@ A fast tokenizer (Hugging Face ``tokenizers``) first splits its input where an a
 normalized, pre-tokenized and encoded on its own, and no token spans two pieces. So the ids
 of a text are the ids of its pieces and added tokens in order, and a piece that recurs in
 many prompts (a long system prompt, the tools' schemas, the earlier turns of a conversation)
-need be encoded once. With a 2000-token system prompt shared by a burst of 64 chats, each
+need be encoded once: a text whose long pieces are partly kept encodes the rest, and keeps
+its new long pieces (a conversation's next turn encodes only its newest messages). With a 2000-token system prompt shared by a burst of 64 chats, each
 chat's encode was ~3 ms on the H200's host, the burst's last waited for all of them on the
 tokenizer workers (docs/PERFORMANCE.md, "A shared system prompt's encode").
 
@@ -24,7 +25,7 @@ from typing import Any
 
 log = logging.getLogger("ppspec.router.api")
 
-MIN_PIECE_CHARS = 2048  # pieces at least this long are cached (a short one encodes in microseconds)
+MIN_PIECE_CHARS = 512  # pieces at least this long are cached (~120 tokens; shorter ones encode in microseconds)
 MAX_CACHED_CHARS = 1 << 24  # the cache's pieces, in characters (their ids are ~4x smaller)
 CHECK_EVERY = 64  # every this many hits, the text is encoded whole too and compared
 
@@ -100,17 +101,16 @@ class PieceCache:
         if not long:
             return tokenizer.encode(text, add_special_tokens=False)
         with self._lock:
-            cached = {i: self._lru.get(parts[i]) for i in long}
-            for i in long:
-                if cached[i] is not None:
-                    self._lru.move_to_end(parts[i])
-        if any(ids is None for ids in cached.values()):
+            cached = {i: self._lru[parts[i]] for i in long if parts[i] in self._lru}
+            for i in cached:
+                self._lru.move_to_end(parts[i])
+        if not cached:
             self.misses += 1
             ids = tokenizer.encode(text, add_special_tokens=False)
             self._fill(parts, long, ids)
             return ids
         self.hits += 1
-        ids = self._assemble(tokenizer, parts, cached)
+        ids = self._assemble(tokenizer, parts, cached, long)
         if self.hits % self.check_every == 0:
             whole = tokenizer.encode(text, add_special_tokens=False)
             if whole != ids:
@@ -120,19 +120,26 @@ class PieceCache:
                 return whole
         return ids
 
-    @staticmethod
-    def _assemble(tokenizer: Any, parts: list[str], cached: dict[int, list[int]]) -> list[int]:
+    def _assemble(self, tokenizer: Any, parts: list[str], cached: dict[int, list[int]],
+                  long: list[int] = ()) -> list[int]:
         """The ids of ``"".join(parts)``: the cached pieces' ids, and between them each run of
-        parts encoded as one text (it starts at the text's start or with an added token)."""
+        parts encoded as one text (it starts at the text's start or with an added token).
+        The pieces of ``long`` that a run holds are kept (a conversation's newest turn is
+        cached for its next one)."""
         out: list[int] = []
         start = 0
-        for i in sorted(cached):
+        for i in sorted(cached) + [len(parts)]:
             if start < i:
-                out += tokenizer.encode("".join(parts[start:i]), add_special_tokens=False)
-            out += cached[i]
+                ids = tokenizer.encode("".join(parts[start:i]), add_special_tokens=False)
+                new = [g for g in long if start <= g < i]
+                if new:  # the run as pieces and tokens again: a piece first, a piece last
+                    lead = start % 2
+                    run = [""] * lead + parts[start:i] + [""] * (1 - i % 2 if i < len(parts) else 0)
+                    self._fill(run, [g - start + lead for g in new], ids)
+                out += ids
+            if i < len(parts):
+                out += cached[i]
             start = i + 1
-        if start < len(parts):
-            out += tokenizer.encode("".join(parts[start:]), add_special_tokens=False)
         return out
 
     def _pieces_of(self, parts: list[str], ids: list[int]) -> list[list[int]] | None:

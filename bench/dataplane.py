@@ -20,6 +20,7 @@ import sys
 import time
 
 SIZES = {  # name: (tokens, hidden, dtype)
+    "1.46B decode, 1 request bf16": (1, 2048, "bfloat16"),  # a PP hop at concurrency 1: 4 KiB
     "demo decode, 64 requests": (64, 256, "float32"),
     "demo prefill, 2048 tokens": (2048, 256, "float32"),
     "1.46B prefill chunk, 512 tokens bf16": (512, 2048, "bfloat16"),

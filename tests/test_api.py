@@ -1092,6 +1092,23 @@ def test_non_streaming_client_disconnect_aborts(server, engine):
     assert wait_for(lambda: not engine.active)
 
 
+def test_streaming_client_gone_before_its_first_token_aborts(server, engine):
+    """One choice is pulled by its writer's task (``Fanout._pull``): a client that leaves
+    while the server still waits for the first token cancels that pull, which aborts the
+    engine request; the close that follows waits for it and leaves nothing running."""
+    engine.delay = 1.0
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", f"{server}/v1/completions", timeout=0.3,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True,
+                                "ignore_eos": True}) as r:
+            r.read()
+    assert wait_for(lambda: len(engine.calls) == 1)
+    rid = next(iter(engine.calls))
+    assert wait_for(lambda: rid in engine.aborted)
+    assert wait_for(lambda: not engine.active)
+    assert len(engine.outputs.get(rid, [])) < 3
+
+
 def test_concurrent_requests_and_disconnects_leave_nothing_running(server, engine, tokenizer):
     engine.delay = 0.005
 

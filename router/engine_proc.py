@@ -226,7 +226,7 @@ def run_engine_process(args, fd: int) -> int:
     sock = socket.socket(fileno=fd)
 
     async def main() -> int:
-        from .server import EngineStartError, start_engine
+        from .start import EngineStartError, start_engine
 
         reader, writer = await asyncio.open_unix_connection(sock=sock)
         try:
@@ -311,7 +311,7 @@ class EngineClient:
     async def connect(self, sock: socket.socket) -> None:
         """Serve through the engine at the other end of ``sock`` (an :class:`EngineServer`),
         once it says ``ready``. Raises ``EngineStartError`` with its message when it fails."""
-        from .server import EngineStartError
+        from .start import EngineStartError
 
         self.reader, self.writer = await asyncio.open_unix_connection(sock=sock)
         try:
@@ -492,7 +492,7 @@ class HttpServers:
         ends first or is not ready in ``timeout`` seconds."""
         from ppspec.lifetime import die_with
 
-        from .server import EngineStartError
+        from .start import EngineStartError
 
         ready, tell = os.pipe()
         try:
@@ -543,7 +543,7 @@ def _read_bytes(fd: int, n: int) -> bytes:
 async def connect_engine(address: str, tokenizer, model_name: str) -> EngineClient:
     """An :class:`EngineClient` of the engine process listening at ``address`` (an extra
     HTTP server's, :class:`HttpServers`). Raises ``EngineStartError``."""
-    from .server import EngineStartError
+    from .start import EngineStartError
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -9,24 +9,10 @@ import socket
 import sys
 
 from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, address_list, listen_error, port, positive_float, positive_int
-from ppspec.auth import KeyFileError, read_key_file
 
 from .reasoning import REASONING_PARSERS
+from .start import EngineStartError, load_tokenizer, served_name, start_engine
 from .tool_calls import TOOL_CALL_PARSERS
-
-
-def load_chat_template(value: str) -> str:
-    """``--chat-template``: the text of the file ``value`` names, or ``value`` itself when it
-    is a Jinja template (holds ``{{`` or ``{%``), as vLLM reads it. Raises ValueError."""
-    if os.path.isfile(value):
-        try:
-            with open(value, encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--chat-template {value}: cannot read it ({e})") from None
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
 
 
 def _max_logprobs(value: str) -> int:
@@ -130,74 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-fd", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     return ap
-
-
-class EngineStartError(Exception):
-    """The router cannot serve (a stage unreachable, a bad key or tokenizer, stages that
-    disagree); the message says why, the process exits with status 2."""
-
-
-def load_tokenizer(args):
-    """The checkpoint's tokenizer, with ``--chat-template`` applied. Raises EngineStartError."""
-    from transformers import AutoTokenizer
-
-    try:
-        chat_template = load_chat_template(args.chat_template) if args.chat_template else None
-    except ValueError as e:
-        raise EngineStartError(str(e)) from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError) as e:
-        raise EngineStartError(f"cannot load the tokenizer of {args.model}: {e}") from None
-    # The context limit is the stages' (checked per request); silence the tokenizer's own.
-    tokenizer.model_max_length = 1 << 62
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def served_name(args) -> str:
-    return args.served_model_name or args.model.rstrip("/").split("/")[-1]
-
-
-async def start_engine(args, tokenizer=None):
-    """The engine of ``args`` over the stages, started (every stage's ``Info`` read), and its
-    metrics: ``(Engine, RouterMetrics)``. Raises EngineStartError."""
-    from .engine import Engine
-    from .grpc_pipeline import GrpcPipeline
-    from .metrics import RouterMetrics
-    from .types import StageDownError
-
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
-    key = None
-    if args.pipeline_key_file:
-        try:
-            key = read_key_file(args.pipeline_key_file)
-        except KeyFileError as e:
-            raise EngineStartError(str(e)) from None
-    pipeline = GrpcPipeline(args.stages, step_timeout=args.step_timeout, key=key)
-    try:
-        await pipeline.wait_ready(args.connect_timeout)
-        await pipeline.check_key()
-        infos = await pipeline.info()
-    except StageDownError as e:
-        raise EngineStartError(str(e)) from None
-    metrics = RouterMetrics(num_stages=len(args.stages), num_spec_tokens=infos[-1]["num_speculative_steps"])
-    engine = Engine(pipeline, model_name=served_name(args), tokenizer=tokenizer,
-                    speculative_algorithm=args.speculative_algorithm,
-                    num_micro_batches=args.num_micro_batches, max_batch_size=args.max_batch_size,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    mixed_prefill_tokens=args.mixed_prefill_tokens, chunk_size=args.chunk_size,
-                    max_waiting=args.max_waiting, wedge_timeout=args.wedge_timeout,
-                    stall_timeout=args.stall_timeout, enable_prefix_caching=args.enable_prefix_caching,
-                    async_scheduling=args.async_scheduling, metrics=metrics, max_logprobs=args.max_logprobs,
-                    max_in_flight=args.max_in_flight)
-    try:
-        await engine.start()
-    except (ValueError, StageDownError) as e:
-        await pipeline.leave()  # it asked the stages' Info: they need not count it
-        raise EngineStartError(str(e)) from None
-    return engine, metrics
 
 
 async def run_router(args, argv: list[str]) -> int:

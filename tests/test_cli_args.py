@@ -211,7 +211,7 @@ def test_serve_passes_the_router_and_stage_options_through(tmp_path):
 
 
 def test_chat_template_option(tmp_path):
-    from ppspec.router.server import load_chat_template
+    from ppspec.router.start import load_chat_template
 
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0]['content'] }}")

@@ -26,7 +26,8 @@ from ppspec.lifetime import die_with
 from ppspec.stage_server.config import PAGE_SIZE, CheckpointError, load_config
 
 from ppspec.router.scheduler import check_token_budget
-from ppspec.router.server import add_router_args, load_chat_template, router_options
+from ppspec.router.server import add_router_args, router_options
+from ppspec.router.start import load_chat_template
 
 
 def speculative_config(text: str) -> dict:

@@ -17,6 +17,7 @@ encode, which turns the cache off for good on a difference (a warning in the log
 """
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import re
@@ -26,7 +27,7 @@ from typing import Any
 log = logging.getLogger("ppspec.router.api")
 
 MIN_PIECE_CHARS = 512  # pieces at least this long are cached (~120 tokens; shorter ones encode in microseconds)
-MAX_CACHED_CHARS = 1 << 24  # the cache's pieces, in characters (their ids are ~4x smaller)
+MAX_CACHED_CHARS = 1 << 24  # the cache's pieces, in characters: ~16 MB of text, ~16 MB of int32 ids
 CHECK_EVERY = 64  # every this many hits, the text is encoded whole too and compared
 
 # texts the start-up check encodes both ways: whitespace, newlines and words on both sides of
@@ -66,7 +67,7 @@ class PieceCache:
                  check_every: int = CHECK_EVERY):
         self.min_chars, self.max_chars, self.check_every = min_chars, max_chars, check_every
         self._lock = threading.Lock()
-        self._lru: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._lru: collections.OrderedDict[str, array.array] = collections.OrderedDict()  # piece -> int32 ids
         self._chars = 0
         self.hits = self.misses = 0
         self.reason = _unsupported(tokenizer)
@@ -120,7 +121,7 @@ class PieceCache:
                 return whole
         return ids
 
-    def _assemble(self, tokenizer: Any, parts: list[str], cached: dict[int, list[int]],
+    def _assemble(self, tokenizer: Any, parts: list[str], cached: dict[int, "array.array | list[int]"],
                   long: list[int] = ()) -> list[int]:
         """The ids of ``"".join(parts)``: the cached pieces' ids, and between them each run of
         parts encoded as one text (it starts at the text's start or with an added token).
@@ -163,7 +164,7 @@ class PieceCache:
         with self._lock:
             for i in long:
                 if parts[i] not in self._lru:
-                    self._lru[parts[i]] = pieces[i // 2]
+                    self._lru[parts[i]] = array.array("i", pieces[i // 2])
                     self._chars += len(parts[i])
             while self._chars > self.max_chars and self._lru:
                 key, _ = self._lru.popitem(last=False)

@@ -5,10 +5,11 @@ A fast tokenizer (Hugging Face ``tokenizers``) first splits its input where an a
 normalized, pre-tokenized and encoded on its own, and no token spans two pieces. So the ids
 of a text are the ids of its pieces and added tokens in order, and a piece that recurs in
 many prompts (a long system prompt, the tools' schemas, the earlier turns of a conversation)
-need be encoded once: a text whose long pieces are partly kept encodes the rest, and keeps
-its new long pieces (a conversation's next turn encodes only its newest messages). With a 2000-token system prompt shared by a burst of 64 chats, each
-chat's encode was ~3 ms on the H200's host, the burst's last waited for all of them on the
-tokenizer workers (docs/PERFORMANCE.md, "A shared system prompt's encode").
+need be encoded once. A text whose long pieces are partly kept encodes the rest and keeps
+its new long pieces, so a conversation's next turn encodes only its newest messages. With
+a 2000-token system prompt shared by a burst of 64 chats, each chat's encode was ~3 ms on
+the H200's host, and the burst's last waited for all of them on the tokenizer workers
+(docs/PERFORMANCE.md, "A shared system prompt's encode").
 
 Whether a tokenizer really encodes piece by piece is checked, not assumed: at start on probe
 texts (a tokenizer whose added tokens strip whitespace, or that prepends to its first piece

@@ -106,13 +106,11 @@ class PieceCache:
             cached = {i: self._lru[parts[i]] for i in long if parts[i] in self._lru}
             for i in cached:
                 self._lru.move_to_end(parts[i])
+        ids = self._assemble(tokenizer, parts, cached, long)  # nothing cached: the whole text, one run
         if not cached:
             self.misses += 1
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            self._fill(parts, long, ids)
             return ids
         self.hits += 1
-        ids = self._assemble(tokenizer, parts, cached, long)
         if self.hits % self.check_every == 0:
             whole = tokenizer.encode(text, add_special_tokens=False)
             if whole != ids:
@@ -176,7 +174,7 @@ class PieceCache:
         reason to refuse, or None where all agree."""
         tokens = list(self._ids)
         for probe in _PROBES:
-            text = probe.format(tokens[0 % len(tokens)], tokens[1 % len(tokens)])
+            text = probe.format(tokens[0], tokens[1 % len(tokens)])
             parts = self._split.split(text)
             try:
                 ids = tokenizer.encode(text, add_special_tokens=False)

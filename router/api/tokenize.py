@@ -136,8 +136,8 @@ class TokenizerPool:
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         self.check_fits(chars, max_tokens)
         # what the template renders besides the texts: tool calls' arguments, the tools' schemas
-        extra = sum(len(str(m["tool_calls"])) for m in messages if m.get("tool_calls")) + (len(str(tools)) if tools else 0)
-        return await self._run(self._render_chat, messages, tools, template_kwargs or {}, chars=chars + extra)
+        chars += sum(len(str(m["tool_calls"])) for m in messages if m.get("tool_calls")) + len(str(tools or ""))
+        return await self._run(self._render_chat, messages, tools, template_kwargs or {}, chars=chars)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self._run(self._decode, ids, skip_special_tokens, chars=len(ids))

@@ -47,6 +47,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from ppspec.heap import freeze_startup_heap
+
 from . import types as _types
 from .types import EngineError, RequestOutput, SamplingParams, StageDownError, request_outputs
 
@@ -116,11 +118,13 @@ class EngineServer:
 
     ``owner``: the client that started the engine process (the router's first HTTP server);
     its end closes the engine. Another client's end (an extra HTTP server,
-    ``--api-server-count``) aborts the requests it left running."""
+    ``--api-server-count``) aborts the requests it left running. ``frozen``: the objects of
+    this process's startup heap frozen (``ppspec.heap``), said in ``ready``."""
 
     def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, registry=None,
-                 owner: bool = True):
+                 owner: bool = True, frozen: int = 0):
         self.engine, self.reader, self.writer, self.registry, self.owner = engine, reader, writer, registry, owner
+        self.frozen = frozen
         self._pending: list[tuple[str, Any]] = []
         self._health: tuple[bool, str] | None = None
         self._running: set[str] = set()  # requests of this client not ended yet
@@ -179,7 +183,7 @@ class EngineServer:
         e = self.engine
         _write(self.writer, ("ready", {"max_model_len": e.max_model_len, "spec": e.spec,
                                        "prefix_caching": e.prefix_caching, "health": e.health(),
-                                       "eos": list(getattr(e, "eos", None) or [])}))
+                                       "eos": list(getattr(e, "eos", None) or []), "frozen": self.frozen}))
         watch = asyncio.ensure_future(self._watch_health())
         calls: set[asyncio.Task] = set()
         try:
@@ -238,16 +242,17 @@ def run_engine_process(args, fd: int) -> int:
             except ConnectionError:
                 pass  # the HTTP server is gone already (ppspec serve stopping)
             return 2
+        frozen = freeze_startup_heap("engine process")  # started, its stages warm: what lives on
         others = None
         if args.engine_listen_fd is not None:
             async def serve_other(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-                await EngineServer(engine, r, w, metrics.registry, owner=False).serve()
+                await EngineServer(engine, r, w, metrics.registry, owner=False, frozen=frozen).serve()
 
             # held for the process's life: an unreferenced server is closed when the garbage
             # collector takes it, and the extra HTTP servers' connections then wait unaccepted
             others = await asyncio.start_unix_server(serve_other, sock=socket.socket(fileno=args.engine_listen_fd))
         try:
-            await EngineServer(engine, reader, writer, metrics.registry).serve()
+            await EngineServer(engine, reader, writer, metrics.registry, frozen=frozen).serve()
         finally:
             if others is not None:
                 others.close()
@@ -280,6 +285,7 @@ class EngineClient:
         self.argv, self.tokenizer, self.model_name, self.owner = argv, tokenizer, model_name, owner
         self.max_model_len, self.spec, self.prefix_caching = 0, None, False
         self.eos: list[int] | None = None  # the engine's EOS ids, once it said ready
+        self.frozen = 0  # the engine process's startup heap frozen (objects), once it said ready
         self.queues: dict[str, asyncio.Queue] = {}
         self._health: tuple[bool, str] = (False, "the engine process is starting")
         self._replies: dict[int, asyncio.Future] = {}
@@ -327,6 +333,7 @@ class EngineClient:
         facts = msg[1]
         self.max_model_len, self.spec, self.prefix_caching = facts["max_model_len"], facts["spec"], facts["prefix_caching"]
         self.eos = facts.get("eos") or None
+        self.frozen = facts.get("frozen", 0)
         self._health = tuple(facts["health"])
         self._reader_task = asyncio.ensure_future(self._read_loop())
 

@@ -9,6 +9,7 @@ import socket
 import sys
 
 from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, address_list, listen_error, port, positive_float, positive_int
+from ppspec.heap import freeze_startup_heap
 
 from .reasoning import REASONING_PARSERS
 from .start import EngineStartError, load_tokenizer, served_name, start_engine
@@ -163,13 +164,16 @@ async def run_router(args, argv: list[str]) -> int:
             await extra.stop()
             await engine.close()
             return 2
+    frozen = freeze_startup_heap("HTTP server")  # built, its engine started: what lives on
     if args.ready_fd is not None:  # an extra HTTP server: built, its engine reached
         os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)
     if args.engine_address is None:
+        heap = f"{frozen} objects here" + (f", {engine.frozen} in the engine process"
+                                           if isinstance(engine, EngineClient) else "")
         print(f"ppspec router: {len(args.stages)} stages, speculative {engine.spec}, "
               f"{args.api_server_count} HTTP server{'s' if args.api_server_count > 1 else ''}, "
-              f"serving {name} on http://{args.host}:{args.port}", flush=True)
+              f"startup heap frozen ({heap}), serving {name} on http://{args.host}:{args.port}", flush=True)
     stop = asyncio.Event()  # set when the engine process ends unasked: this process ends too, status 1
     if isinstance(engine, EngineClient):
         engine.on_lost = stop.set

@@ -36,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ppspec.argtypes import add_control_channel_arg, add_cuda_graph_args, add_inline_steps_arg, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
+from ppspec.heap import freeze_startup_heap
 from ppspec.proto.codec import (
     GRPC_OPTIONS, RECONNECT_OPTIONS, commit_from_pb, commit_to_pb, info_to_pb, release_from_pb, result_from_pb,
     result_to_pb, result_tokens, SpecMemo, step_from_pb, step_to_pb,
@@ -899,11 +900,13 @@ async def serve_stage(args) -> int:
 
         checker = asyncio.ensure_future(check_next())
     mem = runner.memory_report()
+    frozen = freeze_startup_heap(f"stage {args.pp_rank}")  # loaded, warm, listening: what lives on
     print(
         f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
         f"listening on {args.host}:{bound}{f' and {servicer.control_socket}' if servicer.control_socket else ''}; "
         f"commit design {runner.commit_design}; prefill attention "
-        f"{runner.prefill_attention}; warm-up {runner.warmup_seconds:.2f} s; pools (bytes): {mem}",
+        f"{runner.prefill_attention}; warm-up {runner.warmup_seconds:.2f} s; startup heap frozen ({frozen} "
+        f"objects); pools (bytes): {mem}",
         flush=True,
     )
     loop = asyncio.get_running_loop()

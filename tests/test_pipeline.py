@@ -3,6 +3,7 @@ mtp give the tokens of PP1 without speculation; the check catches the commit bug
 random delays change nothing; rows come back; failures end in clear errors."""
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -629,6 +630,11 @@ def test_serve_sigterm_ends_open_requests_with_a_message(random_ref):
         assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
         assert serve.wait(30) == 0
         assert not os.path.exists(key_file)
+        # every serving process froze its startup heap before it served (ppspec.heap)
+        out = serve.stdout.read()
+        heaps = re.findall(r"startup heap frozen \((\d+) objects(?:\)|( here, (\d+) in the engine process))", out)
+        counts = [int(n) for h in heaps for n in (h[0], h[2]) if n]
+        assert len(heaps) == 3 and len(counts) == 4 and min(counts) > 10000, out
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)

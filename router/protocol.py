@@ -541,7 +541,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     """Return per-token log-probabilities in ``choices[i].logprobs.content``."""
     top_logprobs: Optional[int] = Field(None, ge=0)
-    """Top alternatives per token; needs ``logprobs: true``."""
+    """Top alternatives per token; more than 0 needs ``logprobs: true``."""
     _nullable_chat = _null_means_default("logprobs")
     tools: Optional[list[dict[str, Any]]] = None
     """Functions the model may call (``{"type": "function", "function": {"name", ...}}``),
@@ -581,7 +581,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if "chat_template" in (self.model_extra or {}):  # it would change the prompt: refused, not ignored
             raise ValueError("chat_template in a request is not supported (vLLM refuses it too, without "
                              "--trust-request-chat-template): start the server with --chat-template")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: accepted alone, as vLLM
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt set to false")

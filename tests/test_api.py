@@ -1344,3 +1344,17 @@ def test_the_token_that_stops_a_choice_is_not_in_its_text(client, engine, tokeni
                                     clean_up_tokenization_spaces=False)
             assert choice.text == want, seed
     assert eos_stops  # and some met EOS
+
+
+def test_top_logprobs_0_without_logprobs_is_accepted(server, engine):
+    """vLLM refuses ``top_logprobs`` without ``logprobs: true`` only when it asks for
+    alternatives (more than 0): clients that write ``top_logprobs: 0`` with ``logprobs:
+    false`` get an answer without log-probabilities."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "seed": 1,
+            "temperature": 1.0}
+    want = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    got = httpx.post(f"{server}/v1/chat/completions", json=dict(body, logprobs=False, top_logprobs=0), timeout=30)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want.json()["choices"]
+    assert got.json()["choices"][0]["logprobs"] is None
+    assert [p.logprobs for _, p in engine.calls.values()] == [None, None]

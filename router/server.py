@@ -12,7 +12,7 @@ from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, address_list, lis
 from ppspec.heap import freeze_startup_heap
 
 from .reasoning import REASONING_PARSERS
-from .start import EngineStartError, load_tokenizer, served_name, start_engine
+from .start import EngineStartError, generation_defaults, load_tokenizer, served_name, start_engine
 from .tool_calls import TOOL_CALL_PARSERS
 
 
@@ -63,6 +63,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
         add("--reasoning-parser", default=None, choices=REASONING_PARSERS,
             help="split chat output's thinking into reasoning_content (qwen3: <think>...</think>); "
                  "default: it stays content"),
+        add("--generation-config", default="auto", choices=["auto", "vllm"],
+            help="sampling defaults of a request that leaves them out (vLLM's option): auto, the checkpoint's "
+                 "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
+                 "as the default max_tokens); vllm, vLLM's own (temperature 1, no top-p / top-k)"),
         add("--engine-process", action=argparse.BooleanOptionalAction, default=True,
             help="run the scheduler and the pipeline in a process of their own, the HTTP server and its "
                  "per-token work (detokenization, stop strings, SSE) in the router's; off: one event loop "
@@ -153,8 +157,13 @@ async def run_router(args, argv: list[str]) -> int:
     except EngineStartError as e:
         print(f"ppspec router: {e}", file=sys.stderr)
         return 2
+    defaults, max_tokens_cap = generation_defaults(args.model) if args.generation_config == "auto" else ({}, None)
+    if defaults or max_tokens_cap:
+        logging.getLogger("ppspec.router").info("default sampling from %s/generation_config.json: %s%s", args.model, defaults,
+                 f", max_tokens {max_tokens_cap}" if max_tokens_cap else "")
     app = build_app(engine, name, api_key=args.api_key, registry=registry, before_metrics=before_metrics,
-                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    sampling_defaults=defaults, max_tokens_cap=max_tokens_cap)
     if extra is not None:
         http = bind_http(args.host, args.port)
         try:

@@ -23,6 +23,31 @@ def load_chat_template(value: str) -> str:
     raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
 
 
+GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+"""The sampling fields of generation_config.json a request's defaults come from, with
+transformers' ``GenerationConfig`` defaults: a field at its default is not the model's."""
+
+
+def generation_defaults(model_dir: str) -> tuple[dict[str, float], int | None]:
+    """The checkpoint's recommended sampling, as vLLM's ``--generation-config auto`` reads it:
+    the fields of ``GENERATION_DEFAULTS`` that generation_config.json sets to another value
+    than transformers' default, and its ``max_new_tokens`` (the default ``max_tokens``; None
+    when absent). Nothing when the file is absent or unreadable."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "generation_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}, None
+    if not isinstance(config, dict):
+        return {}, None
+    defaults = {k: config[k] for k, base in GENERATION_DEFAULTS.items()
+                if isinstance(config.get(k), (int, float)) and not isinstance(config[k], bool) and config[k] != base}
+    cap = config.get("max_new_tokens")
+    return defaults, cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
+
+
 class EngineStartError(Exception):
     """The router cannot serve (a stage unreachable, a bad key or tokenizer, stages that
     disagree); the message says why, the process exits with status 2."""

@@ -429,3 +429,42 @@ def test_echo_with_prompt_logprobs_against_transformers(make_ckpt, stream):
         assert got.keys() == want_top.keys() and list(got.values()) == pytest.approx(list(want_top.values()), abs=2e-4)
     assert text.startswith(tok.decode(prompt, skip_special_tokens=True))
     assert lp["text_offset"][:n] == sorted(lp["text_offset"][:n])  # offsets walk through the prompt text
+
+
+def test_generation_config_gives_the_sampling_defaults(tmp_path):
+    """vLLM's ``--generation-config auto`` (its default): the checkpoint's
+    generation_config.json fields that differ from transformers' defaults become the
+    sampling of requests that leave them out; ``max_new_tokens`` the default ``max_tokens``."""
+    from ppspec.router.start import generation_defaults
+
+    assert generation_defaults(str(tmp_path)) == ({}, None)  # no file: vLLM's own defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.0,
+        "eos_token_id": [2, 0], "max_new_tokens": 77}))
+    assert generation_defaults(str(tmp_path)) == ({"temperature": 0.6, "top_p": 0.95, "top_k": 20}, 77)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 2}))
+    assert generation_defaults(str(tmp_path)) == ({}, None)
+
+
+def test_sampling_defaults_apply_to_fields_a_request_leaves_out(tokenizer):
+    """A request without ``temperature`` / ``top_p`` / ``top_k`` / ``min_p`` /
+    ``repetition_penalty`` samples with the server's defaults (the checkpoint's
+    generation_config.json); a field the request gives, 0 included, is the request's."""
+    engine = FakeEngine(tokenizer)
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.01, "repetition_penalty": 1.05}
+    app = build_app(engine, served_model_name=MODEL, sampling_defaults=defaults, max_tokens_cap=9)
+    with run_server(app) as url:
+        r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 1})
+        assert r.status_code == 200, r.text
+        ((_, params),) = engine.calls.values()
+        assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == \
+            (0.6, 0.95, 20, 0.01, 1.05)
+        assert params.max_tokens == 9
+        engine.reset()
+        r = _post(url, "/v1/completions", {"prompt": "hi", "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0,
+                                           "repetition_penalty": 1, "max_tokens": 12})
+        assert r.status_code == 200, r.text
+        ((_, params),) = engine.calls.values()
+        assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == \
+            (0.0, 1.0, -1, 0.0, 1.0)
+        assert params.max_tokens == 12

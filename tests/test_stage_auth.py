@@ -301,3 +301,28 @@ def test_release_of_every_row_during_traffic_is_refused(keyed_cluster):
         for key in (None, WRONG):
             with pytest.raises(ConnectionRefusedError, match="a wrong or no pipeline key"):
                 asyncio.run(local._open(i.control_socket, key))
+
+
+def test_prepare_grammar_needs_the_key(keyed_cluster):
+    """``PrepareGrammar`` compiles whatever grammar it is given on the last stage's one
+    compile worker and keeps it in the stage's bounded cache of compiled grammars (pushing
+    out the router's): a call that changes the stage. The owner's router id is no secret
+    (read-only ``Info`` gives it), so without the key, or with a wrong one, the call is
+    refused before anything compiles; the router's own calls carry the key, so its
+    constrained requests are served."""
+    c, _ = keyed_cluster
+    owner = c.stage_infos()[0].owner_router_id
+    assert owner
+    with grpc.insecure_channel(f"127.0.0.1:{c.stage_ports[-1]}") as ch:
+        stub = pb_grpc.StageStub(ch)
+        req = pb.GrammarRequest(grammar='root ::= "intruder" [a-z]*', router_id=owner)
+        for key in (None, WRONG):
+            code, msg = call(stub.PrepareGrammar, req, key)
+            assert code == UNAUTH, (key, code, msg)
+            assert "PrepareGrammar" in msg and "pipeline key" in msg and "refused" in msg, msg
+        assert call(stub.PrepareGrammar, pb.GrammarRequest(grammar='root ::= "yes"', router_id=""))[0] == DENIED
+    r = httpx.post(c.url + "/v1/completions", timeout=120,
+                   json=dict(prompt=[5, 6, 7], max_tokens=8, temperature=0.0, guided_choice=["yes", "no"]))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("yes", "no")
+    assert all(i.rows_in_use == 0 for i in c.wait_rows_free())

@@ -599,7 +599,7 @@ class Engine:
 
     def _record_cache(self) -> None:
         """The prefix cache's tokens looked up and hit since the last call, and its slots'
-        use now (after each step, and after a flush: no step may follow it soon)."""
+        use now (after each step, and after a flush or a recovery: no step may follow it soon)."""
         c = self.scheduler.cache
         if not self.metrics or c is None:
             return
@@ -793,6 +793,7 @@ class Engine:
         self._recover_error = None
         if self.failure is not None:
             self.scheduler.clear_cache()  # every stage dropped every snapshot
+            self._record_cache()  # no step may follow soon: the gauge would keep the usage of before
             self.scheduler.free(sorted(set(self._stale_rows)))
             self._stale_rows = []
             log.info("pipeline recovered after: %s", self.failure)

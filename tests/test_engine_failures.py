@@ -692,3 +692,44 @@ def test_a_commit_that_never_comes_fails_the_rounds_waiting_for_it_instead_of_ha
     assert "waited 1s for the commits of" in msg and f"row {rows[0]} (micro-batch {mb} round {rnd})" in msg, msg
     assert again == reference[:3]
     assert free == 8 and in_use == [0, 0]
+
+
+def test_the_prefix_cache_gauge_drops_when_a_recovery_drops_every_snapshot():
+    """A recovery drops every prefix-cache snapshot on every stage and empties the router's
+    cache, but ``ppspec:prefix_cache_usage`` was set only after a step or a flush: with no
+    request after the recovery, /metrics kept the usage of before the failure for good (a
+    failed flush, its drop cut by a stage that hung, left 0.0028 on an idle server). The
+    gauge follows the cache where the recovery clears it."""
+    from prometheus_client import CollectorRegistry
+
+    from ppspec.router.metrics import RouterMetrics
+
+    torch.set_num_threads(1)
+    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True,
+                                   prefix_cache_gb=0.05)
+    reg = CollectorRegistry()
+    metrics = RouterMetrics(reg, num_stages=2, num_spec_tokens=3)
+
+    async def run():
+        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp",
+                        num_micro_batches=2, metrics=metrics)
+        await engine.start()
+        got = await asyncio.gather(*(_collect(engine, f"r{i}", p * 4) for i, p in enumerate(PROMPTS)))
+        while not engine.settled() or engine.scheduler.releasing_rows():
+            await asyncio.sleep(0.01)
+        before = (engine.scheduler.cache.num_used, reg.get_sample_value("ppspec:prefix_cache_usage"))
+        engine._fail("stage 1 died (test)")  # as a stage's failure does; the stage is back at once
+        for _ in range(200):
+            if engine.health()[0]:
+                break
+            await asyncio.sleep(0.05)
+        after = (engine.health()[0], engine.scheduler.cache.num_used, reg.get_sample_value("ppspec:prefix_cache_usage"),
+                 [r.snapshots.used for r in pipe.runners])
+        for t in engine._tasks:
+            t.cancel()
+        return got, before, after
+
+    got, (used, gauge), after = asyncio.run(run())
+    assert all(isinstance(g, list) and len(g) == 16 for g in got), got
+    assert used > 0 and gauge == used / pipe.runners[0].snapshots.num_slots > 0, (used, gauge)
+    assert after == (True, 0, 0.0, [0, 0]), after

@@ -1004,6 +1004,29 @@ def test_lone_surrogates_in_text_the_server_reads_are_a_400_before_the_engine(se
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_bad_words_beyond_their_character_bound_are_a_400_before_the_engine(server, engine, path):
+    """Every step of a request carries its bad words' token sequences to every stage and the
+    last stage matches each at every verified position: 1024 words of ~460 characters (a
+    0.5 MB body, valid under every other bound) slowed every other request 15x. Their
+    characters in all are bounded (protocol.MAX_BAD_WORDS_CHARS): beyond, a 400 naming
+    bad_words before the engine sees the request; at the bound, served."""
+    from ppspec.router.protocol import MAX_BAD_WORDS_CHARS
+
+    base = {"prompt": "Hello"} if path == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    word = "x" * 16
+    at_bound = [word] * (MAX_BAD_WORDS_CHARS // len(word))
+    assert sum(map(len, at_bound)) == MAX_BAD_WORDS_CHARS
+    for words in ([word * 30] * 1024, at_bound[:-1] + [word + "y"]):
+        r = httpx.post(f"{server}/v1/{path}", json=base | {"max_tokens": 2, "bad_words": words})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "bad_words" and f"at most {MAX_BAD_WORDS_CHARS} characters" in err["message"], err
+        assert not engine.calls
+    ok = httpx.post(f"{server}/v1/{path}", json=base | {"max_tokens": 2, "bad_words": at_bound})
+    assert ok.status_code == 200, ok.text
+
+
 def test_api_key_401(engine):
     with run_server(build_app(engine, served_model_name=MODEL, api_key="sekrit")) as url:
         wrong = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)

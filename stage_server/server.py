@@ -117,6 +117,11 @@ class StageServicer(pb_grpc.StageServicer):
         self._settling: set[asyncio.Task] = set()  # admitted commits not yet accounted for (_settle_commit)
         self.instance_id = uuid.uuid4().hex[:12]  # this process; a restarted stage has another
         self.next_instance_id = ""  # the next stage's, as the wiring check last saw it
+        # the next stage process that the data plane (``self.link``) was agreed with: one
+        # that stops answering for a while (paused, busy) and answers again is the same
+        # process, its mappings of this stage's slots alive, and steps in flight on the link:
+        # only a new process (or a link it lost) is attached again
+        self.attached_instance = ""
         # why the stage service is NOT_SERVING ("" while it serves), for Info: the router's
         # /health names it
         self.not_serving = "" if next_stage is None else f"the next stage at {next_stage} has not answered yet"
@@ -464,7 +469,8 @@ class StageServicer(pb_grpc.StageServicer):
             if code in self.REFUSED:
                 await self._undo(inp, verify)
             if code == grpc.StatusCode.FAILED_PRECONDITION and "AttachDataPlane" in (e.details() or ""):
-                self.next_instance_id = ""  # the next stage lost this link: the wiring check attaches again
+                # the next stage lost this link: the wiring check attaches again
+                self.next_instance_id = self.attached_instance = ""
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 msg = f"stage {rank + 1} at {self.next_stage}: {e.details()}"
             else:
@@ -492,7 +498,7 @@ class StageServicer(pb_grpc.StageServicer):
             log.warning("stage %d: %s data plane failed (%s); micro-batch %d goes as bytes", self.runner.pp_rank,
                         link.transport, e, inp.micro_batch_id)
             if link.transport == "dist":  # a group that failed stays failed: the wiring check builds a fresh one
-                self.next_instance_id = ""
+                self.next_instance_id = self.attached_instance = ""
             return out, dataplane.BytesLink().put(out.hidden_states, inp.micro_batch_id, inp.round)
 
     async def AttachDataPlane(self, request: pb.AttachRequest, context):
@@ -864,7 +870,7 @@ async def serve_stage(args) -> int:
                 await servicer.attach_next()
                 return True
             except grpc.aio.AioRpcError as e:
-                servicer.next_instance_id = ""
+                servicer.next_instance_id = servicer.attached_instance = ""
                 servicer.not_serving = f"the next stage at {args.next_stage} did not attach: {e.code().name}"
                 await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
                 return False
@@ -886,12 +892,17 @@ async def serve_stage(args) -> int:
                     servicer.next_instance_id = ""
                     servicer.not_serving = err
                     await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-                elif instance != servicer.next_instance_id and not await attached():
+                elif instance != servicer.attached_instance and not await attached():
                     pass  # the next stage went away meanwhile: try again next period
                 else:
-                    if instance != servicer.next_instance_id and not first:
-                        log.info("stage %d: the next stage at %s is a new process (%s)", runner.pp_rank,
-                                 args.next_stage, instance)
+                    if instance != servicer.attached_instance:  # attached just now
+                        if not first:
+                            log.info("stage %d: the next stage at %s is a new process (%s)", runner.pp_rank,
+                                     args.next_stage, instance)
+                        servicer.attached_instance = instance
+                    elif instance != servicer.next_instance_id:
+                        log.info("stage %d: the next stage at %s answers again (the same process: its data plane "
+                                 "kept)", runner.pp_rank, args.next_stage)
                     servicer.next_instance_id = instance
                     servicer.not_serving = ""
                     await serving()

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -537,6 +538,69 @@ def test_the_router_checks_the_relay_chain_and_stage_restarts(random_ref, tmp_pa
         x.stop()
     real, _ = divergences(outs, ref[:4], gaps[:4])
     assert not real, real
+
+
+def test_a_stage_paused_briefly_keeps_its_data_plane_and_the_requests_in_flight(random_ref, tmp_path):
+    """Stage 1 paused (SIGSTOP) while a step waits on it, long enough for stage 0's wiring
+    check to find it not answering, then resumed: the same process, whose mappings of stage
+    0's shared-memory slots are alive and which still has to read the step in flight. Stage
+    0 used to take it for a new process and attach again, replacing the slots under that
+    step: every request in flight ended with a 500 ("hidden_ref: slot 0 does not hold the
+    step's tensor", or "cannot open slot 1"). Within the router's stall timeout the requests
+    now go on and give the tokens they give undisturbed; a restarted stage 1 (a new
+    process) is still attached again."""
+    import grpc
+
+    from ppspec.proto.stubs import pb, pb_grpc
+
+    path, prompts, _, _ = random_ref
+    with Cluster(path, 2, "mtp", log_dir=str(tmp_path), data_plane="shm",
+                 router_args=["--stall-timeout", "300", "--wedge-timeout", "300"]) as c:
+        ref = complete(c.url, prompts[:4], max_tokens=400)
+        stage0 = pb_grpc.StageStub(grpc.insecure_channel(f"127.0.0.1:{c.stage_ports[0]}"))
+
+        def not_serving():
+            return stage0.Info(pb.InfoRequest(), timeout=10).not_serving
+
+        def in_flight():
+            m = httpx.get(c.url + "/metrics", timeout=10).text
+            return float(next(ln.split()[-1] for ln in m.splitlines() if ln.startswith("ppspec:micro_batches_in_flight ")))
+
+        assert "data plane: shm" in httpx.get(c.url + "/health", timeout=10).text
+        results = []
+        worker = threading.Thread(target=lambda: results.append(asyncio.run(_outcomes(c.url, prompts[:4], 400))))
+        worker.start()
+        deadline = time.monotonic() + 120
+        while not any(i.rows_in_use for i in c.stage_infos()):
+            assert time.monotonic() < deadline and worker.is_alive(), "the requests never ran"
+            time.sleep(0.05)
+        c.kill("stage1", signal.SIGSTOP)
+        try:
+            assert in_flight() > 0  # a step waits on the paused stage (the requests have 400 tokens to go)
+            while "does not answer" not in not_serving():
+                assert time.monotonic() < deadline, "stage 0 never found stage 1 not answering"
+                time.sleep(0.1)
+        finally:
+            c.kill("stage1", signal.SIGCONT)
+        while not_serving():
+            assert time.monotonic() < deadline, "stage 0 never served again"
+            time.sleep(0.1)
+        worker.join(300)
+        assert results and [code for code, _ in results[0]] == [200] * 4, results
+        assert [ids for _, ids in results[0]] == ref
+        assert "does not answer" in open(tmp_path / "stage0.log").read()
+        assert "answers again (the same process: its data plane kept)" in open(tmp_path / "stage0.log").read()
+        assert all(i.rows_in_use == 0 for i in c.wait_rows_free())
+
+
+async def _outcomes(url, prompts, max_tokens):
+    """(status, token ids or the error text) of each prompt's greedy completion."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(p):
+            r = await client.post(url + "/v1/completions", json=dict(
+                prompt=p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, return_token_ids=True))
+            return r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
+        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def test_wedged_stage_turns_health_503(random_ref, tmp_path):

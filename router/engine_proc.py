@@ -47,6 +47,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Callable
 
@@ -61,6 +62,11 @@ _LEN = struct.Struct("!I")
 _output_fields = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
 """A RequestOutput's fields in order, a tuple: its form in an ``out`` message."""
 HEALTH_PERIOD_S = 0.05  # how often the engine process checks whether its health changed
+HEARTBEAT_S = 1.0  # the engine process says its health at least this often, changed or not
+ENGINE_SILENT_S = 10.0
+"""Seconds the HTTP server waits without a word from its engine process (not even the
+heartbeat) before it takes the engine for hung (stopped, deadlocked): ``/health`` turns 503
+naming it and new requests get 503, where they used to wait for ever behind a 200."""
 
 
 # ------------------------------------------------------------------ framing
@@ -175,10 +181,12 @@ class EngineServer:
         _write(self.writer, ("reply", call_id, value))
 
     async def _watch_health(self) -> None:
+        said = time.monotonic()
         while True:
             h = self.engine.health()
-            if h != self._health:
-                self._health = h
+            now = time.monotonic()
+            if h != self._health or now - said >= HEARTBEAT_S:  # unchanged: the heartbeat
+                self._health, said = h, now
                 _write(self.writer, ("health", *h))
             await asyncio.sleep(HEALTH_PERIOD_S)
 
@@ -293,6 +301,7 @@ class EngineClient:
         self.frozen = 0  # the engine process's startup heap frozen (objects), once it said ready
         self.queues: dict[str, asyncio.Queue] = {}
         self._health: tuple[bool, str] = (False, "the engine process is starting")
+        self._heard = time.monotonic()  # the last message from the engine process
         self._replies: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._metrics_text = ""
@@ -340,6 +349,7 @@ class EngineClient:
         self.eos = facts.get("eos") or None
         self.frozen = facts.get("frozen", 0)
         self._health = tuple(facts["health"])
+        self._heard = time.monotonic()
         self._reader_task = asyncio.ensure_future(self._read_loop())
 
     async def _wait(self) -> int:
@@ -349,6 +359,7 @@ class EngineClient:
         try:
             while True:
                 msg = await _read(self.reader)
+                self._heard = time.monotonic()
                 op = msg[0]
                 if op == "out":
                     queues = self.queues
@@ -405,8 +416,9 @@ class EngineClient:
     # -------------------------------------------------------------- AsyncEngine
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        if not self._health[0]:
-            raise StageDownError(self._health[1])
+        ok, detail = self.health()
+        if not ok:
+            raise StageDownError(detail)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         self._send(("add", request_id, list(prompt_token_ids), params))
@@ -419,6 +431,10 @@ class EngineClient:
         self._send(("abort", request_id, finish_reason))
 
     def health(self) -> tuple[bool, str]:
+        silent = time.monotonic() - self._heard
+        if self._health[0] and silent > ENGINE_SILENT_S:
+            return False, (f"the engine process has not answered for {silent:.0f} s (its heartbeat comes every "
+                           f"{HEARTBEAT_S:g} s): hung or stopped")
         return self._health
 
     async def flush_cache(self) -> int:

@@ -226,6 +226,41 @@ def test_the_router_exits_when_its_engine_process_dies(tmp_path):
     assert "the engine process ended (exit status -9)" in log, log
 
 
+def test_a_stopped_engine_process_turns_health_503_and_refuses_new_requests(tmp_path):
+    """The engine process stopped (SIGSTOP; a deadlock looks the same from outside): its
+    HTTP server used to answer /health 200 from the engine's last word and queue new
+    requests behind it for ever. It now hears a heartbeat every HEARTBEAT_S; after
+    ENGINE_SILENT_S without one /health is 503 naming the engine and a new request a 503.
+    Resumed, the engine serves again."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    from cluster import Cluster
+    from ppspec.router.engine_proc import ENGINE_SILENT_S
+
+    with Cluster(DEMO_MODEL, 1, log_dir=str(tmp_path)) as c:
+        body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, ignore_eos=True)
+        before = httpx.post(c.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        engine = next(pid for pid, argv in children_of(c.procs["router"].pid) if "--engine-fd" in argv)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + ENGINE_SILENT_S + 60
+            while (h := httpx.get(c.url + "/health", timeout=10)).status_code == 200:
+                assert time.monotonic() < deadline, "/health stayed 200 with the engine process stopped"
+                time.sleep(0.5)
+            assert h.status_code == 503 and "the engine process has not answered" in h.text, h.text
+            r = httpx.post(c.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 503 and "the engine process has not answered" in r.text, r.text
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        c.wait_healthy(60)
+        after = httpx.post(c.url + "/v1/completions", json=body, timeout=60)
+        assert after.status_code == 200 and after.json()["choices"][0]["text"] == before, after.text
+
+
 def test_several_http_servers_need_the_engine_process():
     import subprocess
     import sys

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-algorithm", default=None, choices=["none", "ngram", "mtp"],
                     help="checked against the stages (default: what the stages run)")
     add_router_args(ap)
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="accepted, as vLLM's: with --tool-call-parser the model may always call tools "
+                         "(tool_choice auto); it needs --tool-call-parser")
     ap.add_argument("--connect-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for the stages at start (a CUDA stage's first start on a machine "
                          "builds FlashInfer's prefill kernel: minutes)")
@@ -210,8 +213,17 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``ppspec router``'s options; a conflict exits 2 (argparse's usage error)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)")
+    return args
+
+
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .engine_proc import run_engine_process
 

@@ -51,6 +51,8 @@ CASES = [
      "num_speculative_tokens must be an integer >= 1"),
     (["serve", "--speculative-config", '{"method": "mtp"}', "--speculative-algorithm", "ngram"], "give one of them"),
     (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["router", "--stages", "127.0.0.1:1", "--enable-auto-tool-choice"],
+     "--enable-auto-tool-choice needs --tool-call-parser"),
 ]
 
 
@@ -180,6 +182,16 @@ def test_vllm_speculation_and_tool_options():
     assert (a.pp_size, a.speculative_algorithm, a.speculative_num_steps, a.tool_call_parser) == (2, "mtp", 2, "hermes")
     a = parse_args(["--pipeline-parallel-size", "3", "--speculative-config", '{"method": "ngram"}'])
     assert (a.pp_size, a.speculative_algorithm, a.speculative_num_steps) == (3, "ngram", 3)
+
+
+def test_router_accepts_vllms_enable_auto_tool_choice():
+    """The README's table says ``--enable-auto-tool-choice --tool-call-parser`` is accepted,
+    and ``ppspec router`` takes the table's API options: so the router takes it too."""
+    from ppspec.router.server import parse_args
+
+    a = parse_args(["--stages", "127.0.0.1:53001", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"])
+    assert (a.enable_auto_tool_choice, a.tool_call_parser) == (True, "qwen3_coder")
+    assert parse_args(["--stages", "127.0.0.1:53001"]).enable_auto_tool_choice is False
 
 
 def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():

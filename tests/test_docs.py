@@ -320,6 +320,22 @@ def test_serve_options_table_names_real_options_and_defaults():
                         f"README serve table: {f} defaults to {default!r}, not {lit!r}"
 
 
+
+def test_deploy_readme_metrics_list_names_every_metric():
+    """deploy/README.md's "Metrics" list names every metric RouterMetrics exports (counters
+    with their `_total`), so that a reader of the list knows all /metrics can give."""
+    from ppspec.router.metrics import PREFIX, metric_families
+
+    text = (ROOT / "deploy/README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`([a-z0-9_]+)[`{]", section))
+    families = metric_families()
+    assert len(families) >= 20
+    missing = sorted(name[len(PREFIX):] + ("_total" if kind == "counter" else "") for name, kind in families.items()
+                     if name[len(PREFIX):] + ("_total" if kind == "counter" else "") not in listed)
+    assert not missing, f"deploy/README.md, Metrics: not listed: {missing}"
+
+
 def test_every_relative_link_resolves():
     bad = []
     for md in markdown_files():

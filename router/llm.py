@@ -404,7 +404,8 @@ class LLM:
             for i, sp in zip(ids, plist):
                 rids.append(self.add_request(i, sp))
                 if sp.stop:
-                    self._streams[rids[-1]] = TextStream(tok, list(i), sp.stop, min_tokens=sp.min_tokens)
+                    self._streams[rids[-1]] = TextStream(tok, list(i), sp.stop, min_tokens=sp.min_tokens,
+                                                         include_stop=sp.include_stop_str_in_output)
             await self.pipeline.allow_steps(None)
             while True:
                 self._wake.clear()

@@ -31,9 +31,10 @@ class SamplingParams:
     this many tokens exist. stop_token_ids: extra ids that end the request (EOS is added by
     the engine unless ignore_eos). logprobs: None, or the number of top log-probabilities
     to return per generated token (0 = only the sampled token's). stop: strings that end
-    the request once they appear in its text; the text is cut before the first one
-    (``LLM.generate``; the HTTP layer takes ``stop`` from the request body). The stages never
-    see them.
+    the request once they appear in its text; the text is cut before the first one, or
+    after it with ``include_stop_str_in_output`` (vLLM's) (``LLM.generate``; the HTTP layer
+    takes ``stop`` and ``include_stop_str_in_output`` from the request body). The stages
+    never see them.
     presence_penalty, frequency_penalty: in [-2, 2], subtracted from a generated token's
     logit once / per occurrence (OpenAI). repetition_penalty: 1 = off; divides a
     positive logit of a prompt or generated token by it, multiplies a negative one (vLLM,
@@ -73,6 +74,8 @@ class SamplingParams:
     end the output so far."""
     bad_words_token_ids: list[list[int]] | None = None
     """``bad_words`` tokenized (the engine fills it from ``bad_words`` at submission)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: ``LLM.generate``'s text keeps the stop string that ended it (cut after it, not before)."""
 
     def validate(self, max_logprobs: int = 20, vocab_size: int | None = None,
                  eos_token_ids: list[int] | None = None) -> None:
@@ -101,6 +104,11 @@ class SamplingParams:
         if not isinstance(v, bool) and not (str(getattr(v, "dtype", "")) == "bool" and getattr(v, "ndim", 1) == 0):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {v!r}", param="ignore_eos")
         self.ignore_eos = bool(v)  # numpy's bool_ too
+        v = self.include_stop_str_in_output
+        if not isinstance(v, bool) and not (str(getattr(v, "dtype", "")) == "bool" and getattr(v, "ndim", 1) == 0):
+            raise InvalidRequestError(f"include_stop_str_in_output must be a bool, got {v!r}",
+                                      param="include_stop_str_in_output")
+        self.include_stop_str_in_output = bool(v)
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
             raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids")

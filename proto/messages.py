@@ -176,10 +176,15 @@ class StepInput:
         def cut(xs):
             return [xs[b] for b in keep] if xs else []
         ids = [t for b in keep for t in self.input_ids[starts[b]: starts[b] + self.extend_lens[b]]]
-        return StepInput(self.micro_batch_id, self.round, self.mode, cut(self.req_pool_indices), cut(self.seq_lens),
+        # a mixed step that loses every decode / verify request is its prefill chunks alone:
+        # a prefill step (a mixed one needs a request of its own mode)
+        mode, num_prefill = self.mode, self.num_prefill
+        if num_prefill and len(keep) == num_prefill:
+            mode, num_prefill = PREFILL, 0
+        return StepInput(self.micro_batch_id, self.round, mode, cut(self.req_pool_indices), cut(self.seq_lens),
                          cut(self.extend_lens), ids, cut(self.num_drafts), cut(self.sample), cut(self.next_token_ids),
                          cut(self.sampling), cut(self.output_lens), restore_slots=cut(self.restore_slots),
-                         snapshot_slots=cut(self.snapshot_slots), num_prefill=self.num_prefill,
+                         snapshot_slots=cut(self.snapshot_slots), num_prefill=num_prefill,
                          follows_round=self.follows_round)
 
     def parts(self) -> list[StepInput]:

@@ -457,3 +457,65 @@ def test_a_lane_keeps_its_requests_in_one_micro_batch(make_ckpt, async_schedulin
     outs = asyncio.run(serve())
     assert all(len(o) == 40 and r == "length" for o, r in outs)
     assert max(decode_rows) == 12 and sum(n == 12 for n in decode_rows) >= 30, decode_rows
+
+
+def test_a_step_whose_decode_rows_all_stopped_runs_its_prefill_chunks(make_ckpt):
+    """A decode micro-batch formed ahead (it follows the round in flight) whose decode
+    request a stop id ends in that round, with a new prompt's chunk in its tail: the first
+    stage leaves the stopped request out, and what is left is a prefill of that chunk (not
+    a mixed decode with no decode request of its own, which the stage refused, failing the
+    new request). The new request's tokens are those it has alone."""
+    from ppspec.router.llm import LLM
+    from ppspec.router.scheduler import Scheduler
+
+    path = make_ckpt("qwen3_5_ratio2_7l")
+    a, b = [5, 6, 7], list(range(10, 40))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = LLM(path).generate([a, b], greedy)
+    ref_a, ref_b = ref[0].token_ids, ref[1].token_ids
+
+    async def run():
+        pipe = InProcessPipeline.build(path, pp_size=1, max_rows=4, kv_tokens=4096)
+        sched = Scheduler(max_rows=4, kv_tokens=4096, max_context=1024, page_size=16, async_scheduling=True)
+        sched.add("a", a, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop_token_ids=[ref_a[1]]))
+        first = sched.schedule(0)
+        out = await pipe.step(first.step_input([]))
+        got = {}
+
+        def take(batch, out):
+            for o in sched.process(batch, out.output_ids, out.drafts).outputs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+        take(first, out)
+        decode = sched.schedule(0)  # "a" emits its stop id here
+        sched.add("b", b, greedy)
+        ahead = sched.schedule(0)  # formed before that result: "a" follows it, "b"'s prompt in the tail
+        inp = ahead.step_input([])
+        assert inp.mode == "decode" and inp.follows_round == decode.round and inp.num_prefill == 1
+        first_out, ahead_out = await asyncio.gather(pipe.step(decode.step_input([])), pipe.step(inp))
+        take(decode, first_out)
+        take(ahead, ahead_out)
+        while (batch := sched.schedule(0)) is not None:
+            take(batch, await pipe.step(batch.step_input([])))
+        return got
+
+    got = asyncio.run(run())
+    assert got == {"a": ref_a[:2], "b": ref_b}
+
+
+def test_a_mixed_verify_left_without_its_verify_request_is_a_prefill():
+    """fill_following on a mixed verify whose one verify request stopped in the round it
+    follows: the chunk alone, as a prefill step (mode prefill, no num_prefill)."""
+    from ppspec.proto.messages import SamplingSpec
+
+    stop = SamplingSpec(temperature=0.0, banned_until_min=[9])
+    inp = StepInput(0, 3, "verify", [0, 1], [6, 0], [3, 4], [FOLLOWS] * 3 + [1, 2, 3, 4], num_drafts=[2, 0],
+                    sample=[True, False], next_token_ids=[-1, 5], sampling=[stop, SamplingSpec(temperature=0.0)],
+                    output_lens=[2, 0], restore_slots=[-1, -1], snapshot_slots=[-1, 4], num_prefill=1,
+                    follows_round=2)
+    noted = {0: RoundNote(ids=[9], drafts=[7, 8], seq_len=7, output_len=3, verified=True)}
+    filled, left_out, commit = fill_following(inp, noted, {})
+    assert left_out == [0] and commit is None
+    assert (filled.mode, filled.num_prefill, filled.req_pool_indices) == ("prefill", 0, [1])
+    assert (filled.input_ids, filled.snapshot_slots, filled.sample) == ([1, 2, 3, 4], [4], [False])
+    assert filled.parts() == [filled]

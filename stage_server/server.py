@@ -246,6 +246,10 @@ class StageServicer(pb_grpc.StageServicer):
         try:
             left_out, inp, commit = await self._follow(request, context, key) if request.follows_round \
                 else ([], None, None)
+            if verify and inp is not None and inp.mode == PREFILL:
+                # a mixed verify whose verify requests all ended in the followed round: its
+                # prefill chunks alone, a prefill (StepInput.without), run as a Forward
+                verify = False
             # requests that ended in the followed round are not run: they emit nothing
             runs = (inp.req_pool_indices if inp is not None else request.req_pool_indices) or not left_out
             ran = await self._step_once(request, context, verify, inp, commit) if runs else None

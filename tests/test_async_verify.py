@@ -324,3 +324,71 @@ async def engine_consume(engine, rid, prompt, n):
     async for o in engine.generate(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
         out += o.new_token_ids
     return out
+
+
+@pytest.mark.parametrize("stages", ["in-process", "grpc"])
+def test_a_following_verify_whose_verify_rows_all_stopped_runs_its_chunk_as_a_prefill(make_ckpt, stages):
+    """A verify micro-batch formed ahead (it follows the verify in flight) with a new
+    prompt's chunk in its tail, whose one verify request a stop id ends in the round it
+    follows: the first stage leaves that request out and runs the chunk as a prefill (a
+    stage server as a Forward: it came as a Verify, which takes verify steps only). Refused
+    before, failing the new request. Its tokens are those it has alone."""
+    from ppspec.router.scheduler import Scheduler
+
+    path = make_ckpt(CKPT)
+    a, b = [5, 6, 7], list(range(10, 40))
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM(path).generate([a, b], greedy)
+    ref_a, ref_b = ref[0].token_ids, ref[1].token_ids
+
+    async def run(pipe):
+        sched = Scheduler(max_rows=4, kv_tokens=4096, max_context=1024, page_size=16, async_scheduling=True,
+                          speculative_algorithm="mtp", num_steps=STEPS)
+        # stops at its second token, which the first verify emits (the random head's drafts
+        # are rejected: it emits one token there)
+        sched.add("a", a, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[ref_a[1]]))
+        got, commit = {}, None
+
+        def take(batch, out):
+            up = sched.process(batch, out.output_ids, out.drafts)
+            for o in up.outputs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            return up.commit
+
+        first = sched.schedule(0)
+        take(first, await pipe.step(first.step_input([])))
+        verify = sched.schedule(0)
+        sched.add("b", b, greedy)
+        ahead = sched.schedule(0)
+        inp = ahead.step_input([])
+        assert (inp.mode, inp.follows_round, inp.num_prefill) == ("verify", verify.round, 1)
+        outs = await asyncio.wait_for(asyncio.gather(pipe.step(verify.step_input([])), pipe.step(inp)), TIMEOUT)
+        assert outs[0].output_ids == [ref_a[1:2]] and outs[1].output_ids[0] == []
+        commit = take(verify, outs[0]) or commit
+        commit = take(ahead, outs[1]) or commit
+        while (batch := sched.schedule(0)) is not None:
+            if commit is not None:
+                await pipe.commit_accept(commit)
+            commit = take(batch, await asyncio.wait_for(pipe.step(batch.step_input([])), TIMEOUT))
+        return got
+
+    if stages == "in-process":
+        pipe = InProcessPipeline.build(path, max_rows=4, kv_tokens=4096, num_speculative_steps=STEPS, use_mtp=True)
+        got = asyncio.run(run(pipe))
+    else:
+        from cluster import Cluster
+        from ppspec.router.grpc_pipeline import GrpcPipeline
+
+        c = Cluster(path, 1, "mtp", steps=STEPS, max_rows=4, kv_tokens=4096)  # the stage alone: the test drives it
+        try:
+            c.start_stage(0)
+
+            async def over_grpc():
+                pipe = GrpcPipeline(c.stages.split(","))
+                await pipe.wait_ready(240)
+                return await run(pipe)
+
+            got = asyncio.run(over_grpc())
+        finally:
+            c.stop()
+    assert got == {"a": ref_a[:2], "b": ref_b}

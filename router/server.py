@@ -183,7 +183,7 @@ async def run_router(args, argv: list[str]) -> int:
     if args.engine_address is None:
         heap = f"{frozen} objects here" + (f", {engine.frozen} in the engine process"
                                            if isinstance(engine, EngineClient) else "")
-        print(f"ppspec router: {len(args.stages)} stages, speculative {engine.spec}, "
+        print(f"ppspec router: {len(args.stages)} stage{'s' if len(args.stages) > 1 else ''}, speculative {engine.spec}, "
               f"{args.api_server_count} HTTP server{'s' if args.api_server_count > 1 else ''}, "
               f"startup heap frozen ({heap}), serving {name} on http://{args.host}:{args.port}", flush=True)
     stop = asyncio.Event()  # set when the engine process ends unasked: this process ends too, status 1

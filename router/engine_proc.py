@@ -255,7 +255,7 @@ def run_engine_process(args, fd: int) -> int:
             except ConnectionError:
                 pass  # the HTTP server is gone already (ppspec serve stopping)
             return 2
-        frozen = freeze_startup_heap("engine process")  # started, its stages warm: what lives on
+        frozen = freeze_startup_heap("engine process", args.gc_freeze)  # started, its stages warm: what lives on
         others = None
         if args.engine_listen_fd is not None:
             async def serve_other(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

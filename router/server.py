@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, address_list, listen_error, port, positive_float, positive_int
+from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, add_gc_freeze_arg, address_list, listen_error, port, positive_float, positive_int
 from ppspec.heap import freeze_startup_heap
 
 from .reasoning import REASONING_PARSERS
@@ -71,6 +71,7 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
             help="run the scheduler and the pipeline in a process of their own, the HTTP server and its "
                  "per-token work (detokenization, stop strings, SSE) in the router's; off: one event loop "
                  "does both"),
+        add_gc_freeze_arg(ap),
         add("--api-server-count", type=positive_int, default=1,
             help="HTTP server processes in front of the engine process, accepting on one port (vLLM's option): "
                  "the per-token HTTP work of many streams on several cores"),
@@ -176,7 +177,7 @@ async def run_router(args, argv: list[str]) -> int:
             await extra.stop()
             await engine.close()
             return 2
-    frozen = freeze_startup_heap("HTTP server")  # built, its engine started: what lives on
+    frozen = freeze_startup_heap("HTTP server", args.gc_freeze)  # built, its engine started: what lives on
     if args.ready_fd is not None:  # an extra HTTP server: built, its engine reached
         os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)

@@ -34,7 +34,7 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ppspec.argtypes import add_control_channel_arg, add_cuda_graph_args, add_inline_steps_arg, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
+from ppspec.argtypes import add_control_channel_arg, add_cuda_graph_args, add_gc_freeze_arg, add_inline_steps_arg, add_data_plane_arg, address, cuda_graph_max_bs, device, nonneg_int, port, positive_finite_float, positive_float, positive_int
 from ppspec.auth import KeyCheck, KeyFileError, client_interceptors, key_metadata, read_key_file
 from ppspec.heap import freeze_startup_heap
 from ppspec.proto.codec import (
@@ -915,7 +915,7 @@ async def serve_stage(args) -> int:
 
         checker = asyncio.ensure_future(check_next())
     mem = runner.memory_report()
-    frozen = freeze_startup_heap(f"stage {args.pp_rank}")  # loaded, warm, listening: what lives on
+    frozen = freeze_startup_heap(f"stage {args.pp_rank}", args.gc_freeze)  # loaded, warm, listening: what lives on
     print(
         f"ppspec stage {args.pp_rank}/{args.pp_size} layers [{runner.model.start}, {runner.model.end}) "
         f"listening on {args.host}:{bound}{f' and {servicer.control_socket}' if servicer.control_socket else ''}; "
@@ -1016,6 +1016,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_plane_arg(ap)
     add_control_channel_arg(ap)
     add_inline_steps_arg(ap)
+    add_gc_freeze_arg(ap)
     add_cuda_graph_args(ap)
     ap.add_argument("--prefix-cache-gb", type=positive_finite_float, default=None,
                     help="GiB for prefix-cache snapshots of the recurrent state (default: no prefix cache on this "

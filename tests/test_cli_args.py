@@ -276,3 +276,18 @@ def test_python_m_ppspec_is_the_ppspec_command():
     v = subprocess.run([sys.executable, "-m", "ppspec", "--version"], capture_output=True, text=True, timeout=120)
     from ppspec import __version__
     assert v.returncode == 0 and v.stdout == f"ppspec {__version__}\n", v.stderr
+
+
+@pytest.mark.parametrize("flag, want", [([], True), (["--no-gc-freeze"], False)])
+def test_serve_passes_gc_freeze_to_the_router_and_every_stage(flag, want):
+    """``--no-gc-freeze`` (ppspec/heap.py) reaches every process serve starts: the router
+    (whose engine process parses the same command line) and each stage."""
+    from ppspec.launch.serve import build_parser as serve_parser
+    from ppspec.launch.serve import router_argv, stage_argv
+    from ppspec.router.server import build_parser as router_parser
+    from ppspec.stage_server.server import build_parser as stage_parser
+
+    a = serve_parser().parse_args(["--pp-size", "2", *flag])
+    assert router_parser().parse_args(router_argv(a, [5001, 5002])[1:]).gc_freeze is want
+    for k in range(2):
+        assert stage_parser().parse_args(stage_argv(a, k, [5001, 5002], "cpu", 1)[1:]).gc_freeze is want

@@ -32,3 +32,18 @@ def test_freeze_collects_the_startup_garbage_then_freezes_what_lives():
         assert gc.isenabled()
     finally:
         gc.unfreeze()
+
+
+def test_no_gc_freeze_collects_and_freezes_nothing():
+    gc.disable()  # no automatic pass in between: only a collect() of the function frees the cycle
+    try:
+        garbage = _Node()
+        garbage.other = garbage
+        dead = weakref.ref(garbage)
+        del garbage
+        assert freeze_startup_heap("test", enabled=False) == 0
+        assert gc.get_freeze_count() == 0 and dead() is not None  # left to the collector's own passes
+    finally:
+        gc.enable()
+    gc.collect()
+    assert dead() is None

@@ -143,6 +143,7 @@ def stage_argv(a: argparse.Namespace, k: int, ports: list[int], device: str, thr
         "--speculative-num-steps", str(a.speculative_num_steps), "--dtype", a.dtype,
         "--device", device, "--num-threads", str(threads), "--data-plane", a.data_plane,
         "--control-channel", a.control_channel, "--inline-steps", a.inline_steps,
+        "--gc-freeze" if a.gc_freeze else "--no-gc-freeze",
     ]
     if k + 1 < n:
         argv += ["--next-stage", f"{a.host}:{ports[k + 1]}"]

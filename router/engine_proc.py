@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import operator
@@ -129,13 +130,11 @@ class EngineServer:
 
     ``owner``: the client that started the engine process (the router's first HTTP server);
     its end closes the engine. Another client's end (an extra HTTP server,
-    ``--api-server-count``) aborts the requests it left running. ``frozen``: the objects of
-    this process's startup heap frozen (``ppspec.heap``), said in ``ready``."""
+    ``--api-server-count``) aborts the requests it left running."""
 
     def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, registry=None,
-                 owner: bool = True, frozen: int = 0):
+                 owner: bool = True):
         self.engine, self.reader, self.writer, self.registry, self.owner = engine, reader, writer, registry, owner
-        self.frozen = frozen
         self._pending: list[tuple[str, Any]] = []
         self._health: tuple[bool, str] | None = None
         self._running: set[str] = set()  # requests of this client not ended yet
@@ -196,7 +195,8 @@ class EngineServer:
         e = self.engine
         _write(self.writer, ("ready", {"max_model_len": e.max_model_len, "spec": e.spec,
                                        "prefix_caching": e.prefix_caching, "health": e.health(),
-                                       "eos": list(getattr(e, "eos", None) or []), "frozen": self.frozen}))
+                                       "eos": list(getattr(e, "eos", None) or []),
+                                       "frozen": gc.get_freeze_count()}))  # this process's heap (ppspec.heap)
         watch = asyncio.ensure_future(self._watch_health())
         calls: set[asyncio.Task] = set()
         try:
@@ -255,17 +255,17 @@ def run_engine_process(args, fd: int) -> int:
             except ConnectionError:
                 pass  # the HTTP server is gone already (ppspec serve stopping)
             return 2
-        frozen = freeze_startup_heap("engine process", args.gc_freeze)  # started, its stages warm: what lives on
+        freeze_startup_heap("engine process", args.gc_freeze)  # started, its stages warm: what lives on
         others = None
         if args.engine_listen_fd is not None:
             async def serve_other(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-                await EngineServer(engine, r, w, metrics.registry, owner=False, frozen=frozen).serve()
+                await EngineServer(engine, r, w, metrics.registry, owner=False).serve()
 
             # held for the process's life: an unreferenced server is closed when the garbage
             # collector takes it, and the extra HTTP servers' connections then wait unaccepted
             others = await asyncio.start_unix_server(serve_other, sock=socket.socket(fileno=args.engine_listen_fd))
         try:
-            await EngineServer(engine, reader, writer, metrics.registry, frozen=frozen).serve()
+            await EngineServer(engine, reader, writer, metrics.registry).serve()
         finally:
             if others is not None:
                 others.close()

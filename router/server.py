@@ -84,6 +84,20 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
     ]
 
 
+def add_auto_tool_choice_arg(ap: argparse.ArgumentParser) -> None:
+    """vLLM's ``--enable-auto-tool-choice`` (``ppspec router`` and ``ppspec serve``; serve
+    does not pass it on): accepted, checked by :func:`check_auto_tool_choice`."""
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="accepted, as vLLM's: with --tool-call-parser the model may always call tools "
+                         "(tool_choice auto); it needs --tool-call-parser")
+
+
+def check_auto_tool_choice(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--enable-auto-tool-choice`` without ``--tool-call-parser``: a usage error (exit 2)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)")
+
+
 def router_options(args: argparse.Namespace) -> list[str]:
     """The command-line of :func:`add_router_args`' options as ``args`` holds them (options
     left at None are left out), for a launcher that starts the router."""
@@ -108,9 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-algorithm", default=None, choices=["none", "ngram", "mtp"],
                     help="checked against the stages (default: what the stages run)")
     add_router_args(ap)
-    ap.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help="accepted, as vLLM's: with --tool-call-parser the model may always call tools "
-                         "(tool_choice auto); it needs --tool-call-parser")
+    add_auto_tool_choice_arg(ap)
     ap.add_argument("--connect-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for the stages at start (a CUDA stage's first start on a machine "
                          "builds FlashInfer's prefill kernel: minutes)")
@@ -218,8 +230,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """``ppspec router``'s options; a conflict exits 2 (argparse's usage error)."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        ap.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)")
+    check_auto_tool_choice(ap, args)
     return args
 
 

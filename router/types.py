@@ -100,15 +100,11 @@ class SamplingParams:
             if (v is None and optional) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)):
                 continue
             raise InvalidRequestError(f"{name} must be an integer{' or None' if optional else ''}, got {v!r}", param=name)
-        v = self.ignore_eos
-        if not isinstance(v, bool) and not (str(getattr(v, "dtype", "")) == "bool" and getattr(v, "ndim", 1) == 0):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {v!r}", param="ignore_eos")
-        self.ignore_eos = bool(v)  # numpy's bool_ too
-        v = self.include_stop_str_in_output
-        if not isinstance(v, bool) and not (str(getattr(v, "dtype", "")) == "bool" and getattr(v, "ndim", 1) == 0):
-            raise InvalidRequestError(f"include_stop_str_in_output must be a bool, got {v!r}",
-                                      param="include_stop_str_in_output")
-        self.include_stop_str_in_output = bool(v)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            v = getattr(self, name)
+            if not isinstance(v, bool) and not (str(getattr(v, "dtype", "")) == "bool" and getattr(v, "ndim", 1) == 0):
+                raise InvalidRequestError(f"{name} must be a bool, got {v!r}", param=name)
+            setattr(self, name, bool(v))  # numpy's bool_ too
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
             raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids")

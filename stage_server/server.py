@@ -473,8 +473,7 @@ class StageServicer(pb_grpc.StageServicer):
             if code in self.REFUSED:
                 await self._undo(inp, verify)
             if code == grpc.StatusCode.FAILED_PRECONDITION and "AttachDataPlane" in (e.details() or ""):
-                # the next stage lost this link: the wiring check attaches again
-                self.next_instance_id = self.attached_instance = ""
+                self.forget_next()  # the next stage lost this link: the wiring check attaches again
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 msg = f"stage {rank + 1} at {self.next_stage}: {e.details()}"
             else:
@@ -502,8 +501,13 @@ class StageServicer(pb_grpc.StageServicer):
             log.warning("stage %d: %s data plane failed (%s); micro-batch %d goes as bytes", self.runner.pp_rank,
                         link.transport, e, inp.micro_batch_id)
             if link.transport == "dist":  # a group that failed stays failed: the wiring check builds a fresh one
-                self.next_instance_id = self.attached_instance = ""
+                self.forget_next()
             return out, dataplane.BytesLink().put(out.hidden_states, inp.micro_batch_id, inp.round)
+
+    def forget_next(self) -> None:
+        """The data plane to the next stage is to be attached again at the wiring check's next
+        period: its process is new to this stage, or lost the link (or its group failed)."""
+        self.next_instance_id = self.attached_instance = ""
 
     async def AttachDataPlane(self, request: pb.AttachRequest, context):
         reply = await self._compute(self.receiver.attach, request, peer_host(context.peer()))
@@ -874,7 +878,7 @@ async def serve_stage(args) -> int:
                 await servicer.attach_next()
                 return True
             except grpc.aio.AioRpcError as e:
-                servicer.next_instance_id = servicer.attached_instance = ""
+                servicer.forget_next()
                 servicer.not_serving = f"the next stage at {args.next_stage} did not attach: {e.code().name}"
                 await health_servicer.set(STAGE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
                 return False

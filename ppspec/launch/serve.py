@@ -26,7 +26,7 @@ from ppspec.lifetime import die_with
 from ppspec.stage_server.config import PAGE_SIZE, CheckpointError, load_config
 
 from ppspec.router.scheduler import check_token_budget
-from ppspec.router.server import add_router_args, router_options
+from ppspec.router.server import add_auto_tool_choice_arg, add_router_args, check_auto_tool_choice, router_options
 from ppspec.router.start import load_chat_template
 
 
@@ -89,9 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_inline_steps_arg(ap)
     add_cuda_graph_args(ap)
     add_router_args(ap)
-    ap.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help="accepted, as vLLM's: with --tool-call-parser the model may always call tools "
-                         "(tool_choice auto); it needs --tool-call-parser")
+    add_auto_tool_choice_arg(ap)
     ap.add_argument("--num-threads", type=nonneg_int, default=0, help="torch threads per stage (0: cores / stages)")
     ap.add_argument("--startup-timeout", type=positive_float, default=300.0,
                     help="seconds to wait for every stage and the router")
@@ -214,8 +212,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             ap.error(f"--speculative-config says {a.speculative_config['speculative_algorithm']}, "
                      f"--speculative-algorithm {a.speculative_algorithm}: give one of them")
         vars(a).update(a.speculative_config)
-    if a.enable_auto_tool_choice and a.tool_call_parser is None:
-        ap.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)")
+    check_auto_tool_choice(ap, a)
     return a
 
 

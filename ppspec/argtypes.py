@@ -172,8 +172,7 @@ def add_gc_freeze_arg(ap) -> argparse.Action:
     return ap.add_argument(
         "--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
         help="freeze the process's startup heap out of the garbage collector's passes before serving (as vLLM "
-             "and SGLang): no full-collection stalls over it; on an H100 +8%% tok/s at concurrency 64 and "
-             "9-13%% slower at concurrency 1 (docs/PERFORMANCE.md, \"The collector's passes\")")
+             "and SGLang): no full-collection stalls over it (docs/PERFORMANCE.md, \"The collector's passes\")")
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -14,8 +14,8 @@ before it serves: one full collection (so no startup garbage is kept), then
 ``gc.freeze()``, which moves every object alive into a permanent generation that no later
 pass walks. The collector stays on for what serving allocates; frozen objects are still
 freed by reference counting. vLLM's API server and engine core and SGLang's processes do
-the same after their start. ``--no-gc-freeze`` turns it off: on an H100 a lone
-request's tokens came 9-13% slower with the heap frozen, for a reason not yet understood.
+the same after their start. ``--no-gc-freeze`` turns it off, for an A/B in one run. On an H100
+neither setting was faster at concurrency 1 in both orders of such runs (docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 

@@ -66,8 +66,10 @@ def test_a_template_of_a_field_not_rendered_as_given_is_refused():
 
 
 def _frames(body: bytes) -> list[bytes]:
-    assert body.endswith(b"\r\n\r\n")
-    return body[:-4].split(b"\r\n\r\n")
+    """The events of a stream as a client that splits on a blank line (``\\n\\n``) reads
+    them: OpenAI's and vLLM's framing, ``data: <json>\\n\\n``, with no ``\\r`` anywhere."""
+    assert body.endswith(b"\n\n") and b"\r" not in body
+    return body[:-2].split(b"\n\n")
 
 
 @pytest.mark.parametrize("path,model", [("/v1/completions", CompletionChunk),
@@ -84,7 +86,7 @@ def test_served_frames_are_each_chunk_as_pydantic_renders_it(path, model, extra)
     assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
     assert r.headers["cache-control"] == "no-store" and r.headers["x-accel-buffering"] == "no"
     frames = _frames(r.content)
-    assert frames[-1] + b"\r\n\r\n" == DONE and len(frames) > 3
+    assert frames[-1] + b"\n\n" == DONE == b"data: [DONE]\n\n" and len(frames) > 3
     texts = ""
     for f in frames[:-1]:
         assert f.startswith(b"data: ")
@@ -94,6 +96,22 @@ def test_served_frames_are_each_chunk_as_pydantic_renders_it(path, model, extra)
         for c in chunk.choices:
             texts += c.text if model is CompletionChunk else (c.delta.content or "")
     assert texts  # what the text is: tests/test_api.py (streamed equal to whole answers)
+
+
+def test_an_error_mid_stream_is_one_frame_then_done():
+    """An engine failure after the first tokens: an error event, then ``data: [DONE]``, each
+    framed ``data: ...\\n\\n`` as every other event."""
+    engine = FakeEngine(make_tokenizer())
+    engine.stage_down_after = 5
+    body = {"model": MODEL, "max_tokens": 50, "stream": True, "prompt": "hi", "ignore_eos": True}
+    with run_server(build_app(engine, served_model_name=MODEL)) as url:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    frames = _frames(r.content)
+    assert frames[-1] == b"data: [DONE]" and all(f.startswith(b"data: {") for f in frames[:-1])
+    error = json.loads(frames[-2][len(b"data: "):])
+    assert error["error"]["message"] == "stage 1 (127.0.0.1:50052) stopped answering", error
+    assert all("choices" in json.loads(f[len(b"data: "):]) for f in frames[:-2]) and len(frames) >= 3
 
 
 class _Asgi:
@@ -117,7 +135,7 @@ class _Asgi:
         return [m["body"] for m in self.sent if m["type"] == "http.response.body"]
 
 
-PING = re.compile(rb": ping - \d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\+00:00\r\n\r\n")
+PING = re.compile(rb": ping - \d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\+00:00\n\n")
 
 
 def test_pings_go_out_while_the_stream_waits():
@@ -137,9 +155,9 @@ def test_pings_go_out_while_the_stream_waits():
     asgi = asyncio.run(run())
     assert asgi.sent[0]["type"] == "http.response.start" and asgi.sent[0]["status"] == 200
     bodies = asgi.bodies()
-    assert bodies[0] == b'data: {"a":1}\r\n\r\n'
+    assert bodies[0] == b'data: {"a":1}\n\n'
     assert all(PING.fullmatch(b) for b in bodies[1:-2]) and len(bodies) >= 4
-    assert bodies[-2:] == [b'data: {"b":2}\r\n\r\n', b""]
+    assert bodies[-2:] == [b'data: {"b":2}\n\n', b""]
     assert asgi.sent[-1]["more_body"] is False
 
 
@@ -167,7 +185,7 @@ def test_a_client_gone_mid_stream_cancels_it_and_runs_its_cleanup():
         return asgi, done
 
     asgi, done = asyncio.run(run())
-    assert asgi.bodies() == [b"data: 1\r\n\r\n"]
+    assert asgi.bodies() == [b"data: 1\n\n"]
     assert done == ["frames closed", "background"]
 
 

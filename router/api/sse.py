@@ -6,8 +6,11 @@ bytes built once (``frame``), a plain text chunk is spliced into a template that
 rendered once per choice (``TextChunk``), and ``SSEResponse`` hands each frame to the
 ASGI ``send`` as it is, one message per frame, without a task, lock or timer per event.
 
-The bytes are those of the sse-starlette writer this replaces: ``data: <json>\\r\\n\\r\\n``
-frames, a ``: ping - <UTC time>`` comment every 15 s, the same headers.
+The framing is OpenAI's and vLLM's, byte for byte: ``data: <json>\\n\\n`` per event and
+``data: [DONE]\\n\\n`` last (clients that split on a blank line, ``\\n\\n``, read it; the
+``\\r\\n\\r\\n`` of the sse-starlette writer this replaced they did not). Beyond vLLM, a
+``: ping - <UTC time>`` comment goes out after 15 s without a frame (proxies close idle
+connections; SSE clients skip comment lines).
 """
 from __future__ import annotations
 
@@ -26,17 +29,17 @@ log = logging.getLogger("ppspec.router.api")
 PING_S = 15.0
 """Seconds between keep-alive comments (proxies close idle connections)."""
 
-DONE = b"data: [DONE]\r\n\r\n"
+DONE = b"data: [DONE]\n\n"
 
 
 def frame(data: bytes) -> bytes:
     """One SSE event carrying ``data`` (one line: JSON has no raw line breaks)."""
-    return b"data: " + data + b"\r\n\r\n"
+    return b"data: " + data + b"\n\n"
 
 
 def ping_frame(now: datetime.datetime) -> bytes:
     """The keep-alive comment at ``now`` (a comment line: clients skip it)."""
-    return f": ping - {now}\r\n\r\n".encode()
+    return f": ping - {now}\n\n".encode()
 
 
 class TextChunk:

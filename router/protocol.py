@@ -192,8 +192,9 @@ class StreamOptions(_Request):
     include_usage: bool = False
     """Send one last chunk (``choices: []``) with the request's ``usage`` before ``[DONE]``."""
     continuous_usage_stats: bool = False
-    """vLLM's: every chunk also carries the ``usage`` so far (completion tokens counted over
-    all choices); with ``include_usage`` the last chunk still has the totals."""
+    """vLLM's: every chunk also carries the ``usage`` of its choice so far (that choice's
+    prompt tokens and the completion tokens it generated up to and with this chunk's; 0 on
+    chat's role chunk); with ``include_usage`` the last chunk has the totals over all choices."""
 
 
 class JsonSchemaSpec(_Request):

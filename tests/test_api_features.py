@@ -100,30 +100,88 @@ def _events(text):
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def _check_continuous_usage(engine, events, *, n: int, chat: bool, ids_per_chunk: bool):
+    """vLLM's ``continuous_usage_stats``: every chunk with a choice carries that choice's usage
+    so far (its prompt's tokens; its completion tokens up to and with this chunk's, 0 on
+    chat's role chunk), the last chunk (``choices: []``) the totals over all choices, each
+    prompt counted once. ``ids_per_chunk``: the chunks carry ``token_ids``, so the count after
+    each chunk is known exactly (else: never back, and the choice's whole count at its end).
+    Returns the number of chunks per choice."""
+    request_id = events[0]["id"]
+    calls = {int(rid.rsplit("-", 1)[1]): v for rid, v in engine.calls.items() if rid.startswith(request_id + "-")}
+    outputs = {int(rid.rsplit("-", 1)[1]): v for rid, v in engine.outputs.items() if rid.startswith(request_id + "-")}
+    counted = {i: 0 for i in calls}
+    chunks = {i: 0 for i in calls}
+    for ev in events[:-1]:
+        assert len(ev["choices"]) == 1, "only the last chunk has no choices"
+        choice = ev["choices"][0]
+        i = choice["index"]
+        prompt_tokens = len(calls[i][0])
+        usage = ev["usage"]
+        assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens"}, usage
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+        if chat and choice["delta"].get("role"):
+            assert chunks[i] == 0 and usage["completion_tokens"] == 0  # vLLM's role chunk: nothing generated yet
+        if ids_per_chunk:
+            counted[i] += len(choice.get("token_ids") or [])
+            assert usage["completion_tokens"] == counted[i], (i, usage, counted)
+        else:
+            assert usage["completion_tokens"] >= counted[i]  # never goes back
+            counted[i] = usage["completion_tokens"]
+        chunks[i] += 1
+        if choice["finish_reason"] is not None:  # the choice's last chunk: its whole count
+            assert usage["completion_tokens"] == len(outputs[i])
+    assert counted == {i: len(out) for i, out in outputs.items()}
+    last = events[-1]
+    assert last["choices"] == []
+    prompt_total = sum(len(calls[i][0]) for i in calls if i % n == 0)  # choice p * n + j runs prompt p
+    completion_total = sum(len(out) for out in outputs.values())
+    assert last["usage"]["prompt_tokens"] == prompt_total
+    assert last["usage"]["completion_tokens"] == completion_total
+    assert last["usage"]["total_tokens"] == prompt_total + completion_total
+    return chunks
+
+
+@pytest.mark.parametrize("ids_per_chunk", [True, False])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_continuous_usage_stats(server, engine, tokenizer, path):
-    body = {"max_tokens": 20, "seed": 3, "temperature": 1.0, "n": 2, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    body |= {"prompt": "the fox"} if path.endswith("/completions") and "chat" not in path else \
-        {"messages": [{"role": "user", "content": "the fox"}]}
+def test_continuous_usage_stats(server, engine, tokenizer, path, ids_per_chunk):
+    """n = 2 (completions: of two prompts of different lengths, so four choices), the fake
+    engine's rounds emitting 1 to 3 tokens each, as speculative rounds do."""
+    chat = "chat" in path
+    body = {"max_tokens": 20, "seed": 3, "temperature": 1.0, "n": 2, "stream": True, "stream_options": CONTINUOUS,
+            "return_token_ids": ids_per_chunk}
+    body |= {"messages": [{"role": "user", "content": "the fox"}]} if chat else \
+        {"prompt": ["the fox", "a longer prompt, of more tokens than the other"]}
     r = _post(server, path, body)
     assert r.status_code == 200, r.text
     events = _events(r.text)
-    prompt_tokens = len(next(iter(engine.calls.values()))[0])
-    seen = 0
-    tokens_so_far = 0
-    for ev in events[:-1]:
-        assert ev["choices"], "only the last chunk has no choices"
-        usage = ev["usage"]
-        assert usage["prompt_tokens"] == prompt_tokens
-        assert usage["completion_tokens"] >= tokens_so_far  # never goes back
-        tokens_so_far = usage["completion_tokens"]
-        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
-        seen += 1
-    assert seen >= 2
-    total = sum(len(ids) for ids in engine.outputs.values())
-    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == total
-    assert tokens_so_far == total  # the last chunk of a choice carries the count with it
+    chunks = _check_continuous_usage(engine, events, n=2, chat=chat, ids_per_chunk=ids_per_chunk)
+    assert len(chunks) == (2 if chat else 4) and all(c >= 2 for c in chunks.values())
+    rounds = [len(ev["choices"][0].get("token_ids") or []) for ev in events[:-1]]
+    if ids_per_chunk:
+        assert max(rounds) >= 2  # chunks of several tokens were counted
+
+
+def test_continuous_usage_stats_through_the_openai_sdk(server, engine):
+    """The SDK reads each chunk's ``usage``: n = 1, the running count of the one choice."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the fox"}],
+                                            max_tokens=16, seed=2, temperature=1.0, stream=True,
+                                            stream_options=CONTINUOUS, extra_body={"return_token_ids": True})
+    got = list(stream)
+    (rid,) = [k for k in engine.outputs]
+    prompt_tokens = len(engine.calls[rid][0])
+    so_far = 0
+    for c in got[:-1]:
+        so_far += len(getattr(c.choices[0], "token_ids", None) or [])
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == \
+            (prompt_tokens, so_far, prompt_tokens + so_far)
+    assert so_far == len(engine.outputs[rid]) and got[-1].choices == []
+    assert (got[-1].usage.completion_tokens, got[-1].usage.total_tokens) == (so_far, prompt_tokens + so_far)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -63,7 +63,7 @@ ACCESS_KEY = "ppspec.access"
 
 _Chunks = tuple[Callable[[Event, "UsageInfo | None"], Iterable[bytes]], Callable[[UsageInfo], bytes]]
 """An endpoint's stream shape: the JSON of the chunks of one event (each carrying the usage
-given, when not None), and of the usage chunk."""
+given, the event's choice's so far, when not None), and of the usage chunk."""
 
 
 def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
@@ -268,6 +268,15 @@ class OpenAIHandlers:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
+    @staticmethod
+    def choice_usage(prepared: Prepared, index: int, completion_tokens: int) -> UsageInfo:
+        """vLLM's ``continuous_usage_stats`` usage of one chunk: its choice's prompt tokens and
+        the ``completion_tokens`` that choice generated so far (with n > 1 or several prompts,
+        each choice counts its own; the request's totals are the usage chunk's)."""
+        prompt_tokens = len(prepared.prompts[prepared.subs[index].prompt_index])
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
     # -- endpoints -------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -442,8 +451,10 @@ class OpenAIHandlers:
                 prompt_ids = None
                 if body.return_token_ids and not sent_prompt_ids:
                     prompt_ids, sent_prompt_ids = prepared.prompts[0], True
+                # the role chunk comes before any generated token (vLLM's: completion_tokens 0)
+                nothing_yet = None if usage is None else self.choice_usage(prepared, ev.index, 0)
                 yield chunk([ChatStreamChoice(index=ev.index, delta=ChatDelta(role="assistant", content=body.echoed))],
-                            usage, prompt_ids).model_dump_json().encode()
+                            nothing_yet, prompt_ids).model_dump_json().encode()
             if not (text or reasoning or deltas or finish or (carries and ev.token_ids)):
                 return
             if (not (carries or deltas or finish) and usage is None and ev.stop_reason is None
@@ -498,15 +509,17 @@ class OpenAIHandlers:
                    chunks: Callable[[Event, UsageInfo | None], Iterable[bytes]],
                    usage_chunk: Callable[[UsageInfo], bytes] | None, continuous_usage: bool) -> AsyncIterator[bytes]:
         """The one SSE writer: the frames of ``chunks(event)`` of every event, joined per
-        event (one ``send``; each chunk with the usage so far when ``continuous_usage``),
-        ``usage_chunk`` (when not None) after the last, an error event if a choice fails,
-        then ``[DONE]``."""
+        event (one ``send``; each chunk with its choice's usage so far when
+        ``continuous_usage``, as vLLM), ``usage_chunk`` (when not None) after the last, with the
+        totals over every choice, an error event if a choice fails, then ``[DONE]``."""
+        counts = [0] * len(prepared.subs)  # completion tokens of each choice so far
         total = 0
 
         def frames(ev: Event) -> bytes:
             nonlocal total
             total += len(ev.token_ids)
-            usage = self.usage(prepared, total) if continuous_usage else None
+            counts[ev.index] += len(ev.token_ids)
+            usage = self.choice_usage(prepared, ev.index, counts[ev.index]) if continuous_usage else None
             return b"".join(frame(c) for c in chunks(ev, usage))
 
         try:

@@ -297,29 +297,32 @@ def test_echo_text_offsets_count_the_echoed_prompt(server, engine, tokenizer, st
     assert echoed[n:] == [len(prompt) + o for o in plain]
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
 @pytest.mark.parametrize("stream", [False, True])
-def test_echo_of_a_token_id_prompt_with_special_tokens(server, engine, tokenizer, stream):
-    """``echo`` of a prompt given as token ids: its text is the ids decoded without their
-    special tokens, the prompt tokens' ``text_offset`` count that text (they counted the
-    special tokens' text, which the echo leaves out), and a stream's first chunk carries
-    their log-probability entries as the whole response does (they were left out when the
-    prompt's text was empty: special tokens alone)."""
+def test_echo_of_a_token_id_prompt_with_special_tokens(server, engine, tokenizer, stream, skip_special):
+    """``echo`` of a prompt given as token ids: its text is the ids decoded as vLLM decodes
+    them (``tokenizer.decode``, special tokens kept: ``<|im_start|>`` is echoed, whatever the
+    request's ``skip_special_tokens``, which applies to the generated text alone), the prompt
+    tokens' ``text_offset`` count that text, and a stream's first chunk carries their
+    log-probability entries as the whole response does."""
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     for ids in ([start, start], [start] + tokenizer.encode("Echo me back")):
         engine.reset()
         r = _post(server, "/v1/completions", dict(prompt=ids, max_tokens=3, echo=True, logprobs=1, stream=stream,
-                                                  seed=2, temperature=1.0, ignore_eos=True))
+                                                  seed=2, temperature=1.0, ignore_eos=True,
+                                                  skip_special_tokens=skip_special))
         assert r.status_code == 200, r.text
         choices = [c for ev in _events(r.text) for c in ev["choices"]] if stream else r.json()["choices"]
         text = "".join(c["text"] for c in choices)
         tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
         offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
-        prompt_text = tokenizer.decode(ids, skip_special_tokens=True)
-        assert text.startswith(prompt_text)
+        prompt_text = tokenizer.decode(ids)
+        assert prompt_text.startswith("<|im_start|>")
+        ((rid, out),) = engine.outputs.items()
+        assert text == prompt_text + tokenizer.decode(out, skip_special_tokens=skip_special)
         assert len(tokens) == len(ids) + 3
         assert tokens[:len(ids)] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-        assert offsets[:len(ids)] == [len(tokenizer.decode(ids[:j], skip_special_tokens=True))
-                                      for j in range(len(ids))]
+        assert offsets[:len(ids)] == [len(tokenizer.decode(ids[:j])) for j in range(len(ids))]
         assert offsets[len(ids)] == len(prompt_text)
 
 
@@ -485,7 +488,7 @@ def test_echo_with_prompt_logprobs_against_transformers(make_ckpt, stream):
         want_top.setdefault(tok.decode([prompt[j]]), ref[j - 1, prompt[j]].item())
         got = lp["top_logprobs"][j]
         assert got.keys() == want_top.keys() and list(got.values()) == pytest.approx(list(want_top.values()), abs=2e-4)
-    assert text.startswith(tok.decode(prompt, skip_special_tokens=True))
+    assert text.startswith(tok.decode(prompt))  # vLLM's echo of ids: special tokens written out
     assert lp["text_offset"][:n] == sorted(lp["text_offset"][:n])  # offsets walk through the prompt text
 
 

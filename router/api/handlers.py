@@ -96,7 +96,6 @@ class Prepared:
     prompt_texts: list[str] | None  # for echo
     subs: list[Sub]
     in_reasoning: bool | None = None  # chat with a reasoning parser: the prompt left <think> open
-    echo_skips_special: bool = False  # echo's prompt texts were decoded from ids without special tokens
 
 
 class OpenAIHandlers:
@@ -194,24 +193,25 @@ class OpenAIHandlers:
             if not ids:
                 raise InvalidRequestError("prompt is empty (it encodes to no tokens)", param="prompt")
             check_ids(ids, "prompt", self.vocab_size)
-        decoded = body.echo and texts is None
-        if decoded:
-            texts = [self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
+        if body.echo and texts is None:
+            # vLLM's echo of token ids: the ids decoded with their special tokens (the request's
+            # skip_special_tokens is for the generated text)
+            texts = [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         run = body.model_copy(update={"max_tokens": 1, "max_completion_tokens": None}) if body.echo_only else body
         subs = await self._subs(run, request_id, prompts, body.logprobs, "prompt", body.logprobs if body.echo else None)
-        return Prepared(request_id, prompts, texts, subs, echo_skips_special=decoded and body.skip_special_tokens)
+        return Prepared(request_id, prompts, texts, subs)
 
     def _pieces(self, body: _GenerationRequest):
         """Text and bytes of a token's logprob entry: its own, or ``token_id:{id}``."""
         return token_id_pieces if body.return_tokens_as_token_ids else self.pieces
 
-    def _prompt_logprobs(self, fanout: Fanout, sub: Sub, k: int, pieces, skip_special: bool) -> CompletionLogprobs:
+    def _prompt_logprobs(self, fanout: Fanout, sub: Sub, k: int, pieces) -> CompletionLogprobs:
         """Echo with logprobs: the prompt tokens' entries, offsets in the echoed prompt text
-        (decoded as it was: ``skip_special``; the first token's log-probability null: nothing
-        predicts it)."""
+        (special tokens written out, as the echo has them; the first token's log-probability
+        null: nothing predicts it)."""
         lps = fanout.prompt_logprobs.get(sub.index) or []
-        decoder = IncrementalDecoder(self.tokenizer, [], skip_special_tokens=skip_special)
+        decoder = IncrementalDecoder(self.tokenizer, [], skip_special_tokens=False)
         records, offset = [], 0
         for j, tid in enumerate(sub.prompt_ids):
             records.append(TokenRecord(tid, lps[j - 1] if 0 < j <= len(lps) else None, offset))
@@ -301,8 +301,7 @@ class OpenAIHandlers:
             if body.logprobs is not None:
                 logprobs = completion_logprobs(self._pieces(body), records, body.logprobs, len(prefix))
                 if body.echo:
-                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs, self._pieces(body),
-                                                             prepared.echo_skips_special), logprobs)
+                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs, self._pieces(body)), logprobs)
             choices.append(CompletionChoice(
                 index=sub.index, text=prefix + text,
                 logprobs=logprobs,
@@ -403,8 +402,7 @@ class OpenAIHandlers:
             if body.logprobs is not None:
                 logprobs = completion_logprobs(self._pieces(body), ev.tokens, body.logprobs, len(echoed))
                 if body.echo and ev.first:  # the prompt's entries, as the whole response has them
-                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs, self._pieces(body),
-                                                             prepared.echo_skips_special), logprobs)
+                    logprobs = _joined(self._prompt_logprobs(fanout, sub, body.logprobs, self._pieces(body)), logprobs)
             choice = CompletionChoice(
                 index=ev.index, text=text,
                 logprobs=logprobs,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import re
 import socket
@@ -46,6 +47,18 @@ def positive_finite_float(s: str) -> float:
     v = positive_float(s)
     if v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return v
+
+
+def json_str_list(s: str) -> list[str]:
+    """vLLM's form of a list option (``--allowed-origins '["https://a.example"]'``): a JSON
+    list of strings."""
+    try:
+        v = json.loads(s)
+    except ValueError:
+        v = None
+    if not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings (e.g. '[\"https://a.example\"]'), got {s!r}")
     return v
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
 import sys
 
-from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, add_gc_freeze_arg, address_list, listen_error, port, positive_float, positive_int
+from ppspec.argtypes import DEMO_MODEL, DefaultsHelpFormatter, add_gc_freeze_arg, address_list, json_str_list, listen_error, port, positive_float, positive_int
 from ppspec.heap import freeze_startup_heap
 
 from .reasoning import REASONING_PARSERS
@@ -55,6 +56,16 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
             help="log-probabilities a request may ask for per token (logprobs, top_logprobs, prompt_logprobs; "
                  "vLLM's option): more is a 400; -1: no cap (prompt_logprobs -1, the whole vocabulary, needs it)"),
         add("--api-key", default=None, help="bearer key required on /v1/* (default: none)"),
+        # CORS, vLLM's options and defaults (a string default goes through its type)
+        add("--allowed-origins", type=json_str_list, default='["*"]',
+            help='origins a browser page may call the API from, a JSON list (e.g. \'["https://app.example"]\'; '
+                 '"*": any)'),
+        add("--allowed-methods", type=json_str_list, default='["*"]',
+            help="HTTP methods a cross-origin request may use, a JSON list"),
+        add("--allowed-headers", type=json_str_list, default='["*"]',
+            help="request headers a cross-origin request may send, a JSON list"),
+        add("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+            help="let cross-origin requests carry credentials (cookies, HTTP auth)"),
         add("--served-model-name", default=None, help="the model id clients send (default: the folder's name)"),
         add("--chat-template", default=None,
             help="a Jinja chat template, or a file holding one (default: the tokenizer's)"),
@@ -107,9 +118,17 @@ def router_options(args: argparse.Namespace) -> list[str]:
         if isinstance(action, argparse.BooleanOptionalAction):
             if value is not None:
                 argv.append(action.option_strings[0 if value else 1])
+        elif isinstance(value, list):  # a JSON list option, as it was given
+            argv += [action.option_strings[0], json.dumps(value)]
         elif value is not None:
             argv += [action.option_strings[0], str(value)]
     return argv
+
+
+def cors_options(args: argparse.Namespace) -> dict:
+    """``build_app``'s CORS arguments from the router's options."""
+    return {"allowed_origins": args.allowed_origins, "allowed_methods": args.allowed_methods,
+            "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +198,7 @@ async def run_router(args, argv: list[str]) -> int:
                                                 defaults, f", max_tokens {max_tokens_cap}" if max_tokens_cap else "")
     app = build_app(engine, name, api_key=args.api_key, registry=registry, before_metrics=before_metrics,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    sampling_defaults=defaults, max_tokens_cap=max_tokens_cap)
+                    sampling_defaults=defaults, max_tokens_cap=max_tokens_cap, **cors_options(args))
     if extra is not None:
         http = bind_http(args.host, args.port)
         try:

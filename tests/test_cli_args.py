@@ -53,6 +53,9 @@ CASES = [
     (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["router", "--stages", "127.0.0.1:1", "--enable-auto-tool-choice"],
      "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["router", "--stages", "127.0.0.1:1", "--allowed-origins", "https://a.example"],
+     '--allowed-origins: expected a JSON list of strings (e.g. \'["https://a.example"]\'), got \'https://a.example\''),
+    (["serve", "--allowed-methods", '["GET", 3]'], "--allowed-methods: expected a JSON list of strings"),
 ]
 
 

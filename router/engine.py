@@ -168,7 +168,9 @@ class Engine:
         self._stopping = False  # _stop_lanes: the lane loops end
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
-        self._compiling: set[asyncio.Task] = set()  # grammars compiling on the last stage (submit)
+        # request id -> its grammar's compile on the last stage (submit), cancelled when the
+        # request ends first: the stage drops or stops a compile nobody waits for
+        self._compiling: dict[str, asyncio.Task] = {}
         # (batch, result, update, seconds in flight) of each processed micro-batch, for the
         # output task; None wakes it to end
         self._outbox: asyncio.Queue = asyncio.Queue()
@@ -319,8 +321,8 @@ class Engine:
         if params.grammar is not None:
             # not a background task: settle() (LLM.step) does not wait for a compile
             t = self._loop.create_task(self._prepare_grammar(request_id, params.grammar))  # LLM: from outside it
-            self._compiling.add(t)
-            t.add_done_callback(self._compiling.discard)
+            self._compiling[request_id] = t
+            t.add_done_callback(lambda t: self._compiling.get(request_id) is t and self._compiling.pop(request_id))
         self._wake.set()
         return q
 
@@ -360,11 +362,20 @@ class Engine:
         req = self.scheduler.requests.get(request_id)
         waiting = req is not None and req.row < 0
         rows = self.scheduler.abort(request_id, finish_reason)
+        self._cancel_compile(request_id)
         if rows:
             self._spawn(self._release_or_fail(rows, req.lane, self.scheduler.rounds[req.lane], "release after an abort"))
         if waiting or rows:
             self._finished(request_id, RequestOutput(request_id, [], finish_reason, len(req.prompt_ids), len(req.output_ids)))
         self._wake.set()
+
+    def _cancel_compile(self, request_id: str) -> None:
+        """The request ended before its grammar compiled: stop waiting for the compile
+        (cancelling ``PrepareGrammar``, which the last stage takes as this request's giving
+        up: ``GrammarRows.prefetch``)."""
+        t = self._compiling.pop(request_id, None)
+        if t is not None:
+            t.cancel()
 
     def health(self) -> tuple[bool, str]:
         ok, detail = self.pipeline.health()
@@ -638,6 +649,8 @@ class Engine:
             (log.info if self.closing else log.error)("pipeline failure: %s", reason)
             self.failure = reason
         dropped, rows = self.scheduler.fail_all()
+        for r in dropped:
+            self._cancel_compile(r.request_id)
         self._stale_rows = self._stale_rows + rows
         self._riding.clear()  # the recovery releases those rows, abandoning their commits
         self._end_dropped(dropped, lambda rid: StageDownError(f"request {rid} failed: {reason}"))
@@ -858,7 +871,7 @@ class Engine:
                 self.metrics.set_stage_forwards(k, i.get("forwards", {}))
 
     async def close(self) -> None:
-        for t in list(self._compiling):
-            t.cancel()
+        for rid in list(self._compiling):
+            self._cancel_compile(rid)
         await self._stop_lanes()
         await self.pipeline.close()

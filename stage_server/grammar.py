@@ -21,7 +21,11 @@ cannot stop one that runs in a thread. So compiles run in child processes
 (:class:`CompileProcess`, :data:`COMPILE_PROCESSES` side by side: a long one holds back
 neither the steps nor the other requests' grammars), each stopped at
 :data:`COMPILE_TIMEOUT_S` (its child killed: the request is refused, HTTP 400) and sent back
-serialized (xgrammar's ``serialize_json``).
+serialized (xgrammar's ``serialize_json``). A compile is shared by every request that asked
+for its text while it is under way (:class:`_Compile`), and given up once all of them have
+ended (their client went away, the router cancelled ``PrepareGrammar``): one still queued
+is dropped before it starts, one running is stopped (its child killed, as at the cap), so
+an abandoned compile never holds a compile process that another request waits for.
 
 A verify of ``D`` positions judges draft ``j`` by the logits of position ``j``, which
 follow the drafts before it. So the mask of position ``j`` is the grammar's after the
@@ -190,17 +194,37 @@ class CompilePool:
         for p in self.processes:
             self.idle.put(p)
 
-    def compile(self, text: str, timeout: float) -> str:
-        """:meth:`CompileProcess.compile` on an idle process (waiting for one)."""
+    def compile(self, text: str, timeout: float, job: "_Compile | None" = None) -> str:
+        """:meth:`CompileProcess.compile` on an idle process (waiting for one). ``job``: the
+        shared compile this is, which may stop it (:meth:`_Compile.abandon`); raises
+        ValueError when it was given up before a process took it."""
         process = self.idle.get()
         try:
-            return process.compile(text, timeout)
+            if job is None:
+                return process.compile(text, timeout)
+            job.attach(process)
+            try:
+                return process.compile(text, timeout)
+            finally:
+                job.detach()
         finally:
             self.idle.put(process)
 
     def stop(self) -> None:
         for p in self.processes:
             p.stop()
+
+
+def _pass_on(done: concurrent.futures.Future, to: concurrent.futures.Future) -> None:
+    """``done``'s outcome into a caller's future ``to``, unless the caller cancelled it."""
+    if not to.set_running_or_notify_cancel():
+        return
+    if done.cancelled():
+        to.set_exception(ValueError("the grammar's compile was dropped: every request waiting for it ended"))
+    elif done.exception() is not None:
+        to.set_exception(done.exception())
+    else:
+        to.set_result(done.result())
 
 
 _POOLS: dict[tuple, CompilePool] = {}
@@ -211,6 +235,47 @@ _STOP_AT_EXIT = False
 def _stop_pools() -> None:
     for pool in list(_POOLS.values()):
         pool.stop()
+
+
+class _Compile:
+    """One grammar text's compile on the worker threads (:meth:`GrammarRows.prefetch`),
+    shared by the callers that asked for it while it is under way: ``waiters`` of them have
+    not given up. The last one to give up abandons it (:meth:`abandon`)."""
+
+    def __init__(self):
+        self.future: concurrent.futures.Future | None = None  # the worker thread's
+        self.waiters = 0
+        self.abandoned = False
+        self._process: CompileProcess | None = None  # the process compiling it now
+        self._lock = threading.Lock()  # abandon() and the worker agree on the process
+
+    def attach(self, process: CompileProcess) -> None:
+        """The worker gives the compile to ``process``; ValueError when it was abandoned."""
+        with self._lock:
+            if self.abandoned:
+                raise ValueError("the grammar's compile was dropped: every request waiting for it ended")
+            self._process = process
+
+    def detach(self) -> None:
+        with self._lock:
+            self._process = None
+
+    def abandon(self) -> None:
+        """Nobody waits for the result: drop it if still queued, else stop its child (the
+        compile raises ValueError; the process starts again for the next one)."""
+        with self._lock:
+            self.abandoned = True
+            if self.future.cancel():
+                return
+            if self._process is not None:
+                self._process.stop()
+
+    def reusable(self) -> bool:
+        """Whether a caller may wait for this compile: not abandoned, not failed (a failure
+        such as a stopped child is tried again; a grammar that does not compile fails again
+        in milliseconds)."""
+        f = self.future
+        return not self.abandoned and not (f.done() and (f.cancelled() or f.exception() is not None))
 
 
 @dataclass
@@ -314,7 +379,7 @@ class GrammarRows:
         self._info = self._compiler = None
         self._lock = threading.Lock()
         # grammar text -> its compile on a worker thread (prefetch), for the steps to look up
-        self._compiles: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
+        self._compiles: OrderedDict[str, _Compile] = OrderedDict()
         self._compiles_lock = threading.Lock()  # not the compiler's: its first use loads the tokenizer
         self._worker = concurrent.futures.ThreadPoolExecutor(COMPILE_PROCESSES, thread_name_prefix="grammar-compile")
         self._pool: CompilePool | None = None
@@ -356,13 +421,14 @@ class GrammarRows:
                 self._compiler = _xgrammar().GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
             return self._compiler
 
-    def _compile(self, text: str):
+    def _compile(self, text: str, job: _Compile | None = None):
         """``text`` (xgrammar EBNF) compiled, in a child process (:class:`CompileProcess`);
-        ValueError when it does not compile, or not within ``compile_timeout``."""
+        ValueError when it does not compile, or not within ``compile_timeout``, or ``job``
+        (the shared compile this is) was abandoned."""
         if not self.eos:
             raise ValueError("grammar: the checkpoint names no EOS token, which a grammar needs to end the output")
         info = self.tokenizer_info
-        return _xgrammar().CompiledGrammar.deserialize_json(self._pool.compile(text, self.compile_timeout), info)
+        return _xgrammar().CompiledGrammar.deserialize_json(self._pool.compile(text, self.compile_timeout, job), info)
 
     def compile_processes(self) -> list[subprocess.Popen]:
         """The child processes compiling now or started for a compile (for tests)."""
@@ -375,27 +441,52 @@ class GrammarRows:
             self._pool.stop()
 
     def prefetch(self, text: str) -> concurrent.futures.Future:
-        """Compile ``text`` on the worker thread (not the step's); the future gives the
+        """Compile ``text`` on a worker thread (not the step's); the future gives the
         compiled grammar or raises ValueError. A text already compiled or compiling shares
-        that compile. Called from any thread."""
+        that compile. Cancelling the future gives this caller's interest up: once every
+        caller of a compile under way has, it is dropped (queued) or stopped (running).
+        Called from any thread."""
         with self._compiles_lock:
-            fut = self._compiles.get(text)
-            if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._compiles[text] = self._worker.submit(self._compile, text)
+            job = self._compiles.get(text)
+            if job is None or not job.reusable():
+                job = self._compiles[text] = _Compile()
+                job.future = self._worker.submit(self._compile, text, job)
             self._compiles.move_to_end(text)
             while len(self._compiles) > PREFETCHED:
                 self._compiles.popitem(last=False)
-            return fut
+            job.waiters += 1
+        mine: concurrent.futures.Future = concurrent.futures.Future()
+        mine.add_done_callback(lambda f: f.cancelled() and self._give_up(text, job))
+        job.future.add_done_callback(lambda f: _pass_on(f, mine))
+        return mine
+
+    def _give_up(self, text: str, job: _Compile) -> None:
+        """One caller of ``job`` cancelled its future: the last one abandons the compile
+        (dropped from the lookup, so a later request of the same text compiles it anew)."""
+        with self._compiles_lock:
+            job.waiters -= 1
+            if job.waiters or job.future.done():
+                return
+            if self._compiles.get(text) is job:
+                del self._compiles[text]
+        log.info("a grammar's compile was given up: every request waiting for it ended (%d chars)", len(text))
+        job.abandon()
 
     def compiled(self, text: str):
         """The compiled grammar of ``text`` for a step: the prefetched one, else compiled
         here (counted in ``step_compiles``: a path that did not prefetch, or one pushed out)."""
         with self._compiles_lock:
-            fut = self._compiles.get(text)
-        if fut is None or not fut.done():
+            job = self._compiles.get(text)
+        if job is None or not job.future.done():
             self.step_compiles += 1
             log.info("a step compiles a grammar that was not compiled ahead (%d chars)", len(text))
-        return self._compile(text) if fut is None else fut.result()
+        if job is None:
+            return self._compile(text)
+        if job.future.done() and not job.future.cancelled():
+            return job.future.result()
+        # under way: the step waits as a caller of its own, so that the requests that asked
+        # for it giving up does not stop it under the step
+        return self.prefetch(text).result()
 
     def prepare(self, rows: list[int], grammars: list[str], accepted: list[list[int]]) -> dict:
         """Matchers for requests starting on ``rows``: ``grammars[i]`` (xgrammar EBNF)

@@ -48,11 +48,11 @@ def test_a_compiling_grammar_holds_back_its_request_alone(tok):
     gate, events = threading.Event(), []
     compile_ = grammars._compile
 
-    def held(text):
+    def held(text, *job):
         events.append("compile starts")
         opened = gate.wait(120)  # bounded: a step that waited for the compile would end here
         events.append("compiled" if opened else "gate timed out")
-        return compile_(text)
+        return compile_(text, *job)
 
     grammars._compile = held
     a = llm.add_request(prompts[0], constrained)
@@ -127,3 +127,115 @@ def test_a_grammar_past_the_compile_cap_is_refused_before_any_row(monkeypatch):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=40, grammar=request_grammar(
         CompletionRequest(prompt="x", guided_choice=["yes", "no"]))))[0]
     assert out.finish_reason == "stop" and llm.tokenizer.decode(out.token_ids[:-1]) in ("yes", "no")
+
+
+def _engine_over_demo():
+    """An engine over the demo checkpoint in one in-process stage, and that stage's grammars."""
+    from ppspec.router.engine import Engine
+    from ppspec.router.pipeline import InProcessPipeline
+
+    pipe = InProcessPipeline.build(DEMO_MODEL, 1, max_rows=4, kv_tokens=4096)
+    return Engine(pipe, model_name="demo", tokenizer=None), pipe.runners[-1].grammars
+
+
+async def _outcome(engine, rid, prompt, params):
+    """The request's token ids and finish reason, or the error that ended it."""
+    ids = []
+    try:
+        async for out in engine.generate(rid, prompt, params):
+            ids += out.new_token_ids
+            if out.finished:
+                return ids, out.finish_reason
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return e
+    return ids, None
+
+
+def test_an_aborted_requests_queued_compile_is_dropped_and_a_shared_one_kept(tok):
+    """Three grammars for two compile workers, both held on a gate: the third one's compile
+    queues. Its request aborts, and so does one of the two requests sharing the first
+    grammar: the queued compile never starts (nobody waits for it), the shared one goes on
+    for the request still waiting, and both requests left answer in their grammar."""
+    import asyncio
+
+    torch.set_num_threads(1)
+    # small (the gate holds the compiles), one per name, each answer short
+    choices = {t: [f"{t} yes", f"{t} no"] for t in ("shared", "other", "queued")}
+    shared, other, queued = (request_grammar(CompletionRequest(prompt="x", guided_choice=choices[t])) for t in choices)
+    engine, grammars = _engine_over_demo()
+    gate, started = threading.Event(), []
+    compile_ = grammars._compile
+
+    def held(text, *job):
+        started.append(text)
+        gate.wait(120)  # bounded: a test that never opens it fails below instead of hanging
+        return compile_(text, *job)
+
+    grammars._compile = held
+    prompt = tok.encode("Answer yes or no:")
+
+    def params(g):
+        return SamplingParams(temperature=0, max_tokens=40, grammar=g)
+
+    async def run():
+        await engine.start()
+        try:
+            runs = {rid: asyncio.ensure_future(_outcome(engine, rid, prompt, params(g)))
+                    for rid, g in (("kept", shared), ("gone", shared), ("other", other), ("queued", queued))}
+            for _ in range(1200):
+                if len(started) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            await engine.abort("queued")
+            await engine.abort("gone")
+            await asyncio.sleep(0.2)  # what the workers would take next, they take now
+            gate.set()
+            return {rid: await asyncio.wait_for(t, 300) for rid, t in runs.items()}
+        finally:
+            await engine.close()
+
+    outs = asyncio.run(run())
+    assert sorted(started) == sorted([shared, other]), [len(t) for t in started]
+    assert outs["queued"] == ([], "abort") and outs["gone"] == ([], "abort"), outs
+    for rid, t in (("kept", "shared"), ("other", "other")):
+        ids, reason = outs[rid]
+        assert reason == "stop", (rid, outs[rid])
+        assert tok.decode(ids[:-1]) in choices[t]
+
+
+def test_an_aborted_requests_running_compile_is_stopped(monkeypatch):
+    """A grammar whose compile would take minutes: its request aborts while it compiles.
+    The compile's child is killed at once (it held a compile process, and the stage's CPU,
+    for nobody), and the next constrained request compiles and runs."""
+    import asyncio
+
+    monkeypatch.setenv("PPSPEC_GRAMMAR_COMPILE_TIMEOUT", "600")
+    torch.set_num_threads(1)
+    engine, grammars = _engine_over_demo()
+    grammars.tokenizer_info  # the compile processes, shared by the module's tests: none left running
+    grammars.close()
+    slow = _props(5000)
+    choice = request_grammar(CompletionRequest(prompt="x", guided_choice=["yes", "no"]))
+
+    async def run():
+        await engine.start()
+        try:
+            gone = asyncio.ensure_future(_outcome(engine, "slow", [5, 6, 7],
+                                                  SamplingParams(temperature=0, max_tokens=4, grammar=slow)))
+            for _ in range(2400):  # until a child process compiles it (it starts for this compile)
+                if grammars.compile_processes():
+                    break
+                await asyncio.sleep(0.05)
+            child, = grammars.compile_processes()
+            await engine.abort("slow")
+            status = await asyncio.get_running_loop().run_in_executor(None, child.wait, 60)
+            after = await asyncio.wait_for(_outcome(engine, "next", [5, 6, 7], SamplingParams(
+                temperature=0, max_tokens=40, grammar=choice)), 300)
+            return await gone, status, after
+        finally:
+            await engine.close()
+
+    gone, status, (ids, reason) = asyncio.run(run())
+    assert gone == ([], "abort") and status == -9, (gone, status)
+    assert reason == "stop" and AutoTokenizer.from_pretrained(DEMO_MODEL).decode(ids[:-1]) in ("yes", "no")
+    assert slow not in grammars._compiles

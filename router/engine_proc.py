@@ -67,7 +67,17 @@ HEARTBEAT_S = 1.0  # the engine process says its health at least this often, cha
 ENGINE_SILENT_S = 10.0
 """Seconds the HTTP server waits without a word from its engine process (not even the
 heartbeat) before it takes the engine for hung (stopped, deadlocked): ``/health`` turns 503
-naming it and new requests get 503, where they used to wait for ever behind a 200."""
+naming it and new requests and engine calls (a cache flush, a metrics scrape) get 503,
+where they used to wait for ever behind a 200."""
+ENGINE_HUNG_S = 30.0
+"""Seconds without a word from the engine process after which the HTTP server ends the
+requests and calls it has in flight with StageDownError (HTTP 503; a stream: its error
+event) naming the silence, and asks the engine to abort them (read once it runs again, so
+their rows come back). A healthy engine is never silent past ``HEARTBEAT_S``, however slow
+its steps: the heartbeat comes from its event loop, which waits for the stages' compute
+and does none itself. The bound is several times ``ENGINE_SILENT_S`` so that a process only
+paused for a moment (a debugger, a frozen container) loses no request. An engine process
+that ended needs no bound: its socket closes and everything in flight ends at once."""
 
 
 # ------------------------------------------------------------------ framing
@@ -309,6 +319,7 @@ class EngineClient:
         self.registry.register(_RemoteMetrics(self))
         self.proc: subprocess.Popen | None = None
         self._reader_task: asyncio.Task | None = None
+        self._silence_task: asyncio.Task | None = None
         self.closing = False  # close() called: the engine's end is expected
         self.lost: str | None = None  # why the engine went away unasked (None: it did not)
         self.on_lost: Callable[[], None] | None = None  # called then (the router stops serving)
@@ -351,6 +362,32 @@ class EngineClient:
         self._health = tuple(facts["health"])
         self._heard = time.monotonic()
         self._reader_task = asyncio.ensure_future(self._read_loop())
+        self._silence_task = asyncio.ensure_future(self._watch_silence())
+
+    def _silent(self) -> float:
+        """Seconds since the engine process last said anything (its heartbeat included)."""
+        return time.monotonic() - self._heard
+
+    async def _watch_silence(self) -> None:
+        """End what is in flight once the engine has been silent ``ENGINE_HUNG_S`` seconds
+        (:meth:`_end_in_flight`); checked every ``HEARTBEAT_S``."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            silent = self._silent()
+            if silent > ENGINE_HUNG_S and (self.queues or self._replies):
+                self._end_in_flight(f"the engine process has not answered for {silent:.0f} s (its heartbeat comes "
+                                    f"every {HEARTBEAT_S:g} s): hung or stopped; the request was aborted")
+
+    def _end_in_flight(self, reason: str) -> None:
+        """Every request and call in flight ends with StageDownError(reason); the requests
+        are aborted in the engine too (the message waits in the socket until it reads),
+        so that an engine that resumes frees their rows instead of generating for nobody."""
+        queues, self.queues = self.queues, {}
+        log.error("%s: ending %d requests and %d calls in flight", reason, len(queues), len(self._replies))
+        for rid, q in queues.items():
+            q.put_nowait(StageDownError(reason))
+            self._send(("abort", rid, "abort"))
+        self._fail_calls(reason)
 
     async def _wait(self) -> int:
         return await asyncio.get_running_loop().run_in_executor(None, self.proc.wait)
@@ -385,7 +422,12 @@ class EngineClient:
 
     def _gone(self, reason: str) -> None:
         """The engine process is gone: every request and call ends with StageDownError."""
+        if self._silence_task is not None:  # no request or call will wait on it now
+            self._silence_task.cancel()
         self._end_all(reason)
+        self._fail_calls(reason)
+
+    def _fail_calls(self, reason: str) -> None:
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_result(_Error.of(StageDownError(reason)))
@@ -404,6 +446,8 @@ class EngineClient:
     async def _call(self, name: str):
         if self._reader_task is None or self._reader_task.done():  # no reply would come
             raise StageDownError(self._health[1])
+        if self._silent() > ENGINE_SILENT_S:  # none would come soon, if ever
+            raise StageDownError(self.health()[1])
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[call_id] = fut
@@ -431,7 +475,7 @@ class EngineClient:
         self._send(("abort", request_id, finish_reason))
 
     def health(self) -> tuple[bool, str]:
-        silent = time.monotonic() - self._heard
+        silent = self._silent()
         if self._health[0] and silent > ENGINE_SILENT_S:
             return False, (f"the engine process has not answered for {silent:.0f} s (its heartbeat comes every "
                            f"{HEARTBEAT_S:g} s): hung or stopped")
@@ -472,8 +516,9 @@ class EngineClient:
                 self.proc.kill()
                 await self._wait()
         self.writer.close()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+        for t in (self._reader_task, self._silence_task):
+            if t is not None:
+                t.cancel()
 
 
 async def _exit_status(proc: subprocess.Popen, timeout: float = 5.0) -> int | None:

@@ -13,10 +13,10 @@ from ppspec.argtypes import DEMO_MODEL
 from ppspec.bench.served_vs_engine import children_of
 from ppspec.router import types
 from ppspec.router.engine import Engine
-from ppspec.router.engine_proc import EngineClient, EngineServer, _Error
+from ppspec.router.engine_proc import EngineClient, EngineServer, _Error, _output_fields
 from ppspec.router.llm import LLM
 from ppspec.router.pipeline import InProcessPipeline
-from ppspec.router.types import ContextLengthError, SamplingParams, StageDownError
+from ppspec.router.types import ContextLengthError, RequestOutput, SamplingParams, StageDownError
 
 pytestmark = pytest.mark.slow
 
@@ -147,6 +147,113 @@ def test_requests_end_with_503_when_the_engine_goes_away():
     assert not ok and "engine process ended" in detail
 
 
+class _ScriptedEngine:
+    """The engine process's end of the socket, played by the test: it says ``ready``, then
+    only what the test sends (:meth:`say`); ``heard`` collects what the client sent."""
+
+    def __init__(self, reader, writer):
+        self.reader, self.writer, self.heard = reader, writer, []
+        self._listen = asyncio.ensure_future(self._read())
+
+    async def _read(self):
+        from ppspec.router.engine_proc import _read
+
+        try:
+            while True:
+                self.heard.append(await _read(self.reader))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    def say(self, *msg):
+        from ppspec.router.engine_proc import _write
+
+        _write(self.writer, msg)
+
+
+def _scripted(body):
+    """Run ``body(client, engine)``: an ``EngineClient`` in front of a :class:`_ScriptedEngine`."""
+    from ppspec.router.engine_proc import _write
+
+    async def main():
+        a, b = socket.socketpair()
+        reader, writer = await asyncio.open_unix_connection(sock=a)
+        _write(writer, ("ready", {"max_model_len": 64, "spec": "none", "prefix_caching": False,
+                                  "health": (True, "1 stage serving"), "eos": [2], "frozen": 0}))
+        engine = _ScriptedEngine(reader, writer)
+        client = EngineClient([], tokenizer=None, model_name="demo")
+        await client.connect(b)
+        try:
+            return await body(client, engine)
+        finally:
+            client.closing = True
+            await client.close()
+            writer.close()
+
+    return asyncio.run(main())
+
+
+def test_a_hung_engine_ends_the_requests_and_calls_in_flight_and_aborts_them():
+    """The engine process stops answering (alive: its socket stays open) with a stream and
+    a cache flush in flight. Once it has been silent ENGINE_HUNG_S (the silence is set back
+    here, not waited for) both end with StageDownError naming the silence, the request is
+    aborted in the engine (the message waits for it in the socket), and what it says after
+    it resumes goes nowhere; new calls are refused at once."""
+    from ppspec.router import engine_proc
+
+    async def body(client, engine):
+        stream = client.generate("r", [5, 6], SamplingParams(max_tokens=8))
+        first = asyncio.ensure_future(stream.__anext__())
+        flush = asyncio.ensure_future(client.flush_cache())
+        await asyncio.sleep(0.1)
+        engine.say("out", [("r", _output_fields(RequestOutput("r", [7])))])
+        got = (await asyncio.wait_for(first, 30)).new_token_ids
+        client._heard -= engine_proc.ENGINE_HUNG_S + 1  # the engine has been silent since, as if stopped
+        with pytest.raises(StageDownError) as ended:
+            await asyncio.wait_for(stream.__anext__(), 30)
+        with pytest.raises(StageDownError) as flushed:
+            await asyncio.wait_for(flush, 30)
+        with pytest.raises(StageDownError) as refused:
+            await client.flush_cache()
+        await asyncio.sleep(0.1)  # the abort reaches the engine's end of the socket
+        return got, ended.value, flushed.value, refused.value, list(engine.heard), dict(client.queues)
+
+    got, ended, flushed, refused, heard, queues = _scripted(body)
+    assert got == [7]
+    assert "the engine process has not answered for" in str(ended) and "hung or stopped" in str(ended)
+    assert ended.http_status == 503
+    assert "has not answered" in str(flushed) and "has not answered" in str(refused)
+    assert [m[0] for m in heard] == ["add", "call", "abort"] and heard[2][1:] == ("r", "abort"), heard
+    assert queues == {}
+
+
+def test_an_engine_that_keeps_its_heartbeat_never_has_its_requests_ended(monkeypatch):
+    """A healthy engine whose request gets no token for longer than ENGINE_HUNG_S (a long
+    prefill; the bound is cut to 0.5 s here) but whose heartbeat comes: the request waits
+    and gets its tokens."""
+    from ppspec.router import engine_proc
+
+    monkeypatch.setattr(engine_proc, "ENGINE_HUNG_S", 0.5)
+    monkeypatch.setattr(engine_proc, "HEARTBEAT_S", 0.05)
+
+    async def body(client, engine):
+        outs = asyncio.ensure_future(_collect_ids(client.generate("r", [5, 6], SamplingParams(max_tokens=2))))
+        for _ in range(40):  # 2 s of heartbeats, no output
+            engine.say("health", True, "1 stage serving")
+            await asyncio.sleep(0.05)
+        engine.say("out", [("r", _output_fields(RequestOutput("r", [7, 8], "length")))])
+        return await asyncio.wait_for(outs, 30), [m[0] for m in engine.heard]
+
+    ids, heard = _scripted(body)
+    assert ids == [7, 8] and heard == ["add"]
+
+
+async def _collect_ids(outs):
+    ids = []
+    async for out in outs:
+        ids += out.new_token_ids
+    return ids
+
+
 def _extra_http_servers(router_pid):
     """PIDs of the router's extra HTTP servers (its children with ``--engine-address``)."""
     return [pid for pid, argv in children_of(router_pid) if "--engine-address" in argv]
@@ -224,6 +331,41 @@ def test_the_router_exits_when_its_engine_process_dies(tmp_path):
         assert router.wait(60) == 1
     log = (tmp_path / "router.log").read_text()
     assert "the engine process ended (exit status -9)" in log, log
+
+
+def test_requests_in_flight_end_with_a_clear_503_when_the_engine_process_dies(tmp_path):
+    """The engine process killed with a stream and a plain request in flight: the stream
+    ends with an error event naming the engine and ``[DONE]``, the plain request gets a
+    503 whose body says the same, as vLLM's requests end with EngineDeadError."""
+    import json
+    import os
+    import signal
+    import threading
+
+    import httpx
+
+    from cluster import Cluster
+
+    with Cluster(DEMO_MODEL, 1, log_dir=str(tmp_path)) as c:
+        body = dict(prompt=PROMPTS[0], max_tokens=4000, temperature=0, ignore_eos=True)
+        engine = next(pid for pid, argv in children_of(c.procs["router"].pid) if "--engine-fd" in argv)
+        plain = {}
+        waiting = threading.Thread(target=lambda: plain.update(
+            r=httpx.post(c.url + "/v1/completions", json=body, timeout=120)))
+        waiting.start()
+        events = []
+        with httpx.stream("POST", c.url + "/v1/completions", json=dict(body, stream=True), timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:  # tokens flow: both requests run
+                        os.kill(engine, signal.SIGKILL)
+        waiting.join(120)
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert "engine process ended" in error["message"], error
+    assert plain["r"].status_code == 503 and "engine process ended" in plain["r"].json()["error"]["message"], \
+        plain["r"].text
 
 
 def test_a_stopped_engine_process_turns_health_503_and_refuses_new_requests(tmp_path):

@@ -17,6 +17,46 @@ PROMPTS = [[1 + (7 * i + j) % 200 for j in range(6 + i)] for i in range(6)]
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
+def _pp2_mtp(pipeline=InProcessPipeline, **kw):
+    """The pipeline these tests break: the demo checkpoint over two in-process stages with
+    MTP drafts (3), 8 rows and 4096 KV tokens unless ``kw`` says otherwise; ``pipeline``: the
+    class (a subclass that changes how commits travel)."""
+    return pipeline.build(DEMO_MODEL, 2, **{**dict(max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True),
+                                            **kw})
+
+
+async def _mtp_engine(pipe, **kw) -> Engine:
+    """An MTP engine over ``pipe``, started (``kw``: the engine's settings)."""
+    engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", **kw)
+    await engine.start()
+    return engine
+
+
+def _stop_tasks(engine: Engine) -> None:
+    """Cancel the engine's lane, watch and output tasks, before the test's event loop ends."""
+    for t in engine._tasks:
+        t.cancel()
+
+
+def _metrics():
+    """A fresh Prometheus registry and the router's metrics on it (two stages, 3 drafts)."""
+    from prometheus_client import CollectorRegistry
+
+    from ppspec.router.metrics import RouterMetrics
+
+    reg = CollectorRegistry()
+    return reg, RouterMetrics(reg, num_stages=2, num_spec_tokens=3)
+
+
+async def _until(ready, tries: int, period: float = 0.05) -> None:
+    """Poll ``ready()`` up to ``tries`` times, ``period`` seconds apart, for work the engine
+    does in the background; the test's asserts after it say whether it came."""
+    for _ in range(tries):
+        if ready():
+            return
+        await asyncio.sleep(period)
+
+
 @pytest.fixture(scope="module")
 def reference():
     torch.set_num_threads(1)
@@ -36,7 +76,7 @@ async def _collect(engine, rid, prompt, params=PARAMS):
 
 def test_a_refused_micro_batch_fails_only_its_requests(reference):
     torch.set_num_threads(1)
-    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    pipe = _pp2_mtp()
     refused = []
     step = pipe.runners[1].step
 
@@ -51,19 +91,15 @@ def test_a_refused_micro_batch_fails_only_its_requests(reference):
     pipe.runners[1].step = refuse_first_verify
 
     async def run():
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=2)
-        await engine.start()
+        engine = await _mtp_engine(pipe, num_micro_batches=2)
         results = await asyncio.gather(*(_collect(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
-        for _ in range(50):  # the release of the failed rows runs in the background
-            if engine.scheduler.free_rows and len(engine.scheduler.free_rows) == 8:
-                break
-            await asyncio.sleep(0.05)
+        # the release of the failed rows runs in the background
+        await _until(lambda: engine.scheduler.free_rows and len(engine.scheduler.free_rows) == 8, 50)
         health = engine.health()
         after = await _collect(engine, "late", PROMPTS[0])  # still serving
         await asyncio.sleep(0.2)
         infos = await pipe.info()
-        for t in engine._tasks:
-            t.cancel()
+        _stop_tasks(engine)
         return results, health, after, infos
 
     results, health, after, infos = asyncio.run(run())
@@ -242,12 +278,11 @@ def test_recovery_refuses_a_stage_back_with_other_settings(reference):
     started with: a stage restarted without MTP would otherwise turn speculation off
     unnoticed (the router schedules drafts it no longer verifies)."""
     torch.set_num_threads(1)
-    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    pipe = _pp2_mtp()
     info = pipe.info
 
     async def run():
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp")
-        await engine.start()
+        engine = await _mtp_engine(pipe)
         engine._fail("stage 1 died (test)")
 
         async def without_mtp():
@@ -262,8 +297,7 @@ def test_recovery_refuses_a_stage_back_with_other_settings(reference):
         await engine._recover()
         ok = engine.health()
         out = await _collect(engine, "after", PROMPTS[0])
-        for t in engine._tasks:
-            t.cancel()
+        _stop_tasks(engine)
         return refused, ok, out
 
     refused, ok, out = asyncio.run(run())
@@ -367,7 +401,7 @@ def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference
     every stage, so it must also give these back (and their KV reservations), or each stage
     crash shrinks the router's capacity for good while the stages report nothing held."""
     torch.set_num_threads(1)
-    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    pipe = _pp2_mtp()
     release, commit, failed, with_release = pipe.release, pipe.commit_accept, [], set()
 
     async def dying_release(r):
@@ -391,8 +425,7 @@ def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference
 
     async def run():
         nonlocal engine
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=2)
-        await engine.start()
+        engine = await _mtp_engine(pipe, num_micro_batches=2)
         process = engine.scheduler.process
 
         def marking_process(*a, **k):
@@ -404,10 +437,8 @@ def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference
         engine.scheduler.process = marking_process
         first = await asyncio.wait_for(  # without the recovery the requests never end: fail, not hang
             asyncio.gather(*(_collect(engine, f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params)))), 60)
-        for _ in range(100):  # the lanes recover in the background
-            if engine.health()[0] and len(engine.scheduler.free_rows) == 8:
-                break
-            await asyncio.sleep(0.05)
+        # the lanes recover in the background
+        await _until(lambda: engine.health()[0] and len(engine.scheduler.free_rows) == 8, 100)
         state = (sorted(engine.scheduler.free_rows), engine.scheduler.kv_reserved, engine.scheduler.releasing_rows())
         again = await asyncio.gather(*(_collect(engine, f"s{i}", p, PARAMS) for i, p in enumerate(PROMPTS)))
         for _ in range(100):  # the finished requests' rows are released in the background
@@ -415,8 +446,7 @@ def test_rows_whose_release_a_failing_stage_lost_come_back_at_recovery(reference
             if all(i["rows_in_use"] == 0 for i in infos):
                 break
             await asyncio.sleep(0.05)
-        for t in engine._tasks:
-            t.cancel()
+        _stop_tasks(engine)
         return first, state, again, infos
 
     engine = None
@@ -436,7 +466,7 @@ def test_a_hung_stage_ends_in_flight_requests_after_the_stall_timeout(reference)
     recovers and serves the same tokens as before."""
     torch.set_num_threads(1)
     # room for every request's whole reservation at once
-    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=32768, num_speculative_steps=3, use_mtp=True)
+    pipe = _pp2_mtp(kv_tokens=32768)
     step, hung = pipe.step, asyncio.Event()
 
     async def hanging_step(inp):
@@ -450,14 +480,9 @@ def test_a_hung_stage_ends_in_flight_requests_after_the_stall_timeout(reference)
 
     async def run():
         nonlocal engine
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=2,
-                        stall_timeout=1.0)
-        await engine.start()
+        engine = await _mtp_engine(pipe, num_micro_batches=2, stall_timeout=1.0)
         tasks = [asyncio.ensure_future(_collect(engine, f"r{i}", p, long)) for i, p in enumerate(PROMPTS)]
-        for _ in range(600):
-            if engine.scheduler.num_running == len(PROMPTS):
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: engine.scheduler.num_running == len(PROMPTS), 600)
         assert engine.scheduler.num_running == len(PROMPTS)
         await asyncio.sleep(0.3)
         hung.set()
@@ -465,13 +490,9 @@ def test_a_hung_stage_ends_in_flight_requests_after_the_stall_timeout(reference)
         # stall detection can end these requests
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         hung.clear()  # the stage answers again
-        for _ in range(100):
-            if engine.health()[0] and len(engine.scheduler.free_rows) == 8:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: engine.health()[0] and len(engine.scheduler.free_rows) == 8, 100)
         again = await asyncio.gather(*(_collect(engine, f"s{i}", p, PARAMS) for i, p in enumerate(PROMPTS)))
-        for t in engine._tasks:
-            t.cancel()
+        _stop_tasks(engine)
         return results, again
 
     engine = None
@@ -503,12 +524,8 @@ def test_the_running_gauge_drops_when_failed_requests_end_without_a_later_step()
     """Every request ends by failure (stage 1 refuses every verify): no successful step
     follows, so the gauges must be set where the requests are dropped, not at the next
     step's record (before, /metrics kept num_requests_running at the last step's count)."""
-    from prometheus_client import CollectorRegistry
-
-    from ppspec.router.metrics import RouterMetrics
-
     torch.set_num_threads(1)
-    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    pipe = _pp2_mtp()
     step = pipe.runners[1].step
 
     def refuse_verifies(inp):
@@ -517,17 +534,13 @@ def test_the_running_gauge_drops_when_failed_requests_end_without_a_later_step()
         return step(inp)
 
     pipe.runners[1].step = refuse_verifies
-    reg = CollectorRegistry()
-    metrics = RouterMetrics(reg, num_stages=2, num_spec_tokens=3)
+    reg, metrics = _metrics()
 
     async def run():
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp",
-                        num_micro_batches=2, metrics=metrics)
-        await engine.start()
+        engine = await _mtp_engine(pipe, num_micro_batches=2, metrics=metrics)
         results = await asyncio.gather(*(_collect(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
         running = engine.scheduler.num_running
-        for t in engine._tasks:
-            t.cancel()
+        _stop_tasks(engine)
         return results, running
 
     results, running = asyncio.run(run())
@@ -564,7 +577,7 @@ def test_a_verify_back_after_a_failure_sends_no_commit_after_the_recovery(refere
     stages afterwards: held for the lane's next step, it went out after the recovery, the
     stages refused it (rows not pending) and the router failed a second time."""
     torch.set_num_threads(1)
-    pipe = _RidingPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    pipe = _pp2_mtp(_RidingPipeline)
     step, verifies, reasons = pipe.step, [], []
 
     async def failing_during_a_verify(inp, commit=None):
@@ -578,20 +591,16 @@ def test_a_verify_back_after_a_failure_sends_no_commit_after_the_recovery(refere
 
     async def run():
         nonlocal engine
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=1)
-        await engine.start()
+        engine = await _mtp_engine(pipe, num_micro_batches=1)
         fail = engine._fail
         engine._fail = lambda reason: (reasons.append(reason), fail(reason))
         first = await asyncio.wait_for(_collect(engine, "r0", PROMPTS[0]), 60)
-        for _ in range(200):  # the lane recovers in the background
-            if engine.failure is None:
-                break
-            await asyncio.sleep(0.05)
+        # the lane recovers in the background
+        await _until(lambda: engine.failure is None, 200)
         await asyncio.sleep(0.3)  # what the lane does right after the recovery
         await engine.settle()
         after = await asyncio.wait_for(_collect(engine, "r1", PROMPTS[1]), 60)
-        for t in engine._tasks:
-            t.cancel()
+        _stop_tasks(engine)
         return first, after
 
     engine = None
@@ -607,11 +616,10 @@ def test_a_lane_whose_loop_raises_fails_its_requests_and_serves_again(reference)
     of waiting for ever, every row comes back, and the restarted lane serves the next
     requests with the tokens of PP1 without speculation."""
     torch.set_num_threads(1)
-    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True)
+    pipe = _pp2_mtp()
 
     async def run():
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=1)
-        await engine.start()
+        engine = await _mtp_engine(pipe, num_micro_batches=1)
         process, raised = engine.scheduler.process, []
 
         def process_once_broken(*a, **kw):
@@ -624,16 +632,12 @@ def test_a_lane_whose_loop_raises_fails_its_requests_and_serves_again(reference)
         # a hang here would be the bug: the guard is generous, the requests take seconds
         first = await asyncio.wait_for(asyncio.gather(*(_collect(engine, f"a{i}", p) for i, p in
                                                         enumerate(PROMPTS[:3]))), 300)
-        for _ in range(600):  # the full recovery (every stage reset) runs before new requests
-            if engine.failure is None:
-                break
-            await asyncio.sleep(0.05)
+        # the full recovery (every stage reset) runs before new requests
+        await _until(lambda: engine.failure is None, 600)
         again = await asyncio.wait_for(asyncio.gather(*(_collect(engine, f"b{i}", p) for i, p in
                                                         enumerate(PROMPTS))), 300)
-        for _ in range(100):  # the recovery's releases run in the background
-            if len(engine.scheduler.free_rows) == 8:
-                break
-            await asyncio.sleep(0.05)
+        # the recovery's releases run in the background
+        await _until(lambda: len(engine.scheduler.free_rows) == 8, 100)
         free = len(engine.scheduler.free_rows)
         await engine.close()
         return raised, first, again, free
@@ -653,8 +657,7 @@ def test_a_commit_that_never_comes_fails_the_rounds_waiting_for_it_instead_of_ha
     for; the engine recovers (its release of every row abandons the lost commit) and
     serves the next requests with the tokens of PP1 without speculation."""
     torch.set_num_threads(1)
-    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True,
-                                   order_timeout=1.0)
+    pipe = _pp2_mtp(order_timeout=1.0)
     commit, lost = pipe.commit_accept, []
 
     async def losing_the_first_commit(c):
@@ -667,17 +670,13 @@ def test_a_commit_that_never_comes_fails_the_rounds_waiting_for_it_instead_of_ha
 
     async def run():
         # each round after the last one's result: every commit goes out on its own
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp", num_micro_batches=1,
-                        async_scheduling=False)
-        await engine.start()
+        engine = await _mtp_engine(pipe, num_micro_batches=1, async_scheduling=False)
         try:
             # without the timeout this waits for ever: the guard makes that a failure
             first = await asyncio.wait_for(asyncio.gather(*(_collect(engine, f"a{i}", p) for i, p in
                                                             enumerate(PROMPTS[:2]))), 120)
-            for _ in range(600):  # the recovery runs in the background
-                if engine.failure is None:
-                    break
-                await asyncio.sleep(0.05)
+            # the recovery runs in the background
+            await _until(lambda: engine.failure is None, 600)
             again = await asyncio.wait_for(asyncio.gather(*(_collect(engine, f"b{i}", p) for i, p in
                                                             enumerate(PROMPTS[:3]))), 120)
             await engine.settle()
@@ -700,33 +699,21 @@ def test_the_prefix_cache_gauge_drops_when_a_recovery_drops_every_snapshot():
     request after the recovery, /metrics kept the usage of before the failure for good (a
     failed flush, its drop cut by a stage that hung, left 0.0028 on an idle server). The
     gauge follows the cache where the recovery clears it."""
-    from prometheus_client import CollectorRegistry
-
-    from ppspec.router.metrics import RouterMetrics
-
     torch.set_num_threads(1)
-    pipe = InProcessPipeline.build(DEMO_MODEL, 2, max_rows=8, kv_tokens=4096, num_speculative_steps=3, use_mtp=True,
-                                   prefix_cache_gb=0.05)
-    reg = CollectorRegistry()
-    metrics = RouterMetrics(reg, num_stages=2, num_spec_tokens=3)
+    pipe = _pp2_mtp(prefix_cache_gb=0.05)
+    reg, metrics = _metrics()
 
     async def run():
-        engine = Engine(pipe, model_name="demo", tokenizer=None, speculative_algorithm="mtp",
-                        num_micro_batches=2, metrics=metrics)
-        await engine.start()
+        engine = await _mtp_engine(pipe, num_micro_batches=2, metrics=metrics)
         got = await asyncio.gather(*(_collect(engine, f"r{i}", p * 4) for i, p in enumerate(PROMPTS)))
         while not engine.settled() or engine.scheduler.releasing_rows():
             await asyncio.sleep(0.01)
         before = (engine.scheduler.cache.num_used, reg.get_sample_value("ppspec:prefix_cache_usage"))
         engine._fail("stage 1 died (test)")  # as a stage's failure does; the stage is back at once
-        for _ in range(200):
-            if engine.health()[0]:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: engine.health()[0], 200)
         after = (engine.health()[0], engine.scheduler.cache.num_used, reg.get_sample_value("ppspec:prefix_cache_usage"),
                  [r.snapshots.used for r in pipe.runners])
-        for t in engine._tasks:
-            t.cancel()
+        _stop_tasks(engine)
         return got, before, after
 
     got, (used, gauge), after = asyncio.run(run())

@@ -276,13 +276,30 @@ class Engine:
 
     async def flush_cache(self) -> int:
         """Evict every cached prefix no micro-batch uses now, on every stage (requests may
-        run meanwhile). Returns the slots dropped."""
+        run meanwhile). Returns the slots dropped.
+
+        Raises StageDownError (HTTP 503), saying why: the pipeline is down now (nothing is
+        evicted), or the stages did not confirm the drop within ``stall_timeout`` seconds
+        (a stage that hangs) or failed it. The evicted slots are handed out again only once
+        every stage has dropped them: when a late drop comes back, or at the recovery,
+        which drops every slot."""
         if self.scheduler is None or self.scheduler.cache is None:
             return 0
+        ok, detail = self.health()
+        if not ok:
+            raise StageDownError(f"prefix-cache flush refused: {detail}")
         self.scheduler.flush_cache()
-        dropped = await self._drop_evicted()
-        self._record_cache()
-        return dropped
+        # the drop goes on in the background past the answer: only a stage's answer, or the
+        # recovery, may free its slots
+        drop = self._spawn(self._drop_evicted())
+        done, _ = await asyncio.wait({drop}, timeout=self.stall_timeout)
+        if not done:
+            raise StageDownError(f"prefix-cache flush not confirmed: the stages did not answer its drop within "
+                                 f"{self.stall_timeout:g} s ({self.health()[1]}); its snapshots stay unused until "
+                                 f"they do")
+        if self.failure is not None:
+            raise StageDownError(f"prefix-cache flush failed: {self.failure}")
+        return drop.result()
 
     async def first_token_rows(self) -> dict:
         """The requests' paths to their first token (``FirstTokens.rows``)."""
@@ -300,6 +317,7 @@ class Engine:
             self._fail(f"dropping prefix-cache snapshots: {e}")  # the recovery drops every slot
             return 0
         self.scheduler.slots_dropped(slots)
+        self._record_cache()  # a flush's drop may come back late, with no step to follow it
         self._wake.set()
         return len(slots)
 
@@ -390,10 +408,11 @@ class Engine:
         return True, detail
 
     # ------------------------------------------------------------------ lanes
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.ensure_future(coro)
         self._background.add(t)
         t.add_done_callback(self._forget)
+        return t
 
     def _forget(self, t: asyncio.Task) -> None:
         self._background.discard(t)

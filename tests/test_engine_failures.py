@@ -720,3 +720,65 @@ def test_the_prefix_cache_gauge_drops_when_a_recovery_drops_every_snapshot():
     assert all(isinstance(g, list) and len(g) == 16 for g in got), got
     assert used > 0 and gauge == used / pipe.runners[0].snapshots.num_slots > 0, (used, gauge)
     assert after == (True, 0, 0.0, [0, 0]), after
+
+
+def test_a_flush_while_a_stage_hangs_answers_503_and_loses_no_snapshot(reference):
+    """``POST /v1/cache/flush`` (``Engine.flush_cache``) while a stage hangs: it waited for
+    the drop's RPC timeout (30 s over gRPC; for ever in process), then answered 200 with
+    nothing flushed. With the pipeline already down it is refused at once, evicting nothing;
+    when the stage stops answering during the drop, it answers StageDownError (HTTP 503)
+    naming the stage after ``stall_timeout`` (cut to 0.5 s here), the evicted snapshots
+    stay out of use until the stage answers, then come free on the router and every stage,
+    and the engine serves on."""
+    torch.set_num_threads(1)
+    pipe = _pp2_mtp(prefix_cache_gb=0.05)
+    release, hung, drops = pipe.release, [], []
+
+    async def hanging_drop(r):
+        if r.drop_slots and not r.req_pool_indices:
+            drops.append(r.drop_slots)
+            if len(drops) == 1:  # the first flush's drop: the stage stops answering, its health checks too
+                hung.append(asyncio.Event())
+                await hung[-1].wait()
+                hung.clear()
+        return await release(r)
+
+    pipe.release = hanging_drop
+    pipe.health = lambda: (False, "stage 1 (test) is not answering") if hung else (True, "in-process stages")
+
+    async def run():
+        engine = await _mtp_engine(pipe, num_micro_batches=2, stall_timeout=0.5)
+        cache = engine.scheduler.cache
+        await asyncio.gather(*(_collect(engine, f"r{i}", p * 4) for i, p in enumerate(PROMPTS)))
+        while not engine.settled() or engine.scheduler.releasing_rows():
+            await asyncio.sleep(0.01)
+        before = (cache.num_cached, cache.num_used, [r.snapshots.used for r in pipe.runners])
+        hung.append(asyncio.Event())  # down before the flush
+        with pytest.raises(StageDownError) as refused:
+            await asyncio.wait_for(engine.flush_cache(), 60)
+        untouched = (cache.num_cached, cache.num_used, [r.snapshots.used for r in pipe.runners])
+        hung.clear()
+        with pytest.raises(StageDownError) as unconfirmed:
+            await asyncio.wait_for(engine.flush_cache(), 60)
+        waiting = (cache.num_cached, cache.num_used, [r.snapshots.used for r in pipe.runners])
+        hung[-1].set()  # the stage answers again
+        await _until(lambda: not cache.num_used, 200)
+        dropped = (cache.num_used, [r.snapshots.used for r in pipe.runners], engine.health()[0])
+        again = await _collect(engine, "again", PROMPTS[0])
+        while not engine.settled() or engine.scheduler.releasing_rows():
+            await asyncio.sleep(0.01)
+        cached = cache.num_cached
+        flushed = await engine.flush_cache()
+        _stop_tasks(engine)
+        return before, refused.value, untouched, unconfirmed.value, waiting, dropped, again, cached, flushed
+
+    before, refused, untouched, unconfirmed, waiting, dropped, again, cached, flushed = asyncio.run(run())
+    cached_before, used_before, on_stages = before
+    assert cached_before > 0 and used_before == cached_before and on_stages == [used_before] * 2, before
+    assert "flush refused: stage 1 (test) is not answering" in str(refused) and refused.http_status == 503
+    assert untouched == before
+    assert "not confirmed" in str(unconfirmed) and "stage 1 (test) is not answering" in str(unconfirmed)
+    assert waiting == (0, used_before, on_stages)  # evicted, not free until every stage dropped them
+    assert dropped == (0, [0, 0], True)
+    assert again == reference[0]
+    assert cached > 0 and flushed == cached and len(drops) == 2

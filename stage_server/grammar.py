@@ -127,6 +127,7 @@ class CompileProcess:
         or the child exits (killed by :meth:`stop`, or crashed) while compiling it."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
+        proc = self.proc
         try:
             self._send.send_bytes(text.encode())
             if not self._recv.poll(timeout):
@@ -134,7 +135,11 @@ class CompileProcess:
                 raise ValueError(f"the grammar did not compile within {timeout:g} s (PPSPEC_GRAMMAR_COMPILE_TIMEOUT "
                                  f"on the last stage): give a smaller schema or grammar")
             reply = self._recv.recv_bytes()
-        except (EOFError, OSError):
+        except (EOFError, OSError, TypeError) as e:
+            # stop() from another thread may close the pipe under poll / recv, which then
+            # raise TypeError (the closed handle is None); any other TypeError is a bug
+            if isinstance(e, TypeError) and self.proc is proc:
+                raise
             self.stop()
             raise ValueError("the grammar compiler process stopped while compiling it") from None
         if reply[:2] != b"ok":

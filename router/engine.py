@@ -354,6 +354,9 @@ class Engine:
             error: EngineError = InvalidRequestError(f"structured output: {e}", param="grammar")
         except EngineError as e:
             error = e
+        except Exception as e:  # noqa: BLE001 -- any other fault ends the request, never leaves it waiting
+            log.exception("compiling the grammar of request %s", request_id)
+            error = EngineError(f"structured output: the grammar could not be prepared ({type(e).__name__}: {e})")
         else:
             self.scheduler.ready(request_id)
             self._wake.set()

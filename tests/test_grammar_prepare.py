@@ -239,3 +239,45 @@ def test_an_aborted_requests_running_compile_is_stopped(monkeypatch):
     assert gone == ([], "abort") and status == -9, (gone, status)
     assert reason == "stop" and AutoTokenizer.from_pretrained(DEMO_MODEL).decode(ids[:-1]) in ("yes", "no")
     assert slow not in grammars._compiles
+
+
+def test_an_unexpected_compile_fault_ends_the_request_with_an_error():
+    """A grammar compile that fails with something other than a refusal (here an OSError
+    from the stage's compile): the request ends with an EngineError (HTTP 500) naming it
+    instead of waiting for ever, it took no row, and the next request with the same grammar
+    compiles and runs."""
+    import asyncio
+
+    from ppspec.router.types import EngineError
+
+    torch.set_num_threads(1)
+    engine, grammars = _engine_over_demo()
+    compile_, calls = grammars._compile, []
+
+    def faulty(text, *job):
+        calls.append(text)
+        if len(calls) == 1:
+            raise OSError("no space left on device")
+        return compile_(text, *job)
+
+    grammars._compile = faulty
+    choice = request_grammar(CompletionRequest(prompt="x", guided_choice=["yes", "no"]))
+
+    def params():
+        return SamplingParams(temperature=0, max_tokens=40, grammar=choice)
+
+    async def run():
+        await engine.start()
+        try:
+            first = await asyncio.wait_for(_outcome(engine, "first", [5, 6, 7], params()), 300)
+            rows = [r.rows_in_use for r in engine.pipeline.runners]
+            second = await asyncio.wait_for(_outcome(engine, "second", [5, 6, 7], params()), 300)
+            return first, rows, second
+        finally:
+            await engine.close()
+
+    first, rows, (ids, reason) = asyncio.run(run())
+    assert isinstance(first, EngineError) and first.http_status == 500, first
+    assert "OSError: no space left on device" in first.message
+    assert rows == [set()] and len(calls) == 2
+    assert reason == "stop" and AutoTokenizer.from_pretrained(DEMO_MODEL).decode(ids[:-1]) in ("yes", "no")

@@ -239,11 +239,13 @@ def main(argv: list[str] | None = None) -> int:
 
         a.model = make_tiny(os.path.join(tmp, "tiny"))
     ports = _free_ports(a.pp)
+    # every row's KV: its 16-token prompt and a token a round, a page of slack each
+    kv_tokens = max(8192, a.batch * (16 + a.rounds + 64))
     procs = []
     for k in range(a.pp):
         cmd = [sys.executable, os.path.abspath(__file__), "--stage-trace", os.path.join(tmp, f"stage{k}.json"),
                "--model", a.model, "--pp-rank", str(k), "--pp-size", str(a.pp), "--port", str(ports[k]),
-               "--num-threads", "1", "--max-rows", str(max(8, a.batch)), "--kv-tokens", "8192", *a.stage_args.split()]
+               "--num-threads", "1", "--max-rows", str(max(8, a.batch)), "--kv-tokens", str(kv_tokens), *a.stage_args.split()]
         if k < a.pp - 1:
             cmd += ["--next-stage", f"127.0.0.1:{ports[k + 1]}"]
         procs.append(subprocess.Popen(cmd, stdout=open(os.path.join(tmp, f"stage{k}.log"), "w"),

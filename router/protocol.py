@@ -550,6 +550,13 @@ TEMPLATE_ARGUMENTS = frozenset({
 """``apply_chat_template``'s own arguments: not template variables a request may set."""
 
 
+# A tool's function fields besides its name, as OpenAI (and vLLM's request model) type them:
+# (field, the types it may have when not null, what the error says it must be). The tool
+# call parsers and the forced-call grammars read ``parameters`` as a JSON schema object.
+_FUNCTION_FIELDS = (("parameters", dict, "a JSON schema object"), ("description", str, "a string"),
+                    ("strict", bool, "a boolean"))
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
@@ -612,6 +619,10 @@ class ChatCompletionRequest(_GenerationRequest):
             if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
                     or not fn["name"]:
                 raise ValueError('tools: each must be {"type": "function", "function": {"name": ..., ...}}')
+            for key, kinds, what in _FUNCTION_FIELDS:
+                if fn.get(key) is not None and not isinstance(fn[key], kinds):
+                    raise ValueError(f"tools: function {fn['name']!r}: {key} must be {what}, "
+                                     f"got {type(fn[key]).__name__}")
         if self.tool_choice not in (None, "none", "auto"):
             names = [t["function"]["name"] for t in self.tools or []]
             if not names:

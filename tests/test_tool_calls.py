@@ -284,3 +284,30 @@ def test_qwen3_coder_end_to_end_streamed_and_not(engine, tokenizer):
                 finish = c.finish_reason or finish
         assert finish == "tool_calls" and chunks_with_args >= 3
         assert [(calls[i][0], json.loads(calls[i][1])) for i in sorted(calls)] == got
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
+@pytest.mark.parametrize("function, field", [
+    ({"name": "f", "parameters": "x"}, "parameters"),
+    ({"name": "f", "parameters": [1]}, "parameters"),
+    ({"name": "f", "parameters": 5}, "parameters"),
+    ({"name": "f", "description": 5}, "description"),
+    ({"name": "f", "strict": "yes"}, "strict"),
+])
+def test_tool_fields_of_a_wrong_type_get_400_naming_them(engine, parser, function, field):
+    """A function's parameters that are not a JSON schema object (or null), a description
+    that is not a string, a strict that is not a boolean: 400 naming the field, with or
+    without a forced call (the qwen3_coder parser read such parameters and failed: 500)."""
+    with run_server(build_app(engine, MODEL, tool_call_parser=parser)) as url:
+        for extra in ({}, {"tool_choice": "required"}):
+            r = httpx.post(url + "/v1/chat/completions", json=dict(
+                messages=[{"role": "user", "content": "x"}], tools=[{"type": "function", "function": function}],
+                **extra))
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "tools" and f"'f'" in err["message"] and field in err["message"], err
+        # a null parameters is a function without arguments, as OpenAI's
+        r = httpx.post(url + "/v1/chat/completions", json=dict(
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": None, "description": None}}]))
+        assert r.status_code == 200, r.text

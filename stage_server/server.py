@@ -56,7 +56,7 @@ from .config import CheckpointError
 from .pools import PoolExhaustedError
 from .rounds import SampledRounds
 from .runner import RowStateError, brief
-from .warmup import warm_up
+from .warmup import warm_rows, warm_up
 
 log = logging.getLogger("ppspec.stage")
 
@@ -821,7 +821,13 @@ async def serve_stage(args) -> int:
         print(f"ppspec stage {args.pp_rank}: {e}", file=sys.stderr)
         return 2
     # before the port opens: the router (and /health) sees this stage only once it is warm
-    runner.warmup_seconds = warm_up(runner)
+    try:
+        runner.warmup_seconds = warm_up(runner)
+    except PoolExhaustedError as e:  # the only pool it can exhaust is the KV pool (or MTP's, also --kv-tokens)
+        print(f"ppspec stage {args.pp_rank}: --kv-tokens {args.kv_tokens} is too small: the stage's warm-up (a "
+              f"micro-batch of {len(warm_rows(runner))} short sequences, as serving runs them) does not fit: {e}",
+              file=sys.stderr)
+        return 2
     log.info("stage %d: warm-up took %.2f s", args.pp_rank, runner.warmup_seconds)
     last = args.pp_rank == args.pp_size - 1
     interceptors = [KeyCheck(key, args.pp_rank)] if key else []  # first: a refused call waits for nothing

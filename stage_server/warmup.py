@@ -30,7 +30,7 @@ PREFILL_LENGTHS = (1, 17, 64, 65, 200, 512)
 CPU_PREFILL_LENGTHS, CPU_ROWS = (1, 17), 4
 
 
-def _warm_rows(runner) -> list[int]:
+def warm_rows(runner) -> list[int]:
     # a full micro-batch (each row takes a few KV pages)
     return list(range(min(runner.max_rows, 64 if runner.device.type == "cuda" else CPU_ROWS)))
 
@@ -78,7 +78,7 @@ def warm_up(runner) -> float:
     busy, fault = runner.busy_seconds, runner.fault
     runner.fault = None  # injected faults are for the served rounds (tests), not this
     steps = _Steps(runner)
-    rows = _warm_rows(runner)
+    rows = warm_rows(runner)
     limit = runner.max_context - steps.D - 1
     try:
         # prefill: one sequence per chunk length (first chunk, then a continued one that does

@@ -294,3 +294,16 @@ def test_serve_passes_gc_freeze_to_the_router_and_every_stage(flag, want):
     assert router_parser().parse_args(router_argv(a, [5001, 5002])[1:]).gc_freeze is want
     for k in range(2):
         assert stage_parser().parse_args(stage_argv(a, k, [5001, 5002], "cpu", 1)[1:]).gc_freeze is want
+
+
+@pytest.mark.parametrize("cmd", ["stage", "serve"])
+def test_a_kv_pool_too_small_to_warm_up_is_a_usage_error(cmd):
+    """--kv-tokens below what the stage's warm-up takes (a micro-batch of a few short
+    sequences) is one usage error naming the option, not a traceback of the pool (exit 1)."""
+    from cluster import free_port
+
+    p = subprocess.run([sys.executable, "-m", "ppspec.cli", cmd, "--kv-tokens", "10", "--port", str(free_port()),
+                        *(["--stage-ports", str(free_port())] if cmd == "serve" else [])],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "--kv-tokens 10 is too small" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -18,9 +18,14 @@ from .tool_calls import TOOL_CALL_PARSERS
 
 
 def _max_logprobs(value: str) -> int:
-    n = int(value)
+    # ArgumentTypeError: argparse prints its message (a ValueError's it replaces with the
+    # function's name: "invalid _max_logprobs value")
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
     if n < -1:
-        raise ValueError(f"--max-logprobs {n}: give a count >= 0, or -1 for no cap")
+        raise argparse.ArgumentTypeError(f"give a count >= 0, or -1 for no cap, got {n}")
     return n
 
 

@@ -51,6 +51,8 @@ CASES = [
      "num_speculative_tokens must be an integer >= 1"),
     (["serve", "--speculative-config", '{"method": "mtp"}', "--speculative-algorithm", "ngram"], "give one of them"),
     (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["serve", "--max-logprobs", "-5"], "--max-logprobs: give a count >= 0, or -1 for no cap, got -5"),
+    (["router", "--stages", "127.0.0.1:1", "--max-logprobs", "many"], "--max-logprobs: expected an integer, got 'many'"),
     (["router", "--stages", "127.0.0.1:1", "--enable-auto-tool-choice"],
      "--enable-auto-tool-choice needs --tool-call-parser"),
     (["router", "--stages", "127.0.0.1:1", "--allowed-origins", "https://a.example"],

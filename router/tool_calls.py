@@ -18,7 +18,9 @@ is a JSON object ``{"name": ..., "arguments": {...}}``.
 
 Parameter values are text; each is converted by the type its tool's JSON schema gives it
 (``integer``, ``number``, ``boolean``, ``object``, ``array``, ``null``: read as JSON when it
-parses; ``string`` or no schema: the text), and the arguments are sent as a JSON object.
+parses; ``string`` or no schema: the text), also where the type comes through a local
+``$ref``, ``anyOf`` / ``oneOf`` / ``allOf``, ``enum`` or ``const`` (pydantic's schemas), as a
+forced call's grammar writes it; the arguments are sent as a JSON object.
 
 :func:`parse_tool_calls` reads a whole text: a block that is not a well-formed call (cut
 off by ``max_tokens``, malformed) makes the whole text plain content, so nothing the model
@@ -127,6 +129,63 @@ class Hermes:
         return parsed
 
 
+_VALUE_KINDS = {str: "string", bool: "boolean", int: "integer", float: "number", type(None): "null",
+                list: "array", dict: "object"}
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` (``#`` or a JSON pointer ``#/...`` into the tool's
+    ``parameters``) names; None where it names nothing there (or another document)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def schema_kinds(schema: Any, root: Any, depth: int = 0) -> set[str] | None:
+    """The JSON types a value of ``schema`` may have, as a forced call's grammar (xgrammar's
+    qwen_xml) reads it: its ``type``, or through a local ``$ref``, ``anyOf`` / ``oneOf``
+    (every branch), ``allOf`` (the first branch that says), ``const`` or ``enum`` (their
+    values' types). None where it does not say (any value: the text is kept)."""
+    if not isinstance(schema, dict) or depth > 32:  # 32: a $ref cycle says nothing
+        return None
+    if isinstance(schema.get("$ref"), str):
+        return schema_kinds(_pointer(root, schema["$ref"]), root, depth + 1)
+    t = schema.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list) and t and all(isinstance(k, str) for k in t):
+        return set(t)
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list) and values:
+        kinds = {_VALUE_KINDS.get(type(v)) for v in values}
+        return None if None in kinds else kinds
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            kinds = set()
+            for branch in schema[key]:
+                k = schema_kinds(branch, root, depth + 1)
+                if k is None:
+                    return None
+                kinds |= k
+            return kinds
+    for branch in schema.get("allOf") if isinstance(schema.get("allOf"), list) else []:
+        k = schema_kinds(branch, root, depth + 1)
+        if k is not None:
+            return k
+    return None
+
+
 _XML_SPACE = (" ", "\t", "\r", "\n")  # never "": text[:1] of an empty value
 
 
@@ -138,12 +197,14 @@ class Qwen3Coder:
     _END = re.compile(r"</function>\s*$")
 
     def __init__(self, tools: list[dict] | None = None):
-        self.types: dict[str, dict[str, Any]] = {}  # function -> parameter -> JSON schema type
+        # function -> parameter -> the JSON types its value may have (None: unknown, the text)
+        self.types: dict[str, dict[str, set[str] | None]] = {}
         for tool in tools or []:
             fn = tool.get("function") or {}
-            props = (fn.get("parameters") or {}).get("properties") or {}
+            params = fn.get("parameters")
+            props = (params.get("properties") if isinstance(params, dict) else None) or {}
             if isinstance(fn.get("name"), str) and isinstance(props, dict):
-                self.types[fn["name"]] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
+                self.types[fn["name"]] = {k: schema_kinds(v, params) for k, v in props.items() if isinstance(v, dict)}
 
     def _value(self, function: str, param: str, text: str) -> Any:
         # One whitespace character on each side is the format's: its newline, or what a forced
@@ -151,9 +212,8 @@ class Qwen3Coder:
         # which left in a string would break the schema the grammar enforced on the rest.
         text = text[1:] if text[:1] in _XML_SPACE else text
         text = text[:-1] if text[-1:] in _XML_SPACE else text
-        kind = self.types.get(function, {}).get(param)
-        kinds = kind if isinstance(kind, list) else [kind]
-        if kind is None or "string" in kinds:
+        kinds = self.types.get(function, {}).get(param)
+        if kinds is None or "string" in kinds:
             return text
         try:
             return json.loads(text, parse_constant=_reject_constant)

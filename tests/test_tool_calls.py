@@ -311,3 +311,48 @@ def test_tool_fields_of_a_wrong_type_get_400_naming_them(engine, parser, functio
             messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": None, "description": None}}]))
         assert r.status_code == 200, r.text
+
+
+# the shapes pydantic (openai.pydantic_function_tool) writes: Optional[int] as anyOf with
+# null, an Enum and a nested model through $ref to $defs, a Literal of integers as enum
+BOOKING = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "additionalProperties": False,
+    "$defs": {"Size": {"enum": [1, 2, 3], "title": "Size"}, "Color": {"enum": ["red", "blue"], "type": "string"},
+              "Slot": {"type": "object", "properties": {"hour": {"type": "integer"}}}},
+    "properties": {
+        "guests": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "size": {"$ref": "#/$defs/Size"},
+        "color": {"$ref": "#/$defs/Color"},
+        "slot": {"$ref": "#/$defs/Slot"},
+        "price": {"allOf": [{"type": "number"}]},
+        "room": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+        "level": {"enum": [0, 1], "default": 0},
+        "tag": {"const": 7},
+        "loop": {"$ref": "#"},
+        "missing": {"$ref": "#/$defs/Nope"},
+        "remote": {"$ref": "https://example.com/schema.json"},
+    }}}}
+
+
+# the same in JSON schema draft 7's spelling: definitions, not $defs
+BOOKING_DRAFT7 = json.loads(json.dumps(BOOKING).replace('"$defs"', '"definitions"').replace("#/$defs/", "#/definitions/"))
+
+
+@pytest.mark.parametrize("tools", [[BOOKING], [BOOKING_DRAFT7]], ids=["defs", "definitions"])
+def test_qwen3_coder_types_values_through_ref_anyof_and_enum(tools):
+    """A forced call's grammar (xgrammar's qwen_xml) writes a value whose schema has no string
+    branch as JSON, also where the type comes through ``$ref``, ``anyOf`` / ``oneOf`` /
+    ``allOf``, ``enum`` or ``const``: such a value comes back typed (pydantic's Optional[int]
+    was the string "4"), a value that may be a string stays the text written, and a ``$ref``
+    that cannot be followed types nothing."""
+    values = {"guests": "4", "size": "2", "color": "red", "slot": '{"hour": 9}', "price": "9.5", "room": "12",
+              "level": "1", "tag": "7", "loop": "{}", "missing": "5", "remote": "6"}
+    text = "<tool_call>\n<function=book>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items()) + "</function>\n</tool_call>"
+    _, calls = parse_tool_calls(text, "qwen3_coder", tools)
+    assert _args(calls[0]) == ("book", {"guests": 4, "size": 2, "color": "red", "slot": {"hour": 9}, "price": 9.5,
+                                        "room": "12", "level": 1, "tag": 7, "loop": {}, "missing": "5",
+                                        "remote": "6"})
+    # null where the schema allows it, the text where it does not parse as the type
+    _, calls = parse_tool_calls(text.replace("\n4\n", "\nnull\n").replace("\n2\n", "\ntwo\n"), "qwen3_coder", tools)
+    assert _args(calls[0])[1]["guests"] is None and _args(calls[0])[1]["size"] == "two"

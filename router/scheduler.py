@@ -381,8 +381,10 @@ class Scheduler:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_context)
-        if self.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"the queue is full ({self.max_waiting} waiting requests)")
+        # a request a free row will take at the next admission is not queued behind the
+        # running ones: a burst into an idle server fills its rows before the bound counts
+        if self.num_waiting >= self.max_waiting + len(self.free_rows):
+            raise QueueFullError(f"the queue is full ({self.max_waiting} requests waiting for a row)")
         need = len(prompt_ids) + params.max_tokens + self.D + self.num_steps
         need = -(-need // self.page_size) * self.page_size
         if need > self.kv_tokens:

@@ -49,7 +49,7 @@ def add_router_args(ap: argparse.ArgumentParser) -> list[argparse.Action]:
                  "many tokens joins in the rest of the budget (default: 512 on CUDA, 128 on CPU)"),
         add("--chunk-size", type=positive_int, default=None,
             help="prompt tokens of one request per micro-batch at most (default: the token budget)"),
-        add("--max-waiting", type=positive_int, default=4096, help="queued requests before 429"),
+        add("--max-waiting", type=positive_int, default=4096, help="requests waiting for a row (beyond those the free rows take next) before 429"),
         add("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
             help="send a micro-batch's next round before its last one's result, decoding requests' input "
                  "ids filled in by the first stage; off: each round after the last one's result"),

@@ -282,3 +282,24 @@ def test_an_aborted_waiting_request_no_longer_counts_as_waiting():
     assert s.num_waiting == 0 and not s.waiting
     s.add("c", [1], SamplingParams(max_tokens=4))  # the queue bound counts only the live ones
     assert s.num_waiting == 1
+
+
+def test_the_queue_bound_counts_the_requests_no_free_row_will_take():
+    """--max-waiting bounds the requests that wait for a row: a burst into an idle server
+    with 2 free rows and a bound of 3 takes 5 requests (2 for the rows, 3 queued), refuses
+    the 6th; once the rows are taken, the bound is the queue's own."""
+    from ppspec.router.types import QueueFullError
+
+    s = _sched(max_rows=2, kv_tokens=64, max_waiting=3)
+    for i in range(5):
+        s.add(f"r{i}", [1], SamplingParams(max_tokens=4))
+    with pytest.raises(QueueFullError, match="3 requests waiting for a row"):
+        s.add("r5", [1], SamplingParams(max_tokens=4))
+    b = s.schedule(0)
+    assert sorted(r.request_id for r in b.first) == ["r0", "r1"] and not s.free_rows
+    assert s.num_waiting == 3
+    with pytest.raises(QueueFullError):
+        s.add("r5", [1], SamplingParams(max_tokens=4))
+    assert s.abort("r4") == []
+    s.add("r5", [1], SamplingParams(max_tokens=4))
+    assert [r.request_id for r in s.waiting] == ["r2", "r3", "r5"]

@@ -494,6 +494,8 @@ class ChatMessage(_Request):
     def _check_content(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        for i, call in enumerate(self.tool_calls or []):
+            _check_tool_call(call, i)
         return self
 
     def text(self) -> Optional[str]:
@@ -513,6 +515,26 @@ class ChatMessage(_Request):
         if self.tool_calls is not None:
             out["tool_calls"] = [_parsed_arguments(c) for c in self.tool_calls]
         return out
+
+
+def _check_tool_call(call: dict[str, Any], i: int) -> None:
+    """A tool call in the history as OpenAI's API (and vLLM's request model) types it:
+    ``{"id": str, "type": "function", "function": {"name": str, "arguments": str}}``; the
+    arguments may also be the object itself (the template gets an object either way). ValueError
+    naming what is wrong: the template would render anything, or fail with a 500."""
+    where = f"tool_calls[{i}]"
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise ValueError(f"{where}: needs a function object ({{\"name\": ..., \"arguments\": ...}})")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"{where}: function.name must be a non-empty string")
+    if not isinstance(fn.get("arguments"), (str, dict)):
+        raise ValueError(f"{where}: function.arguments must be a JSON string (or an object), "
+                         f"got {type(fn.get('arguments')).__name__}")
+    if call.get("type", "function") != "function":
+        raise ValueError(f"{where}: type must be 'function'")
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise ValueError(f"{where}: id must be a string")
 
 
 def renderable_type(kind: str) -> str:

@@ -313,6 +313,32 @@ def test_tool_fields_of_a_wrong_type_get_400_naming_them(engine, parser, functio
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("call, says", [
+    ({"id": "c1", "type": "function"}, "needs a function object"),
+    ({"id": "c1", "type": "function", "function": {"arguments": "{}"}}, "function.name"),
+    ({"id": "c1", "type": "function", "function": {"name": "", "arguments": "{}"}}, "function.name"),
+    ({"id": "c1", "type": "function", "function": {"name": "f", "arguments": 5}}, "function.arguments"),
+    ({"id": "c1", "type": "function", "function": {"name": "f"}}, "function.arguments"),
+    ({"id": "c1", "type": "tool", "function": {"name": "f", "arguments": "{}"}}, "type must be 'function'"),
+    ({"id": 5, "type": "function", "function": {"name": "f", "arguments": "{}"}}, "id must be a string"),
+])
+def test_a_malformed_tool_call_in_the_history_gets_400_naming_it(engine, call, says):
+    """An assistant message's tool call that is not OpenAI's shape (vLLM's request model
+    refuses it too): 400 naming the call, where the template rendered it (200) or failed;
+    the same call well formed, with its arguments as a string or an object, renders."""
+    def history(c):
+        return [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [c]},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+    with run_server(build_app(engine, MODEL, tool_call_parser="hermes")) as url:
+        r = httpx.post(url + "/v1/chat/completions", json=dict(messages=history(call), max_tokens=2))
+        assert r.status_code == 400, r.text
+        assert "tool_calls[0]" in r.json()["error"]["message"] and says in r.json()["error"]["message"], r.json()
+        for args in ('{"a": 1}', {"a": 1}):
+            ok = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
+            r = httpx.post(url + "/v1/chat/completions", json=dict(messages=history(ok), max_tokens=2))
+            assert r.status_code == 200, r.text
+
+
 # the shapes pydantic (openai.pydantic_function_tool) writes: Optional[int] as anyOf with
 # null, an Enum and a nested model through $ref to $defs, a Literal of integers as enum
 BOOKING = {"type": "function", "function": {"name": "book", "parameters": {

@@ -149,6 +149,7 @@ def test_top_logprobs_over_the_cap_is_a_400_naming_it():
                     path="/v1/chat/completions")
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "top_logprobs", r.json()
+    assert r.json()["error"]["message"].startswith("top_logprobs"), r.json()  # the field the client sent
     assert rows == [set()]
 
 

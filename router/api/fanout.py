@@ -116,7 +116,11 @@ def sampling_params(body: _GenerationRequest, prompt_len: int, choice: int, logp
         params.validate(max_logprobs, vocab_size)
     except InvalidRequestError as e:
         if e.param == "logprobs" and getattr(body, "top_logprobs", None) is not None:
-            e.param = "top_logprobs"  # chat's count of alternatives (its logprobs is a bool)
+            # chat's count of alternatives (its logprobs is a bool): the error names that field
+            e.param = "top_logprobs"
+            if e.message.startswith("logprobs"):
+                e.message = "top_" + e.message
+                e.args = (e.message,)
         raise
     return params
 

@@ -41,7 +41,8 @@ process, at PP 1, 2 and 4. ``--baseline-pythonpath DIR`` serves a second time wi
 checkout's packages first on ``PYTHONPATH`` (a folder holding a ``ppspec`` package that
 maps that checkout, see ``--help``), in the same run, for an A/B of a change;
 ``--variant NAME=ARGS`` (repeatable) serves this checkout again with more ``ppspec serve``
-arguments, for an A/B of a setting (``--variant "one-lane=--num-micro-batches 1"``).
+arguments, for an A/B of a setting (``--variant "one-lane=--num-micro-batches 1"``);
+``--repeat N`` serves each of them N times, every other time in reversed order.
 """
 from __future__ import annotations
 
@@ -519,6 +520,20 @@ def report(a, eng: dict, served: dict[str, dict[int, dict]]) -> str:
     return "\n".join(lines)
 
 
+def serving_order(runs: list[tuple], repeat: int) -> list[tuple]:
+    """The servers to start, in order: ``runs`` (``(name, pythonpath, args)``: this checkout,
+    the baseline, the variants) ``repeat`` times, every other time reversed (A B, B A, A B,
+    ...), each named with its pass (``served #2``) when ``repeat`` > 1. On the GPU hosts the
+    server that ran first after the engine's run was the slower at concurrency 1 whichever it
+    was (docs/PERFORMANCE.md, "The collector's passes"): alternating, a position's effect
+    shows as the spread of one setting's columns, not as a difference between settings."""
+    order = []
+    for i in range(repeat):
+        for name, path, extra in (runs if i % 2 == 0 else runs[::-1]):
+            order.append((name if repeat == 1 else f"{name} #{i + 1}", path, extra))
+    return order
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ppspec.bench.served_vs_engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -545,8 +560,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="also serve with this folder first on PYTHONPATH (another checkout's ppspec), named 'baseline'")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                     help="also serve this checkout with these more ppspec serve arguments, named NAME (repeatable)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="serve each of them this many times, in reversed order every other time (A B, B A, ...)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error(f"--repeat {a.repeat}: give 1 or more")
     variants = []
     for v in a.variant:
         name, sep, args = v.partition("=")
@@ -573,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [("served", None, "")] + ([("baseline", a.baseline_pythonpath, "")] if a.baseline_pythonpath else [])
     runs += variants
     for pp in (int(x) for x in a.pp.split(",")):
-        for name, path, extra in runs:  # interleaved: the A/B sees the same machine load
+        for name, path, extra in serving_order(runs, a.repeat):  # interleaved: the A/B sees the same machine load
             print(f"{name} PP{pp} ...", file=sys.stderr, flush=True)
             served.setdefault(name, {})[pp] = served_figures(a, pp, samples, path, extra)
     print(report(a, eng, served))

@@ -77,3 +77,16 @@ def test_request_path_times_every_step_and_sums_them():
     lines = table(figures).splitlines()
     assert lines[0] == "| step (median us) | 40 ids | 700 ids |" and len(lines) == 2 + 14 + 1
     assert lines[-1] == f"| sum | {sum(figures[40].values()):.1f} | {sum(figures[700].values()):.1f} |"
+
+
+def test_serving_order_alternates_and_names_each_pass():
+    """``--repeat``: every server once per pass, each other pass reversed, named by pass;
+    one pass keeps the plain names."""
+    from ppspec.bench.served_vs_engine import serving_order
+
+    runs = [("served", None, ""), ("baseline", "/b", ""), ("nofreeze", None, "--no-gc-freeze")]
+    assert serving_order(runs, 1) == runs
+    assert [n for n, *_ in serving_order(runs, 3)] == [
+        "served #1", "baseline #1", "nofreeze #1", "nofreeze #2", "baseline #2", "served #2",
+        "served #3", "baseline #3", "nofreeze #3"]
+    assert serving_order(runs, 2)[3] == ("nofreeze #2", None, "--no-gc-freeze")

@@ -289,9 +289,11 @@ class Engine:
         if not ok:
             raise StageDownError(f"prefix-cache flush refused: {detail}")
         self.scheduler.flush_cache()
-        # the drop goes on in the background past the answer: only a stage's answer, or the
+        # the slots taken now, with the eviction: a drop that runs before this one's task
+        # (a release's) would take them, and this one answer 0 before any stage dropped them.
+        # The drop goes on in the background past the answer: only a stage's answer, or the
         # recovery, may free its slots
-        drop = self._spawn(self._drop_evicted())
+        drop = self._spawn(self._drop_evicted(self.scheduler.take_dropped_slots()))
         done, _ = await asyncio.wait({drop}, timeout=self.stall_timeout)
         if not done:
             raise StageDownError(f"prefix-cache flush not confirmed: the stages did not answer its drop within "
@@ -305,10 +307,11 @@ class Engine:
         """The requests' paths to their first token (``FirstTokens.rows``)."""
         return self.first_tokens.rows()
 
-    async def _drop_evicted(self) -> int:
-        """Drop the prefix-cache slots evicted since the last call on every stage, then
-        free them (their KV charge back). Returns how many."""
-        slots = self.scheduler.take_dropped_slots()
+    async def _drop_evicted(self, slots: list[int] | None = None) -> int:
+        """Drop the prefix-cache slots evicted since the last call (or ``slots``, taken
+        already) on every stage, then free them (their KV charge back). Returns how many."""
+        if slots is None:
+            slots = self.scheduler.take_dropped_slots()
         if not slots:
             return 0
         try:

@@ -782,3 +782,33 @@ def test_a_flush_while_a_stage_hangs_answers_503_and_loses_no_snapshot(reference
     assert dropped == (0, [0, 0], True)
     assert again == reference[0]
     assert cached > 0 and flushed == cached and len(drops) == 2
+
+
+def test_a_flush_drops_and_counts_its_own_snapshots_when_another_drop_runs_beside_it():
+    """``Engine.flush_cache`` evicts every snapshot, then waits for their drop on every stage.
+    A release that ends in the same turn of the event loop drops what is evicted next
+    (``_release_or_fail``: ``_drop_evicted``); the flush's own drop ran a turn later, found
+    nothing left to drop and answered 0 snapshots at once, before any stage had dropped
+    them. The flush takes its slots when it evicts them: it counts them all and answers once
+    every stage dropped them."""
+    torch.set_num_threads(1)
+    pipe = _pp2_mtp(prefix_cache_gb=0.05)
+
+    async def run():
+        engine = await _mtp_engine(pipe, num_micro_batches=2)
+        cache = engine.scheduler.cache
+        await asyncio.gather(*(_collect(engine, f"r{i}", p * 4) for i, p in enumerate(PROMPTS)))
+        while not engine.settled() or engine.scheduler.releasing_rows():
+            await asyncio.sleep(0.01)
+        cached = cache.num_cached
+        flush = asyncio.ensure_future(engine.flush_cache())
+        await asyncio.sleep(0)  # the flush's first step: every snapshot evicted, the drop under way
+        beside = await engine._drop_evicted()  # a release's drop in the same turn
+        flushed = await asyncio.wait_for(flush, 60)
+        left = (cache.num_used, [r.snapshots.used for r in pipe.runners])
+        _stop_tasks(engine)
+        return cached, beside, flushed, left
+
+    cached, beside, flushed, left = asyncio.run(run())
+    assert cached > 0 and (flushed, beside) == (cached, 0), (cached, flushed, beside)
+    assert left == (0, [0, 0])

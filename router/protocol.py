@@ -192,9 +192,10 @@ class StreamOptions(_Request):
     include_usage: bool = False
     """Send one last chunk (``choices: []``) with the request's ``usage`` before ``[DONE]``."""
     continuous_usage_stats: bool = False
-    """vLLM's: every chunk also carries the ``usage`` of its choice so far (that choice's
-    prompt tokens and the completion tokens it generated up to and with this chunk's; 0 on
-    chat's role chunk); with ``include_usage`` the last chunk has the totals over all choices."""
+    """vLLM's, with ``include_usage`` (alone it does nothing, as in vLLM): every chunk also
+    carries the ``usage`` of its choice so far (that choice's prompt tokens and the completion
+    tokens it generated up to and with this chunk's; 0 on chat's role chunk); the last chunk
+    has the totals over all choices."""
 
 
 class JsonSchemaSpec(_Request):
@@ -396,7 +397,8 @@ class _GenerationRequest(_Request):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        # vLLM's: only with include_usage (include_continuous_usage = include_usage and ...)
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 _TOKEN_IDS = TypeAdapter(list[int], config=ConfigDict(strict=True))

@@ -529,3 +529,17 @@ def test_sampling_defaults_apply_to_fields_a_request_leaves_out(tokenizer):
         assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == \
             (0.0, 1.0, -1, 0.0, 1.0)
         assert params.max_tokens == 12
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_without_include_usage_adds_no_usage(server, path):
+    """vLLM reads ``continuous_usage_stats`` only with ``include_usage`` (its
+    ``include_continuous_usage = include_usage and continuous_usage_stats``): alone, no chunk
+    carries a usage, as without stream_options."""
+    body = {"max_tokens": 8, "seed": 3, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    body |= {"messages": [{"role": "user", "content": "the fox"}]} if "chat" in path else {"prompt": "the fox"}
+    r = _post(server, path, body)
+    assert r.status_code == 200, r.text
+    events = _events(r.text)
+    assert events and all(ev.get("usage") is None for ev in events), events
+    assert all(ev["choices"] for ev in events)  # and no usage chunk

@@ -229,17 +229,29 @@ def test_a_hung_engine_ends_the_requests_and_calls_in_flight_and_aborts_them():
 def test_an_engine_that_keeps_its_heartbeat_never_has_its_requests_ended(monkeypatch):
     """A healthy engine whose request gets no token for longer than ENGINE_HUNG_S (a long
     prefill; the bound is cut to 0.5 s here) but whose heartbeat comes: the request waits
-    and gets its tokens."""
+    and gets its tokens. The client's clock is the test's (4 s of heartbeats 0.1 s apart,
+    each read before the clock moves on), so a stalled test process cannot pass for a
+    silent engine."""
+    import types
+
     from ppspec.router import engine_proc
 
+    now = [0.0]
+    monkeypatch.setattr(engine_proc, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     monkeypatch.setattr(engine_proc, "ENGINE_HUNG_S", 0.5)
-    monkeypatch.setattr(engine_proc, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(engine_proc, "HEARTBEAT_S", 0.01)  # the silence checks, in real time
+
+    async def heard_now(client):
+        while client._heard != now[0]:
+            await asyncio.sleep(0.005)
 
     async def body(client, engine):
         outs = asyncio.ensure_future(_collect_ids(client.generate("r", [5, 6], SamplingParams(max_tokens=2))))
-        for _ in range(40):  # 2 s of heartbeats, no output
+        for _ in range(40):  # 4 s of heartbeats on the client's clock, no output
+            now[0] += 0.1
             engine.say("health", True, "1 stage serving")
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(heard_now(client), 30)
+            await asyncio.sleep(0.02)  # the silence checked meanwhile
         engine.say("out", [("r", _output_fields(RequestOutput("r", [7, 8], "length")))])
         return await asyncio.wait_for(outs, 30), [m[0] for m in engine.heard]
 

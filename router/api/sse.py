@@ -9,7 +9,7 @@ ASGI ``send`` as it is, one message per frame, without a task, lock or timer per
 The framing is OpenAI's and vLLM's, byte for byte: ``data: <json>\\n\\n`` per event and
 ``data: [DONE]\\n\\n`` last (clients that split on a blank line, ``\\n\\n``, read it; the
 ``\\r\\n\\r\\n`` of the sse-starlette writer this replaced they did not). Beyond vLLM, a
-``: ping - <UTC time>`` comment goes out after 15 s without a frame (proxies close idle
+``: ping - <UTC time>`` comment goes out every 15 s, frames or not (proxies close idle
 connections; SSE clients skip comment lines).
 """
 from __future__ import annotations

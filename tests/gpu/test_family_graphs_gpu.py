@@ -118,7 +118,7 @@ def test_bf16_cuda_stage_in_graphs_is_as_close_to_fp32_as_the_cpu_bf16_stage(tmp
     the CUDA stage's rounding: its logits then differ by the experts' share (0.22 relative),
     not by rounding. nemotron_h_b's token 35 does under fla's bf16 Mamba2 prefill, which
     rounds the intra-chunk scores and the scan's output to bf16 (the H100, 2026-12-05: 0.0339
-    over all tokens against the CPU bf16 stage's 0.0086; the CPU stage with those two
+    in prefill against the CPU bf16 stage's 0.0086; the CPU stage with those two
     roundings emulated in its scan gives 0.0340 and picks other experts at that token only,
     docs/PERFORMANCE.md, "GPU test runs"). A broken kernel errs on every token, and the
     decode and verify after the prefill read its state and KV."""

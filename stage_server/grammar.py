@@ -60,6 +60,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -121,13 +122,17 @@ class CompileProcess:
             raise ValueError("the grammar compiler process stopped while compiling it" if stopped
                              else "the grammar compiler process did not start") from None
 
-    def compile(self, text: str, timeout: float) -> str:
+    def compile(self, text: str, timeout: float, abandoned: Callable[[], bool] | None = None) -> str:
         """The compiled grammar of ``text`` (xgrammar's ``CompiledGrammar.serialize_json``).
         Raises ValueError: the text does not compile, takes longer than ``timeout`` seconds,
-        or the child exits (killed by :meth:`stop`, or crashed) while compiling it."""
+        or the child exits (killed by :meth:`stop`, or crashed) while compiling it, or
+        ``abandoned()`` says nobody waits for it once its child runs (a :meth:`stop` that
+        came while no child ran would otherwise let a fresh one compile it for nobody)."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         proc = self.proc
+        if abandoned is not None and abandoned():
+            raise ValueError("the grammar's compile was dropped: every request waiting for it ended")
         try:
             self._send.send_bytes(text.encode())
             if not self._recv.poll(timeout):
@@ -209,7 +214,7 @@ class CompilePool:
                 return process.compile(text, timeout)
             job.attach(process)
             try:
-                return process.compile(text, timeout)
+                return process.compile(text, timeout, lambda: job.abandoned)
             finally:
                 job.detach()
         finally:

@@ -281,3 +281,39 @@ def test_an_unexpected_compile_fault_ends_the_request_with_an_error():
     assert "OSError: no space left on device" in first.message
     assert rows == [set()] and len(calls) == 2
     assert reason == "stop" and AutoTokenizer.from_pretrained(DEMO_MODEL).decode(ids[:-1]) in ("yes", "no")
+
+
+def test_a_compile_abandoned_while_no_child_runs_starts_none_for_it(monkeypatch):
+    """The last request of a compile gives it up after a compile process took it but before
+    a child ran (the process's child stopped by then, as an earlier abandon or the cap
+    leaves it): the fresh child the compile then starts is not given the grammar, the
+    compile ends as dropped, and the process compiles the next grammar."""
+    from ppspec.stage_server.grammar import _Compile
+
+    monkeypatch.setenv("PPSPEC_GRAMMAR_COMPILE_TIMEOUT", "600")
+    rows = GrammarRows(DEMO_MODEL, 8192, [2])
+    rows.tokenizer_info  # the pool's processes exist
+    sent = []
+    job = _Compile()
+    job.future = None  # the worker's future: abandon() below only marks and stops
+    pool = rows._pool
+    process = pool.processes[0]
+    process.stop()  # no child now: the compile below starts one
+    real_start = process._start
+
+    def start_then_abandon():  # the request gives up just as the fresh child comes up
+        real_start()
+        job.abandoned = True
+        real_send = process._send.send_bytes
+        process._send.send_bytes = lambda b: sent.append(b) or real_send(b)
+
+    process._start = start_then_abandon
+    with pytest.raises(ValueError, match="dropped"):
+        pool.idle.queue.clear()
+        pool.idle.put(process)
+        pool.compile(_props(5000), 5, job)
+    assert sent == []  # the grammar never went to the child
+    process._start = real_start
+    small = request_grammar(CompletionRequest(prompt="x", guided_choice=["yes", "no"]))
+    assert xgr.GrammarMatcher(rows._compile(small))  # the next compile runs
+    rows.close()

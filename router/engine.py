@@ -299,17 +299,19 @@ class Engine:
             raise StageDownError(f"prefix-cache flush not confirmed: the stages did not answer its drop within "
                                  f"{self.stall_timeout:g} s ({self.health()[1]}); its snapshots stay unused until "
                                  f"they do")
-        if self.failure is not None:
-            raise StageDownError(f"prefix-cache flush failed: {self.failure}")
-        return drop.result()
+        dropped = drop.result()
+        if isinstance(dropped, str):  # this drop's own failure, whatever the pipeline's state now
+            raise StageDownError(f"prefix-cache flush failed: {dropped}")
+        return dropped
 
     async def first_token_rows(self) -> dict:
         """The requests' paths to their first token (``FirstTokens.rows``)."""
         return self.first_tokens.rows()
 
-    async def _drop_evicted(self, slots: list[int] | None = None) -> int:
+    async def _drop_evicted(self, slots: list[int] | None = None) -> int | str:
         """Drop the prefix-cache slots evicted since the last call (or ``slots``, taken
-        already) on every stage, then free them (their KV charge back). Returns how many."""
+        already) on every stage, then free them (their KV charge back). Returns how many, or
+        why the drop failed (the pipeline then fails: the recovery drops every slot)."""
         if slots is None:
             slots = self.scheduler.take_dropped_slots()
         if not slots:
@@ -317,8 +319,9 @@ class Engine:
         try:
             await self.pipeline.release(Release([], drop_slots=slots))
         except (StageDownError, OSError, EngineError, ValueError) as e:
-            self._fail(f"dropping prefix-cache snapshots: {e}")  # the recovery drops every slot
-            return 0
+            why = f"dropping prefix-cache snapshots: {e}"
+            self._fail(why)  # the recovery drops every slot
+            return why
         self.scheduler.slots_dropped(slots)
         self._record_cache()  # a flush's drop may come back late, with no step to follow it
         self._wake.set()

@@ -784,6 +784,15 @@ def test_a_flush_while_a_stage_hangs_answers_503_and_loses_no_snapshot(reference
     assert cached > 0 and flushed == cached and len(drops) == 2
 
 
+async def _cached_engine(pipe):
+    """An engine over ``pipe`` whose prefix cache holds the snapshots of PROMPTS' requests, settled."""
+    engine = await _mtp_engine(pipe, num_micro_batches=2)
+    await asyncio.gather(*(_collect(engine, f"r{i}", p * 4) for i, p in enumerate(PROMPTS)))
+    while not engine.settled() or engine.scheduler.releasing_rows():
+        await asyncio.sleep(0.01)
+    return engine
+
+
 def test_a_flush_drops_and_counts_its_own_snapshots_when_another_drop_runs_beside_it():
     """``Engine.flush_cache`` evicts every snapshot, then waits for their drop on every stage.
     A release that ends in the same turn of the event loop drops what is evicted next
@@ -795,11 +804,8 @@ def test_a_flush_drops_and_counts_its_own_snapshots_when_another_drop_runs_besid
     pipe = _pp2_mtp(prefix_cache_gb=0.05)
 
     async def run():
-        engine = await _mtp_engine(pipe, num_micro_batches=2)
+        engine = await _cached_engine(pipe)
         cache = engine.scheduler.cache
-        await asyncio.gather(*(_collect(engine, f"r{i}", p * 4) for i, p in enumerate(PROMPTS)))
-        while not engine.settled() or engine.scheduler.releasing_rows():
-            await asyncio.sleep(0.01)
         cached = cache.num_cached
         flush = asyncio.ensure_future(engine.flush_cache())
         await asyncio.sleep(0)  # the flush's first step: every snapshot evicted, the drop under way
@@ -812,3 +818,58 @@ def test_a_flush_drops_and_counts_its_own_snapshots_when_another_drop_runs_besid
     cached, beside, flushed, left = asyncio.run(run())
     assert cached > 0 and (flushed, beside) == (cached, 0), (cached, flushed, beside)
     assert left == (0, [0, 0])
+
+
+def test_a_flush_confirmed_by_every_stage_answers_its_count_whatever_fails_after():
+    """The flush's answer is its own drop's outcome: every stage confirmed the drop, so it
+    answers the count, though a failure came between the confirmation and the answer."""
+    torch.set_num_threads(1)
+    pipe = _pp2_mtp(prefix_cache_gb=0.05)
+    release = pipe.release
+
+    async def run():
+        engine = await _cached_engine(pipe)
+        cached = engine.scheduler.cache.num_cached
+
+        async def confirmed_then_a_failure(rel):
+            await release(rel)
+            engine.failure = "another stage failed (test)"  # as _fail leaves it, after the drop came back
+
+        pipe.release = confirmed_then_a_failure
+        flushed = await engine.flush_cache()
+        engine.failure = None
+        pipe.release = release
+        _stop_tasks(engine)
+        return cached, flushed
+
+    cached, flushed = asyncio.run(run())
+    assert cached > 0 and flushed == cached, (cached, flushed)
+
+
+def test_a_flush_whose_drop_failed_answers_503_naming_why():
+    """A drop a stage refused fails the pipeline (the recovery drops every slot) and the
+    flush answers 503 naming the refusal, however far the recovery got by then."""
+    torch.set_num_threads(1)
+    pipe = _pp2_mtp(prefix_cache_gb=0.05)
+    release = pipe.release
+
+    async def run():
+        engine = await _cached_engine(pipe)
+
+        async def refused(rel):
+            if rel.drop_slots:
+                raise StageDownError("stage 1 refused the drop (test)")
+            await release(rel)
+
+        pipe.release = refused
+        try:
+            await engine.flush_cache()
+            failed = None
+        except StageDownError as e:
+            failed = str(e)
+        pipe.release = release
+        _stop_tasks(engine)
+        return failed
+
+    failed = asyncio.run(run())
+    assert failed is not None and "stage 1 refused the drop (test)" in failed, failed

@@ -175,6 +175,7 @@ class Engine:
         # output task; None wakes it to end
         self._outbox: asyncio.Queue = asyncio.Queue()
         self.max_model_len = 0
+        self.vocab_size = 0  # the model's (config.json's vocab_size), once started
         self.stage_infos: list[StageInfo] = []
         self.first_tokens = FirstTokens()  # each request's path to its first token (router/first_tokens.py)
 
@@ -211,7 +212,7 @@ class Engine:
             prefix_cache=self._prefix_cache(infos, page_size), async_scheduling=self.async_scheduling,
             drafter=self.drafter, max_logprobs=self.max_logprobs, vocab_size=last["vocab_size"],
         )
-        self.eos = last["eos_token_ids"]
+        self.eos, self.vocab_size = last["eos_token_ids"], last["vocab_size"]
         infos = await self.pipeline.check_start(infos)  # gRPC: one router per pipeline, the relay chain
         self.pipeline.on_restart = self._on_stage_restart
         self.pipeline.on_displaced = self._on_displaced

@@ -206,6 +206,7 @@ class EngineServer:
         _write(self.writer, ("ready", {"max_model_len": e.max_model_len, "spec": e.spec,
                                        "prefix_caching": e.prefix_caching, "health": e.health(),
                                        "eos": list(getattr(e, "eos", None) or []),
+                                       "vocab_size": getattr(e, "vocab_size", 0),
                                        "frozen": gc.get_freeze_count()}))  # this process's heap (ppspec.heap)
         watch = asyncio.ensure_future(self._watch_health())
         calls: set[asyncio.Task] = set()
@@ -307,6 +308,7 @@ class EngineClient:
 
         self.argv, self.tokenizer, self.model_name, self.owner = argv, tokenizer, model_name, owner
         self.max_model_len, self.spec, self.prefix_caching = 0, None, False
+        self.vocab_size = 0  # the model's, once the engine said ready
         self.eos: list[int] | None = None  # the engine's EOS ids, once it said ready
         self.frozen = 0  # the engine process's startup heap frozen (objects), once it said ready
         self.queues: dict[str, asyncio.Queue] = {}
@@ -358,6 +360,7 @@ class EngineClient:
         facts = msg[1]
         self.max_model_len, self.spec, self.prefix_caching = facts["max_model_len"], facts["spec"], facts["prefix_caching"]
         self.eos = facts.get("eos") or None
+        self.vocab_size = facts.get("vocab_size", 0)
         self.frozen = facts.get("frozen", 0)
         self._health = tuple(facts["health"])
         self._heard = time.monotonic()

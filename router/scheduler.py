@@ -377,6 +377,13 @@ class Scheduler:
         params.validate(self.max_logprobs, self.vocab_size, self.eos)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        # the model's vocabulary (the embedding's rows), which the tokenizer's length is
+        # not: an id past it would reach the first stage, which refuses the whole step and
+        # so fails every request of the micro-batch
+        if self.vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size):
+            t = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
+            raise InvalidRequestError(f"prompt: token id {t} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="prompt")
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if len(prompt_ids) + params.max_tokens > self.max_context:

@@ -114,7 +114,15 @@ class OpenAIHandlers:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.pieces = TokenPieces(self.tokenizer)
-        self.vocab_size = len(self.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids requests may name: the model's vocabulary (its embedding's rows, once
+        the engine started), not the tokenizer's length, which differs from it either way
+        (Qwen3.5's embedding has rows no tokenizer id names, which the model may generate;
+        a tokenizer's added tokens may name ids past the embedding, which the first stage
+        refuses with the whole micro-batch). vLLM refuses only ids past both."""
+        return getattr(self.engine, "vocab_size", 0) or len(self.tokenizer)
 
     def check_model(self, name: str | None) -> None:
         """Raise ``APIError`` 404 (code ``model_not_found``) unless ``name`` is None or the served name."""
@@ -368,7 +376,7 @@ class OpenAIHandlers:
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """``POST /detokenize``: the text of ``tokens`` (special tokens kept)."""
         self.check_model(body.model)
-        check_ids(body.tokens, "tokens", self.vocab_size)
+        check_ids(body.tokens, "tokens", max(self.vocab_size, len(self.tokenizer)))  # text, no model
         return DetokenizeResponse(prompt=await self.tokens.decode(body.tokens, skip_special_tokens=False))
 
     # -- streamed chunks of each endpoint --------------------------------------------------

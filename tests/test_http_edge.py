@@ -305,3 +305,125 @@ def test_short_texts_encode_on_the_event_loop_long_ones_on_workers(tokenizer):
     assert asyncio.run(shared.encode([short])) == [tokenizer.encode(short)]
     assert names and names[0].startswith("ppspec-tokenize")  # its one worker, never the loop
     shared.executor.shutdown()
+
+
+
+_PAUSABLE_SERVER = """import sys
+sys.path.insert(0, sys.argv[1])
+import uvloop
+from test_api import MODEL, FakeEngine, make_tokenizer
+from ppspec.router.api import build_app
+from ppspec.router.api.app import serve_http
+from ppspec.router.api.edge import edge_protocol
+app = build_app(FakeEngine(make_tokenizer()), served_model_name=MODEL)
+uvloop.run(serve_http(app, "127.0.0.1", int(sys.argv[2]), log_level="warning", timeout_keep_alive=1,
+                      http=edge_protocol(30.0, 1 << 20, sys.argv[3])))
+"""
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_request_sent_while_the_server_is_paused_is_answered(parser):
+    """A kept-alive connection's next request, sent while the HTTP server is paused (SIGSTOP)
+    past uvicorn's keep-alive timeout, is answered once it resumes (SIGCONT). On resume
+    uvloop runs its due timers before it reads the socket, and the keep-alive timeout
+    closed the connection with the request unread: the client got a reset and no answer
+    (the chat clients of a paused router saw ``ReadError`` for POSTs they cannot retry).
+    The server is the real ``serve_http`` on the fake engine, in a process of its own."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSABLE_SERVER, os.path.dirname(os.path.abspath(__file__)),
+                             str(port), parser])
+    body = json.dumps(dict(model=MODEL, prompt="hello", max_tokens=3)).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    def answer(s: socket.socket) -> bytes:
+        """One whole response, or what came before the server closed the connection."""
+        out = b""
+        while True:
+            head, sep, rest = out.partition(b"\r\n\r\n")
+            if sep and len(rest) >= int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+                return out
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                return out + b"<reset>"
+            if not chunk:
+                return out + b"<closed>"
+            out += chunk
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            s.sendall(request)
+            assert answer(s).startswith(b"HTTP/1.1 200"), "the first request"
+            for _ in range(3):  # where the pause lands is up to the scheduler: a few times
+                proc.send_signal(signal.SIGSTOP)
+                while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+                    time.sleep(0.01)  # stopped before the request reaches it
+                s.sendall(request)  # on the kept-alive connection, while the server is paused
+                time.sleep(2.5)  # past its keep-alive timeout (1 s)
+                proc.send_signal(signal.SIGCONT)
+                reply = answer(s)
+                assert reply.startswith(b"HTTP/1.1 200"), f"the request sent during the pause: {reply[:200]!r}"
+            s.sendall(request)  # and the connection serves on
+            assert answer(s).startswith(b"HTTP/1.1 200")
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_the_keep_alive_timeout_leaves_a_connection_with_a_request_waiting(parser):
+    """The mechanism under the test above, without the scheduler's say: the keep-alive
+    timeout firing on a connection whose next request is already in its socket, unread (a
+    loop that stalled runs its due timers before it reads), leaves the connection open for
+    that read; on an idle connection it closes it as uvicorn does."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def app(scope, receive, send):  # never called: no request is parsed here
+        raise AssertionError
+
+    class Transport:
+        def __init__(self, sock):
+            self.sock, self.closed = sock, False
+
+        def get_extra_info(self, name, default=None):
+            return self.sock if name == "socket" else default
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+    config = Config(app, timeout_keep_alive=1)
+    config.load()
+    loop = asyncio.new_event_loop()
+    try:
+        for waiting in (True, False):
+            a, b = socket.socketpair()
+            with a, b:
+                if waiting:
+                    b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 2\r\n\r\n{}")
+                proto = edge_protocol(30.0, MAX_BODY, parser)(config=config, server_state=ServerState(), app_state={},
+                                                             _loop=loop)
+                proto.transport = Transport(a)
+                proto.timeout_keep_alive_handler()
+                assert proto.transport.closed is not waiting, f"request waiting: {waiting}"
+    finally:
+        loop.close()

@@ -20,14 +20,19 @@ Two parsers, the same limits: ``HttpToolsEdgeProtocol`` over uvicorn's httptools
 byte joins there, against h11's event objects and state machine; see
 docs/PERFORMANCE.md, "CPU: the router's cost per streamed token"), and ``EdgeProtocol``
 over its h11 protocol.
-Keep-alive idleness between requests stays uvicorn's (``timeout_keep_alive``).
+Keep-alive idleness between requests stays uvicorn's (``timeout_keep_alive``), except that a connection
+whose next request is already waiting in its socket is not closed for idleness (a stalled loop
+runs its due timers before it reads: ``_Deadline.timeout_keep_alive_handler``).
 """
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import json
+import struct
 import sys
+import termios
 from typing import Any
 
 import h11
@@ -79,6 +84,16 @@ class _StrictConnection(h11.Connection):
         return event
 
 
+def _unread_bytes(transport: Any) -> int:
+    """Bytes received on ``transport``'s socket and not yet read (0 when it cannot tell)."""
+    try:
+        sock = transport.get_extra_info("socket")
+        n = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        return struct.unpack("i", n)[0]
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 class _Deadline:
     """The read deadline and the JSON refusal of both edge protocols (their ``loop``,
     ``transport``, ``read_timeout``), armed from a connection's start; placed before the
@@ -105,6 +120,20 @@ class _Deadline:
 
     def _on_deadline(self) -> None:
         raise NotImplementedError
+
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's keep-alive timeout, unless a request is already waiting in the socket.
+
+        A loop that stalled past ``timeout_keep_alive`` (the HTTP server paused, SIGSTOP
+        then SIGCONT) runs its due timers before it reads the socket (libuv's order; the
+        wait that SIGCONT interrupts returns no events): uvicorn then closed a kept-alive
+        connection whose next request had arrived during the stall, unread, and the
+        client got a reset for a request it cannot retry (a POST). Such a request is read
+        in this loop iteration instead, and answered; an idle connection still closes."""
+        if _unread_bytes(self.transport) > 0:  # type: ignore[attr-defined]
+            self.timeout_keep_alive_task = None
+            return
+        super().timeout_keep_alive_handler()  # type: ignore[misc]
 
     def _refuse(self, status: int, message: str) -> None:
         body = json.dumps(error_body(message, "invalid_request_error")).encode()

@@ -427,3 +427,62 @@ def test_the_keep_alive_timeout_leaves_a_connection_with_a_request_waiting(parse
                 assert proto.transport.closed is not waiting, f"request waiting: {waiting}"
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_the_read_deadline_reads_a_request_waiting_in_the_socket_before_it_refuses(parser):
+    """The read deadline firing on a connection whose request is already in its socket,
+    unread (the HTTP server paused past ``read_timeout``: its due timers run before its
+    read), gives the loop that read instead of a 408 "did not arrive"; only once per
+    deadline, so that a client is still held to the deadline. A connection with nothing
+    waiting gets its 408 at once."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def app(scope, receive, send):  # never called: no request is parsed here
+        raise AssertionError
+
+    class Transport:
+        def __init__(self, sock):
+            self.sock, self.closed, self.written = sock, False, b""
+
+        def get_extra_info(self, name, default=None):
+            return self.sock if name == "socket" else default
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+        def write(self, data):
+            self.written += data
+
+    config = Config(app)
+    config.load()
+    loop = asyncio.new_event_loop()
+    try:
+        for waiting in (True, False):
+            a, b = socket.socketpair()
+            with a, b:
+                if waiting:
+                    b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 2\r\n\r\n{}")
+                proto = edge_protocol(30.0, MAX_BODY, parser)(config=config, server_state=ServerState(), app_state={},
+                                                             _loop=loop)
+                proto.transport = Transport(a)
+
+                def deadline_fires():  # what the loop does when the armed deadline is due
+                    timer = proto._deadline
+                    callback, args = timer._callback, timer._args or ()
+                    timer.cancel()
+                    callback(*args)
+
+                proto._arm()
+                deadline_fires()
+                if waiting:
+                    assert not proto.transport.closed and not proto.transport.written, "refused a request that came"
+                    assert proto._deadline is not None, "no deadline left for the read it waits for"
+                    deadline_fires()  # the read did not complete it: the deadline holds
+                assert proto.transport.written.startswith(b"HTTP/1.1 408") and proto.transport.closed, waiting
+    finally:
+        loop.close()

@@ -94,12 +94,17 @@ def _unread_bytes(transport: Any) -> int:
         return 0
 
 
+_READ_GRACE_S = 0.05
+"""Seconds a read deadline that found its request waiting unread gives the loop to read it."""
+
+
 class _Deadline:
     """The read deadline and the JSON refusal of both edge protocols (their ``loop``,
     ``transport``, ``read_timeout``), armed from a connection's start; placed before the
     uvicorn protocol in the bases. ``_on_deadline`` is each parser's."""
 
     _deadline: asyncio.TimerHandle | None = None
+    _deferred = False  # the deadline found the request waiting unread once and gave the loop a read
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[misc]
@@ -111,12 +116,27 @@ class _Deadline:
 
     def _arm(self) -> None:
         if self._deadline is None:
-            self._deadline = self.loop.call_later(self.read_timeout, self._on_deadline)  # type: ignore[attr-defined]
+            self._deadline = self.loop.call_later(self.read_timeout, self._deadline_due)  # type: ignore[attr-defined]
 
     def _disarm(self) -> None:
+        self._deferred = False
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+    def _deadline_due(self) -> None:
+        """The read deadline, unless what it waits for is already in the socket, unread: a
+        loop that stalled past ``read_timeout`` (the HTTP server paused) runs its due timers
+        before it reads, and answered 408 "did not arrive" to a request that had arrived
+        whole during the stall. Such a connection gets this loop iteration's read (once per
+        deadline: a client is still held to ``read_timeout`` and a few milliseconds)."""
+        self._deadline = None
+        if not self._deferred and _unread_bytes(self.transport) > 0:  # type: ignore[attr-defined]
+            self._deferred = True
+            self._deadline = self.loop.call_later(_READ_GRACE_S, self._deadline_due)  # type: ignore[attr-defined]
+            return
+        self._deferred = False
+        self._on_deadline()
 
     def _on_deadline(self) -> None:
         raise NotImplementedError

@@ -295,6 +295,18 @@ def _run(coro) -> int:
 
 
 # ------------------------------------------------------------------ the HTTP server's side
+def _unread_bytes(writer: Any) -> int:
+    """Bytes received on ``writer``'s socket and not yet read (0 when it cannot tell)."""
+    import fcntl
+    import termios
+
+    try:
+        n = fcntl.ioctl(writer.get_extra_info("socket").fileno(), termios.FIONREAD, b"\0\0\0\0")
+        return struct.unpack("i", n)[0]
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 class EngineClient:
     """The ``AsyncEngine`` of the HTTP layer, over an engine process started with
     ``ppspec router ARGV --engine-fd N`` (:meth:`start`).
@@ -368,8 +380,17 @@ class EngineClient:
         self._silence_task = asyncio.ensure_future(self._watch_silence())
 
     def _silent(self) -> float:
-        """Seconds since the engine process last said anything (its heartbeat included)."""
-        return time.monotonic() - self._heard
+        """Seconds since the engine process last said anything (its heartbeat included).
+
+        0 while what it said waits unread in the socket: then this process was the one
+        not listening (the HTTP server paused, SIGSTOP then SIGCONT, runs its due timers
+        before its reads), and the engine is not silent; without this, a pause of the HTTP
+        server past ``ENGINE_HUNG_S`` ended its requests in flight with 503 "the engine
+        process has not answered ... hung or stopped" and aborted them in a healthy engine."""
+        silent = time.monotonic() - self._heard
+        if silent > HEARTBEAT_S and _unread_bytes(self.writer) > 0:
+            return 0.0
+        return silent
 
     async def _watch_silence(self) -> None:
         """End what is in flight once the engine has been silent ``ENGINE_HUNG_S`` seconds

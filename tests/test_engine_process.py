@@ -259,6 +259,35 @@ def test_an_engine_that_keeps_its_heartbeat_never_has_its_requests_ended(monkeyp
     assert ids == [7, 8] and heard == ["add"]
 
 
+
+def test_a_paused_http_server_does_not_take_the_engine_for_hung():
+    """The HTTP server (this client) paused past ENGINE_HUNG_S (SIGSTOP, then SIGCONT)
+    while the engine went on: the engine's messages wait unread in the socket, and the
+    resumed loop runs its silence check before its read (uvloop runs due timers first).
+    What waits in the socket is the engine speaking: neither ``/health`` nor the silence
+    check may take it for hung (it ended the requests in flight with 503 "the engine
+    process has not answered ... hung or stopped" and aborted them in a healthy engine).
+    Once read, a silence is a silence again."""
+    from ppspec.router import engine_proc
+
+    async def body(client, engine):
+        outs = asyncio.ensure_future(_collect_ids(client.generate("r", [5, 6], SamplingParams(max_tokens=2))))
+        await asyncio.sleep(0.1)
+        # no await from here on: the client's loop is as if paused with the engine's
+        # message in the socket, its last message heard long ago
+        engine.say("out", [("r", _output_fields(RequestOutput("r", [7, 8], "length")))])
+        client._heard -= engine_proc.ENGINE_HUNG_S + 1
+        waiting = client._silent(), client.health()
+        ids = await asyncio.wait_for(outs, 30)
+        client._heard -= engine_proc.ENGINE_HUNG_S + 1  # nothing waits now: silent
+        return waiting, ids, client.health(), [m[0] for m in engine.heard]
+
+    (silent, health), ids, after, heard = _scripted(body)
+    assert silent < engine_proc.ENGINE_SILENT_S and health[0], (silent, health)
+    assert ids == [7, 8] and heard == ["add"]
+    assert not after[0] and "has not answered" in after[1]
+
+
 async def _collect_ids(outs):
     ids = []
     async for out in outs:

@@ -53,6 +53,7 @@ from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Callable
 
 from ppspec.heap import freeze_startup_heap
+from ppspec.sockets import unread_bytes
 
 from . import types as _types
 from .types import EngineError, RequestOutput, SamplingParams, StageDownError, request_outputs
@@ -295,18 +296,6 @@ def _run(coro) -> int:
 
 
 # ------------------------------------------------------------------ the HTTP server's side
-def _unread_bytes(writer: Any) -> int:
-    """Bytes received on ``writer``'s socket and not yet read (0 when it cannot tell)."""
-    import fcntl
-    import termios
-
-    try:
-        n = fcntl.ioctl(writer.get_extra_info("socket").fileno(), termios.FIONREAD, b"\0\0\0\0")
-        return struct.unpack("i", n)[0]
-    except (AttributeError, OSError, ValueError):
-        return 0
-
-
 class EngineClient:
     """The ``AsyncEngine`` of the HTTP layer, over an engine process started with
     ``ppspec router ARGV --engine-fd N`` (:meth:`start`).
@@ -388,7 +377,7 @@ class EngineClient:
         server past ``ENGINE_HUNG_S`` ended its requests in flight with 503 "the engine
         process has not answered ... hung or stopped" and aborted them in a healthy engine."""
         silent = time.monotonic() - self._heard
-        if silent > HEARTBEAT_S and _unread_bytes(self.writer) > 0:
+        if silent > HEARTBEAT_S and unread_bytes(self.writer) > 0:
             return 0.0
         return silent
 

@@ -27,16 +27,15 @@ runs its due timers before it reads: ``_Deadline.timeout_keep_alive_handler``).
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import functools
 import json
-import struct
 import sys
-import termios
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ppspec.sockets import unread_bytes
 
 from .errors import error_body
 from .guard import DEFAULT_MAX_REQUEST_BYTES
@@ -84,16 +83,6 @@ class _StrictConnection(h11.Connection):
         return event
 
 
-def _unread_bytes(transport: Any) -> int:
-    """Bytes received on ``transport``'s socket and not yet read (0 when it cannot tell)."""
-    try:
-        sock = transport.get_extra_info("socket")
-        n = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
-        return struct.unpack("i", n)[0]
-    except (AttributeError, OSError, ValueError):
-        return 0
-
-
 _READ_GRACE_S = 0.05
 """Seconds a read deadline that found its request waiting unread gives the loop to read it."""
 
@@ -131,7 +120,7 @@ class _Deadline:
         whole during the stall. Such a connection gets this loop iteration's read (once per
         deadline: a client is still held to ``read_timeout`` and a few milliseconds)."""
         self._deadline = None
-        if not self._deferred and _unread_bytes(self.transport) > 0:  # type: ignore[attr-defined]
+        if not self._deferred and unread_bytes(self.transport) > 0:  # type: ignore[attr-defined]
             self._deferred = True
             self._deadline = self.loop.call_later(_READ_GRACE_S, self._deadline_due)  # type: ignore[attr-defined]
             return
@@ -150,7 +139,7 @@ class _Deadline:
         connection whose next request had arrived during the stall, unread, and the
         client got a reset for a request it cannot retry (a POST). Such a request is read
         in this loop iteration instead, and answered; an idle connection still closes."""
-        if _unread_bytes(self.transport) > 0:  # type: ignore[attr-defined]
+        if unread_bytes(self.transport) > 0:  # type: ignore[attr-defined]
             self.timeout_keep_alive_task = None
             return
         super().timeout_keep_alive_handler()  # type: ignore[misc]

@@ -6,6 +6,7 @@ timeout plus many times a recorded baseline round trip), and the server serves a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -386,43 +387,65 @@ def test_a_request_sent_while_the_server_is_paused_is_answered(parser):
         proc.wait()
 
 
+class _SocketTransport:
+    """The transport of an edge protocol under test, over one end of a socket pair: the
+    socket for ``unread_bytes``, what is written and whether it was closed."""
+
+    def __init__(self, sock):
+        self.sock, self.closed, self.written = sock, False, b""
+
+    def get_extra_info(self, name, default=None):
+        return self.sock if name == "socket" else default
+
+    def is_closing(self):
+        return self.closed
+
+    def close(self):
+        self.closed = True
+
+    def write(self, data):
+        self.written += data
+
+
+def _uvicorn_config(**kw):
+    """A loaded uvicorn config whose app is never called (the tests parse no request)."""
+    from uvicorn.config import Config
+
+    async def app(scope, receive, send):
+        raise AssertionError
+
+    config = Config(app, **kw)
+    config.load()
+    return config
+
+
+@contextlib.contextmanager
+def _edge_over_socketpair(parser, config, loop, waiting: bool):
+    """An edge protocol whose transport is one end of a socket pair; with ``waiting``, a
+    whole request sits unread in it (what a paused server finds when it runs again)."""
+    from uvicorn.server import ServerState
+
+    a, b = socket.socketpair()
+    with a, b:
+        if waiting:
+            b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 2\r\n\r\n{}")
+        proto = edge_protocol(30.0, MAX_BODY, parser)(config=config, server_state=ServerState(), app_state={},
+                                                     _loop=loop)
+        proto.transport = _SocketTransport(a)
+        yield proto
+
+
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_the_keep_alive_timeout_leaves_a_connection_with_a_request_waiting(parser):
     """The mechanism under the test above, without the scheduler's say: the keep-alive
     timeout firing on a connection whose next request is already in its socket, unread (a
     loop that stalled runs its due timers before it reads), leaves the connection open for
     that read; on an idle connection it closes it as uvicorn does."""
-    from uvicorn.config import Config
-    from uvicorn.server import ServerState
-
-    async def app(scope, receive, send):  # never called: no request is parsed here
-        raise AssertionError
-
-    class Transport:
-        def __init__(self, sock):
-            self.sock, self.closed = sock, False
-
-        def get_extra_info(self, name, default=None):
-            return self.sock if name == "socket" else default
-
-        def is_closing(self):
-            return self.closed
-
-        def close(self):
-            self.closed = True
-
-    config = Config(app, timeout_keep_alive=1)
-    config.load()
+    config = _uvicorn_config(timeout_keep_alive=1)
     loop = asyncio.new_event_loop()
     try:
         for waiting in (True, False):
-            a, b = socket.socketpair()
-            with a, b:
-                if waiting:
-                    b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 2\r\n\r\n{}")
-                proto = edge_protocol(30.0, MAX_BODY, parser)(config=config, server_state=ServerState(), app_state={},
-                                                             _loop=loop)
-                proto.transport = Transport(a)
+            with _edge_over_socketpair(parser, config, loop, waiting) as proto:
                 proto.timeout_keep_alive_handler()
                 assert proto.transport.closed is not waiting, f"request waiting: {waiting}"
     finally:
@@ -436,40 +459,11 @@ def test_the_read_deadline_reads_a_request_waiting_in_the_socket_before_it_refus
     read), gives the loop that read instead of a 408 "did not arrive"; only once per
     deadline, so that a client is still held to the deadline. A connection with nothing
     waiting gets its 408 at once."""
-    from uvicorn.config import Config
-    from uvicorn.server import ServerState
-
-    async def app(scope, receive, send):  # never called: no request is parsed here
-        raise AssertionError
-
-    class Transport:
-        def __init__(self, sock):
-            self.sock, self.closed, self.written = sock, False, b""
-
-        def get_extra_info(self, name, default=None):
-            return self.sock if name == "socket" else default
-
-        def is_closing(self):
-            return self.closed
-
-        def close(self):
-            self.closed = True
-
-        def write(self, data):
-            self.written += data
-
-    config = Config(app)
-    config.load()
+    config = _uvicorn_config()
     loop = asyncio.new_event_loop()
     try:
         for waiting in (True, False):
-            a, b = socket.socketpair()
-            with a, b:
-                if waiting:
-                    b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 2\r\n\r\n{}")
-                proto = edge_protocol(30.0, MAX_BODY, parser)(config=config, server_state=ServerState(), app_state={},
-                                                             _loop=loop)
-                proto.transport = Transport(a)
+            with _edge_over_socketpair(parser, config, loop, waiting) as proto:
 
                 def deadline_fires():  # what the loop does when the armed deadline is due
                     timer = proto._deadline

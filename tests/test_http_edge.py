@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvloop
 
-from cluster import free_port
+from cluster import free_port, wait_health
 from ppspec.router.api import build_app
 from ppspec.router.api.app import serve_http
 from ppspec.router.api.edge import MAX_HEAD_BYTES, edge_protocol
@@ -358,15 +358,7 @@ def test_a_request_sent_while_the_server_is_paused_is_answered(parser):
             out += chunk
 
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
+        wait_health(f"http://127.0.0.1:{port}", 200, timeout=60)
         with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
             s.sendall(request)
             assert answer(s).startswith(b"HTTP/1.1 200"), "the first request"

@@ -249,7 +249,8 @@ def run_engine_process(args, fd: int) -> int:
     (what :class:`EngineClient` starts), and to every client that connects to the listening
     socket ``--engine-listen-fd`` where given (the router's extra HTTP servers). SIGINT and
     SIGTERM are left to the HTTP server, which tells this process to shut down and close;
-    the end of the socket ``fd`` closes it too."""
+    the end of the socket ``fd`` closes it too. Until the engine serves, a SIGTERM (the HTTP
+    server stopped or died: it starts this process with ``die_with``) ends the start, exit 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
@@ -258,8 +259,14 @@ def run_engine_process(args, fd: int) -> int:
         from .start import EngineStartError, start_engine
 
         reader, writer = await asyncio.open_unix_connection(sock=sock)
+        loop = asyncio.get_running_loop()
+        starting = asyncio.ensure_future(start_engine(args))
+        loop.add_signal_handler(signal.SIGTERM, starting.cancel)
         try:
-            engine, metrics = await start_engine(args)
+            engine, metrics = await starting
+        except asyncio.CancelledError:
+            log.warning("stopped while starting (SIGTERM)")
+            return 1
         except EngineStartError as e:
             _write(writer, ("failed", str(e)))
             try:
@@ -267,6 +274,9 @@ def run_engine_process(args, fd: int) -> int:
             except ConnectionError:
                 pass  # the HTTP server is gone already (ppspec serve stopping)
             return 2
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)  # which restores SIG_DFL
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         freeze_startup_heap("engine process", args.gc_freeze)  # started, its stages warm: what lives on
         others = None
         if args.engine_listen_fd is not None:
@@ -337,7 +347,12 @@ class EngineClient:
             argv += ["--engine-listen-fd", str(listen.fileno())]
             fds.append(listen.fileno())
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "router", *argv], pass_fds=fds)
+            from ppspec.lifetime import die_with
+
+            # SIGTERM when this process dies, however it dies: an engine process still
+            # starting has no socket it reads yet, and would wait out its stages' timeout
+            self.proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "router", *argv], pass_fds=fds,
+                                         preexec_fn=die_with(os.getpid()))
         finally:
             theirs.close()
         await self.connect(mine)

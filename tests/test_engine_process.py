@@ -444,6 +444,37 @@ def test_a_stopped_engine_process_turns_health_503_and_refuses_new_requests(tmp_
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == before, after.text
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_an_engine_process_still_starting_ends_with_its_http_server(sig):
+    """The router stopped or killed while its engine process waits for a stage that never
+    serves: the engine process ends too. It used to wait out its stages' timeout (300 s)
+    holding the router's stderr, and ``ppspec serve`` with a stage that refused its
+    settings hung its caller that long."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cluster import free_port
+
+    router = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "router", "--stages", f"127.0.0.1:{free_port()}",
+                               "--port", str(free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (engine := [pid for pid, argv in children_of(router.pid) if "--engine-fd" in argv]):
+        assert router.poll() is None and time.monotonic() < deadline, "the router started no engine process"
+        time.sleep(0.2)
+    time.sleep(2.0)  # into its start: the engine has sent a stage its first health check
+    os.kill(router.pid, getattr(signal, sig))
+    # stderr reaches its end only once every process holding it (the engine process too) ended
+    _, err = router.communicate(timeout=60)
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):  # reaped by init, the pid is gone within moments
+            os.kill(engine[0], 0)
+            time.sleep(0.1)
+    assert "stopped while starting" in err, err
+
+
 def test_several_http_servers_need_the_engine_process():
     import subprocess
     import sys

@@ -3,6 +3,7 @@ prompts through the OpenAI API, print the answers and the accept length, keep se
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import httpx
 
 from ppspec.argtypes import DEMO_MODEL, port, positive_int
 from ppspec.launch.serve import wait_healthy
+from ppspec.lifetime import die_with
 
 
 def accept_stats(url: str) -> tuple[float | None, list[float]]:
@@ -47,8 +49,10 @@ def main(argv: list[str]) -> int:
     url = f"http://127.0.0.1:{a.port}"
     # SIGTERM (a supervisor, `kill`) ends the demo like Ctrl-C: the server below is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # die_with: a demo killed outright (SIGKILL, no finally below) still stops the server
     serve = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "serve", "--model", a.model, "--pp-size",
-                              str(a.pp_size), "--speculative-algorithm", a.speculative_algorithm, "--port", str(a.port)])
+                              str(a.pp_size), "--speculative-algorithm", a.speculative_algorithm, "--port", str(a.port)],
+                             preexec_fn=die_with(os.getpid()))
     try:
         if not wait_healthy(url, serve, timeout=600):
             print(f"ppspec demo: the server did not become healthy (exit code {serve.poll()})", file=sys.stderr)

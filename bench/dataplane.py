@@ -35,8 +35,9 @@ async def _serve(port: int, device: str) -> None:
     from ppspec.proto.codec import GRPC_OPTIONS, tensor_from_pb
     from ppspec.proto.stubs import pb, pb_grpc
     from ppspec.stage_server.dataplane import Receiver
+    from ppspec.stage_server.dataplane_dist import DistInbox
 
-    rx = Receiver(device)
+    rx = Receiver(device, dist_inbox=DistInbox)
 
     class Sink(pb_grpc.StageServicer):
         async def Forward(self, request, context):

@@ -335,10 +335,14 @@ class Receiver:
 
     Args:
         device: this stage's device (a ``cuda_ipc`` tensor is copied onto it).
+        dist_inbox: the class of a ``dist`` link's receiving end
+            (``dataplane_dist.DistInbox``, given by whoever hosts such links; that module
+            builds on this one); None: a ``dist`` offer is answered ``bytes``.
     """
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, dist_inbox: type | None = None):
         self.device = str(device)
+        self.dist_inbox = dist_inbox
         self.host = host_id()
         self.inboxes: dict[str, _Inbox] = {}
         self.lock = threading.Lock()
@@ -363,10 +367,10 @@ class Receiver:
         return pb.AttachReply(transport=transport, detail=detail)
 
     def _attach_dist(self, req, peer_host: str) -> "pb.AttachReply":
-        from .dataplane_dist import DistInbox  # torch.distributed only where a hop uses it
-
+        if self.dist_inbox is None:
+            return pb.AttachReply(transport="bytes", detail="the next stage hosts no dist links")
         try:
-            inbox = DistInbox(req.sender_id, req.dist_backend, self.device, peer_host)
+            inbox = self.dist_inbox(req.sender_id, req.dist_backend, self.device, peer_host)
         except Exception as e:  # noqa: BLE001 - no store, another backend: bytes, and why
             return pb.AttachReply(transport="bytes", detail=f"the next stage cannot host a dist link: {e}")
         self._keep(req.sender_id, inbox)

@@ -51,7 +51,7 @@ from ppspec.proto.stubs import STAGE_SERVICE, pb, pb_grpc
 
 from . import dataplane
 from .compute import ComputeQueue, inline_steps
-from .dataplane_dist import DistLink, backend_for, peer_host
+from .dataplane_dist import DistInbox, DistLink, backend_for, peer_host
 from .config import CheckpointError
 from .pools import PoolExhaustedError
 from .rounds import SampledRounds
@@ -139,7 +139,7 @@ class StageServicer(pb_grpc.StageServicer):
         self.dist_if_remote = data_plane == "auto"  # a slot transport's offer turns dist across hosts
         self.link = dataplane.BytesLink()
         self.transport_detail = ""
-        self.receiver = dataplane.Receiver(str(runner.device))
+        self.receiver = dataplane.Receiver(str(runner.device), dist_inbox=DistInbox)
         self.hold = None  # test aid: awaited before each step of a Steps stream (DelayInterceptor.hold)
         # the control channel (proto/local.py): this stage's step socket ("" none), its host
         self.control_socket, self.host = "", host_id()

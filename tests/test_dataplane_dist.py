@@ -26,7 +26,7 @@ def connect(rx: dp.Receiver, sender_id: str, **req) -> dd.DistLink:
 
 @pytest.fixture
 def link_and_receiver():
-    rx = dp.Receiver("cpu")
+    rx = dp.Receiver("cpu", dist_inbox=dd.DistInbox)
     link = connect(rx, "s1", transport="dist")
     yield link, rx
     link.close()
@@ -73,7 +73,7 @@ def test_a_tensor_read_twice_or_never_sent_is_refused(link_and_receiver):
 
 
 def test_a_sender_that_went_away_must_attach_again_and_a_fresh_group_works():
-    rx = dp.Receiver("cpu")
+    rx = dp.Receiver("cpu", dist_inbox=dd.DistInbox)
     link = connect(rx, "s2", transport="dist")
     ref = link.put(torch.ones(2, 64), 1, 1).ref
     old = rx.inboxes["s2"]
@@ -89,7 +89,7 @@ def test_a_sender_that_went_away_must_attach_again_and_a_fresh_group_works():
 
 
 def test_attach_offers_dist_across_hosts_only_and_says_why_not():
-    rx = dp.Receiver("cpu")
+    rx = dp.Receiver("cpu", dist_inbox=dd.DistInbox)
     # --data-plane auto from another host: the shm offer becomes dist
     link = connect(rx, "s3", transport="shm", dist_if_remote=True)
     assert rx.inboxes["s3"].transport == "dist"
@@ -102,6 +102,10 @@ def test_attach_offers_dist_across_hosts_only_and_says_why_not():
     assert (reply.transport, reply.detail) == ("bytes", "the next stage cannot host a dist link: the next stage runs "
                                                         "on cpu, which cannot take nccl")
     assert "s4" not in rx.inboxes and "s5" not in rx.inboxes
+    # a receiver built without dist links (no DistInbox given): bytes, and why
+    reply = dp.Receiver("cpu").attach(pb.AttachRequest(sender_id="s7", host_id="elsewhere/1", transport="dist",
+                                                        dist_backend="gloo"))
+    assert (reply.transport, reply.detail) == ("bytes", "the next stage hosts no dist links")
 
 
 def test_a_sender_that_cannot_reach_the_store_fails_fast(monkeypatch):

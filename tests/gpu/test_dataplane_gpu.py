@@ -220,9 +220,11 @@ def test_nccl_dist_hop_between_two_processes():
     from ppspec.proto.stubs import pb
     from ppspec.stage_server import dataplane as dp
 
+    from ppspec.stage_server import dataplane_dist as dd
+
     needs_two_gpus()
     shapes = [(16, 256), (2048, 256), (8000, 2048), (1, 256)]
-    rx = dp.Receiver("cuda:0")
+    rx = dp.Receiver("cuda:0", dist_inbox=dd.DistInbox)
     reply = rx.attach(pb.AttachRequest(sender_id="ncclchild", host_id="elsewhere/1", transport="dist",
                                        dist_backend="nccl"))
     assert (reply.transport, reply.detail) == ("dist", "")

@@ -741,8 +741,9 @@ class StageServicer(pb_grpc.StageServicer):
         return pb.ReleaseReply(commit_seconds=seconds)
 
     async def PrepareGrammar(self, request: pb.GrammarRequest, context):
-        """Compile a request's grammar on the grammar thread (``StageRunner.prepare_grammar``:
-        not the step executor, so steps run on meanwhile)."""
+        """Compile a request's grammar ahead of its steps (``StageRunner.prepare_grammar``:
+        in a compile child process, ``stage_server/grammar.py``, not on the step executor,
+        so steps run on meanwhile)."""
         await self._check_router(request.router_id, context, "prepare grammar")
         try:
             await asyncio.wrap_future(self.runner.prepare_grammar(request.grammar))
@@ -997,14 +998,17 @@ async def verify_next_stage(stub, addr: str, runner, note_every: float = 10.0,
 def build_parser() -> argparse.ArgumentParser:
     from ppspec.argtypes import DEMO_MODEL
 
-    ap = argparse.ArgumentParser(prog="ppspec stage", description="run one pipeline stage (gRPC)")
+    from ppspec.argtypes import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(prog="ppspec stage", description="run one pipeline stage (gRPC)",
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default=DEMO_MODEL, help="checkpoint folder (default: the demo model)")
     ap.add_argument("--pp-rank", type=nonneg_int, default=0, help="this stage's PP rank, 0 to pp_size - 1 (default: 0)")
     ap.add_argument("--pp-size", type=positive_int, default=1, help="pipeline stages in all (default: 1)")
     ap.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
     ap.add_argument("--port", type=port, default=50051, help="gRPC port (default: 50051)")
     ap.add_argument("--next-stage", type=address, default=None,
-                    help="host:port of stage pp_rank + 1 (every stage but the last)")
+                    help="host:port of stage pp_rank + 1 (every stage but the last; default: none, the last stage)")
     ap.add_argument("--max-rows", "--max-num-seqs", type=positive_int, default=64,
                     help="request rows (concurrent requests)")
     ap.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV cache budget in tokens")
@@ -1019,7 +1023,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     ap.add_argument("--memory-budget-gb", type=positive_finite_float, default=None,
-                    help="GiB this stage may use for weights, pools and CUDA graphs (stages sharing a GPU)")
+                    help="GiB this stage may use for weights, pools and CUDA graphs (stages sharing a GPU; "
+                         "default: no check, the pools are as --max-rows and --kv-tokens size them)")
     ap.add_argument("--commit-design", default=None, choices=["copy", "replay"],
                     help="GDN verify commit: copy (per-step state scratch) or replay (step inputs, replayed "
                          "by the next verify); default replay on CUDA, copy on CPU")

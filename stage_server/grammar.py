@@ -65,6 +65,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from .pools import device_int64, to_device
+
 log = logging.getLogger("ppspec.stage")
 
 COMPILE_CACHE_BYTES = 256 << 20
@@ -308,9 +310,10 @@ class TokenMask:
         disallowed tokens at -inf for the constrained requests: a copy (the caller's
         logits stay as they were)."""
         B, D, V = logits.shape
-        idx = torch.tensor(self.batch, dtype=torch.long, device=logits.device)
+        # without waiting for the device: the step reads it once, its sampled tokens
+        idx = device_int64(self.batch, logits.device)
         rows = logits.index_select(0, idx)  # [b, D, V], a copy
-        bits = self.bitmask.to(logits.device, non_blocking=True)
+        bits = to_device(self.bitmask, logits.device)
         _xgrammar().apply_token_bitmask_inplace(rows.view(-1, V), bits.view(-1, bits.shape[-1]), vocab_size=V,
                                                 backend="torch_native")
         # nothing allowed (the grammar's end under a min_tokens ban, or a grammar that
@@ -347,9 +350,10 @@ class DraftMask:
                 if not bool(bits[k].any()):
                     self.live[k] = False
                     bits[k].fill_(-1)
-        idx = torch.tensor(self.batch, dtype=torch.long, device=logits.device)
+        idx = device_int64(self.batch, logits.device)
         rows = logits.index_select(0, idx)
-        _xgrammar().apply_token_bitmask_inplace(rows, bits.to(logits.device, non_blocking=True),
+        # on CUDA from a pinned copy of the mask (the next step refills this one)
+        _xgrammar().apply_token_bitmask_inplace(rows, to_device(bits, logits.device),
                                                 vocab_size=logits.shape[-1], backend="torch_native")
         return logits.index_copy(0, idx, rows)
 

@@ -25,7 +25,14 @@ def device_int64(values: list[int], device) -> torch.Tensor:
     it (a snapshot after a step waited for the step). On CUDA the values go through a
     pinned buffer with an asynchronous copy, ordered on the stream like any kernel; on a
     CPU it is the host tensor itself."""
-    host = host_int64(values)
+    return to_device(host_int64(values), device)
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """The host tensor ``host`` on ``device`` without waiting for the device
+    (:func:`device_int64`'s copy, for any dtype): through pinned memory on CUDA, ``host``
+    itself elsewhere. ``.to(cuda, non_blocking=True)`` from pageable memory still
+    synchronises the stream before it copies."""
     if torch.device(device).type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

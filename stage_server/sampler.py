@@ -33,7 +33,7 @@ import torch
 from ppspec.proto.messages import SamplingSpec
 
 from .grammar import TokenMask
-from .pools import device_int64
+from .pools import device_int64, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -91,8 +91,7 @@ def _noise(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
 def _device_float32(values: list[float], device) -> torch.Tensor:
     """``values`` as fp32 on ``device`` without a blocking copy (``pools.device_int64``'s way:
     a copy from pageable memory would synchronise the stream)."""
-    host = torch.tensor(values, dtype=torch.float32)
-    return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+    return to_device(torch.tensor(values, dtype=torch.float32), device)
 
 
 def filter_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:

@@ -65,7 +65,9 @@ def _plan_from_lens(lens: list[int], device) -> tuple[torch.Tensor, torch.Tensor
     for c in counts:
         offsets.append(offsets[-1] + c)
     host = torch.tensor([x for pair in ci for x in pair] + offsets, dtype=torch.long)
-    dev = host.to(device, non_blocking=True)
+    # from pinned memory: a copy from pageable memory synchronises the stream first, and the
+    # host would wait for the layers queued before this one
+    dev = host.pin_memory().to(device, non_blocking=True)
     return dev[: 2 * len(ci)].view(-1, 2), dev[2 * len(ci):]
 
 

@@ -47,9 +47,12 @@ from .types import (
 log = logging.getLogger("ppspec.router")
 
 
-# what the router scheduled by at start: a stage that comes back must still say the same
+# what the router scheduled by at start: a stage that comes back must still say the same.
+# snapshot_slots: the prefix cache hands out slots below the fewest any stage had, and the
+# recovery drops every slot of every stage; a stage back with fewer (no --prefix-cache-gb)
+# refuses that release, and the router stayed down naming the failure from before
 _STAGE_SHAPE = ("pp_rank", "pp_size", "layer_start", "layer_end", "num_layers", "num_speculative_steps", "has_mtp",
-                "vocab_size", "max_rows", "max_context", "kv_tokens", "eos_token_ids")
+                "vocab_size", "max_rows", "max_context", "kv_tokens", "eos_token_ids", "snapshot_slots")
 
 
 def compute_units(infos: list[StageInfo]) -> int:

@@ -307,6 +307,46 @@ def test_recovery_refuses_a_stage_back_with_other_settings(reference):
     assert out == reference[0]
 
 
+@pytest.mark.parametrize("slots", [0, 5])
+def test_recovery_refuses_a_stage_back_with_fewer_prefix_cache_slots(reference, slots):
+    """A stage restarted without ``--prefix-cache-gb`` (a hand-started stage has no prefix
+    cache without it) or with less of it: the recovery went on to release every slot of
+    the others on it, which such a stage refuses (INVALID_ARGUMENT, "snapshot slots on a
+    stage without a prefix cache" / "outside [0, n)"), so the router stayed down for good
+    with /health naming the failure from before the restart ("the stage closed the step
+    socket"), not the setting. It is a setting the router schedules by (the cache's slots):
+    /health names it, and the stage back with it the pipeline serves again."""
+    torch.set_num_threads(1)
+    pipe = _pp2_mtp(prefix_cache_gb=0.05)
+    info = pipe.info
+
+    async def run():
+        engine = await _mtp_engine(pipe)
+        before = (await info())[1]["snapshot_slots"]
+        engine._fail("stage 1 died (test)")
+
+        async def fewer_slots():
+            infos = await info()
+            infos[1] = dict(infos[1], snapshot_slots=slots)
+            return infos
+
+        pipe.info = fewer_slots
+        await engine._recover()
+        refused = engine.health()
+        pipe.info = info  # the stage is restarted as it was
+        await engine._recover()
+        ok = engine.health()
+        out = await _collect(engine, "after", PROMPTS[0])
+        _stop_tasks(engine)
+        return before, refused, ok, out
+
+    before, refused, ok, out = asyncio.run(run())
+    assert before > slots
+    assert not refused[0] and f"stage 1 snapshot_slots is {slots}, was {before}" in refused[1], refused
+    assert ok[0], ok
+    assert out == reference[0]
+
+
 def test_a_kv_pool_smaller_than_the_context_limits_requests_instead_of_refusing_them(make_ckpt):
     """Stages whose KV pool holds less than their context (``--kv-tokens`` at or below
     ``--max-context``): the router's context limit becomes what the pool holds, so a

@@ -389,8 +389,10 @@ class Scheduler:
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_context)
         # a request a free row will take at the next admission is not queued behind the
-        # running ones: a burst into an idle server fills its rows before the bound counts
-        if self.num_waiting >= self.max_waiting + len(self.free_rows):
+        # running ones: a burst into an idle server fills its rows before the bound counts.
+        # A row being released counts as free: it is back a stage round trip after its
+        # request's answer went out, and a client's next request may arrive before that
+        if self.num_waiting >= self.max_waiting + len(self.free_rows) + len(self._releasing):
             raise QueueFullError(f"the queue is full ({self.max_waiting} requests waiting for a row)")
         need = len(prompt_ids) + params.max_tokens + self.D + self.num_steps
         need = -(-need // self.page_size) * self.page_size

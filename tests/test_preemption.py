@@ -303,3 +303,22 @@ def test_the_queue_bound_counts_the_requests_no_free_row_will_take():
     assert s.abort("r4") == []
     s.add("r5", [1], SamplingParams(max_tokens=4))
     assert [r.request_id for r in s.waiting] == ["r2", "r3", "r5"]
+
+
+def test_the_queue_bound_counts_a_row_being_released_as_free():
+    """A row whose request ended is back once every stage acknowledged its release, a
+    round trip after the client had its answer: a client that sends its next request at
+    once (--max-rows 1 --max-waiting 0) must not get 429 from a server it keeps busy alone
+    (it got one about a third of the time)."""
+    from ppspec.router.types import QueueFullError
+
+    s = _sched(max_rows=1, kv_tokens=64, max_waiting=0)
+    s.add("first", [1], SamplingParams(max_tokens=1))
+    b = s.schedule(0)
+    up = s.process(b, [[7]])
+    assert up.release_rows and not s.free_rows and "first" not in s.requests  # ended, row releasing
+    s.add("next", [1], SamplingParams(max_tokens=1))  # the releasing row takes it next
+    with pytest.raises(QueueFullError):
+        s.add("more", [1], SamplingParams(max_tokens=1))
+    s.free(up.release_rows)
+    assert [r.request_id for r in s.schedule(0).first] == ["next"]

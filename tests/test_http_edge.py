@@ -190,6 +190,36 @@ def test_a_prompt_too_long_in_characters_takes_no_tokenizer_worker(edge):
     assert short.status_code == 200 and max(encoded) < 100, encoded
 
 
+def test_a_chat_of_many_short_messages_renders_off_the_loop_and_is_refused_unencoded(edge):
+    """400 empty messages: their texts are nothing, their rendering (~9200 characters) is
+    more than a 384-token context can hold whatever its tokens: refused (400,
+    context_length_exceeded) from the rendered length, rendered on a tokenizer worker, never
+    encoded (a 6 MB body of 200k such messages held the event loop ~20 s on 2 cores: a
+    render and an encode of 1M tokens); ``/tokenize``, which has no context bound, still
+    counts it."""
+    pool = edge.app.state.server.tokens
+    where, encoded = [], []
+    orig_render, orig_encode = pool._render_chat, pool.pieces.encode
+
+    def render(*args):
+        where.append(threading.current_thread().name)
+        return orig_render(*args)
+
+    pool._render_chat = render
+    pool.pieces.encode = lambda tok, text: encoded.append(len(text)) or orig_encode(tok, text)
+    messages = [{"role": "user", "content": ""}] * 400
+    try:
+        r = httpx.post(edge.url + "/v1/chat/completions", json=dict(model=MODEL, max_tokens=5, messages=messages),
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert encoded == [] and where and where[0].startswith("ppspec-tokenize"), (encoded, where)
+        t = httpx.post(edge.url + "/tokenize", json=dict(model=MODEL, messages=messages), timeout=60)
+        assert t.status_code == 200 and t.json()["count"] > 384, t.text
+    finally:
+        pool._render_chat, pool.pieces.encode = orig_render, orig_encode
+    completion_ok(edge.url)
+
+
 def test_the_character_bound_never_refuses_a_prompt_that_fits(tokenizer):
     """``max_token_chars`` bounds every token of the vocabulary (and added tokens), so a
     text that fits is never refused by its length: the densest texts, runs of the longest
@@ -264,9 +294,9 @@ def test_short_texts_encode_on_the_event_loop_long_ones_on_workers(tokenizer):
         seen.append((sum(map(len, texts)), threading.current_thread().name))
         return orig_encode(texts, add)
 
-    def render(messages, tools, kwargs):
+    def render(messages, tools, kwargs, *rest):
         seen.append((sum(len(m["content"]) for m in messages), threading.current_thread().name))
-        return orig_render(messages, tools, kwargs)
+        return orig_render(messages, tools, kwargs, *rest)
 
     pool._encode, pool._render_chat = encode, render
     short, long_text = "hello world " * 10, "hello world " * (INLINE_CHARS // 6)

@@ -52,6 +52,13 @@ requests would queue for the workers. Longer texts leave the loop free to stream
 Measured in docs/PERFORMANCE.md, "A request's own cost at the HTTP edge"."""
 
 
+MESSAGE_CHARS = 32
+"""Characters a chat template writes around each message (ChatML: ``<|im_start|>``, the
+role, ``<|im_end|>``, newlines), for choosing where a chat renders: a chat of many short
+messages renders long (200k empty messages: 5.6M characters, 1M tokens) though its texts
+are not."""
+
+
 class PromptTooLong(ValueError):
     """A text whose character count alone proves it cannot fit the context (no tokenizer work done)."""
 
@@ -132,12 +139,15 @@ class TokenizerPool:
         """Token ids of ``messages`` rendered by the chat template. ``template_kwargs``: more
         arguments of ``apply_chat_template`` (``add_generation_prompt``, default True;
         ``continue_final_message``; template variables such as ``enable_thinking``). Message
-        texts that cannot fit ``max_tokens`` raise :class:`PromptTooLong` before rendering."""
+        texts that cannot fit ``max_tokens`` raise :class:`PromptTooLong` before rendering, and
+        a rendered chat that cannot (many short messages) before encoding."""
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         self.check_fits(chars, max_tokens)
-        # what the template renders besides the texts: tool calls' arguments, the tools' schemas
-        chars += sum(len(str(m["tool_calls"])) for m in messages if m.get("tool_calls")) + len(str(tools or ""))
-        return await self._run(self._render_chat, messages, tools, template_kwargs or {}, chars=chars)
+        # what the template renders besides the texts: tool calls' arguments, the tools'
+        # schemas, each message's markup
+        chars += (sum(len(str(m["tool_calls"])) for m in messages if m.get("tool_calls")) + len(str(tools or ""))
+                  + MESSAGE_CHARS * len(messages))
+        return await self._run(self._render_chat, messages, tools, template_kwargs or {}, max_tokens, chars=chars)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self._run(self._decode, ids, skip_special_tokens, chars=len(ids))
@@ -148,7 +158,8 @@ class TokenizerPool:
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._encoder.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def _render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any]) -> list[int]:
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any],
+                     max_tokens: int | None = None) -> list[int]:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, **template_kwargs}
         if tools:
             kwargs["tools"] = tools
@@ -157,6 +168,9 @@ class TokenizerPool:
         if self.pieces.enabled and not (self._sanitize_kw and self.pieces.contains_added(
                 [messages, tools, template_kwargs])):
             text = self._encoder.apply_chat_template(messages, tokenize=False, **kwargs)
+            # the rendered length alone may prove it too long: no encode of a text that
+            # cannot be served (seconds of CPU for a chat of 200k empty messages)
+            self.check_fits(len(text), max_tokens)
             return self.pieces.encode(self._encoder, text)
         kwargs.update(tokenize=True, return_dict=False)
         if self._sanitize_kw:

@@ -122,6 +122,42 @@ def test_router_on_a_busy_port_says_so_before_anything_else():
     assert f"127.0.0.1:{port} is already in use" in p.stderr
 
 
+def test_demo_on_a_busy_port_says_so_and_sends_nothing_there():
+    """``make run`` with another server on its port: the demo exits 2 naming the port, and
+    sends none of its prompts there (it took the other server's /health for its own, sent
+    it its prompts, printed the answers and "serving on ..." and only then exited 2)."""
+    import http.server
+    import threading
+
+    seen: list[str] = []
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            seen.append(f"{self.command} {self.path}")
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        p = subprocess.run([sys.executable, "-m", "ppspec.cli", "demo", "--port", str(other.server_address[1]),
+                            "--no-keep-serving"], capture_output=True, text=True, timeout=300)
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+    assert f"127.0.0.1:{other.server_address[1]} is already in use" in p.stderr, p.stderr
+    assert seen == [] and "serving on" not in p.stdout, (seen, p.stdout)
+
+
 def test_stage_devices():
     from ppspec.argtypes import stage_devices
 

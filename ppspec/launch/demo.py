@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from ppspec.argtypes import DEMO_MODEL, port, positive_int
+from ppspec.argtypes import DEMO_MODEL, listen_error, port, positive_int
 from ppspec.launch.serve import wait_healthy
 from ppspec.lifetime import die_with
 
@@ -47,6 +47,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-keep-serving", action="store_true", help="exit after the demo prompts")
     a = ap.parse_args(argv)
     url = f"http://127.0.0.1:{a.port}"
+    # serve refuses a busy port too, but another server there answers /health before serve
+    # has exited: the demo would take it for its own and send it the prompts
+    err = listen_error("127.0.0.1", a.port)
+    if err:
+        print(f"ppspec demo: {err}", file=sys.stderr)
+        return 2
     # SIGTERM (a supervisor, `kill`) ends the demo like Ctrl-C: the server below is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # die_with: a demo killed outright (SIGKILL, no finally below) still stops the server

@@ -273,24 +273,23 @@ def test_llm_refuses_bad_settings_at_construction(kw, err):
         LLM(DEMO_MODEL, **kw)
 
 
-def test_recovery_refuses_a_stage_back_with_other_settings(reference):
-    """After a failure the engine resumes only when every stage reports the settings it
-    started with: a stage restarted without MTP would otherwise turn speculation off
-    unnoticed (the router schedules drafts it no longer verifies)."""
-    torch.set_num_threads(1)
-    pipe = _pp2_mtp()
+def _recover_with_stage_1_changed(pipe, changed: dict):
+    """Fail the engine over ``pipe``, recover while stage 1's Info reports ``changed`` (a
+    stage restarted with other settings), then recover with it as it was. Returns stage 1's
+    Info before, /health after each recovery, and PROMPTS[0]'s greedy tokens at the end."""
     info = pipe.info
 
     async def run():
         engine = await _mtp_engine(pipe)
+        before = (await info())[1]
         engine._fail("stage 1 died (test)")
 
-        async def without_mtp():
+        async def restarted_otherwise():
             infos = await info()
-            infos[1] = dict(infos[1], has_mtp=False, num_speculative_steps=0)
+            infos[1] = dict(infos[1], **changed)
             return infos
 
-        pipe.info = without_mtp
+        pipe.info = restarted_otherwise
         await engine._recover()
         refused = engine.health()
         pipe.info = info  # the stage is restarted as it was
@@ -298,9 +297,17 @@ def test_recovery_refuses_a_stage_back_with_other_settings(reference):
         ok = engine.health()
         out = await _collect(engine, "after", PROMPTS[0])
         _stop_tasks(engine)
-        return refused, ok, out
+        return before, refused, ok, out
 
-    refused, ok, out = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_recovery_refuses_a_stage_back_with_other_settings(reference):
+    """After a failure the engine resumes only when every stage reports the settings it
+    started with: a stage restarted without MTP would otherwise turn speculation off
+    unnoticed (the router schedules drafts it no longer verifies)."""
+    torch.set_num_threads(1)
+    _, refused, ok, out = _recover_with_stage_1_changed(_pp2_mtp(), dict(has_mtp=False, num_speculative_steps=0))
     assert not refused[0] and "stage 1 has_mtp is False, was True" in refused[1], refused
     assert "num_speculative_steps is 0, was 3" in refused[1]
     assert ok[0], ok
@@ -317,30 +324,8 @@ def test_recovery_refuses_a_stage_back_with_fewer_prefix_cache_slots(reference, 
     socket"), not the setting. It is a setting the router schedules by (the cache's slots):
     /health names it, and the stage back with it the pipeline serves again."""
     torch.set_num_threads(1)
-    pipe = _pp2_mtp(prefix_cache_gb=0.05)
-    info = pipe.info
-
-    async def run():
-        engine = await _mtp_engine(pipe)
-        before = (await info())[1]["snapshot_slots"]
-        engine._fail("stage 1 died (test)")
-
-        async def fewer_slots():
-            infos = await info()
-            infos[1] = dict(infos[1], snapshot_slots=slots)
-            return infos
-
-        pipe.info = fewer_slots
-        await engine._recover()
-        refused = engine.health()
-        pipe.info = info  # the stage is restarted as it was
-        await engine._recover()
-        ok = engine.health()
-        out = await _collect(engine, "after", PROMPTS[0])
-        _stop_tasks(engine)
-        return before, refused, ok, out
-
-    before, refused, ok, out = asyncio.run(run())
+    info, refused, ok, out = _recover_with_stage_1_changed(_pp2_mtp(prefix_cache_gb=0.05), dict(snapshot_slots=slots))
+    before = info["snapshot_slots"]
     assert before > slots
     assert not refused[0] and f"stage 1 snapshot_slots is {slots}, was {before}" in refused[1], refused
     assert ok[0], ok

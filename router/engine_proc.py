@@ -53,6 +53,7 @@ from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Callable
 
 from ppspec.heap import freeze_startup_heap
+from ppspec.lifetime import die_with
 from ppspec.sockets import unread_bytes
 
 from . import types as _types
@@ -347,8 +348,6 @@ class EngineClient:
             argv += ["--engine-listen-fd", str(listen.fileno())]
             fds.append(listen.fileno())
         try:
-            from ppspec.lifetime import die_with
-
             # SIGTERM when this process dies, however it dies: an engine process still
             # starting has no socket it reads yet, and would wait out its stages' timeout
             self.proc = subprocess.Popen([sys.executable, "-m", "ppspec.cli", "router", *argv], pass_fds=fds,
@@ -591,7 +590,6 @@ class HttpServers:
         its app built and its engine reached (a byte on the pipe ``--ready-fd``), so that
         ``/health`` turns 200 with every server ready. Raises ``EngineStartError`` when one
         ends first or is not ready in ``timeout`` seconds."""
-        from ppspec.lifetime import die_with
 
         from .start import EngineStartError
 
